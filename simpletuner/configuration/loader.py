@@ -1,0 +1,145 @@
+"""Read a JSON config (orjson), apply ``--set`` overrides, validate, check paths.
+
+Everything is checked before any model is loaded, and every problem is reported at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import orjson
+from pydantic import ValidationError
+
+from simpletuner.configuration.errors import ConfigError, format_validation_error
+from simpletuner.configuration.schema import TrainingConfig
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A validated config plus the raw JSON it came from (kept for later inspection)."""
+
+    config: TrainingConfig
+    raw: dict[str, Any]
+    path: Path | None
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError([f"{what} {path} does not exist"]) from None
+    except (IsADirectoryError, PermissionError) as exc:
+        raise ConfigError([f"{what} {path} cannot be read: {exc.strerror}"]) from None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError([f"{what} {path} is not valid JSON: {exc}"]) from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=3`` -> (['a', 'b'], 3). Values are JSON when they parse as JSON, else strings."""
+    if "=" not in item:
+        raise ConfigError([f"override {item!r} must look like key=value (e.g. --set train_batch_size=4)"])
+    key, value = item.split("=", 1)
+    try:
+        parsed = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with each ``key.path=value`` applied."""
+    out = orjson.loads(orjson.dumps(raw))
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"override {item!r}: {k} is not an object"])
+        node[keys[-1]] = value
+    return out
+
+
+def looks_local(name: str) -> bool:
+    """A hub id is ``org/name``; anything else (absolute, ./, ~, several slashes, existing) is a path."""
+    if os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name:
+        return True
+    return name.count("/") != 1
+
+
+def check_paths(config: TrainingConfig) -> list[str]:
+    """Problems with paths the run needs; empty when all is well."""
+    problems = []
+    model = config.pretrained_model_name_or_path
+    if looks_local(model):
+        p = Path(model).expanduser()
+        if not p.exists():
+            problems.append(f"pretrained_model_name_or_path: {p} does not exist (give a local diffusers-format folder, or create a tiny one with `simpletuner zoo --family sd --out DIR`)")
+        elif not p.is_dir():
+            problems.append(f"pretrained_model_name_or_path: {p} is a file; it must be a diffusers-format folder")
+        elif not (p / "model_index.json").exists():
+            problems.append(f"pretrained_model_name_or_path: {p} has no model_index.json; is it a diffusers-format pipeline folder?")
+        elif not os.access(p, os.R_OK | os.X_OK):
+            problems.append(f"pretrained_model_name_or_path: {p} is not readable")
+    out = Path(config.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        problems.append(f"output_dir: {out} is a file; choose a folder")
+    cache = Path(config.cache_config.cache_dir).expanduser()
+    if cache.exists() and not cache.is_dir():
+        problems.append(f"cache_config.cache_dir: {cache} is a file; choose a folder")
+    for i, ds in enumerate(config.datasets or []):
+        d = Path(ds.instance_data_dir).expanduser()
+        if not d.is_dir():
+            problems.append(f"datasets[{i}].instance_data_dir: {d} is not a folder")
+    if config.resume_from_checkpoint not in (None, "latest"):
+        ck = Path(config.resume_from_checkpoint).expanduser()
+        if not ck.is_dir():
+            problems.append(f"resume_from_checkpoint: {ck} is not a folder (use 'latest' or a checkpoint-N folder)")
+    return problems
+
+
+def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None, check_files: bool = True) -> TrainingConfig:
+    """Validate a raw dict into a TrainingConfig or raise ConfigError listing every problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a JSON object ({...})"], source)
+    resolved = dict(raw)
+    problems: list[str] = []
+    if isinstance(resolved.get("data_backend_config"), str) and "datasets" not in resolved:
+        dpath = Path(resolved["data_backend_config"]).expanduser()
+        if not dpath.is_absolute() and base_dir is not None:
+            dpath = base_dir / dpath
+        try:
+            datasets = _read_json(dpath, "data_backend_config")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        else:
+            if not isinstance(datasets, list):
+                problems.append(f"data_backend_config: {dpath} must hold a JSON list of dataset entries")
+            else:
+                resolved.pop("data_backend_config")
+                resolved["datasets"] = datasets
+    try:
+        config = TrainingConfig.model_validate(resolved)
+    except ValidationError as exc:
+        raise ConfigError(problems + format_validation_error(exc, TrainingConfig), source) from None
+    if check_files:
+        problems.extend(check_paths(config))
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), check_files: bool = True) -> LoadedConfig:
+    """Load and validate ``path``; raises ConfigError with every problem found."""
+    p = Path(path)
+    raw = _read_json(p, "config file")
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a JSON object ({...})"], str(p))
+    raw = apply_overrides(raw, overrides)
+    config = validate_config(raw, base_dir=p.parent, source=str(p), check_files=check_files)
+    return LoadedConfig(config=config, raw=raw, path=p)

@@ -1,0 +1,159 @@
+"""The training configuration: pydantic models, frozen, unknown keys rejected.
+
+Every field carries a description; ``documentation/CONFIG.md`` is generated from these
+models (``python -m simpletuner.configuration.docs``) and a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+CaptionStrategy = Literal["textfile", "filename", "instance_prompt"]
+
+
+class LocalDatasetConfig(_Strict):
+    """A folder of images on local disk (searched recursively)."""
+
+    type: Literal["local"] = Field(..., description="Storage backend: `local` reads files from disk. Required.")
+    id: str = Field(..., min_length=1, description="Unique name of this dataset; used in cache paths and logs.")
+    instance_data_dir: str = Field(..., description="Folder searched recursively for .jpg/.jpeg/.png/.webp images.")
+    dataset_type: Literal["image"] = Field("image", description="Kind of samples in the folder.")
+    caption_strategy: CaptionStrategy = Field(
+        "textfile",
+        description=(
+            "`textfile`: caption from a same-named .txt file next to the image (falls back to "
+            "`instance_prompt`, then to the file name, and reports how many fell back); "
+            "`filename`: caption from the file name (underscores and dashes become spaces); "
+            "`instance_prompt`: every image gets `instance_prompt`."
+        ),
+    )
+    instance_prompt: Optional[str] = Field(None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback.")
+    resolution: Optional[int] = Field(None, gt=0, description="Overrides the top-level `resolution` for this dataset.")
+    crop_style: Literal["center", "random"] = Field(
+        "center",
+        description="Where to crop when the resized image overshoots its bucket. `random` picks a fixed offset per image from the seed, so caches stay valid.",
+    )
+    repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
+
+    @model_validator(mode="after")
+    def _prompt_needed(self) -> "LocalDatasetConfig":
+        if self.caption_strategy == "instance_prompt" and not self.instance_prompt:
+            raise ValueError("caption_strategy 'instance_prompt' needs `instance_prompt`: add the caption every image should get")
+        return self
+
+
+# Discriminated on ``type``. A new storage backend adds its config class here and one line to
+# ``simpletuner.data_backend.builders.BUILDERS``.
+DatasetConfig = Annotated[Union[LocalDatasetConfig], Field(discriminator="type")]
+
+
+class CacheConfig(_Strict):
+    """Where VAE latents and text embeddings are cached."""
+
+    cache_dir: str = Field("cache", description="Root folder of the latent and text-embedding caches (relative paths are taken from the working directory).")
+    vae_cache_type: Literal["disk"] = Field("disk", description="Storage of the VAE-latent cache.")
+    text_cache_type: Literal["disk"] = Field("disk", description="Storage of the text-embedding cache.")
+
+
+class TrainingConfig(_Strict):
+    """One training run. Load it with ``simpletuner.configuration.load_config``."""
+
+    # --- model ---
+    pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
+    model_family: Literal["sd"] = Field("sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet).")
+    prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
+        None, description="Training target; default: the `prediction_type` of the model's scheduler config."
+    )
+    revision: Optional[str] = Field(None, description="Hub revision, when loading from the hub.")
+
+    # --- output ---
+    output_dir: str = Field("output", description="Folder for checkpoints, logs, validation images and the final weights.")
+
+    # --- data ---
+    datasets: Optional[list[DatasetConfig]] = Field(None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`.")
+    data_backend_config: Optional[str] = Field(None, description="Path to a JSON file holding the list of dataset entries (relative to the config file).")
+    resolution: int = Field(512, gt=0, description="Training resolution: images are resized so their area is about resolution², then bucketed by aspect.")
+    aspect_bucket_alignment: int = Field(64, gt=0, description="Bucket sides are multiples of this (64 for SD; must be a multiple of the VAE factor times the UNet's down factor).")
+    max_bad_image_fraction: float = Field(0.05, ge=0, le=1, description="Abort when more than this fraction of a dataset's images cannot be read.")
+    cache_config: CacheConfig = Field(default_factory=CacheConfig, description="Cache placement; see the cache table below.")
+
+    # --- schedule ---
+    train_batch_size: int = Field(1, ge=1, description="Micro-batch size per process.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    max_train_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`.")
+    num_train_epochs: Optional[int] = Field(None, ge=1, description="Epochs to train when `max_train_steps` is not set.")
+    seed: int = Field(42, description="Seed for initialisation, data order, noise and timesteps.")
+
+    # --- optimisation ---
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
+        "constant", description="Learning-rate schedule (diffusers' `get_scheduler`)."
+    )
+    lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+    optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer (torch).")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm to this; null disables clipping.")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Autocast precision for the forward pass.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
+
+    # --- adapter ---
+    training_type: Literal["lora", "full"] = Field("lora", description="`lora`: train a LoRA adapter on the denoiser; `full`: train every denoiser weight.")
+    lora_rank: int = Field(16, ge=1, description="LoRA rank.")
+    lora_alpha: Optional[float] = Field(None, gt=0, description="LoRA alpha; default: equal to `lora_rank` (scale 1).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    lora_target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; default: the family's attention projections.")
+
+    # --- checkpoints ---
+    checkpointing_steps: Optional[int] = Field(None, ge=1, description="Save a resumable checkpoint every N optimizer steps.")
+    checkpoints_total_limit: Optional[int] = Field(None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete).")
+    resume_from_checkpoint: Optional[str] = Field(None, description="`latest`, or a checkpoint folder to resume from.")
+
+    # --- validation ---
+    validation_prompt: Optional[str] = Field(None, description="Prompt for validation images; none disables validation.")
+    validation_steps: Optional[int] = Field(None, ge=1, description="Generate validation images every N optimizer steps (and at the start and end).")
+    num_validation_images: int = Field(1, ge=1, description="Images per validation.")
+    validation_num_inference_steps: int = Field(20, ge=1, description="Sampler steps for validation images.")
+    validation_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance scale for validation images.")
+
+    # --- logging ---
+    logging_steps: int = Field(10, ge=1, description="Log loss, lr and throughput every N optimizer steps (one host sync per log).")
+    report_to: Literal["none", "tensorboard", "wandb"] = Field("none", description="Experiment tracker (through Accelerate).")
+    tracker_project_name: str = Field("simpletuner", description="Project name for the tracker.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> "TrainingConfig":
+        problems = []
+        if self.max_train_steps is None and self.num_train_epochs is None:
+            problems.append("set `max_train_steps` or `num_train_epochs` so the run knows when to stop")
+        if (self.datasets is None) == (self.data_backend_config is None):
+            problems.append("give exactly one of `datasets` (a list) or `data_backend_config` (a JSON file of them)")
+        if self.datasets is not None:
+            if not self.datasets:
+                problems.append("`datasets` is empty: add at least one dataset entry")
+            ids = [d.id for d in self.datasets]
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            if dupes:
+                problems.append(f"dataset ids must be unique; repeated: {', '.join(dupes)}")
+        if self.resolution % self.aspect_bucket_alignment:
+            problems.append(
+                f"`resolution` {self.resolution} is not a multiple of `aspect_bucket_alignment` {self.aspect_bucket_alignment}"
+            )
+        if self.validation_steps is not None and not self.validation_prompt:
+            problems.append("`validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def effective_lora_alpha(self) -> float:
+        return float(self.lora_alpha if self.lora_alpha is not None else self.lora_rank)

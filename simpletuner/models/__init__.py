@@ -1,0 +1,26 @@
+"""Model families behind the ModelSpec contract, and the tiny model zoo."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+#: Family name (the config's ``model_family``) -> its ModelSpec class.
+MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec}
+
+
+def get_model_spec(config: "TrainingConfig") -> ModelSpec:
+    """The ModelSpec for ``config.model_family``."""
+    try:
+        cls = MODEL_FAMILIES[config.model_family]
+    except KeyError:
+        raise ValueError(f"model_family {config.model_family!r} is not one of {', '.join(sorted(MODEL_FAMILIES))}") from None
+    return cls(config)
+
+
+__all__ = ["MODEL_FAMILIES", "ModelSpec", "StableDiffusionSpec", "get_model_spec"]

@@ -1,0 +1,146 @@
+"""Stable Diffusion 1.x / 2.x: UNet2DConditionModel + AutoencoderKL + one CLIP text encoder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from simpletuner.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+class StableDiffusionSpec(ModelSpec):
+    """SD 1.x/2.x with epsilon or v-prediction targets (DDPM noise schedule)."""
+
+    family = "sd"
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    denoiser_name = "unet"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._scheduler = None
+
+    # --- loading -------------------------------------------------------------------------
+    def _kwargs(self) -> dict[str, Any]:
+        return {"revision": self.config.revision} if self.config.revision else {}
+
+    def load_noise_scheduler(self):
+        from diffusers import DDPMScheduler
+
+        if self._scheduler is None:
+            self._scheduler = DDPMScheduler.from_pretrained(self.model_path, subfolder="scheduler", **self._kwargs())
+        return self._scheduler
+
+    @property
+    def prediction_type(self) -> str:
+        return self.config.prediction_type or self.load_noise_scheduler().config.prediction_type
+
+    def load_vae(self, device, dtype):
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", **self._kwargs())
+        return vae.to(device=device, dtype=dtype).requires_grad_(False).eval()
+
+    def load_text_encoders(self, device, dtype):
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        tokenizer = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer", **self._kwargs())
+        encoder = CLIPTextModel.from_pretrained(self.model_path, subfolder="text_encoder", **self._kwargs())
+        encoder = encoder.to(device=device, dtype=dtype).requires_grad_(False).eval()
+        return {"tokenizer": tokenizer, "text_encoder": encoder}
+
+    def load_denoiser(self, dtype=torch.float32):
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel.from_pretrained(self.model_path, subfolder="unet", **self._kwargs()).to(dtype=dtype)
+
+    # --- identities ----------------------------------------------------------------------
+    def _identity(self, *subfolders: str) -> str:
+        from simpletuner.caching.fingerprint import fingerprint, folder_identity
+
+        root = Path(self.model_path).expanduser()
+        if root.is_dir():
+            return fingerprint(parts={s: folder_identity(root / s) for s in subfolders})
+        return fingerprint(hub_id=self.model_path, revision=self.config.revision or "main", parts=list(subfolders))
+
+    def image_encoder_identity(self) -> str:
+        return self._identity("vae")
+
+    def text_encoder_identity(self) -> str:
+        return self._identity("tokenizer", "text_encoder")
+
+    # --- encoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_images(self, vae, pixels):
+        pixels = pixels.to(device=vae.device, dtype=vae.dtype)
+        # The distribution mean, not a sample: a cached latent must not freeze one noise draw.
+        latents = vae.encode(pixels).latent_dist.mode()
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return (latents - shift) * vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode_prompts(self, text_encoders, captions):
+        tokenizer, encoder = text_encoders["tokenizer"], text_encoders["text_encoder"]
+        ids = tokenizer(
+            captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids.to(encoder.device)
+        embeds = encoder(ids)[0]
+        return [{"prompt_embeds": e} for e in embeds]
+
+    # --- training ------------------------------------------------------------------------
+    def training_loss(self, denoiser, latents, conditioning, generator):
+        scheduler = self.load_noise_scheduler()
+        bsz = latents.shape[0]
+        # Noise and timesteps come from our own CPU generator so a resumed run draws the same ones.
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device, latents.dtype)
+        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (bsz,), generator=generator).to(latents.device)
+        noisy = scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            target = noise
+        elif self.prediction_type == "v_prediction":
+            target = scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            raise ValueError(f"prediction_type {self.prediction_type!r} is not supported by family 'sd' (epsilon, v_prediction)")
+        pred = denoiser(noisy, timesteps, conditioning["prompt_embeds"], return_dict=False)[0]
+        return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+
+    # --- output --------------------------------------------------------------------------
+    def save_lora(self, output_dir, denoiser):
+        from diffusers import StableDiffusionPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
+        StableDiffusionPipeline.save_lora_weights(
+            save_directory=str(output_dir),
+            unet_lora_layers=layers,
+            unet_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
+            safe_serialization=True,
+        )
+        return Path(output_dir) / "pytorch_lora_weights.safetensors"
+
+    def save_full(self, output_dir, denoiser):
+        target = Path(output_dir) / self.denoiser_name
+        denoiser.save_pretrained(target, safe_serialization=True)
+        return target
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+        scheduler = DDIMScheduler.from_config(self.load_noise_scheduler().config, prediction_type=self.prediction_type)
+        return StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoders["text_encoder"],
+            tokenizer=text_encoders["tokenizer"],
+            unet=denoiser,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+

@@ -1,0 +1,139 @@
+"""Fill the latent and text-embedding caches, then serve training batches from them."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from simpletuner.caching import TensorCache, latent_cache_key, open_caches, text_cache_key
+from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
+from simpletuner.models import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+#: Images encoded per VAE call while filling the cache.
+VAE_ENCODE_BATCH = 8
+TEXT_ENCODE_BATCH = 32
+
+
+@dataclass
+class Batch:
+    """One micro-batch: latents, conditioning tensors, and the samples they came from."""
+
+    latents: torch.Tensor
+    conditioning: dict[str, torch.Tensor]
+    samples: list[Sample]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+
+class CachedData:
+    """Maps samples to cache keys and reads batches from the caches."""
+
+    def __init__(self, vae_cache: TensorCache, text_cache: TensorCache, latent_keys: dict[str, str], text_keys: dict[str, str]):
+        self.vae_cache = vae_cache
+        self.text_cache = text_cache
+        self.latent_keys = latent_keys
+        self.text_keys = text_keys
+
+    def batch(self, samples: list[Sample], device: torch.device) -> Batch:
+        latents = self.vae_cache.get_batch([self.latent_keys[s.key] for s in samples])["latents"]
+        cond = self.text_cache.get_batch([self.text_keys[s.caption] for s in samples])
+        return Batch(
+            latents=latents.to(device, non_blocking=True),
+            conditioning={k: v.to(device, non_blocking=True) for k, v in cond.items()},
+            samples=samples,
+        )
+
+    def iterate(self, sampler, device: torch.device) -> Iterator[Batch]:
+        """Micro-batches forever, epoch after epoch; the sampler keeps the position."""
+        while True:
+            for samples in sampler:
+                yield self.batch(samples, device)
+
+
+class _LazyEncoders:
+    """Load the VAE / text encoders only when there is something to encode."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, text_dtype: torch.dtype):
+        self.spec, self.device, self.text_dtype = spec, device, text_dtype
+        self.vae = None
+        self.text = None
+
+    def get_vae(self):
+        if self.vae is None:
+            self.vae = self.spec.load_vae(self.device, torch.float32)
+        return self.vae
+
+    def get_text(self):
+        if self.text is None:
+            self.text = self.spec.load_text_encoders(self.device, self.text_dtype)
+        return self.text
+
+
+def prepare_caches(
+    spec: ModelSpec,
+    datasets: list[RegisteredDataset],
+    cache_dir: Path,
+    device: torch.device,
+    text_dtype: torch.dtype,
+    state=None,
+) -> tuple[CachedData, _LazyEncoders]:
+    """Encode every sample and caption not already cached; returns the data and any loaded encoders."""
+    vae_cache, text_cache = open_caches(cache_dir, spec.family, state)
+    encoders = _LazyEncoders(spec, device, text_dtype)
+    image_identity = spec.image_encoder_identity()
+    text_identity = spec.text_encoder_identity()
+    config = spec.config
+
+    latent_items: list[tuple[str, tuple[RegisteredDataset, Sample]]] = []
+    latent_keys: dict[str, str] = {}
+    for ds in datasets:
+        resolution = ds.config.resolution or config.resolution
+        for sample in ds.samples:
+            if sample.key in latent_keys:
+                continue  # repeats share one cache entry
+            key = latent_cache_key(
+                sample_key=sample.key,
+                file_identity=ds.backend.identity(sample.path),
+                bucket=sample.bucket,
+                crop={"style": sample.crop_style, "seed": sample.crop_seed},
+                resolution=resolution,
+                encoder_identity=image_identity,
+                dtype="float32",
+            )
+            latent_keys[sample.key] = key
+            latent_items.append((key, (ds, sample)))
+
+    def encode_images(payloads: list[tuple[RegisteredDataset, Sample]]) -> list[dict[str, torch.Tensor]]:
+        pixels = torch.stack([load_sample_pixels(ds, s)[0] for ds, s in payloads])
+        latents = spec.encode_images(encoders.get_vae(), pixels)
+        return [{"latents": lat} for lat in latents.float().cpu()]
+
+    vae_cache.fill(latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents")
+
+    captions = sorted({s.caption for ds in datasets for s in ds.samples})
+    text_keys = {
+        c: text_cache_key(caption=c, encoder_identity=text_identity, dtype=str(text_dtype), max_length=None) for c in captions
+    }
+
+    def encode_text(batch: list[str]) -> list[dict[str, torch.Tensor]]:
+        out = spec.encode_prompts(encoders.get_text(), batch)
+        return [{k: v.cpu() for k, v in entry.items()} for entry in out]
+
+    text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings")
+    return CachedData(vae_cache, text_cache, latent_keys, text_keys), encoders
+
+
+def free_memory() -> None:
+    """Collect garbage and return cached GPU memory (after the caller dropped its references)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

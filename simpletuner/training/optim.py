@@ -1,0 +1,47 @@
+"""Optimizer and learning-rate schedule from the config."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from simpletuner.configuration import TrainingConfig
+
+
+def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named by ``config.optimizer`` over ``params``."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+        )
+    if config.optimizer == "adam":
+        return torch.optim.Adam(
+            params,
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+        )
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.learning_rate, momentum=0.9, weight_decay=config.weight_decay)
+    raise ValueError(f"optimizer {config.optimizer!r} is not supported")
+
+
+def build_lr_scheduler(config: TrainingConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    """diffusers' named schedules, stepped once per optimizer step."""
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler(
+        config.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=config.lr_warmup_steps,
+        num_training_steps=total_steps,
+    )

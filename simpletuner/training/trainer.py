@@ -1,0 +1,299 @@
+"""The Trainer: a short ``train()`` loop around a separately testable ``train_step()``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import torch
+from tqdm.auto import tqdm
+
+from simpletuner.data_backend import BucketSampler, build_datasets
+from simpletuner.models import get_model_spec
+from simpletuner.state import StateTracker
+from simpletuner.training import checkpoint as ckpt
+from simpletuner.training.accumulation import FixedAccumulation
+from simpletuner.training.batches import Batch, free_memory, prepare_caches
+from simpletuner.training.lora import apply_lora, trainable_state
+from simpletuner.training.optim import build_lr_scheduler, build_optimizer
+from simpletuner.training.validation import generate_validation_images
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Progress:
+    """Where the run is; saved in every checkpoint."""
+
+    global_step: int = 0
+    micro_batches_seen: int = 0
+    samples_seen: int = 0
+
+
+@dataclass
+class TrainResult:
+    """What a finished ``train()`` returns (for callers and tests)."""
+
+    global_step: int
+    losses: list[float] = field(default_factory=list)  # window loss per optimizer step this run
+    output_path: Path | None = None
+    validation_images: list[Path] = field(default_factory=list)
+
+
+class Trainer:
+    """Builds every component from the run's StateTracker, then trains."""
+
+    def __init__(self, state: StateTracker):
+        self.state = state
+        self.config = state.config
+        self.output_dir = Path(self.config.output_dir).expanduser()
+        self.progress = Progress()
+        self.losses: list[float] = []
+        self.validation_images: list[Path] = []
+
+    # --- setup ---------------------------------------------------------------------------
+    def _make_accelerator(self):
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+
+        cfg = self.config
+        has_cuda = torch.cuda.is_available()
+        if cfg.mixed_precision == "fp16" and not has_cuda:
+            raise ValueError("mixed_precision 'fp16' needs a CUDA GPU; use 'bf16' or 'no' on this machine")
+        log_with = None if cfg.report_to == "none" else cfg.report_to
+        return Accelerator(
+            cpu=not has_cuda,
+            mixed_precision=cfg.mixed_precision,
+            log_with=log_with,
+            project_config=ProjectConfiguration(project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")),
+        )
+
+    def _check_world_size(self) -> None:
+        env = os.environ.get("WORLD_SIZE")
+        if env is not None and int(env) != self.accelerator.num_processes:
+            raise RuntimeError(
+                f"the launcher started WORLD_SIZE={env} processes but Accelerate set up {self.accelerator.num_processes}; "
+                "every process would train the whole run on its own. On CPU launch with "
+                "`accelerate launch --multi_gpu --num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no` "
+                "(with ACCELERATE_USE_CPU=1), not `--cpu --num_processes N`."
+            )
+
+    def setup(self) -> None:
+        """Everything before the first step: data, caches, model, optimizer, resume."""
+        from accelerate.utils import set_seed
+
+        cfg = self.config
+        self.accelerator = acc = self._make_accelerator()
+        self._check_world_size()
+        set_seed(cfg.seed)
+        # Noise and timesteps: one CPU generator per rank, saved and restored with checkpoints.
+        self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
+        if acc.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.json").write_bytes(orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2))
+        self.spec = spec = get_model_spec(cfg)
+        self.weight_dtype = _DTYPES[cfg.mixed_precision]
+
+        datasets = build_datasets(self.state)
+        with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
+            self.data, encoders = prepare_caches(
+                spec, datasets, Path(cfg.cache_config.cache_dir).expanduser(), acc.device, self.weight_dtype, self.state
+            )
+        self._keep_for_validation = None
+        if cfg.validation_prompt and acc.is_main_process:
+            self._keep_for_validation = (encoders.get_vae(), encoders.get_text())
+        del encoders
+        free_memory()
+
+        denoiser = spec.load_denoiser()
+        if cfg.training_type == "lora":
+            denoiser = apply_lora(denoiser, spec.lora_targets, cfg, base_dtype=self.weight_dtype)
+        else:
+            denoiser.requires_grad_(True)
+        if cfg.gradient_checkpointing:
+            denoiser.enable_gradient_checkpointing()
+        denoiser.train()
+        optimizer = build_optimizer(cfg, denoiser.parameters())
+        samples = [s for ds in datasets for s in ds.samples]
+        self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
+        self.accumulation = FixedAccumulation(cfg.gradient_accumulation_steps)
+        self.total_steps = self._total_steps()
+        self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps)
+        # The schedule is not prepared: Accelerate would step it once per process per step.
+        self.model, self.optimizer = acc.prepare(denoiser, optimizer)
+        if cfg.report_to != "none":
+            acc.init_trackers(cfg.tracker_project_name, config=_scalar_config(self.state.raw_config))
+        if cfg.resume_from_checkpoint:
+            self._resume()
+
+    def _total_steps(self) -> int:
+        cfg = self.config
+        if cfg.max_train_steps is not None:
+            return cfg.max_train_steps
+        micro = cfg.num_train_epochs * len(self.sampler)
+        return max(1, math.ceil(micro / cfg.gradient_accumulation_steps))
+
+    def _identity(self) -> dict:
+        cfg = self.config
+        return {
+            "model_family": cfg.model_family,
+            "training_type": cfg.training_type,
+            "lora_rank": cfg.lora_rank if cfg.training_type == "lora" else None,
+            "lora_targets": self.spec.lora_targets if cfg.training_type == "lora" else None,
+            "train_batch_size": cfg.train_batch_size,
+        }
+
+    # --- checkpoints ---------------------------------------------------------------------
+    def _trainer_state(self) -> dict:
+        return {
+            "global_step": self.progress.global_step,
+            "micro_batches_seen": self.progress.micro_batches_seen,
+            "samples_seen": self.progress.samples_seen,
+            "sampler": self.sampler.state_dict(),
+            "accumulation": self.accumulation.state_dict(),
+            "identity": self._identity(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        return ckpt.save_checkpoint(
+            self.accelerator,
+            self.output_dir,
+            self.progress.global_step,
+            trainable_state(self.accelerator.unwrap_model(self.model)),
+            self.optimizer,
+            self.lr_scheduler,
+            self._trainer_state(),
+            self.generator,
+            self.config.checkpoints_total_limit,
+        )
+
+    def _resume(self) -> None:
+        cfg, acc = self.config, self.accelerator
+        if cfg.resume_from_checkpoint == "latest":
+            path = ckpt.find_latest(self.output_dir)
+            if path is None:
+                logger.info("resume_from_checkpoint='latest' but %s holds no complete checkpoint: starting fresh", self.output_dir)
+                return
+        else:
+            path = Path(cfg.resume_from_checkpoint).expanduser()
+        state = ckpt.read_trainer_state(path)
+        ckpt.check_compatible(state, self._identity(), acc.num_processes, path)
+        tensors = ckpt.load_tensors(path, acc.process_index)
+        model = acc.unwrap_model(self.model)
+        expected = set(trainable_state(model))
+        if set(tensors["trainable"]) != expected:
+            raise ValueError(f"{path}: trained parameters do not match this model (different adapter or model?)")
+        model.load_state_dict(tensors["trainable"], strict=False)
+        self.optimizer.load_state_dict(tensors["optimizer"])
+        self.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.restore_rng(tensors["rng"], self.generator)
+        self.progress = Progress(state["global_step"], state["micro_batches_seen"], state["samples_seen"])
+        logger.info("resumed from %s at step %d (%d samples seen)", path, self.progress.global_step, self.progress.samples_seen)
+
+    # --- the step ------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """One optimizer step over a window of micro-batches; returns the window loss (no host sync)."""
+        acc = self.accelerator
+        window_samples = sum(b.num_samples for b in micro_batches)
+        total = torch.zeros((), device=acc.device)
+        for i, batch in enumerate(micro_batches):
+            # Gradients are all-reduced only on the window's last micro-batch.
+            sync = nullcontext() if i == len(micro_batches) - 1 else acc.no_sync(self.model)
+            with sync:
+                per_sample = self.spec.training_loss(self.model, batch.latents, batch.conditioning, self.generator)
+                loss = per_sample.sum() / window_samples
+                acc.backward(loss)
+            total += loss.detach()
+        if self.config.max_grad_norm:
+            acc.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.global_step += 1
+        self.progress.micro_batches_seen += len(micro_batches)
+        self.progress.samples_seen += window_samples * acc.num_processes
+        return total
+
+    # --- the loop ------------------------------------------------------------------------
+    def _validate(self) -> None:
+        if not (self.config.validation_prompt and self.accelerator.is_main_process):
+            return
+        vae, text = self._keep_for_validation
+        with self.accelerator.autocast():
+            self.validation_images += generate_validation_images(
+                self.spec, self.accelerator.unwrap_model(self.model), vae, text, self.config,
+                self.progress.global_step, self.output_dir / "validation", self.accelerator.trackers,
+            )
+
+    def train(self) -> TrainResult:
+        """Run to ``max_train_steps`` (or the epochs) and save the final weights."""
+        self.setup()
+        cfg, acc = self.config, self.accelerator
+        if self.progress.global_step == 0 and cfg.validation_prompt:
+            self._validate()
+        batches = self.data.iterate(self.sampler, acc.device)
+        bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
+                   disable=not acc.is_local_main_process, dynamic_ncols=True)
+        pending: list[torch.Tensor] = []
+        window_start, samples_in_window = time.perf_counter(), 0
+        while self.progress.global_step < self.total_steps:
+            window = self.accumulation.window_for(self.progress.micro_batches_seen)
+            micro = [next(batches) for _ in range(window)]
+            pending.append(self.train_step(micro))
+            samples_in_window += sum(b.num_samples for b in micro) * acc.num_processes
+            step = self.progress.global_step
+            bar.update(1)
+            if step % cfg.logging_steps == 0 or step == self.total_steps:
+                elapsed = time.perf_counter() - window_start
+                values = torch.stack(pending).tolist()  # the one host sync per logging window
+                self.losses += values
+                logs = {
+                    "loss": sum(values) / len(values),
+                    "lr": self.lr_scheduler.get_last_lr()[0],
+                    "samples_per_s": samples_in_window / elapsed,
+                    "step_time_s": elapsed / len(values),
+                }
+                bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}",
+                                samples_s=f"{logs['samples_per_s']:.1f}", step_s=f"{logs['step_time_s']:.3f}")
+                acc.log(logs, step=step)
+                logger.info("step %d/%d loss %.4f lr %.2e %.1f samples/s", step, self.total_steps,
+                            logs["loss"], logs["lr"], logs["samples_per_s"])
+                pending, window_start, samples_in_window = [], time.perf_counter(), 0
+            if cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0:
+                self.save_checkpoint()
+            if cfg.validation_steps and step % cfg.validation_steps == 0:
+                self._validate()
+        bar.close()
+        output = self._save_final()
+        if cfg.validation_prompt and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
+            self._validate()
+        acc.end_training()
+        return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
+
+    def _save_final(self) -> Path | None:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        path = None
+        if acc.is_main_process:
+            model = acc.unwrap_model(self.model)
+            if self.config.training_type == "lora":
+                path = self.spec.save_lora(self.output_dir, model)
+            else:
+                path = self.spec.save_full(self.output_dir, model)
+            logger.info("saved %s", path)
+        acc.wait_for_everyone()
+        return path
+
+
+def _scalar_config(raw: dict) -> dict:
+    """Trackers accept flat scalars only."""
+    return {k: v for k, v in raw.items() if isinstance(v, (int, float, str, bool))}

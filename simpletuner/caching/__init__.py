@@ -1,0 +1,33 @@
+"""Encode-once caches for VAE latents and text embeddings.
+
+- :mod:`.fingerprint`: cache keys over everything that changes a value, plus file and
+  encoder-folder identities.
+- :mod:`.store`: :class:`ShardedTensorStore`, atomic safetensors shards on disk.
+- :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``) and
+  :func:`open_caches` for a model's ``(vae, text)`` pair.
+- :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind.
+"""
+
+from simpletuner.caching.fingerprint import (
+    CACHE_FORMAT_VERSION,
+    file_stat_identity,
+    fingerprint,
+    folder_identity,
+)
+from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_caches
+from simpletuner.caching.text_cache import text_cache_key
+from simpletuner.caching.vae_cache import latent_cache_key
+
+__all__ = [
+    "CACHE_FORMAT_VERSION",
+    "FillReport",
+    "ShardedTensorStore",
+    "TensorCache",
+    "file_stat_identity",
+    "fingerprint",
+    "folder_identity",
+    "latent_cache_key",
+    "open_caches",
+    "text_cache_key",
+]

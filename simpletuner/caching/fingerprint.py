@@ -1,0 +1,145 @@
+"""Cache keys: a stable fingerprint of everything that changes a cached value.
+
+A cache key must change whenever the value it names could change: the source file, the
+crop and resolution, the encoder that produced it, its dtype, and the code that encodes
+and stores it (``CACHE_FORMAT_VERSION``). Anything the key does not cover is a silent
+stale hit, so the serialisation here is strict: values it does not know how to encode
+raise ``TypeError`` instead of falling back to ``str()``.
+
+The canonical form is JSON (orjson, sorted keys) with tagged objects for the types JSON
+cannot carry exactly: floats travel as ``repr`` (so ``1`` and ``1.0`` differ, and no
+platform float formatting leaks in), ``torch.dtype`` as its name, ``bytes`` as hex. A
+user dict key starting with ``$`` is escaped so it can never be read as such a tag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path, PurePath
+from typing import Any, Iterable, Mapping
+
+import orjson
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+"""Bump when the on-disk cache layout or the encoding code changes: it is part of every key."""
+
+_FINGERPRINT_HEX_CHARS = 32
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_TAG_PREFIX = "$"
+
+
+def _canonical(value: Any, where: str) -> Any:
+    """Turn ``value`` into plain JSON types, tagging anything JSON would lose or blur."""
+    # bool before int: bool is an int subclass and JSON keeps true/false apart already.
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if _INT64_MIN <= value <= _INT64_MAX:
+            return int(value)
+        return {"$int": str(int(value))}
+    if isinstance(value, float):
+        return {"$float": repr(float(value))}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": str(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": bytes(value).hex()}
+    if isinstance(value, PurePath):
+        return {"$path": value.as_posix()}
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"fingerprint: dict key {key!r} at {where} is {type(key).__name__}; keys must be str"
+                )
+            safe_key = _TAG_PREFIX + key if key.startswith(_TAG_PREFIX) else key
+            out[safe_key] = _canonical(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise TypeError(
+        f"fingerprint: cannot serialise {type(value).__module__}.{type(value).__qualname__} at {where}; "
+        "pass str, int, float, bool, None, bytes, Path, torch.dtype, or lists/tuples/dicts of them"
+    )
+
+
+def canonical_bytes(**components: Any) -> bytes:
+    """The exact bytes :func:`fingerprint` hashes (exposed for debugging a surprising miss)."""
+    payload = {
+        "cache_format_version": CACHE_FORMAT_VERSION,
+        "components": _canonical(components, "components"),
+    }
+    return orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+
+
+def fingerprint(**components: Any) -> str:
+    """A 32-hex-char sha256 fingerprint of ``components`` plus ``CACHE_FORMAT_VERSION``.
+
+    Stable across processes, platforms and keyword order. Supported values: ``str``,
+    ``int``, ``float``, ``bool``, ``None``, ``bytes``, ``pathlib`` paths, ``torch.dtype``,
+    and lists, tuples (hashed as lists) and str-keyed dicts of those.
+
+    Raises:
+        TypeError: a value (at any depth) is of another type, or a dict key is not a str.
+    """
+    return hashlib.sha256(canonical_bytes(**components)).hexdigest()[:_FINGERPRINT_HEX_CHARS]
+
+
+def file_stat_identity(path: str | os.PathLike[str]) -> str:
+    """``"{size}:{mtime_ns}"`` of a local file: cheap, changes when the file is rewritten.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+    """
+    stat = os.stat(path)
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _matching_files(folder: Path, patterns: Iterable[str]) -> list[Path]:
+    found: set[Path] = set()
+    for pattern in patterns:
+        found.update(p for p in folder.rglob(pattern) if p.is_file())
+    return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def folder_identity(
+    folder: str | os.PathLike[str],
+    patterns: tuple[str, ...] = ("*.json", "*.safetensors", "*.bin"),
+) -> str:
+    """Identity of an encoder saved in ``folder`` (for example a model's ``vae/`` subfolder).
+
+    A fingerprint over the relative name, size and mtime of every file matching
+    ``patterns`` (searched recursively), plus the content of each ``*.json`` file, so a
+    changed config is seen even when a copy kept its timestamps. Weights are not read:
+    hashing gigabytes on every start would cost more than a re-encode is worth guarding.
+
+    Raises:
+        ValueError: ``folder`` does not exist, is not a folder, or holds no matching file.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"encoder folder {folder} does not exist or is not a folder")
+    files = _matching_files(folder, patterns)
+    if not files:
+        raise ValueError(
+            f"encoder folder {folder} holds no file matching {list(patterns)}; "
+            "point it at a diffusers-format component folder (config.json + weights)"
+        )
+    entries = []
+    for path in files:
+        stat = path.stat()
+        entry: dict[str, Any] = {
+            "name": path.relative_to(folder).as_posix(),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+        }
+        if path.suffix == ".json":
+            entry["content_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        entries.append(entry)
+    logger.debug("folder identity of %s over %d files", folder, len(entries))
+    return fingerprint(kind="folder-identity", patterns=list(patterns), files=entries)

@@ -1,0 +1,224 @@
+"""TensorCache: encode each item once, store it, and serve stacked batches of it.
+
+The VAE-latent and text-embed caches are both this: a list of ``(key, payload)`` items, a
+batched ``compute`` (the encoder) run only on the keys the store does not hold yet, and
+``get_batch`` for the training loop. Keys come from :mod:`simpletuner.caching.fingerprint`
+so a key names everything its value depends on; an unknown key is simply a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
+
+import torch
+from tqdm import tqdm
+
+from simpletuner.caching.store import ShardedTensorStore
+
+if TYPE_CHECKING:
+    from simpletuner.state import StateTracker
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_FLUSH_EVERY = 256
+_MODEL_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+
+Entry = dict[str, torch.Tensor]
+ComputeFn = Callable[[list[Any]], Sequence[Mapping[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """What one :meth:`TensorCache.fill` did. ``num_items`` counts distinct keys."""
+
+    num_items: int
+    num_hits: int
+    num_computed: int
+    seconds: float
+
+
+def _plan_batches(
+    misses: Mapping[str, Any], batch_size: int, group: Callable[[Any], Hashable] | None
+) -> list[list[str]]:
+    """Split miss keys into batches of at most ``batch_size`` that share one ``group`` value.
+
+    Groups keep the order in which they first appear, and items keep their order inside
+    a group, so a fill is deterministic for a given item list.
+    """
+    by_group: dict[Hashable, list[str]] = {}
+    for key, payload in misses.items():
+        group_id = group(payload) if group is not None else None
+        by_group.setdefault(group_id, []).append(key)
+    batches = []
+    for keys in by_group.values():
+        batches.extend(keys[start : start + batch_size] for start in range(0, len(keys), batch_size))
+    return batches
+
+
+class TensorCache:
+    """An encode-once cache of ``dict[str, Tensor]`` entries on a :class:`ShardedTensorStore`.
+
+    Args:
+        store: where entries live.
+        name: a short name for logs and progress bars ("vae", "text").
+        flush_every: write a shard each time this many computed entries are pending, so
+            an interrupted fill loses at most that much work.
+    """
+
+    def __init__(self, store: ShardedTensorStore, name: str, flush_every: int = DEFAULT_FLUSH_EVERY):
+        if flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+        self.store = store
+        self.name = name
+        self.flush_every = flush_every
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def get(self, key: str) -> Entry:
+        """One entry. Raises KeyError naming the key and the store root."""
+        return self.store.get(key)
+
+    def fill(
+        self,
+        items: Sequence[tuple[str, Any]],
+        compute: ComputeFn,
+        batch_size: int,
+        group: Callable[[Any], Hashable] | None = None,
+        desc: str | None = None,
+    ) -> FillReport:
+        """Compute and store every item whose key the store does not hold yet.
+
+        Args:
+            items: ``(key, payload)`` pairs; a key given twice is computed once (first
+                payload wins).
+            compute: takes a list of payloads, returns one ``dict[str, Tensor]`` per payload,
+                in order. It is only called with payloads that share one ``group`` value.
+            batch_size: the most payloads per ``compute`` call.
+            group: payload -> hashable batch group (e.g. the image bucket), so a batch can be
+                stacked; None puts everything in one group.
+            desc: progress-bar label; defaults to ``"caching <name>"``.
+
+        Entries are written in shards of ``flush_every`` as they are computed, and what is
+        pending is written even when ``compute`` raises, so a crash loses little.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        started = time.perf_counter()
+        unique: dict[str, Any] = {}
+        for key, payload in items:
+            unique.setdefault(key, payload)
+        misses = {key: payload for key, payload in unique.items() if key not in self.store}
+        num_hits = len(unique) - len(misses)
+        batches = _plan_batches(misses, batch_size, group)
+
+        pending: dict[str, Entry] = {}
+        num_computed = 0
+        progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
+        try:
+            for batch_keys in batches:
+                payloads = [misses[key] for key in batch_keys]
+                results = compute(payloads)
+                self._check_results(batch_keys, results)
+                for key, result in zip(batch_keys, results):
+                    pending[key] = dict(result)
+                num_computed += len(batch_keys)
+                progress.update(len(batch_keys))
+                if len(pending) >= self.flush_every:
+                    self.store.put_many(pending)
+                    pending = {}
+        finally:
+            progress.close()
+            if pending:
+                self.store.put_many(pending)
+
+        report = FillReport(
+            num_items=len(unique),
+            num_hits=num_hits,
+            num_computed=num_computed,
+            seconds=time.perf_counter() - started,
+        )
+        logger.info(
+            "%s cache: %d items, %d hits, %d computed in %.2fs (%s)",
+            self.name, report.num_items, report.num_hits, report.num_computed, report.seconds, self.store.root,
+        )
+        return report
+
+    def _check_results(self, batch_keys: list[str], results: Any) -> None:
+        if not isinstance(results, Sequence) or len(results) != len(batch_keys):
+            got = len(results) if isinstance(results, Sequence) else type(results).__name__
+            raise ValueError(
+                f"{self.name} cache: compute returned {got} results for {len(batch_keys)} payloads; "
+                "it must return one dict of tensors per payload, in order"
+            )
+        for key, result in zip(batch_keys, results):
+            if not isinstance(result, Mapping) or not result:
+                raise ValueError(
+                    f"{self.name} cache: compute returned {type(result).__name__} for key {key!r}; "
+                    "expected a non-empty dict of tensors"
+                )
+
+    def get_batch(self, keys: Sequence[str]) -> Entry:
+        """Entries for ``keys`` stacked along a new dim 0, one tensor per name.
+
+        Raises:
+            KeyError: a key is not cached.
+            ValueError: ``keys`` is empty, or entries differ in names, shapes or dtypes.
+        """
+        if not keys:
+            raise ValueError(f"{self.name} cache: get_batch needs at least one key")
+        entries = self.store.get_many(keys)
+        first_key, first = keys[0], entries[0]
+        for key, entry in zip(keys[1:], entries[1:]):
+            if entry.keys() != first.keys():
+                raise ValueError(
+                    f"{self.name} cache: entries {first_key!r} and {key!r} hold different tensors "
+                    f"({sorted(first)} vs {sorted(entry)}); they cannot be stacked"
+                )
+            for name, tensor in entry.items():
+                ref = first[name]
+                if tensor.shape != ref.shape or tensor.dtype != ref.dtype:
+                    raise ValueError(
+                        f"{self.name} cache: {name!r} of {first_key!r} is {tuple(ref.shape)} {ref.dtype} but "
+                        f"of {key!r} is {tuple(tensor.shape)} {tensor.dtype}; batch keys must share a bucket"
+                    )
+        return {name: torch.stack([entry[name] for entry in entries]) for name in first}
+
+    def __repr__(self) -> str:
+        return f"TensorCache(name={self.name!r}, store={self.store!r})"
+
+
+def open_caches(
+    cache_dir: str | os.PathLike[str], model_tag: str, state: "StateTracker | None" = None
+) -> tuple[TensorCache, TensorCache]:
+    """Open the ``(vae_cache, text_cache)`` pair of a model under ``cache_dir/model_tag``.
+
+    The stores live in ``cache_dir/model_tag/vae`` and ``cache_dir/model_tag/text``; both
+    folders are registered with ``state.register_cache_dir`` when a state is given, so
+    ``state.delete_cache_files()`` removes them.
+
+    Raises:
+        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``).
+    """
+    if not isinstance(model_tag, str) or not _MODEL_TAG_PATTERN.match(model_tag):
+        raise ValueError(
+            f"model_tag {model_tag!r} must be a plain folder name of letters, digits, '.', '_' or '-' "
+            "(not starting with '.' or '-')"
+        )
+    base = Path(cache_dir) / model_tag
+    vae_dir, text_dir = base / "vae", base / "text"
+    vae_cache = TensorCache(ShardedTensorStore(vae_dir), "vae")
+    text_cache = TensorCache(ShardedTensorStore(text_dir), "text")
+    if state is not None:
+        state.register_cache_dir(vae_dir)
+        state.register_cache_dir(text_dir)
+    return vae_cache, text_cache

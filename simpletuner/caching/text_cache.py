@@ -1,0 +1,45 @@
+"""Keys for the text-embedding cache.
+
+An embedding depends on the exact caption, the text encoder(s) and tokenizer that made
+it, the dtype, and the tokenizer's max length (truncation changes the value). Captions are
+keyed by content, so two images sharing a caption share one cached embedding.
+The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; see
+:func:`~simpletuner.caching.tensor_cache.open_caches`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from simpletuner.caching.fingerprint import fingerprint
+
+logger = logging.getLogger(__name__)
+
+TEXT_KIND = "text-embed"
+
+
+def text_cache_key(*, caption: str, encoder_identity: str, dtype: str, max_length: int | None) -> str:
+    """The cache key of one caption's embeddings.
+
+    Args:
+        caption: the caption exactly as it is tokenized (after any prefix or dropout rule).
+        encoder_identity: identity of the text encoder(s) and tokenizer(s), e.g. a
+            :func:`~simpletuner.caching.fingerprint.fingerprint` over the
+            :func:`~simpletuner.caching.fingerprint.folder_identity` of each.
+        dtype: the dtype the embeddings were computed and stored in.
+        max_length: the tokenizer's max length, or None when it does not truncate.
+
+    Raises:
+        ValueError: ``caption`` is not a str or ``max_length`` is not a positive int or None.
+    """
+    if not isinstance(caption, str):
+        raise ValueError(f"caption must be a str, got {type(caption).__name__}")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
+    return fingerprint(
+        kind=TEXT_KIND,
+        caption=caption,
+        encoder_identity=encoder_identity,
+        dtype=str(dtype),
+        max_length=max_length,
+    )

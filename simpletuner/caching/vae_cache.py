@@ -1,0 +1,63 @@
+"""Keys for the VAE-latent cache.
+
+A latent depends on the source image (its content, seen through size + mtime), how it
+was bucketed, cropped and resized, which VAE encoded it, and in what dtype. Every one of
+those is in the key, so changing any of them makes a miss rather than a stale latent.
+The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; see
+:func:`~simpletuner.caching.tensor_cache.open_caches`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from simpletuner.caching.fingerprint import fingerprint
+
+logger = logging.getLogger(__name__)
+
+LATENT_KIND = "vae-latent"
+
+
+def latent_cache_key(
+    *,
+    sample_key: str,
+    file_identity: str,
+    bucket: tuple[int, int],
+    crop: Mapping[str, Any],
+    resolution: int,
+    encoder_identity: str,
+    dtype: str,
+) -> str:
+    """The cache key of one image's latent.
+
+    Args:
+        sample_key: the sample's path or id inside its dataset.
+        file_identity: what changes when the file does, e.g.
+            :func:`~simpletuner.caching.fingerprint.file_stat_identity` or a content hash.
+        bucket: the ``(width, height)`` the image was resized to before encoding.
+        crop: every crop/augmentation decision (offsets, flip, style), JSON-like values.
+        resolution: the dataset's target resolution.
+        encoder_identity: identity of the VAE, e.g.
+            :func:`~simpletuner.caching.fingerprint.folder_identity` of its folder.
+        dtype: the dtype the latent was encoded and stored in (``"float16"``, ...).
+
+    Raises:
+        ValueError: ``bucket`` is not two positive ints.
+        TypeError: a value cannot be fingerprinted.
+    """
+    if (
+        len(bucket) != 2
+        or not all(isinstance(side, int) and not isinstance(side, bool) and side > 0 for side in bucket)
+    ):
+        raise ValueError(f"bucket must be (width, height) of positive ints, got {bucket!r}")
+    return fingerprint(
+        kind=LATENT_KIND,
+        sample_key=sample_key,
+        file_identity=file_identity,
+        bucket=tuple(bucket),
+        crop=dict(crop),
+        resolution=resolution,
+        encoder_identity=encoder_identity,
+        dtype=str(dtype),
+    )

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="write a tiny model + shapes dataset and train a LoRA on CPU")
     p.add_argument("--dir", default="demo_run", help="folder for model, data, config and output (default: demo_run)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_cmd_demo)
 

@@ -46,7 +46,7 @@ def write_shapes_dataset(out_dir: str | Path, num_images: int = 24, seed: int = 
     return out
 
 
-def write_demo(root: str | Path, max_train_steps: int = 60, num_images: int = 24) -> Path:
+def write_demo(root: str | Path, max_train_steps: int = 200, num_images: int = 24) -> Path:
     """Write model, data and config under ``root``; returns the config path."""
     root = Path(root).resolve()
     model = root / "model"
@@ -62,16 +62,16 @@ def write_demo(root: str | Path, max_train_steps: int = 60, num_images: int = 24
         "train_batch_size": 4,
         "gradient_accumulation_steps": 1,
         "max_train_steps": max_train_steps,
-        "learning_rate": 1e-3,
+        "learning_rate": 5e-3,
         "lr_scheduler": "constant",
         "training_type": "lora",
-        "lora_rank": 8,
+        "lora_rank": 16,
         "checkpointing_steps": max(max_train_steps // 2, 1),
         "checkpoints_total_limit": 2,
         "validation_prompt": "a red circle on a white background",
         "validation_num_inference_steps": 10,
         "num_validation_images": 2,
-        "logging_steps": 10,
+        "logging_steps": 20,
         "seed": 42,
         "cache_config": {"cache_dir": str(root / "cache")},
         "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(data), "caption_strategy": "textfile"}],

@@ -30,11 +30,12 @@ def run(config_path: str, overrides=(), log_level: str = "INFO"):
 
 def main(argv: list[str] | None = None) -> int:
     from simpletuner.configuration import ConfigError
+    from simpletuner.training.trainer import LaunchError
 
     args = build_parser().parse_args(argv)
     try:
         run(args.config, args.overrides, args.log_level)
-    except (ConfigError, ValueError) as exc:  # user errors: the message says what to fix
+    except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
         if args.log_level == "DEBUG":
             raise
         print(f"error: {exc}", file=sys.stderr)

@@ -164,3 +164,18 @@ def test_open_caches_registers_folders(tmp_path):
 def test_open_caches_rejects_path_like_tags(tmp_path, tag):
     with pytest.raises(ValueError, match="model_tag"):
         open_caches(tmp_path, tag)
+
+
+def test_items_compute_cannot_encode_are_reported_not_stored(tmp_path):
+    cache = TensorCache(ShardedTensorStore(tmp_path / "store"), "vae")
+
+    def compute(payloads):
+        return [None if p == "corrupt" else {"x": torch.ones(2)} for p in payloads]
+
+    report = cache.fill([("a", "ok"), ("b", "corrupt"), ("c", "ok")], compute, batch_size=2)
+    assert report.failed == ("b",)
+    assert report.num_computed == 2
+    assert "a" in cache and "c" in cache and "b" not in cache
+    # Next fill tries the failed one again (it may have been fixed) and nothing else.
+    again = cache.fill([("a", "ok"), ("b", "corrupt"), ("c", "ok")], compute, batch_size=2)
+    assert again.num_hits == 2 and again.failed == ("b",)

@@ -41,6 +41,7 @@ class FillReport:
     num_hits: int
     num_computed: int
     seconds: float
+    failed: tuple[str, ...] = ()  # keys compute could not produce (returned None for); not stored
 
 
 def _plan_batches(
@@ -102,7 +103,9 @@ class TensorCache:
             items: ``(key, payload)`` pairs; a key given twice is computed once (first
                 payload wins).
             compute: takes a list of payloads, returns one ``dict[str, Tensor]`` per payload,
-                in order. It is only called with payloads that share one ``group`` value.
+                in order, or None for a payload it cannot encode (e.g. an image whose body is
+                corrupt); those keys are not stored and are listed in ``FillReport.failed``.
+                It is only called with payloads that share one ``group`` value.
             batch_size: the most payloads per ``compute`` call.
             group: payload -> hashable batch group (e.g. the image bucket), so a batch can be
                 stacked; None puts everything in one group.
@@ -122,6 +125,7 @@ class TensorCache:
         batches = _plan_batches(misses, batch_size, group)
 
         pending: dict[str, Entry] = {}
+        failed: list[str] = []
         num_computed = 0
         progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
         try:
@@ -130,8 +134,11 @@ class TensorCache:
                 results = compute(payloads)
                 self._check_results(batch_keys, results)
                 for key, result in zip(batch_keys, results):
-                    pending[key] = dict(result)
-                num_computed += len(batch_keys)
+                    if result is None:
+                        failed.append(key)
+                    else:
+                        pending[key] = dict(result)
+                        num_computed += 1
                 progress.update(len(batch_keys))
                 if len(pending) >= self.flush_every:
                     self.store.put_many(pending)
@@ -146,10 +153,12 @@ class TensorCache:
             num_hits=num_hits,
             num_computed=num_computed,
             seconds=time.perf_counter() - started,
+            failed=tuple(failed),
         )
         logger.info(
-            "%s cache: %d items, %d hits, %d computed in %.2fs (%s)",
-            self.name, report.num_items, report.num_hits, report.num_computed, report.seconds, self.store.root,
+            "%s cache: %d items, %d hits, %d computed, %d failed in %.2fs (%s)",
+            self.name, report.num_items, report.num_hits, report.num_computed, len(failed), report.seconds,
+            self.store.root,
         )
         return report
 
@@ -161,6 +170,8 @@ class TensorCache:
                 "it must return one dict of tensors per payload, in order"
             )
         for key, result in zip(batch_keys, results):
+            if result is None:
+                continue
             if not isinstance(result, Mapping) or not result:
                 raise ValueError(
                     f"{self.name} cache: compute returned {type(result).__name__} for key {key!r}; "

@@ -43,21 +43,21 @@ class StableDiffusionSpec(ModelSpec):
     def load_vae(self, device, dtype):
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", **self._kwargs())
-        return vae.to(device=device, dtype=dtype).requires_grad_(False).eval()
+        vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", torch_dtype=dtype, **self._kwargs())
+        return vae.to(device=device).requires_grad_(False).eval()
 
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModel, CLIPTokenizer
 
         tokenizer = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer", **self._kwargs())
-        encoder = CLIPTextModel.from_pretrained(self.model_path, subfolder="text_encoder", **self._kwargs())
-        encoder = encoder.to(device=device, dtype=dtype).requires_grad_(False).eval()
+        encoder = CLIPTextModel.from_pretrained(self.model_path, subfolder="text_encoder", dtype=dtype, **self._kwargs())
+        encoder = encoder.to(device=device).requires_grad_(False).eval()
         return {"tokenizer": tokenizer, "text_encoder": encoder}
 
     def load_denoiser(self, dtype=torch.float32):
         from diffusers import UNet2DConditionModel
 
-        return UNet2DConditionModel.from_pretrained(self.model_path, subfolder="unet", **self._kwargs()).to(dtype=dtype)
+        return UNet2DConditionModel.from_pretrained(self.model_path, subfolder="unet", torch_dtype=dtype, **self._kwargs())
 
     # --- identities ----------------------------------------------------------------------
     def _identity(self, *subfolders: str) -> str:

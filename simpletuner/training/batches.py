@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from simpletuner.caching import TensorCache, latent_cache_key, open_caches, text_cache_key
+from simpletuner.caching import FillReport, TensorCache, latent_cache_key, open_caches, text_cache_key
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
 from simpletuner.models import ModelSpec
 
@@ -37,11 +37,13 @@ class Batch:
 class CachedData:
     """Maps samples to cache keys and reads batches from the caches."""
 
-    def __init__(self, vae_cache: TensorCache, text_cache: TensorCache, latent_keys: dict[str, str], text_keys: dict[str, str]):
+    def __init__(self, vae_cache: TensorCache, text_cache: TensorCache, latent_keys: dict[str, str],
+                 text_keys: dict[str, str], fill_reports: dict[str, FillReport]):
         self.vae_cache = vae_cache
         self.text_cache = text_cache
         self.latent_keys = latent_keys
         self.text_keys = text_keys
+        self.fill_reports = fill_reports  # "latents" / "text": hits and encodes of this run
 
     def batch(self, samples: list[Sample], device: torch.device) -> Batch:
         latents = self.vae_cache.get_batch([self.latent_keys[s.key] for s in samples])["latents"]
@@ -117,7 +119,7 @@ def prepare_caches(
         latents = spec.encode_images(encoders.get_vae(), pixels)
         return [{"latents": lat} for lat in latents.float().cpu()]
 
-    vae_cache.fill(latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents")
+    latent_report = vae_cache.fill(latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents")
 
     captions = sorted({s.caption for ds in datasets for s in ds.samples})
     text_keys = {
@@ -128,8 +130,9 @@ def prepare_caches(
         out = spec.encode_prompts(encoders.get_text(), batch)
         return [{k: v.cpu() for k, v in entry.items()} for entry in out]
 
-    text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings")
-    return CachedData(vae_cache, text_cache, latent_keys, text_keys), encoders
+    text_report = text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings")
+    reports = {"latents": latent_report, "text": text_report}
+    return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports), encoders
 
 
 def free_memory() -> None:

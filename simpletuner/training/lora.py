@@ -13,7 +13,8 @@ def apply_lora(denoiser: nn.Module, targets: list[str], config: TrainingConfig, 
     from peft import LoraConfig
 
     denoiser.requires_grad_(False)
-    denoiser.to(dtype=base_dtype)
+    if denoiser.dtype != base_dtype:
+        denoiser.to(dtype=base_dtype)
     lora = LoraConfig(
         r=config.lora_rank,
         lora_alpha=config.effective_lora_alpha,

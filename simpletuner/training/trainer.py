@@ -77,20 +77,16 @@ class Trainer:
         )
 
     def _check_world_size(self) -> None:
-        env = os.environ.get("WORLD_SIZE")
-        if env is not None and int(env) != self.accelerator.num_processes:
-            raise RuntimeError(
-                f"the launcher started WORLD_SIZE={env} processes but Accelerate set up {self.accelerator.num_processes}; "
-                "every process would train the whole run on its own. On CPU launch with "
-                "`accelerate launch --multi_gpu --num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no` "
-                "(with ACCELERATE_USE_CPU=1), not `--cpu --num_processes N`."
-            )
+        """Stop when the launcher started a different number of processes than Accelerate joined."""
+        check_launch_matches(self.accelerator.num_processes, os.environ)
 
     def setup(self) -> None:
         """Everything before the first step: data, caches, model, optimizer, resume."""
         from accelerate.utils import set_seed
 
         cfg = self.config
+        clock = _PhaseClock()
+        _reset_accelerate_state()
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
         set_seed(cfg.seed)
@@ -102,7 +98,9 @@ class Trainer:
         self.spec = spec = get_model_spec(cfg)
         self.weight_dtype = _DTYPES[cfg.mixed_precision]
 
+        clock.mark("accelerator")
         datasets = build_datasets(self.state)
+        clock.mark("datasets")
         with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
             self.data, encoders = prepare_caches(
                 spec, datasets, Path(cfg.cache_config.cache_dir).expanduser(), acc.device, self.weight_dtype, self.state
@@ -112,8 +110,10 @@ class Trainer:
             self._keep_for_validation = (encoders.get_vae(), encoders.get_text())
         del encoders
         free_memory()
+        clock.mark("caches")
 
-        denoiser = spec.load_denoiser()
+        # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
+        denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         if cfg.training_type == "lora":
             denoiser = apply_lora(denoiser, spec.lora_targets, cfg, base_dtype=self.weight_dtype)
         else:
@@ -121,6 +121,7 @@ class Trainer:
         if cfg.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
         denoiser.train()
+        clock.mark("model")
         optimizer = build_optimizer(cfg, denoiser.parameters())
         samples = [s for ds in datasets for s in ds.samples]
         self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
@@ -131,8 +132,12 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(denoiser, optimizer)
         if cfg.report_to != "none":
             acc.init_trackers(cfg.tracker_project_name, config=_scalar_config(self.state.raw_config))
+        clock.mark("optimizer")
         if cfg.resume_from_checkpoint:
             self._resume()
+            clock.mark("resume")
+        self.startup_seconds = clock.phases
+        logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
 
     def _total_steps(self) -> int:
         cfg = self.config
@@ -248,6 +253,9 @@ class Trainer:
         while self.progress.global_step < self.total_steps:
             window = self.accumulation.window_for(self.progress.micro_batches_seen)
             micro = [next(batches) for _ in range(window)]
+            if logger.isEnabledFor(logging.DEBUG):
+                for b in micro:
+                    logger.debug("rank %d micro-batch: %s", acc.process_index, [s.key for s in b.samples])
             pending.append(self.train_step(micro))
             samples_in_window += sum(b.num_samples for b in micro) * acc.num_processes
             step = self.progress.global_step
@@ -292,6 +300,54 @@ class Trainer:
             logger.info("saved %s", path)
         acc.wait_for_everyone()
         return path
+
+
+class LaunchError(RuntimeError):
+    """The launch does not match the processes Accelerate joined."""
+
+
+_CPU_FIX = (
+    "On CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N --num_machines 1 "
+    "--mixed_precision no --dynamo_backend no simpletuner/train.py ...`."
+)
+
+
+def check_launch_matches(num_processes: int, env) -> None:
+    """Raise when the launch environment promises more processes than Accelerate has joined:
+    each process would otherwise train the whole run on its own (or one would do all the work)."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if env.get(var) and int(env[var]) != num_processes:
+            raise LaunchError(
+                f"the launcher set {var}={env[var]} but Accelerate joined {num_processes} process(es): each process "
+                f"would train the whole run on its own. {_CPU_FIX}"
+            )
+    if num_processes == 1 and "WORLD_SIZE" not in env and env.get("MASTER_ADDR") and env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true"):
+        raise LaunchError(
+            "`accelerate launch --cpu --num_processes N` starts ONE process unless MPI is set up (MASTER_ADDR is set "
+            f"but no WORLD_SIZE), so the run would not be distributed. {_CPU_FIX} For one process drop --num_processes."
+        )
+
+
+def _reset_accelerate_state() -> None:
+    """Accelerate keeps precision choices in process-wide state; clear them when a run starts so
+    each run in a process (tests, notebooks) chooses its own. The process group stays up."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+class _PhaseClock:
+    """Seconds spent in each named phase of start-up."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now
 
 
 def _scalar_config(raw: dict) -> dict:

@@ -1,0 +1,72 @@
+"""Start-up: seconds from the command to the first optimizer step with warm caches.
+
+Runs a fresh interpreter per measurement (so imports are really paid), split into imports,
+the trainer's start-up phases (accelerator, datasets, cache check, model load, optimizer) and
+the first step. Reports medians over several runs.
+
+    python scripts/bench_startup.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import time, json, sys
+t0 = time.perf_counter()
+import torch, orjson
+t_torch = time.perf_counter()
+from simpletuner.configuration import load_config
+from simpletuner.state import StateTracker
+from simpletuner.training.trainer import Trainer
+t_imports = time.perf_counter()
+loaded = load_config(sys.argv[1], ["validation_prompt=null", "checkpointing_steps=null", "max_train_steps=1"])
+trainer = Trainer(StateTracker(loaded.config, loaded.raw))
+trainer.setup()
+batches = trainer.data.iterate(trainer.sampler, trainer.accelerator.device)
+t_setup = time.perf_counter()
+trainer.train_step([next(batches)]).item()
+t_step = time.perf_counter()
+print("BENCH" + json.dumps({"imports_torch": t_torch - t0, "imports_rest": t_imports - t_torch,
+                            **trainer.startup_seconds, "first_step": t_step - t_setup,
+                            "beyond_imports": t_step - t_imports}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, str(ROOT))
+        from simpletuner.demo import write_demo
+
+        config = write_demo(Path(tmp))
+        for i in range(args.repeats + 1):  # the first run fills the caches and is not counted
+            out = subprocess.run([sys.executable, "-c", CHILD, str(config)], capture_output=True, text=True, env=env, check=True)
+            line = next(l for l in out.stdout.splitlines() if l.startswith("BENCH"))
+            if i:
+                runs.append(json.loads(line[5:]))
+    keys = list(runs[0])
+    print(f"start-up with warm caches, tiny SD demo config, median of {args.repeats} fresh interpreters (seconds)")
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---:|" * len(keys))
+    print("| " + " | ".join(f"{statistics.median(r[k] for r in runs):.2f}" for k in keys) + " |")
+    print(f"machine: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -162,3 +162,39 @@ def test_launch_mismatches_are_caught(env, message):
         check_launch_matches(1, env)
     check_launch_matches(1, {"ACCELERATE_USE_CPU": "True"})  # a plain single-process CPU launch
     check_launch_matches(2, {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "ACCELERATE_USE_CPU": "1"})
+
+
+def test_tensorboard_receives_scalars_and_validation_images(make_config, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    _train(make_config(max_train_steps=2, output_dir=str(out), report_to="tensorboard",
+                       validation_prompt="a red circle", validation_num_inference_steps=2))
+    events = list((out / "logs").rglob("events.out.tfevents.*"))
+    assert events, "no tensorboard event file written"
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0}).Reload()
+    assert {"loss", "lr", "samples_per_s", "step_time_s"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+    assert acc.Tags()["images"], "validation images were not logged"
+
+
+def test_image_with_good_header_but_cut_body_is_skipped_and_counted(make_config, tmp_path, shapes_dir):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_dir, data)
+    victim = data / "000.png"  # a 64x64 image; keep its header, cut its pixel data
+    victim.write_bytes(victim.read_bytes()[:120])
+    raw = make_config(max_train_steps=1, max_bad_image_fraction=0.1)
+    raw["datasets"][0]["instance_data_dir"] = str(data)
+    trainer, result = _train(raw)
+    meta = trainer.state.get_dataset("shapes").metadata
+    assert [p for p, _ in meta.bad_files] == ["000.png"]
+    assert "cannot decode image" in meta.bad_files[0][1]
+    assert all(s.path != "000.png" for s in meta.samples)
+    assert result.global_step == 1
+
+    raw = make_config(max_train_steps=1, max_bad_image_fraction=0.0, output_dir=str(tmp_path / "strict"))
+    raw["datasets"][0]["instance_data_dir"] = str(data)
+    with pytest.raises(ValueError, match="000.png"):
+        _train(raw)

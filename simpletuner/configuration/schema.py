@@ -50,7 +50,7 @@ class LocalDatasetConfig(_Strict):
 
 
 # Discriminated on ``type``. A new storage backend adds its config class here and one line to
-# ``simpletuner.data_backend.builders.BUILDERS``.
+# ``simpletuner.data_backend.factory.BUILDERS``.
 DatasetConfig = Annotated[Union[LocalDatasetConfig], Field(discriminator="type")]
 
 

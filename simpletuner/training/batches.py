@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from PIL import Image
 
 from simpletuner.caching import FillReport, TensorCache, latent_cache_key, open_caches, text_cache_key
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
@@ -114,14 +115,28 @@ def prepare_caches(
             latent_keys[sample.key] = key
             latent_items.append((key, (ds, sample)))
 
-    def encode_images(payloads: list[tuple[RegisteredDataset, Sample]]) -> list[dict[str, torch.Tensor]]:
-        pixels = torch.stack([load_sample_pixels(ds, s)[0] for ds, s in payloads])
-        latents = spec.encode_images(encoders.get_vae(), pixels)
-        return [{"latents": lat} for lat in latents.float().cpu()]
+    undecodable: dict[str, dict[str, str]] = {}  # dataset id -> {path: reason}
+
+    def encode_images(payloads: list[tuple[RegisteredDataset, Sample]]) -> list[dict[str, torch.Tensor] | None]:
+        pixels: list[torch.Tensor | None] = []
+        for ds, sample in payloads:
+            try:
+                pixels.append(load_sample_pixels(ds, sample)[0])
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # header was fine, body is not
+                undecodable.setdefault(ds.id, {})[sample.path] = f"cannot decode image: {exc}"
+                pixels.append(None)
+        good = [p for p in pixels if p is not None]
+        if not good:
+            return [None] * len(payloads)
+        latents = iter(spec.encode_images(encoders.get_vae(), torch.stack(good)).float().cpu())
+        return [None if p is None else {"latents": next(latents)} for p in pixels]
 
     latent_report = vae_cache.fill(latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents")
+    for ds in datasets:
+        ds.metadata.drop_unreadable(ds.id, str(getattr(ds.backend, "root", ds.id)), undecodable.get(ds.id, {}),
+                                    config.max_bad_image_fraction)
 
-    captions = sorted({s.caption for ds in datasets for s in ds.samples})
+    captions = sorted({s.caption for ds in datasets for s in ds.samples})  # after dropping undecodable ones
     text_keys = {
         c: text_cache_key(caption=c, encoder_identity=text_identity, dtype=str(text_dtype), max_length=None) for c in captions
     }

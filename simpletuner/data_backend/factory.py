@@ -1,0 +1,109 @@
+"""Build the run's datasets from the config: backend + metadata, registered in the StateTracker."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from simpletuner.data_backend.base import DataBackend
+from simpletuner.data_backend.buckets import bucket_name
+from simpletuner.data_backend.images import load_rgb, prepare_image
+from simpletuner.data_backend.local import LocalDataBackend
+from simpletuner.data_backend.metadata import DatasetMetadata, Sample, build_metadata
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.state import StateTracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RegisteredDataset:
+    """One dataset of the run: its config entry, storage backend and scanned metadata."""
+
+    id: str
+    config: Any  # the dataset's entry in ``TrainingConfig.datasets`` (e.g. LocalDatasetConfig)
+    backend: DataBackend
+    metadata: DatasetMetadata
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample of this dataset (each image ``1 + repeats`` times)."""
+        return self.metadata.samples
+
+
+def build_local_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """A ``LocalDataBackend`` over ``dataset_cfg.instance_data_dir``."""
+    return LocalDataBackend(dataset_cfg.instance_data_dir, dataset_cfg.id)
+
+
+#: Storage backend builders by the dataset entry's ``type``. A new backend is one line here
+#: (plus its config class in ``simpletuner.configuration.schema``).
+BUILDERS: dict[str, Callable[[Any, "TrainingConfig"], DataBackend]] = {
+    "local": build_local_backend,
+}
+
+
+def builder_for(dataset_cfg: Any) -> Callable[[Any, "TrainingConfig"], DataBackend]:
+    """The builder for ``dataset_cfg.type``.
+
+    Raises:
+        ValueError: the type has no builder; the message names the dataset and the known types.
+    """
+    kind = getattr(dataset_cfg, "type", None)
+    try:
+        return BUILDERS[kind]
+    except KeyError:
+        dataset_id = getattr(dataset_cfg, "id", "?")
+        raise ValueError(
+            f"dataset {dataset_id!r}: unknown type {kind!r}; known types: {', '.join(sorted(BUILDERS))}. "
+            "Set `type` to one of them"
+        ) from None
+
+
+def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
+    """Build, scan and register every dataset of ``state.config``; returns them in config order.
+
+    Raises:
+        ValueError: no dataset entries, an unknown type, or a dataset the scan rejects
+            (empty folder, too many unreadable images).
+    """
+    config = state.config
+    if not config.datasets:
+        raise ValueError(
+            "the config has no `datasets`: add dataset entries, or load the config with "
+            "load_config() so that `data_backend_config` is read"
+        )
+    built = []
+    for dataset_cfg in config.datasets:
+        backend = builder_for(dataset_cfg)(dataset_cfg, config)
+        metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed)
+        dataset = RegisteredDataset(id=dataset_cfg.id, config=dataset_cfg, backend=backend, metadata=metadata)
+        state.register_dataset(dataset)
+        built.append(dataset)
+        _log_summary(dataset)
+    return built
+
+
+def _log_summary(dataset: RegisteredDataset) -> None:
+    meta = dataset.metadata
+    buckets = Counter(bucket_name(s.bucket) for s in meta.samples)
+    logger.info(
+        "dataset %r: %d samples (%d skipped files), buckets %s, captions %s",
+        dataset.id,
+        len(meta.samples),
+        len(meta.bad_files),
+        dict(sorted(buckets.items())),
+        meta.caption_sources,
+    )
+
+
+def load_sample_pixels(dataset: RegisteredDataset, sample: Sample) -> tuple[torch.Tensor, dict]:
+    """Decode, resize and crop ``sample`` from ``dataset``: ``([3, H, W] in [-1, 1], crop info)``."""
+    image = load_rgb(dataset.backend.read(sample.path))
+    return prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed)

@@ -1,0 +1,178 @@
+"""Image decoding and the resize-and-crop that turns a file into a training tensor.
+
+``read_image_size`` parses only the header (for bucketing thousands of files quickly);
+``load_rgb`` decodes fully and normalises every Pillow mode to 8-bit RGB;
+``prepare_image`` resizes to cover the bucket and crops to it, deterministically.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import random
+import struct
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+logger = logging.getLogger(__name__)
+
+#: EXIF ``Orientation`` tag; values 5-8 rotate by 90 degrees, so width and height swap.
+EXIF_ORIENTATION_TAG = 0x0112
+_SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+
+#: What Pillow raises on broken or hostile files (beyond the OSError family).
+_DECODE_ERRORS = (OSError, SyntaxError, EOFError, struct.error, ValueError, IndexError, Image.DecompressionBombError)
+
+#: Background that transparent pixels are composited onto.
+_BACKGROUND = (255, 255, 255)
+
+CROP_STYLES = ("center", "random")
+
+
+def _exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation recorded in the header, or 1 (none); never decodes pixels.
+
+    ``Image.getexif`` would make PNG load the whole file to look for a late eXIf chunk, so
+    only the EXIF block Pillow found while parsing the header is read.
+    """
+    raw = image.info.get("exif")
+    if not raw:
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(raw)
+    except _DECODE_ERRORS:
+        return 1  # a broken EXIF block does not make the image unusable
+    value = exif.get(EXIF_ORIENTATION_TAG, 1)
+    return value if isinstance(value, int) else 1
+
+
+def read_image_size(data: bytes) -> tuple[int, int]:
+    """``(width, height)`` of an encoded image as displayed, from its header only.
+
+    EXIF orientations 5-8 (rotated by 90 degrees) swap width and height, matching what
+    :func:`load_rgb` returns.
+
+    Raises:
+        ValueError: ``data`` is empty, not an image Pillow recognises, or its header is cut off.
+    """
+    if not data:
+        raise ValueError("empty file (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            orientation = _exif_orientation(image)
+    except Image.UnidentifiedImageError:
+        raise ValueError("not a recognised image (unknown format or header cut off)") from None
+    except _DECODE_ERRORS as exc:
+        raise ValueError(f"unreadable image header: {exc}") from None
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    if orientation in _SWAPPING_ORIENTATIONS:
+        return height, width
+    return width, height
+
+
+def load_rgb(data: bytes) -> Image.Image:
+    """Decode ``data`` fully, apply its EXIF orientation and return an 8-bit RGB image.
+
+    Transparency (RGBA, LA, PA, palette or single-colour transparency) is composited on
+    white; CMYK, YCbCr, L and 1-bit convert directly; 16/32-bit integer images
+    (``I;16*``, ``I``) are taken as 16-bit data and scaled to 8 bit; float images (``F``)
+    as 0..1 when their maximum is at most 1, else as 0..255.
+
+    Raises:
+        ValueError: ``data`` cannot be decoded (empty, truncated, not an image).
+    """
+    if not data:
+        raise ValueError("empty file (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            opened.load()
+            image = ImageOps.exif_transpose(opened)
+    except Image.UnidentifiedImageError:
+        raise ValueError("not a recognised image (unknown format or header cut off)") from None
+    except _DECODE_ERRORS as exc:
+        raise ValueError(f"cannot decode image: {exc}") from None
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert a decoded image of any Pillow mode to 8-bit RGB (see :func:`load_rgb`)."""
+    mode = image.mode
+    if mode == "RGB" and "transparency" not in image.info:
+        return image
+    if mode.startswith("I") or mode == "F":
+        return _high_depth_to_rgb(image)
+    has_alpha = mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, _BACKGROUND + (255,))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _high_depth_to_rgb(image: Image.Image) -> Image.Image:
+    """Scale a 16/32-bit integer or float single-channel image to 8-bit RGB."""
+    if image.mode == "F":
+        values = np.asarray(image, dtype=np.float32)
+        scale = 255.0 if values.size and float(values.max()) <= 1.0 else 1.0
+        grey = np.clip(values * scale, 0, 255)
+    else:
+        # ``I;16``, ``I;16B``, ``I;16L`` and ``I`` (how Pillow opens 16-bit PNG/TIFF).
+        values = np.asarray(image.convert("I") if image.mode != "I" else image, dtype=np.float64)
+        grey = np.clip(values, 0, 65535) / 257.0
+    grey8 = np.rint(grey).astype(np.uint8)
+    return Image.fromarray(np.stack([grey8] * 3, axis=-1))
+
+
+def prepare_image(
+    image: Image.Image, bucket: tuple[int, int], crop_style: str, crop_seed: int
+) -> tuple[torch.Tensor, dict]:
+    """Resize ``image`` to cover ``bucket`` (keeping its aspect), crop to it, make a tensor.
+
+    ``crop_style`` is ``"center"`` or ``"random"``; a random crop takes its offset from
+    ``random.Random(crop_seed)``, so the same seed always gives the same pixels (which keeps
+    cached latents valid).
+
+    Returns:
+        ``(pixels, info)``: a float32 tensor ``[3, H, W]`` in ``[-1, 1]`` with
+        ``(W, H) == bucket``, and ``{"crop_top", "crop_left", "original_size": (w, h),
+        "target_size": (W, H)}``; crop offsets are in the resized image's pixels.
+
+    Raises:
+        ValueError: an unknown ``crop_style`` or a non-positive bucket side.
+    """
+    if crop_style not in CROP_STYLES:
+        raise ValueError(f"crop_style {crop_style!r} is not one of {', '.join(CROP_STYLES)}")
+    target_w, target_h = int(bucket[0]), int(bucket[1])
+    if target_w <= 0 or target_h <= 0:
+        raise ValueError(f"bucket sides must be positive, got {target_w}x{target_h}")
+    image = to_rgb(image)
+    width, height = image.size
+    scale = max(target_w / width, target_h / height)
+    # ``max`` guards against rounding a side to one pixel short of the bucket.
+    resized_w = max(target_w, round(width * scale))
+    resized_h = max(target_h, round(height * scale))
+    if (resized_w, resized_h) != (width, height):
+        resample = Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC
+        image = image.resize((resized_w, resized_h), resample=resample, reducing_gap=3.0 if scale < 1 else None)
+    if crop_style == "center":
+        left = (resized_w - target_w) // 2
+        top = (resized_h - target_h) // 2
+    else:
+        rng = random.Random(crop_seed)
+        left = rng.randint(0, resized_w - target_w)
+        top = rng.randint(0, resized_h - target_h)
+    cropped = image.crop((left, top, left + target_w, top + target_h))
+    array = np.asarray(cropped, dtype=np.uint8)
+    pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).to(torch.float32).div_(127.5).sub_(1.0)
+    info = {
+        "crop_top": top,
+        "crop_left": left,
+        "original_size": (width, height),
+        "target_size": (target_w, target_h),
+    }
+    return pixels.contiguous(), info

@@ -1,0 +1,244 @@
+"""Dataset metadata: one scan of the files gives each image its caption, size and bucket.
+
+The scan reads image headers only (no pixel decoding), so it stays fast on large folders.
+Broken files are skipped and reported; too many of them stops the run, because a dataset
+that is mostly unreadable usually means a wrong folder or a failed copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend, SupportsReadHead
+from simpletuner.data_backend.buckets import bucket_for
+from simpletuner.data_backend.images import read_image_size
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+#: Bytes read first to parse a JPEG/PNG header (a JPEG's EXIF segment is at most 64 KiB);
+#: the whole file is read only if that fails. WebP keeps EXIF at the end: always read whole.
+HEADER_BYTES = 256 * 1024
+_PREFIX_PARSABLE = frozenset({".jpg", ".jpeg", ".png"})
+#: Bad files named in an error message or warning.
+NUM_BAD_FILES_SHOWN = 10
+
+_TRAILING_NUMBER = re.compile(r"(?:[\s_\-]+\d+)+$")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training image: where it is, its caption, and the bucket and crop it trains at."""
+
+    key: str  # f"{dataset_id}/{path}": unique across datasets, the cache key's sample part
+    dataset_id: str
+    path: str  # relative to the dataset root
+    caption: str
+    original_size: tuple[int, int]  # (width, height) after EXIF orientation
+    bucket: tuple[int, int]  # (width, height) it is cropped to
+    crop_style: str
+    crop_seed: int
+
+
+@dataclass
+class DatasetMetadata:
+    """The result of scanning one dataset.
+
+    ``samples`` holds each image ``1 + repeats`` times; ``bad_files`` lists skipped files as
+    ``(path, reason)``; ``caption_sources`` counts where captions came from (``textfile``,
+    ``instance_prompt`` or ``filename``), per distinct image.
+    """
+
+    samples: list[Sample] = field(default_factory=list)
+    bad_files: list[tuple[str, str]] = field(default_factory=list)
+    caption_sources: dict[str, int] = field(default_factory=dict)
+    num_files: int = 0  # image files found, readable or not
+
+    def drop_unreadable(self, dataset_id: str, root: str, failures: dict[str, str], limit: float) -> None:
+        """Remove samples whose image failed to decode after the header scan (e.g. a cut-off
+        body), record them as bad files, and apply ``max_bad_image_fraction`` again."""
+        if not failures:
+            return
+        self.samples = [s for s in self.samples if s.path not in failures]
+        self.bad_files.extend(sorted(failures.items()))
+        _check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit)
+        if not self.samples:
+            raise ValueError(f"dataset {dataset_id!r}: no image under {root} could be decoded:\n{_format_bad(self.bad_files)}")
+
+
+def caption_from_filename(path: str) -> str:
+    """``"photos/red_cat-on_mat_001.png"`` -> ``"red cat on mat"``.
+
+    Underscores and dashes become spaces and a trailing number (``_001``, ``-12``) is
+    dropped; a name that is only a number keeps it.
+    """
+    stem = PurePosixPath(path).stem
+    trimmed = _TRAILING_NUMBER.sub("", stem) or stem
+    return " ".join(re.sub(r"[_\-]+", " ", trimmed).split())
+
+
+def _decode_caption(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        logger.warning("caption file %s is not valid UTF-8 (%s); undecodable bytes were replaced", where, exc.reason)
+        return data.decode("utf-8", errors="replace")
+
+
+def caption_for(backend: DataBackend, path: str, dataset_cfg: Any) -> tuple[str, str]:
+    """The caption of the image at ``path`` and where it came from.
+
+    Strategies (``dataset_cfg.caption_strategy``):
+
+    - ``textfile``: the stripped text of the same-named ``.txt`` next to the image; when that
+      is missing or empty, ``instance_prompt``, and without one the file name.
+    - ``filename``: :func:`caption_from_filename`.
+    - ``instance_prompt``: ``dataset_cfg.instance_prompt`` for every image.
+
+    Returns:
+        ``(caption, source)`` with source ``"textfile"``, ``"instance_prompt"`` or ``"filename"``.
+    """
+    strategy = dataset_cfg.caption_strategy
+    if strategy == "textfile":
+        text_path = PurePosixPath(path).with_suffix(".txt").as_posix()
+        if backend.exists(text_path):
+            caption = _decode_caption(backend.read(text_path), f"{backend.id}/{text_path}").strip()
+            if caption:
+                return caption, "textfile"
+        if dataset_cfg.instance_prompt:
+            return dataset_cfg.instance_prompt, "instance_prompt"
+        return caption_from_filename(path), "filename"
+    if strategy == "filename":
+        return caption_from_filename(path), "filename"
+    if strategy == "instance_prompt":
+        if not dataset_cfg.instance_prompt:
+            raise ValueError(
+                f"dataset {backend.id!r}: caption_strategy 'instance_prompt' needs `instance_prompt`; "
+                "add the caption every image should get"
+            )
+        return dataset_cfg.instance_prompt, "instance_prompt"
+    raise ValueError(
+        f"dataset {backend.id!r}: unknown caption_strategy {strategy!r}; use textfile, filename or instance_prompt"
+    )
+
+
+def crop_seed_for(seed: int, key: str) -> int:
+    """A stable non-negative 63-bit seed from the run seed and the sample key (sha256)."""
+    digest = hashlib.sha256(f"{seed}\x00{key}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _image_size(backend: DataBackend, path: str) -> tuple[int, int]:
+    """Header-only size; reads a prefix where the backend can, the whole file otherwise."""
+    if isinstance(backend, SupportsReadHead) and PurePosixPath(path).suffix.lower() in _PREFIX_PARSABLE:
+        head = backend.read_head(path, HEADER_BYTES)
+        if not head:
+            raise ValueError("empty file (0 bytes)")
+        try:
+            return read_image_size(head)
+        except ValueError:
+            if len(head) < HEADER_BYTES:
+                raise  # that was the whole file
+    return read_image_size(backend.read(path))
+
+
+def _describe_root(backend: DataBackend, dataset_cfg: Any) -> str:
+    root = getattr(backend, "root", None) or getattr(dataset_cfg, "instance_data_dir", None)
+    return str(root) if root is not None else f"dataset {backend.id!r}"
+
+
+def _format_bad(bad: list[tuple[str, str]]) -> str:
+    return "\n".join(f"  - {path}: {reason}" for path, reason in bad[:NUM_BAD_FILES_SHOWN])
+
+
+def build_metadata(backend: DataBackend, dataset_cfg: Any, config: "TrainingConfig", seed: int) -> DatasetMetadata:
+    """Scan ``backend`` for images and give each a caption, size, bucket and crop seed.
+
+    Resolution is ``dataset_cfg.resolution`` or ``config.resolution``; buckets are aligned to
+    ``config.aspect_bucket_alignment``. Unreadable files (empty, cut-off header, not an
+    image, no permission) are skipped and listed in ``bad_files``.
+
+    Raises:
+        ValueError: no image files under the root; no readable image; or a larger fraction
+            of unreadable files than ``config.max_bad_image_fraction``.
+    """
+    root = _describe_root(backend, dataset_cfg)
+    resolution = dataset_cfg.resolution or config.resolution
+    alignment = config.aspect_bucket_alignment
+    files = backend.list_files(IMAGE_EXTENSIONS)
+    if not files:
+        raise ValueError(f"no images found under {root} (looked for .jpg, .jpeg, .png, .webp recursively)")
+
+    result = DatasetMetadata(num_files=len(files))
+    sources: Counter[str] = Counter()
+    unique: list[Sample] = []
+    for path in tqdm(files, desc=f"scanning {backend.id}", unit="img", disable=None):
+        try:
+            width, height = _image_size(backend, path)
+        except ValueError as exc:
+            result.bad_files.append((path, str(exc)))
+            continue
+        except OSError as exc:
+            result.bad_files.append((path, f"cannot read file: {exc.strerror or exc}"))
+            continue
+        caption, source = caption_for(backend, path, dataset_cfg)
+        sources[source] += 1
+        key = f"{backend.id}/{path}"
+        unique.append(
+            Sample(
+                key=key,
+                dataset_id=backend.id,
+                path=path,
+                caption=caption,
+                original_size=(width, height),
+                bucket=bucket_for(width, height, resolution, alignment),
+                crop_style=dataset_cfg.crop_style,
+                crop_seed=crop_seed_for(seed, key),
+            )
+        )
+
+    _check_bad_files(backend.id, root, len(files), result.bad_files, config.max_bad_image_fraction)
+    if not unique:
+        raise ValueError(
+            f"dataset {backend.id!r}: none of the {len(files)} image files under {root} could be read:\n"
+            f"{_format_bad(result.bad_files)}\nfix or replace these files"
+        )
+    if dataset_cfg.caption_strategy == "textfile" and sources["textfile"] < len(unique):
+        logger.warning(
+            "dataset %r: %d of %d images have no (or an empty) caption .txt file; captioned from %s",
+            backend.id,
+            len(unique) - sources["textfile"],
+            len(unique),
+            "instance_prompt" if dataset_cfg.instance_prompt else "the file name",
+        )
+    repeats = getattr(dataset_cfg, "repeats", 0)
+    result.samples = unique * (1 + repeats)
+    result.caption_sources = dict(sources)
+    return result
+
+
+def _check_bad_files(dataset_id: str, root: str, total: int, bad: list[tuple[str, str]], limit: float) -> None:
+    """Raise when too many files were unreadable; otherwise warn about the skipped ones."""
+    if not bad:
+        return
+    fraction = len(bad) / total
+    if fraction > limit:
+        raise ValueError(
+            f"dataset {dataset_id!r}: {len(bad)} of {total} image files under {root} could not be read "
+            f"({fraction:.1%}), more than max_bad_image_fraction={limit} ({limit:.1%}). "
+            f"First {min(len(bad), NUM_BAD_FILES_SHOWN)}:\n{_format_bad(bad)}\n"
+            "Fix or remove these files, or raise `max_bad_image_fraction` in the config to skip them."
+        )
+    shown = ", ".join(f"{path} ({reason})" for path, reason in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    logger.warning("dataset %r: skipped %d unreadable file(s) of %d: %s%s", dataset_id, len(bad), total, shown, more)

@@ -12,7 +12,14 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from simpletuner.configuration.schema import CacheConfig, LocalDatasetConfig, TrainingConfig
+from simpletuner.configuration.schema import (
+    CacheConfig,
+    GH200Optimizations,
+    InMemoryDatasetConfig,
+    InMemoryOptions,
+    LocalDatasetConfig,
+    TrainingConfig,
+)
 
 HEADER = """# Configuration reference
 
@@ -69,10 +76,17 @@ def render() -> str:
         model_table(TrainingConfig),
         "\n## `cache_config`\n",
         model_table(CacheConfig),
+        "\n## `gh200_optimizations`\n",
+        model_table(GH200Optimizations),
         "\n## Dataset entries (`datasets[]`)\n",
         "Each entry is an object whose `type` picks the storage backend.\n",
         "### `type: \"local\"`\n",
         model_table(LocalDatasetConfig),
+        "\n### `type: \"in_memory\"`\n",
+        "The same keys as `local`, plus `in_memory`:\n",
+        model_table(InMemoryDatasetConfig),
+        "\n#### `in_memory`\n",
+        model_table(InMemoryOptions),
         "",
     ]
     return "\n".join(parts)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable
+from typing import Any, Iterable, get_args
 
 from pydantic import BaseModel, ValidationError
 
@@ -22,44 +22,53 @@ class ConfigError(ValueError):
 def format_path(loc: Iterable[Any]) -> str:
     """``('datasets', 0, 'local', 'crop')`` -> ``datasets[0].crop`` (union tags dropped)."""
     out = ""
+    previous = None
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif out and part in _UNION_TAGS:
-            continue  # pydantic inserts the discriminator value into the path
+        elif isinstance(previous, int) and part in _UNION_TAGS:
+            pass  # pydantic puts the discriminator value right after the list index
         else:
             out += f".{part}" if out else str(part)
+        previous = part
     return out or "(top level)"
 
 
-_UNION_TAGS: set[str] = {"local"}
+_UNION_TAGS: set[str] = {"local", "in_memory"}
 
 
-def _model_at(model: type[BaseModel], loc: tuple, raw: Any) -> type[BaseModel] | None:
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class that owns the field at ``loc`` (for 'did you mean')."""
-    current: Any = model
+    candidates: list[type[BaseModel]] = [model]
+    previous = None
     for part in loc[:-1]:
-        if isinstance(part, int) or part in _UNION_TAGS:
+        skip = isinstance(part, int) or (isinstance(previous, int) and part in _UNION_TAGS)
+        previous = part
+        if skip:
             continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
+        found: list[type[BaseModel]] = []
+        for cand in candidates:
+            field = cand.model_fields.get(part)
+            if field is not None:
+                found.extend(_models_in(field.annotation))
+        if not found:
             return None
-        field = current.model_fields.get(part)
-        if field is None:
-            return None
-        current = _inner_model(field.annotation)
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+        candidates = found
+    tag = loc[-2] if len(loc) >= 3 and isinstance(loc[-3], int) else None
+    for cand in candidates:  # a union member whose `type` matches the tag pydantic put in the path
+        type_field = cand.model_fields.get("type")
+        if tag is not None and type_field is not None and tag in get_args(type_field.annotation):
+            return cand
+    return candidates[0]
 
 
-def _inner_model(annotation: Any) -> Any:
-    from typing import get_args
-
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
+        return [annotation]
+    found: list[type[BaseModel]] = []
     for arg in get_args(annotation):
-        found = _inner_model(arg)
-        if found is not None:
-            return found
-    return None
+        found.extend(_models_in(arg))
+    return found
 
 
 def _describe(err: dict, model: type[BaseModel]) -> list[str]:
@@ -68,7 +77,7 @@ def _describe(err: dict, model: type[BaseModel]) -> list[str]:
     value = err.get("input")
     if kind == "extra_forbidden":
         key = err["loc"][-1]
-        owner = _model_at(model, tuple(err["loc"]), None)
+        owner = _model_at(model, tuple(err["loc"]))
         hint = ""
         if owner is not None:
             close = difflib.get_close_matches(str(key), list(owner.model_fields), n=1)

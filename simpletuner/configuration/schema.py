@@ -18,10 +18,9 @@ class _Strict(BaseModel):
 CaptionStrategy = Literal["textfile", "filename", "instance_prompt"]
 
 
-class LocalDatasetConfig(_Strict):
-    """A folder of images on local disk (searched recursively)."""
+class _FolderDatasetConfig(_Strict):
+    """Fields every folder-of-images dataset shares, whatever its storage backend."""
 
-    type: Literal["local"] = Field(..., description="Storage backend: `local` reads files from disk. Required.")
     id: str = Field(..., min_length=1, description="Unique name of this dataset; used in cache paths and logs.")
     instance_data_dir: str = Field(..., description="Folder searched recursively for .jpg/.jpeg/.png/.webp images.")
     dataset_type: Literal["image"] = Field("image", description="Kind of samples in the folder.")
@@ -43,23 +42,97 @@ class LocalDatasetConfig(_Strict):
     repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
 
     @model_validator(mode="after")
-    def _prompt_needed(self) -> "LocalDatasetConfig":
+    def _prompt_needed(self):
         if self.caption_strategy == "instance_prompt" and not self.instance_prompt:
             raise ValueError("caption_strategy 'instance_prompt' needs `instance_prompt`: add the caption every image should get")
         return self
 
 
+class LocalDatasetConfig(_FolderDatasetConfig):
+    """A folder of images on local disk (searched recursively), read when needed."""
+
+    type: Literal["local"] = Field(..., description="Storage backend: `local` reads files from disk. Required.")
+
+
+class InMemoryOptions(_Strict):
+    """How an `in_memory` dataset is staged in CPU RAM."""
+
+    compression: Literal["lz4", "zlib", "snappy", "none"] = Field(
+        "none",
+        description=(
+            "Codec for staged bytes. Applied to files that compress (captions, raw formats); already-compressed "
+            "images (JPEG/PNG/WebP) are kept as they are unless `compress_encoded_images` is true."
+        ),
+    )
+    compress_encoded_images: bool = Field(False, description="Also compress JPEG/PNG/WebP bytes (usually gains ~0% and costs CPU).")
+    num_workers: Optional[int] = Field(None, ge=1, description="Parallel loader threads; default min(72, CPU count).")
+    memory_limit_gb: Optional[float] = Field(
+        None, gt=0, description="Refuse to stage (before reading anything) when the estimated bytes exceed this many GB."
+    )
+
+
+class InMemoryDatasetConfig(_FolderDatasetConfig):
+    """A folder of images staged whole in CPU RAM at start-up (GH200 / GB10: no disk I/O while training)."""
+
+    type: Literal["in_memory"] = Field(..., description="Storage backend: `in_memory` stages every file in RAM at start-up.")
+    in_memory: InMemoryOptions = Field(default_factory=InMemoryOptions, description="Staging options; see the table below.")
+
+
 # Discriminated on ``type``. A new storage backend adds its config class here and one line to
 # ``simpletuner.data_backend.factory.BUILDERS``.
-DatasetConfig = Annotated[Union[LocalDatasetConfig], Field(discriminator="type")]
+DatasetConfig = Annotated[Union[LocalDatasetConfig, InMemoryDatasetConfig], Field(discriminator="type")]
+
+
+CacheType = Literal["disk", "memory", "unified_memory"]
 
 
 class CacheConfig(_Strict):
     """Where VAE latents and text embeddings are cached."""
 
     cache_dir: str = Field("cache", description="Root folder of the latent and text-embedding caches (relative paths are taken from the working directory).")
-    vae_cache_type: Literal["disk"] = Field("disk", description="Storage of the VAE-latent cache.")
-    text_cache_type: Literal["disk"] = Field("disk", description="Storage of the text-embedding cache.")
+    vae_cache_type: CacheType = Field(
+        "disk",
+        description=(
+            "`disk`: read from disk each batch; `memory`: held in CPU RAM; `unified_memory`: held in CUDA managed "
+            "memory advised to stay in CPU RAM and prefetched to the GPU before use (pinned CPU memory where managed "
+            "memory is unavailable)."
+        ),
+    )
+    text_cache_type: CacheType = Field(
+        "disk", description="As `vae_cache_type`, for text embeddings; `unified_memory` advises them to stay in GPU memory."
+    )
+    persistent_cache: bool = Field(
+        True, description="Also write `memory` / `unified_memory` caches to `cache_dir` and load them from there next run."
+    )
+
+
+class GH200Optimizations(_Strict):
+    """Unified-memory hints and the gradient-accumulation ramp."""
+
+    enable_uvm_hints: Optional[bool] = Field(
+        None,
+        description=(
+            "Force unified-memory placement hints on or off. Default: on when a cache is `unified_memory`, else "
+            "the environment variable SIMPLETUNER_GH200_UVM_HINTS (1/0), else off."
+        ),
+    )
+    enable_batch_size_rampup: bool = Field(False, description="Ramp the effective batch from `initial_effective_batch_size` to `target_effective_batch_size`.")
+    initial_effective_batch_size: Optional[int] = Field(None, ge=1, description="Effective batch (samples per optimizer step, all processes) at the start of the ramp.")
+    target_effective_batch_size: Optional[int] = Field(None, ge=1, description="Effective batch at the end of the ramp; a multiple of train_batch_size x processes.")
+    batch_rampup_steps: int = Field(0, ge=0, description="Micro-batches over which the ramp goes from initial to target (0: target at once).")
+
+    @model_validator(mode="after")
+    def _ramp_complete(self) -> "GH200Optimizations":
+        if self.enable_batch_size_rampup:
+            missing = [k for k in ("initial_effective_batch_size", "target_effective_batch_size") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(f"enable_batch_size_rampup needs {' and '.join(missing)}")
+            if self.initial_effective_batch_size > self.target_effective_batch_size:
+                raise ValueError(
+                    f"initial_effective_batch_size {self.initial_effective_batch_size} is larger than "
+                    f"target_effective_batch_size {self.target_effective_batch_size}: the ramp only grows"
+                )
+        return self
 
 
 class TrainingConfig(_Strict):
@@ -83,6 +156,9 @@ class TrainingConfig(_Strict):
     aspect_bucket_alignment: int = Field(64, gt=0, description="Bucket sides are multiples of this (64 for SD; must be a multiple of the VAE factor times the UNet's down factor).")
     max_bad_image_fraction: float = Field(0.05, ge=0, le=1, description="Abort when more than this fraction of a dataset's images cannot be read.")
     cache_config: CacheConfig = Field(default_factory=CacheConfig, description="Cache placement; see the cache table below.")
+    gh200_optimizations: GH200Optimizations = Field(
+        default_factory=GH200Optimizations, description="Unified-memory hints and the accumulation ramp; see the table below."
+    )
 
     # --- schedule ---
     train_batch_size: int = Field(1, ge=1, description="Micro-batch size per process.")
@@ -148,6 +224,14 @@ class TrainingConfig(_Strict):
             problems.append(
                 f"`resolution` {self.resolution} is not a multiple of `aspect_bucket_alignment` {self.aspect_bucket_alignment}"
             )
+        ramp = self.gh200_optimizations
+        if ramp.enable_batch_size_rampup:
+            for key in ("initial_effective_batch_size", "target_effective_batch_size"):
+                value = getattr(ramp, key)
+                if value is not None and value % self.train_batch_size:
+                    problems.append(
+                        f"gh200_optimizations.{key} {value} is not a multiple of train_batch_size {self.train_batch_size}"
+                    )
         if self.validation_steps is not None and not self.validation_prompt:
             problems.append("`validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps")
         if problems:

@@ -14,16 +14,9 @@ def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter]
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_epsilon,
-            weight_decay=config.weight_decay,
-        )
-    if config.optimizer == "adam":
-        return torch.optim.Adam(
+    adam = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(config.optimizer)
+    if adam is not None:
+        return adam(
             params,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),

@@ -53,3 +53,28 @@ def make_config(tiny_sd, shapes_dir, tmp_path):
         return raw
 
     return _make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `gpu` where no CUDA device is usable (they run on a lent GPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_runtime():
+    """A recording fake CUDA runtime (GH200-like) installed for one test; hint state reset."""
+    from fake_cuda import FakeRuntime
+
+    from simpletuner.gh200 import uvm
+    from simpletuner.gh200.runtime import use_runtime
+
+    uvm._reset_for_tests()
+    runtime = FakeRuntime()
+    with use_runtime(runtime):
+        yield runtime
+    uvm._reset_for_tests()

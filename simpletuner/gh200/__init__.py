@@ -1,1 +1,37 @@
-"""GH200 / GB10 layer: unified-memory hints, in-memory datasets, the accumulation ramp."""
+"""GH200 / GB10 layer: unified-memory hints, in-memory datasets, the accumulation ramp.
+
+- :mod:`.uvm`: ``gh200_uvm_enabled``, ``prefer_cpu_residency``, ``prefer_gpu_residency``,
+  ``prefetch_to_device``, ``optimize_batch_for_gh200``, ``set_uvm_hint_override``, ``to_unified``.
+- :mod:`.runtime`: the CUDA runtime behind them (managed pool via cuda-bindings), injectable.
+- :mod:`.in_memory_backend`: ``GH200InMemoryBackend`` (dataset ``type: "in_memory"``); :mod:`.codecs`.
+- :mod:`.ramp`: ``GH200GradientRamp``; :mod:`.wiring`: ``Trainer._configure_gh200_runtime``'s logic.
+- :mod:`.diagnostic`: what ``gh200_diagnostic.py`` runs.
+
+Names are imported lazily (``from simpletuner.gh200 import GH200GradientRamp`` works) so that
+importing one submodule does not pull in the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "gh200_uvm_enabled": "uvm",
+    "prefer_cpu_residency": "uvm",
+    "prefer_gpu_residency": "uvm",
+    "prefetch_to_device": "uvm",
+    "optimize_batch_for_gh200": "uvm",
+    "set_uvm_hint_override": "uvm",
+    "to_unified": "uvm",
+    "unified_memory_status": "uvm",
+    "GH200GradientRamp": "ramp",
+    "GH200InMemoryBackend": "in_memory_backend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

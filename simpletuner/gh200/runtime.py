@@ -1,0 +1,375 @@
+"""The CUDA runtime behind the unified-memory layer, injectable so every code path runs on CPU.
+
+:class:`CudaBindingsRuntime` is the real one: managed memory from a process-lifetime pool
+(``cudaMallocManaged`` through ``cuda.bindings.runtime``, wrapped with
+``torch._C._cuda_customAllocator`` and used through ``torch.cuda.MemPool``), plus
+``cudaMemAdvise`` / ``cudaMemPrefetchAsync`` on managed pointers only. Where anything is
+missing (no CUDA build, no device, no cuda-bindings, no managed-memory support) it says why
+through :meth:`unavailable_reason` and the callers fall back.
+
+Tests install a recording fake with :func:`use_runtime`; nothing else in the package talks to
+CUDA for unified memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from typing import Iterator, Literal, Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Where memory should live: the CPU, or a CUDA device ordinal.
+Location = Literal["cpu"] | int
+#: The advice kinds we use (cudaMemAdviseSet*).
+Advice = Literal["preferred_location", "accessed_by", "read_mostly"]
+
+INSTALL_HINT = "pip install 'simpletuner[gh200]'"
+
+
+@dataclass(frozen=True)
+class DeviceMemoryInfo:
+    """What a CUDA device reports about its memory (from device attributes, never its name)."""
+
+    index: int
+    name: str
+    compute_capability: tuple[int, int]
+    total_bytes: int
+    managed_memory: bool
+    concurrent_managed_access: bool
+    pageable_memory_access: bool
+    pageable_uses_host_page_tables: bool
+    integrated: bool
+
+    @property
+    def unified(self) -> bool:
+        """CPU and GPU share memory (GB10) or the GPU reads host memory through ATS (GH200)."""
+        return self.integrated or (self.pageable_memory_access and self.pageable_uses_host_page_tables)
+
+    @property
+    def kind(self) -> str:
+        if self.integrated:
+            return "integrated (CPU and GPU share one memory, e.g. GB10)"
+        if self.unified:
+            return "coherent (GPU reads host memory through host page tables, e.g. GH200)"
+        return "discrete (GPU memory separate from host RAM)"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "unified": self.unified, "kind": self.kind}
+
+
+class UnifiedMemoryRuntime(Protocol):
+    """What the unified-memory layer needs from CUDA."""
+
+    def unavailable_reason(self) -> str | None:
+        """None when managed memory can be used; otherwise why not, in words."""
+
+    def cuda_available(self) -> bool:
+        """Whether a CUDA device is usable at all (pinned memory needs one)."""
+
+    def device_info(self, index: int | None = None) -> DeviceMemoryInfo | None: ...
+
+    def current_device(self) -> int: ...
+
+    def managed_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in managed memory from the process-lifetime pool."""
+
+    def is_managed(self, tensor: torch.Tensor) -> bool: ...
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A page-locked CPU copy (needs a CUDA device)."""
+
+    def advise(self, tensor: torch.Tensor, advice: Advice, location: Location) -> None: ...
+
+    def prefetch(self, tensor: torch.Tensor, location: Location, stream: int | None = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the current device."""
+
+    def versions(self) -> dict[str, str | None]:
+        """torch, CUDA build, driver, cuda-bindings versions (None where absent)."""
+
+
+class NoCudaRuntime:
+    """No managed memory, for a stated reason (also what tests use for "no CUDA")."""
+
+    def __init__(self, reason: str = "no CUDA device (torch.cuda.is_available() is False)", cuda: bool = False):
+        self.reason = reason
+        self._cuda = cuda
+
+    def unavailable_reason(self) -> str | None:
+        return self.reason
+
+    def cuda_available(self) -> bool:
+        return self._cuda
+
+    def device_info(self, index: int | None = None) -> DeviceMemoryInfo | None:
+        return None
+
+    def current_device(self) -> int:
+        return 0
+
+    def managed_empty(self, shape, dtype):
+        raise RuntimeError(f"managed memory is unavailable: {self.reason}")
+
+    def is_managed(self, tensor) -> bool:
+        return False
+
+    def pin(self, tensor):
+        if not self._cuda:
+            raise RuntimeError(f"pinned memory needs a CUDA device: {self.reason}")
+        return tensor.pin_memory()
+
+    def advise(self, tensor, advice, location) -> None:
+        raise RuntimeError(f"managed memory is unavailable: {self.reason}")
+
+    def prefetch(self, tensor, location, stream=None) -> None:
+        raise RuntimeError(f"managed memory is unavailable: {self.reason}")
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def versions(self) -> dict[str, str | None]:
+        return {"torch": torch.__version__, "cuda_build": torch.version.cuda, "driver": None, "cuda_bindings": None}
+
+
+class CudaBindingsRuntime:
+    """Managed memory through ``cuda.bindings.runtime`` (the ``[gh200]`` extra)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pool = None
+        self._callbacks = None  # ctypes trampolines: must live as long as the process
+        self._rt = None
+        self._reason: str | None = None
+        self._checked = False
+        self._location_struct: bool | None = None
+
+    # --- availability ---
+    def _bindings(self):
+        if self._rt is None:
+            from cuda.bindings import runtime  # type: ignore[import-not-found]
+
+            self._rt = runtime
+        return self._rt
+
+    def cuda_available(self) -> bool:
+        return torch.version.cuda is not None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str | None:
+        if not self._checked:
+            self._reason = self._find_reason()
+            self._checked = True
+        return self._reason
+
+    def _find_reason(self) -> str | None:
+        if torch.version.cuda is None:
+            return f"this PyTorch build ({torch.__version__}) has no CUDA"
+        if not torch.cuda.is_available():
+            return "no CUDA device (torch.cuda.is_available() is False)"
+        try:
+            self._bindings()
+        except ImportError:
+            return f"cuda-bindings is not installed ({INSTALL_HINT})"
+        info = self.device_info()
+        if info is None or not info.managed_memory:
+            return f"device {self.current_device()} does not support managed memory"
+        return None
+
+    def _attr(self, name: str, index: int) -> int:
+        rt = self._bindings()
+        err, value = rt.cudaDeviceGetAttribute(getattr(rt.cudaDeviceAttr, name), index)
+        self._check(err, f"cudaDeviceGetAttribute({name})")
+        return int(value)
+
+    def device_info(self, index: int | None = None) -> DeviceMemoryInfo | None:
+        if not self.cuda_available():
+            return None
+        index = self.current_device() if index is None else index
+        props = torch.cuda.get_device_properties(index)
+        try:
+            attrs = {
+                name: bool(self._attr(attr, index))
+                for name, attr in (
+                    ("managed_memory", "cudaDevAttrManagedMemory"),
+                    ("concurrent_managed_access", "cudaDevAttrConcurrentManagedAccess"),
+                    ("pageable_memory_access", "cudaDevAttrPageableMemoryAccess"),
+                    ("pageable_uses_host_page_tables", "cudaDevAttrPageableMemoryAccessUsesHostPageTables"),
+                )
+            }
+        except ImportError:
+            attrs = dict.fromkeys(
+                ("managed_memory", "concurrent_managed_access", "pageable_memory_access", "pageable_uses_host_page_tables"), False
+            )
+        return DeviceMemoryInfo(
+            index=index,
+            name=props.name,
+            compute_capability=(props.major, props.minor),
+            total_bytes=int(props.total_memory),
+            integrated=bool(getattr(props, "is_integrated", False)),
+            **attrs,
+        )
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device() if self.cuda_available() else 0
+
+    # --- the managed pool ---
+    def _check(self, result, what: str) -> None:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self._bindings().cudaError_t.cudaSuccess:
+            raise RuntimeError(f"{what} failed: {err}")
+
+    def _make_pool(self):
+        rt = self._bindings()
+        alloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+        free_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+        def alloc(size, device, stream):
+            err, ptr = rt.cudaMallocManaged(size, rt.cudaMemAttachGlobal)
+            if err != rt.cudaError_t.cudaSuccess:
+                logger.error("cudaMallocManaged(%d bytes) failed: %s", size, err)
+                return 0  # the caching allocator turns this into an OOM error
+            return int(ptr)
+
+        def free(ptr, size, device, stream):
+            if ptr:
+                try:
+                    rt.cudaFree(ptr)
+                except Exception:  # interpreter shutdown: nothing left to report to
+                    pass
+
+        self._callbacks = (alloc_t(alloc), free_t(free))
+        alloc_ptr = ctypes.cast(self._callbacks[0], ctypes.c_void_p).value
+        free_ptr = ctypes.cast(self._callbacks[1], ctypes.c_void_p).value
+        allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
+        return torch.cuda.MemPool(allocator=allocator)
+
+    def managed_empty(self, shape, dtype):
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"managed memory is unavailable: {reason}")
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._make_pool()
+                logger.info("managed-memory pool created on cuda:%d", self.current_device())
+            with torch.cuda.use_mem_pool(self._pool):
+                return torch.empty(shape, dtype=dtype, device=f"cuda:{self.current_device()}")
+
+    def pool_stats(self) -> dict | None:
+        """Bytes the managed pool holds, or None before the first managed allocation."""
+        if self._pool is None:
+            return None
+        snapshot = self._pool.snapshot()
+        return {"segments": len(snapshot), "reserved_bytes": sum(s.get("total_size", 0) for s in snapshot)}
+
+    def is_managed(self, tensor: torch.Tensor) -> bool:
+        if not tensor.is_cuda or self.unavailable_reason() is not None:
+            return False
+        rt = self._bindings()
+        err, attrs = rt.cudaPointerGetAttributes(tensor.data_ptr())
+        if err != rt.cudaError_t.cudaSuccess:
+            return False
+        return attrs.type == rt.cudaMemoryType.cudaMemoryTypeManaged
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    # --- advice and prefetch (cuda-bindings 13 takes a cudaMemLocation, 12.x a device int) ---
+    def _location(self, location: Location):
+        rt = self._bindings()
+        if self._location_struct is None:
+            self._location_struct = hasattr(rt, "cudaMemLocation")
+        if not self._location_struct:
+            return -1 if location == "cpu" else int(location)  # cudaCpuDeviceId is -1
+        loc = rt.cudaMemLocation()
+        if location == "cpu":
+            loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
+            loc.id = 0
+        else:
+            loc.type = rt.cudaMemLocationType.cudaMemLocationTypeDevice
+            loc.id = int(location)
+        return loc
+
+    def advise(self, tensor, advice, location) -> None:
+        rt = self._bindings()
+        kind = {
+            "preferred_location": rt.cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation,
+            "accessed_by": rt.cudaMemoryAdvise.cudaMemAdviseSetAccessedBy,
+            "read_mostly": rt.cudaMemoryAdvise.cudaMemAdviseSetReadMostly,
+        }[advice]
+        nbytes = tensor.untyped_storage().nbytes()
+        self._check(rt.cudaMemAdvise(tensor.data_ptr(), nbytes, kind, self._location(location)), f"cudaMemAdvise({advice})")
+
+    def prefetch(self, tensor, location, stream=None) -> None:
+        rt = self._bindings()
+        nbytes = tensor.untyped_storage().nbytes()
+        if stream is None:
+            stream = torch.cuda.current_stream().cuda_stream
+        loc = self._location(location)
+        if self._location_struct:
+            result = rt.cudaMemPrefetchAsync(tensor.data_ptr(), nbytes, loc, 0, stream)
+        else:
+            result = rt.cudaMemPrefetchAsync(tensor.data_ptr(), nbytes, loc, stream)
+        self._check(result, "cudaMemPrefetchAsync")
+
+    def synchronize(self) -> None:
+        if self.cuda_available():
+            torch.cuda.synchronize()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        if not self.cuda_available():
+            return (0, 0)
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
+    def versions(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "driver": None, "cuda_bindings": None}
+        try:
+            import cuda.bindings  # type: ignore[import-not-found]
+
+            out["cuda_bindings"] = getattr(cuda.bindings, "__version__", "installed")
+            err, version = self._bindings().cudaDriverGetVersion()
+            if err == self._bindings().cudaError_t.cudaSuccess:
+                out["driver"] = f"{version // 1000}.{version % 1000 // 10}"
+        except ImportError:
+            pass
+        return out
+
+
+_runtime: UnifiedMemoryRuntime | None = None
+
+
+def get_runtime() -> UnifiedMemoryRuntime:
+    """The runtime in use: the real one unless a test installed another."""
+    global _runtime
+    if _runtime is None:
+        _runtime = CudaBindingsRuntime()
+    return _runtime
+
+
+def set_runtime(runtime: UnifiedMemoryRuntime | None) -> None:
+    """Install ``runtime`` (None: back to the real one, created on next use)."""
+    global _runtime
+    _runtime = runtime
+
+
+@contextlib.contextmanager
+def use_runtime(runtime: UnifiedMemoryRuntime) -> Iterator[UnifiedMemoryRuntime]:
+    """Use ``runtime`` inside the block, then restore the previous one."""
+    global _runtime
+    previous = _runtime
+    _runtime = runtime
+    try:
+        yield runtime
+    finally:
+        _runtime = previous

@@ -1,0 +1,102 @@
+"""A recording stand-in for the CUDA runtime of ``simpletuner.gh200.runtime``.
+
+CUDA cannot exist on the test machine, so the unified-memory layer is exercised against this
+fake: "managed" tensors are CPU tensors the fake remembers by storage pointer, and every
+advice, prefetch, pin and allocation is appended to ``calls`` with its sizes and locations.
+Presets model the machines we care about by their attributes (not their names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from simpletuner.gh200.runtime import DeviceMemoryInfo
+
+GIB = 1024**3
+
+
+def gh200_info() -> DeviceMemoryInfo:
+    return DeviceMemoryInfo(0, "NVIDIA GH200 480GB", (9, 0), 96 * GIB, True, True, True, True, False)
+
+
+def gb10_info() -> DeviceMemoryInfo:
+    return DeviceMemoryInfo(0, "NVIDIA GB10", (12, 1), 119 * GIB, True, True, True, True, True)
+
+
+def discrete_info() -> DeviceMemoryInfo:
+    return DeviceMemoryInfo(0, "NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB, True, True, False, False, False)
+
+
+@dataclass
+class Call:
+    op: str
+    nbytes: int = 0
+    location: object = None
+    detail: object = None
+
+
+@dataclass
+class FakeRuntime:
+    """Managed memory "works"; ``reason`` set makes it unavailable (with ``cuda`` for pinned)."""
+
+    info: DeviceMemoryInfo | None = field(default_factory=gh200_info)
+    reason: str | None = None
+    cuda: bool = True
+    free_bytes: int | None = None
+    calls: list[Call] = field(default_factory=list)
+    _managed: set[int] = field(default_factory=set)
+    synchronized: int = 0
+
+    def unavailable_reason(self):
+        return self.reason
+
+    def cuda_available(self):
+        return self.cuda
+
+    def device_info(self, index=None):
+        return self.info
+
+    def current_device(self):
+        return 0
+
+    def managed_empty(self, shape, dtype):
+        if self.reason is not None:
+            raise RuntimeError(self.reason)
+        t = torch.empty(shape, dtype=dtype)
+        self._managed.add(t.untyped_storage().data_ptr())
+        self.calls.append(Call("managed_alloc", t.untyped_storage().nbytes(), detail=tuple(shape)))
+        return t
+
+    def is_managed(self, tensor):
+        return tensor.untyped_storage().data_ptr() in self._managed
+
+    def pin(self, tensor):
+        if not self.cuda:
+            raise RuntimeError("pinned memory needs CUDA")
+        self.calls.append(Call("pin", tensor.untyped_storage().nbytes()))
+        return tensor.clone()
+
+    def advise(self, tensor, advice, location):
+        assert self.is_managed(tensor), "advice on a pointer that is not managed"
+        self.calls.append(Call("advise", tensor.untyped_storage().nbytes(), location, advice))
+
+    def prefetch(self, tensor, location, stream=None):
+        assert self.is_managed(tensor), "prefetch of a pointer that is not managed"
+        self.calls.append(Call("prefetch", tensor.untyped_storage().nbytes(), location, stream))
+
+    def synchronize(self):
+        self.synchronized += 1
+
+    def mem_get_info(self):
+        if self.info is None:
+            return (0, 0)
+        total = self.info.total_bytes
+        return (total if self.free_bytes is None else self.free_bytes, total)
+
+    def versions(self):
+        return {"torch": torch.__version__, "cuda_build": "12.8", "driver": "12.8", "cuda_bindings": "12.8.0"}
+
+    def ops(self, op: str) -> list[Call]:
+        return [c for c in self.calls if c.op == op]

@@ -3,6 +3,7 @@
 - :mod:`.fingerprint`: cache keys over everything that changes a value, plus file and
   encoder-folder identities.
 - :mod:`.store`: :class:`ShardedTensorStore`, atomic safetensors shards on disk.
+- :mod:`.memory_store`: :class:`MemoryTensorStore`, entries in RAM or managed memory.
 - :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``) and
   :func:`open_caches` for a model's ``(vae, text)`` pair.
 - :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind.
@@ -14,6 +15,7 @@ from simpletuner.caching.fingerprint import (
     fingerprint,
     folder_identity,
 )
+from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_caches
 from simpletuner.caching.text_cache import text_cache_key
@@ -22,6 +24,7 @@ from simpletuner.caching.vae_cache import latent_cache_key
 __all__ = [
     "CACHE_FORMAT_VERSION",
     "FillReport",
+    "MemoryTensorStore",
     "ShardedTensorStore",
     "TensorCache",
     "file_stat_identity",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 import torch
 from tqdm import tqdm
 
+from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 
 if TYPE_CHECKING:
@@ -208,17 +209,39 @@ class TensorCache:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
 
 
+def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str):
+    """A disk store, or a memory store (optionally backed by disk) placed per ``kind``."""
+    if kind == "disk":
+        return ShardedTensorStore(folder)
+    backing = ShardedTensorStore(folder) if persistent else None
+    if kind == "memory":
+        return MemoryTensorStore(name, backing=backing)
+    if kind == "unified_memory":
+        from simpletuner.gh200.uvm import prefetch_to_device, to_unified
+
+        return MemoryTensorStore(name, place=lambda t: to_unified(t, prefer), prefetch=prefetch_to_device, backing=backing)
+    raise ValueError(f"cache type {kind!r} is not one of disk, memory, unified_memory")
+
+
 def open_caches(
-    cache_dir: str | os.PathLike[str], model_tag: str, state: "StateTracker | None" = None
+    cache_dir: str | os.PathLike[str],
+    model_tag: str,
+    state: "StateTracker | None" = None,
+    vae_type: str = "disk",
+    text_type: str = "disk",
+    persistent: bool = True,
 ) -> tuple[TensorCache, TensorCache]:
     """Open the ``(vae_cache, text_cache)`` pair of a model under ``cache_dir/model_tag``.
 
     The stores live in ``cache_dir/model_tag/vae`` and ``cache_dir/model_tag/text``; both
     folders are registered with ``state.register_cache_dir`` when a state is given, so
-    ``state.delete_cache_files()`` removes them.
+    ``state.delete_cache_files()`` removes them. ``vae_type`` / ``text_type`` choose
+    `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU);
+    memory stores are written through to disk when ``persistent``.
 
     Raises:
-        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``).
+        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or a
+            cache type is unknown.
     """
     if not isinstance(model_tag, str) or not _MODEL_TAG_PATTERN.match(model_tag):
         raise ValueError(
@@ -227,9 +250,10 @@ def open_caches(
         )
     base = Path(cache_dir) / model_tag
     vae_dir, text_dir = base / "vae", base / "text"
-    vae_cache = TensorCache(ShardedTensorStore(vae_dir), "vae")
-    text_cache = TensorCache(ShardedTensorStore(text_dir), "text")
+    vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae")
+    text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text")
     if state is not None:
-        state.register_cache_dir(vae_dir)
-        state.register_cache_dir(text_dir)
+        for folder, kind in ((vae_dir, vae_type), (text_dir, text_type)):
+            if kind == "disk" or persistent:
+                state.register_cache_dir(folder)
     return vae_cache, text_cache

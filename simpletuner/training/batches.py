@@ -90,7 +90,10 @@ def prepare_caches(
     state=None,
 ) -> tuple[CachedData, _LazyEncoders]:
     """Encode every sample and caption not already cached; returns the data and any loaded encoders."""
-    vae_cache, text_cache = open_caches(cache_dir, spec.family, state)
+    cache = spec.config.cache_config
+    vae_cache, text_cache = open_caches(
+        cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
+    )
     encoders = _LazyEncoders(spec, device, text_dtype)
     image_identity = spec.image_encoder_identity()
     text_identity = spec.text_encoder_identity()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -18,7 +17,9 @@ from simpletuner.data_backend import BucketSampler, build_datasets
 from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training.accumulation import FixedAccumulation
+from simpletuner.gh200.ramp import count_steps
+from simpletuner.gh200.wiring import configure_runtime
+from simpletuner.training.accumulation import AccumulationPolicy
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
 from simpletuner.training.lora import apply_lora, trainable_state
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
@@ -90,6 +91,7 @@ class Trainer:
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
         set_seed(cfg.seed)
+        self.accumulation = self._configure_gh200_runtime()
         # Noise and timesteps: one CPU generator per rank, saved and restored with checkpoints.
         self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
         if acc.is_main_process:
@@ -125,7 +127,6 @@ class Trainer:
         optimizer = build_optimizer(cfg, denoiser.parameters())
         samples = [s for ds in datasets for s in ds.samples]
         self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
-        self.accumulation = FixedAccumulation(cfg.gradient_accumulation_steps)
         self.total_steps = self._total_steps()
         self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps)
         # The schedule is not prepared: Accelerate would step it once per process per step.
@@ -139,12 +140,17 @@ class Trainer:
         self.startup_seconds = clock.phases
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
 
+    def _configure_gh200_runtime(self) -> AccumulationPolicy:
+        """Apply ``cache_config`` / ``gh200_optimizations``: hint override, accumulation policy,
+        decisions recorded in the StateTracker and ``<output_dir>/gh200_runtime.json``."""
+        acc = self.accelerator
+        return configure_runtime(self.state, acc.num_processes, acc.is_main_process, self.output_dir)
+
     def _total_steps(self) -> int:
         cfg = self.config
         if cfg.max_train_steps is not None:
             return cfg.max_train_steps
-        micro = cfg.num_train_epochs * len(self.sampler)
-        return max(1, math.ceil(micro / cfg.gradient_accumulation_steps))
+        return count_steps(self.accumulation, cfg.num_train_epochs * len(self.sampler))
 
     def _identity(self) -> dict:
         cfg = self.config
@@ -191,6 +197,11 @@ class Trainer:
             path = Path(cfg.resume_from_checkpoint).expanduser()
         state = ckpt.read_trainer_state(path)
         ckpt.check_compatible(state, self._identity(), acc.num_processes, path)
+        if state.get("accumulation") != self.accumulation.state_dict():
+            logger.warning(
+                "resuming with a different accumulation schedule (checkpoint %s, config %s): the run continues, "
+                "but not with the window sequence it started with", state.get("accumulation"), self.accumulation.state_dict(),
+            )
         tensors = ckpt.load_tensors(path, acc.process_index)
         model = acc.unwrap_model(self.model)
         expected = set(trainable_state(model))

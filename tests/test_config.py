@@ -116,3 +116,12 @@ def test_every_example_config_loads(path):
 def test_config_reference_matches_schema():
     doc = (ROOT / "documentation" / "CONFIG.md").read_text()
     assert doc == render(), "documentation/CONFIG.md is stale: run `python -m simpletuner.configuration.docs`"
+
+
+@pytest.mark.parametrize("name", ["accelerate_config_gh200.yaml", "accelerate_config_gh200_fsdp.yaml"])
+def test_accelerate_configs_load(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(ROOT / "config" / name))
+    assert cfg.mixed_precision == "bf16"
+    assert cfg.num_machines == 1

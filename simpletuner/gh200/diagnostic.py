@@ -1,0 +1,360 @@
+"""``python gh200_diagnostic.py``: what this machine offers for unified-memory training, and what is missing.
+
+Every CUDA fact comes from :func:`simpletuner.gh200.runtime.get_runtime`, so the whole report
+(and the oversubscription test) runs on CPU against a fake runtime. The helpers return plain
+dicts; :func:`main` prints them as a readable report or, with ``--json``, as one JSON object.
+Exit codes: 0 report written (also without a GPU), 1 the oversubscription test failed,
+2 the oversubscription test was refused (discrete GPU, or more than the machine holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+from simpletuner.gh200.runtime import INSTALL_HINT, DeviceMemoryInfo, get_runtime
+
+GIB = 1024**3
+MEMINFO_PATH = "/proc/meminfo"
+ENV_VARS = (
+    "SIMPLETUNER_GH200_UVM_HINTS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
+#: Keys a stock PyTorch CUDA build accepts in PYTORCH_CUDA_ALLOC_CONF (it rejects any other).
+ALLOC_CONF_KEYS = frozenset(
+    {
+        "max_split_size_mb",
+        "roundup_power2_divisions",
+        "garbage_collection_threshold",
+        "expandable_segments",
+        "pinned_use_cuda_host_register",
+        "pinned_num_register_threads",
+        "release_lock_on_cudamalloc",
+        "pinned_use_background_threads",
+    }
+)
+TORCH_CUDA_FIX = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
+DEVICE_FIX = "check `nvidia-smi`, the NVIDIA driver and CUDA_VISIBLE_DEVICES"
+ENV_FIX = "source scripts/setup_gh200_env.sh"
+
+
+def _gib(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / GIB:.1f} GiB"
+
+
+def collect_versions(runtime) -> dict:
+    """torch / CUDA build / driver / cuda-bindings versions, and each missing piece with its fix."""
+    versions = dict(runtime.versions())
+    missing: list[dict] = []
+    if versions.get("cuda_build") is None:
+        missing.append({"what": f"this PyTorch build ({versions.get('torch')}) has no CUDA", "fix": TORCH_CUDA_FIX})
+    elif not runtime.cuda_available() or runtime.device_info() is None:
+        missing.append({"what": f"no CUDA device ({runtime.unavailable_reason() or 'none visible'})", "fix": DEVICE_FIX})
+    if versions.get("cuda_bindings") is None:
+        missing.append({"what": "cuda-bindings not installed (managed memory needs it)", "fix": INSTALL_HINT})
+    return {**versions, "missing": missing}
+
+
+def collect_device(runtime) -> dict | None:
+    """The current device's memory attributes and free memory; None without a device."""
+    info = runtime.device_info()
+    if info is None:
+        return None
+    free, _total = runtime.mem_get_info()
+    return {**info.as_dict(), "free_bytes": int(free)}
+
+
+def parse_meminfo(text: str) -> dict:
+    """``MemTotal`` and ``MemAvailable`` of a /proc/meminfo text, in bytes (None where absent)."""
+    values = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            values[key.strip()] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
+    return {"ram_total_bytes": values.get("MemTotal"), "ram_available_bytes": values.get("MemAvailable")}
+
+
+def collect_host(meminfo_path: str | None = None) -> dict:
+    """CPU counts (all, and usable by this process) and RAM from /proc/meminfo (None if unreadable)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    try:
+        with open(meminfo_path or MEMINFO_PATH, encoding="ascii") as f:
+            memory = parse_meminfo(f.read())
+    except OSError:
+        memory = parse_meminfo("")
+    return {"cpu_count": os.cpu_count(), "cpu_affinity": usable, **memory}
+
+
+def alloc_conf_problems(value: str | None) -> list[str]:
+    """Keys of a PYTORCH_CUDA_ALLOC_CONF value that a stock PyTorch rejects."""
+    if not value:
+        return []
+    keys = [item.partition(":")[0].strip() for item in value.split(",") if item.strip()]
+    return [key for key in keys if key not in ALLOC_CONF_KEYS]
+
+
+def collect_environment(environ=None) -> dict:
+    """The variables that shape a run (None when unset) and warnings about them."""
+    environ = os.environ if environ is None else environ
+    values = {name: environ.get(name) for name in ENV_VARS}
+    warnings = []
+    bad = alloc_conf_problems(values["PYTORCH_CUDA_ALLOC_CONF"])
+    if bad:
+        warnings.append(
+            f"PYTORCH_CUDA_ALLOC_CONF has key(s) {', '.join(bad)} that a stock PyTorch rejects at the first CUDA "
+            f"allocation: remove them (accepted: {', '.join(sorted(ALLOC_CONF_KEYS))}); "
+            "unified memory comes from the managed pool, not from this variable"
+        )
+    return {"variables": values, "unsupported_alloc_conf_keys": bad, "warnings": warnings}
+
+
+def collect_pool(runtime) -> dict:
+    """Whether the managed-memory pool can be used, and what it holds (if the runtime says)."""
+    reason = runtime.unavailable_reason()
+    stats_fn = getattr(runtime, "pool_stats", None)
+    return {"status": "available" if reason is None else reason, "stats": stats_fn() if callable(stats_fn) else None}
+
+
+def verdicts(summary: dict) -> list[dict]:
+    """One line per capability: ready or not, and the fix where it is not."""
+    device, pool, env = summary["device"], summary["managed_pool"], summary["environment"]
+    out = []
+
+    def add(ready: bool, what: str, fix: str | None = None) -> None:
+        out.append({"ready": ready, "what": what, "fix": None if ready else fix})
+
+    device_fix = TORCH_CUDA_FIX if summary["versions"].get("cuda_build") is None else DEVICE_FIX
+    if device is None:
+        reasons = "; ".join(m["what"] for m in summary["versions"]["missing"] if "cuda-bindings" not in m["what"])
+        add(False, f"CUDA device: {reasons or 'none'}", device_fix)
+    else:
+        add(True, f"CUDA device: {device['name']} (sm_{device['compute_capability'][0]}{device['compute_capability'][1]})")
+    if "cuda-bindings" in pool["status"]:
+        pool_fix = INSTALL_HINT
+    else:
+        pool_fix = device_fix if device is None else "use a GPU that supports managed memory"
+    add(pool["status"] == "available", f"managed memory pool: {pool['status']}", pool_fix)
+    if device is not None:
+        add(
+            device["unified"],
+            f"unified memory: {device['kind']}",
+            "nothing to fix: on a discrete GPU unified-memory hints stay off and oversubscription is refused",
+        )
+        if device["unified"]:
+            hints = env["variables"]["SIMPLETUNER_GH200_UVM_HINTS"]
+            add(
+                (hints or "").strip().lower() in ("1", "true", "yes", "on"),
+                f"SIMPLETUNER_GH200_UVM_HINTS={hints or 'unset'} (placement hints for managed tensors)",
+                f"{ENV_FIX} (or set gh200_optimizations.enable_uvm_hints in the config)",
+            )
+    if env["unsupported_alloc_conf_keys"]:
+        add(
+            False,
+            f"PYTORCH_CUDA_ALLOC_CONF has keys stock PyTorch rejects: {', '.join(env['unsupported_alloc_conf_keys'])}",
+            f"remove them ({ENV_FIX} sets expandable_segments:True when the variable is unset)",
+        )
+    return out
+
+
+def collect_summary(runtime=None, environ=None) -> dict:
+    """Everything the report shows, as one JSON-serialisable dict."""
+    runtime = runtime or get_runtime()
+    summary = {
+        "versions": collect_versions(runtime),
+        "device": collect_device(runtime),
+        "host": collect_host(),
+        "environment": collect_environment(environ),
+        "managed_pool": collect_pool(runtime),
+    }
+    summary["verdicts"] = verdicts(summary)
+    return summary
+
+
+def oversubscription_limit(info: DeviceMemoryInfo, free_bytes: int, host: dict) -> int | None:
+    """The most managed memory the machine can back: host RAM available (plus free device memory
+    where it is separate from host RAM); None when /proc/meminfo could not be read."""
+    available = host.get("ram_available_bytes")
+    if available is None:
+        return None
+    return available if info.integrated else available + free_bytes
+
+
+def check_oversubscription(runtime, scale: float, force: bool, host: dict) -> tuple[dict | None, list[str]]:
+    """Whether the test may run: (a skipped/refused result, or None to go ahead; warnings to print first)."""
+    info = runtime.device_info()
+    if info is None or runtime.unavailable_reason() is not None:
+        reason = runtime.unavailable_reason() or "no CUDA device"
+        return {"status": "skipped", "reason": f"needs managed memory on a CUDA device: {reason}"}, []
+    requested = int(scale * info.total_bytes)
+    free, _ = runtime.mem_get_info()
+    warnings = []
+    if not info.unified:
+        refusal = (
+            f"refusing to oversubscribe managed memory on {info.name}: it is a {info.kind}, where managed memory "
+            f"beyond the card's {_gib(info.total_bytes)} thrashes over PCIe and can hang the GPU. Run this test on "
+            "a GH200 or GB10, or pass --force to run it anyway at your own risk"
+        )
+        if not force:
+            return {"status": "refused", "reason": refusal}, []
+        warnings.append(f"WARNING: --force: {refusal}")
+        if requested > free:
+            warnings.append(f"WARNING: {_gib(requested)} requested but only {_gib(free)} of device memory is free")
+    limit = oversubscription_limit(info, free, host)
+    if limit is not None and requested > limit:
+        refusal = (
+            f"refusing to allocate {_gib(requested)} of managed memory: this machine can back about {_gib(limit)} "
+            f"(available host RAM{'' if info.integrated else ' + free device memory'}); lower --oversubscription-scale"
+        )
+        if not force:
+            return {"status": "refused", "reason": refusal}, warnings
+        warnings.append(f"WARNING: --force: {refusal}")
+    return None, warnings
+
+
+def run_oversubscription(runtime, scale: float, chunk_bytes: int = GIB) -> dict:
+    """Allocate ``scale`` x device memory as managed memory in chunks, touch it, prefetch it to the
+    GPU and back to the CPU (timing each direction), then free it, also on error or Ctrl-C."""
+    info = runtime.device_info()
+    requested = int(scale * info.total_bytes)
+    sizes = [chunk_bytes] * (requested // chunk_bytes) + ([requested % chunk_bytes] if requested % chunk_bytes else [])
+    chunks: list[torch.Tensor] = []
+    chunk = None
+    try:
+        start = time.perf_counter()
+        for size in sizes:
+            chunk = runtime.managed_empty((size,), torch.uint8)
+            chunk.fill_(1)  # touch every page so the memory really exists
+            chunks.append(chunk)
+        runtime.synchronize()
+        seconds = {"allocate_and_touch": time.perf_counter() - start}
+        for direction, location in (("to_gpu", info.index), ("to_cpu", "cpu")):
+            start = time.perf_counter()
+            for chunk in chunks:
+                runtime.prefetch(chunk, location)
+            runtime.synchronize()
+            seconds[direction] = time.perf_counter() - start
+        return {
+            "status": "ok",
+            "scale": scale,
+            "requested_bytes": requested,
+            "num_chunks": len(chunks),
+            "seconds": seconds,
+            "gb_per_s": {d: requested / max(seconds[d], 1e-9) / 1e9 for d in ("to_gpu", "to_cpu")},
+        }
+    finally:
+        chunk = None  # drop every reference before collecting (a traceback keeps this frame alive)
+        chunks.clear()
+        gc.collect()
+        if runtime.cuda_available() and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def format_report(summary: dict) -> str:
+    """The summary as readable text."""
+    v, d, h, env = summary["versions"], summary["device"], summary["host"], summary["environment"]
+    lines = [
+        "== versions ==",
+        f"torch {v.get('torch')}  CUDA build {v.get('cuda_build') or 'none'}  driver {v.get('driver') or 'none'}  "
+        f"cuda-bindings {v.get('cuda_bindings') or 'not installed'}",
+    ]
+    lines += [f"missing: {m['what']} -> {m['fix']}" for m in v["missing"]]
+    lines.append("== device ==")
+    if d is None:
+        lines.append("no CUDA device")
+    else:
+        lines += [
+            f"{d['name']}  sm_{d['compute_capability'][0]}{d['compute_capability'][1]}  "
+            f"total {_gib(d['total_bytes'])}  free {_gib(d['free_bytes'])}",
+            f"managed memory {d['managed_memory']}  concurrent managed access {d['concurrent_managed_access']}  "
+            f"pageable memory access {d['pageable_memory_access']}  uses host page tables "
+            f"{d['pageable_uses_host_page_tables']}  integrated {d['integrated']}",
+            f"kind: {d['kind']}  (unified: {d['unified']})",
+        ]
+    lines += [
+        "== host ==",
+        f"CPUs {h['cpu_count']} (usable {h['cpu_affinity'] if h['cpu_affinity'] is not None else 'unknown'})  "
+        f"RAM total {_gib(h['ram_total_bytes'])}  available {_gib(h['ram_available_bytes'])}",
+        "== environment ==",
+    ]
+    lines += [f"{name}={value if value is not None else '(unset)'}" for name, value in env["variables"].items()]
+    lines += [f"warning: {w}" for w in env["warnings"]]
+    pool = summary["managed_pool"]
+    lines += ["== managed pool ==", pool["status"] + (f"  {pool['stats']}" if pool["stats"] else "")]
+    over = summary.get("oversubscription")
+    if over is not None:
+        lines.append("== oversubscription ==")
+        if over["status"] == "ok":
+            lines.append(
+                f"{_gib(over['requested_bytes'])} in {over['num_chunks']} chunk(s) ({over['scale']} x device memory): "
+                f"prefetch to GPU {over['gb_per_s']['to_gpu']:.1f} GB/s, to CPU {over['gb_per_s']['to_cpu']:.1f} GB/s"
+            )
+        else:
+            lines.append(f"{over['status']}: {over['reason']}")
+    lines.append("== verdict ==")
+    for item in summary["verdicts"]:
+        lines.append(f"[{'ok' if item['ready'] else '--'}] {item['what']}" + ("" if item["ready"] else f" -> {item['fix']}"))
+    return "\n".join(lines)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (a multiple of device memory, e.g. 1.5), not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gh200_diagnostic.py",
+        description="What this machine offers for GH200 / GB10 unified-memory training, and what is missing.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object only")
+    parser.add_argument(
+        "--oversubscription-scale",
+        type=_positive_float,
+        metavar="S",
+        help="allocate S x device memory as managed memory, prefetch it both ways and report GB/s (unified memory only)",
+    )
+    parser.add_argument("--force", action="store_true", help="run the oversubscription test on a discrete GPU too (can hang it)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    runtime = get_runtime()
+    code = 0
+    over = None
+    if args.oversubscription_scale is not None:
+        over, warnings = check_oversubscription(runtime, args.oversubscription_scale, args.force, collect_host())
+        for warning in warnings:
+            print(warning, file=sys.stderr)
+        if over is None:
+            print(f"oversubscription test: {args.oversubscription_scale} x device memory ...", file=sys.stderr)
+            try:
+                over = run_oversubscription(runtime, args.oversubscription_scale)
+            except RuntimeError as exc:  # CUDA / out-of-memory errors: report them, the memory is already freed
+                over, code = {"status": "failed", "reason": str(exc)}, 1
+        elif over["status"] == "refused":
+            print(over["reason"], file=sys.stderr)
+            code = 2
+    summary = collect_summary(runtime)
+    if over is not None:
+        summary["oversubscription"] = over
+    print(json.dumps(summary, indent=2) if args.json else format_report(summary))
+    return code

@@ -80,7 +80,7 @@ class MemoryTensorStore:
         """Store in memory (placed) and, when persistent, on disk too; returns the shard written."""
         shard = self.backing.put_many(entries) if self.backing is not None else None
         for key, entry in entries.items():
-            self._entries[key] = {n: self._place(t.detach().cpu()) for n, t in entry.items()}
+            self._entries[key] = {n: self._place(t.detach().to("cpu", copy=True)) for n, t in entry.items()}
         return shard
 
     def __repr__(self) -> str:

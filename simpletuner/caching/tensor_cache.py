@@ -209,6 +209,9 @@ class TensorCache:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
 
 
+CACHE_TYPES = ("disk", "memory", "unified_memory")
+
+
 def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str):
     """A disk store, or a memory store (optionally backed by disk) placed per ``kind``."""
     if kind == "disk":
@@ -248,6 +251,9 @@ def open_caches(
             f"model_tag {model_tag!r} must be a plain folder name of letters, digits, '.', '_' or '-' "
             "(not starting with '.' or '-')"
         )
+    for kind in (vae_type, text_type):
+        if kind not in CACHE_TYPES:
+            raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
     base = Path(cache_dir) / model_tag
     vae_dir, text_dir = base / "vae", base / "text"
     vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae")

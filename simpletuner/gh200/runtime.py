@@ -153,7 +153,6 @@ class CudaBindingsRuntime:
         self._rt = None
         self._reason: str | None = None
         self._checked = False
-        self._location_struct: bool | None = None
 
     # --- availability ---
     def _bindings(self):
@@ -284,13 +283,12 @@ class CudaBindingsRuntime:
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
 
-    # --- advice and prefetch (cuda-bindings 13 takes a cudaMemLocation, 12.x a device int) ---
+    # --- advice and prefetch ---
+    # cuda-bindings 12.x: cudaMemAdvise / cudaMemPrefetchAsync take a device int; the
+    # cudaMemLocation forms are the *_v2 functions. 13.x: the plain names take the struct and
+    # the *_v2 names are gone. Both are called with the struct form, through whichever exists.
     def _location(self, location: Location):
         rt = self._bindings()
-        if self._location_struct is None:
-            self._location_struct = hasattr(rt, "cudaMemLocation")
-        if not self._location_struct:
-            return -1 if location == "cpu" else int(location)  # cudaCpuDeviceId is -1
         loc = rt.cudaMemLocation()
         if location == "cpu":
             loc.type = rt.cudaMemLocationType.cudaMemLocationTypeHost
@@ -300,6 +298,12 @@ class CudaBindingsRuntime:
             loc.id = int(location)
         return loc
 
+    @staticmethod
+    def _range(tensor: torch.Tensor) -> tuple[int, int]:
+        """The whole allocation behind ``tensor`` (a view's data_ptr + storage size would overrun)."""
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+
     def advise(self, tensor, advice, location) -> None:
         rt = self._bindings()
         kind = {
@@ -307,20 +311,15 @@ class CudaBindingsRuntime:
             "accessed_by": rt.cudaMemoryAdvise.cudaMemAdviseSetAccessedBy,
             "read_mostly": rt.cudaMemoryAdvise.cudaMemAdviseSetReadMostly,
         }[advice]
-        nbytes = tensor.untyped_storage().nbytes()
-        self._check(rt.cudaMemAdvise(tensor.data_ptr(), nbytes, kind, self._location(location)), f"cudaMemAdvise({advice})")
+        call = getattr(rt, "cudaMemAdvise_v2", None) or rt.cudaMemAdvise
+        self._check(call(*self._range(tensor), kind, self._location(location)), f"cudaMemAdvise({advice})")
 
     def prefetch(self, tensor, location, stream=None) -> None:
         rt = self._bindings()
-        nbytes = tensor.untyped_storage().nbytes()
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
-        loc = self._location(location)
-        if self._location_struct:
-            result = rt.cudaMemPrefetchAsync(tensor.data_ptr(), nbytes, loc, 0, stream)
-        else:
-            result = rt.cudaMemPrefetchAsync(tensor.data_ptr(), nbytes, loc, stream)
-        self._check(result, "cudaMemPrefetchAsync")
+        call = getattr(rt, "cudaMemPrefetchAsync_v2", None) or rt.cudaMemPrefetchAsync
+        self._check(call(*self._range(tensor), self._location(location), 0, stream), "cudaMemPrefetchAsync")
 
     def synchronize(self) -> None:
         if self.cuda_available():

@@ -181,7 +181,7 @@ def to_unified(t: torch.Tensor, prefer: Prefer = "cpu") -> torch.Tensor:
         _say_once(logging.WARNING, "unified memory unavailable (%s); using pinned CPU memory for the cache", reason)
         return runtime.pin(t.contiguous())
     _say_once(logging.WARNING, "unified memory unavailable (%s); keeping the cache in plain CPU memory", reason)
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def unified_memory_status() -> dict[str, Any]:

@@ -42,10 +42,22 @@ def build_local_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBacke
     return LocalDataBackend(dataset_cfg.instance_data_dir, dataset_cfg.id)
 
 
+def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """A ``GH200InMemoryBackend`` staging ``dataset_cfg.instance_data_dir`` in RAM.
+
+    Imported on use: ``simpletuner.gh200.in_memory_backend`` imports this package, so a
+    module-level import here would be circular whenever that module is imported first.
+    """
+    from simpletuner.gh200.in_memory_backend import build_in_memory_backend as build
+
+    return build(dataset_cfg, config)
+
+
 #: Storage backend builders by the dataset entry's ``type``. A new backend is one line here
 #: (plus its config class in ``simpletuner.configuration.schema``).
 BUILDERS: dict[str, Callable[[Any, "TrainingConfig"], DataBackend]] = {
     "local": build_local_backend,
+    "in_memory": build_in_memory_backend,
 }
 
 

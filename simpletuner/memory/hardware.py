@@ -1,0 +1,370 @@
+"""What machine we train on: the GPU, its memory, the host, and the peak FLOPS behind MFU.
+
+:func:`detect_hardware` describes this machine from the injected unified-memory runtime
+(:func:`simpletuner.gh200.runtime.get_runtime`) and ``/proc/meminfo``; whether memory is unified
+comes from the device's attributes, never from its name. :data:`GPU_SPECS` is a table of known
+GPUs with datasheet memory and *dense* (no-sparsity) BF16/FP16 tensor peaks; :func:`lookup_gpu`
+matches the names torch reports and the spellings users type for ``--gpu``, and returns None for
+a name it does not know (the caller reports "unknown", never a guess). :func:`hardware_for_gpu`
+builds the machine ``simpletuner estimate --gpu NAME [--gpu-memory GB]`` plans for.
+:func:`mfu` and :func:`achieved_tflops` turn FLOPs per step and step time into utilisation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from simpletuner.gh200.diagnostic import MEMINFO_PATH, collect_host
+from simpletuner.gh200.runtime import DeviceMemoryInfo, UnifiedMemoryRuntime, get_runtime
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One known GPU: datasheet memory and dense tensor-core peaks.
+
+    ``memory_gb`` lists the variants sold (the first, smallest, is the default; hypothetical
+    machines read the figure as GiB, which is within ~1% of what torch reports on discrete cards).
+    Peaks are dense TFLOPS (datasheets often print 2:4-sparsity figures, twice as high), None
+    where the format is unsupported. ``patterns`` are token sets a name must contain.
+    """
+
+    name: str
+    patterns: tuple[tuple[str, ...], ...]
+    memory_gb: tuple[float, ...]
+    bf16_tflops: float | None
+    fp16_tflops: float | None
+    compute_capability: tuple[int, int]
+    source: str
+    unified: bool = False
+    integrated: bool = False
+    #: Superchips: the host side of the machine (GH200: LPDDR5X beside the HBM; GB10: the one shared memory).
+    host_memory_gb: float | None = None
+    host_cpu_cores: int | None = None
+    #: Total that torch reports where it is well below the datasheet figure (GB10: ~119 GiB of 128 GB).
+    reported_gib: float | None = None
+
+
+def _spec(name, patterns, memory_gb, bf16, fp16, cc, source, **extra) -> GpuSpec:
+    return GpuSpec(name, tuple(tuple(p) for p in patterns), tuple(memory_gb), bf16, fp16, cc, source, **extra)
+
+
+#: Known GPUs. Sources are NVIDIA datasheets/whitepapers; sparse figures are halved to dense.
+GPU_SPECS: tuple[GpuSpec, ...] = (
+    # H100 datasheet (nvidia.com/en-us/data-center/h100): BF16/FP16 1,979 TFLOPS with sparsity.
+    _spec("H100 SXM", [("h100",)], [80], 989.4, 989.4, (9, 0), "NVIDIA H100 datasheet (SXM5): 1,979 sparse / 2"),
+    _spec("H100 PCIe", [("h100", "pcie")], [80], 756.5, 756.5, (9, 0), "NVIDIA H100 datasheet (PCIe): 1,513 sparse / 2"),
+    _spec("H100 NVL", [("h100", "nvl")], [94], 835.5, 835.5, (9, 0), "NVIDIA H100 datasheet (NVL): 1,671 sparse / 2"),
+    # H200 datasheet (nvidia.com/en-us/data-center/h200): same GH100 compute as H100, 141 GB HBM3e.
+    _spec("H200", [("h200",)], [141], 989.4, 989.4, (9, 0), "NVIDIA H200 datasheet (SXM): 1,979 sparse / 2"),
+    _spec("H200 NVL", [("h200", "nvl")], [141], 835.5, 835.5, (9, 0), "NVIDIA H200 datasheet (NVL): 1,671 sparse / 2"),
+    # GH200 datasheet (nvidia.com/en-us/data-center/grace-hopper-superchip): 96 GB HBM3 or 144 GB
+    # HBM3e, plus up to 480 GB LPDDR5X on the 72-core Grace CPU, coherent over NVLink-C2C.
+    _spec(
+        "GH200", [("gh200",)], [96, 144], 989.4, 989.4, (9, 0),
+        "NVIDIA GH200 Grace Hopper Superchip datasheet: FP16/BF16 1,979 sparse / 2",
+        unified=True, host_memory_gb=480, host_cpu_cores=72,
+    ),
+    # A100 datasheet (nvidia.com/en-us/data-center/a100): BF16/FP16 312 dense, 624 sparse.
+    # A bare "a100" is the 40 GB card (the conservative memory); say "a100-80gb" for the other.
+    _spec("A100 40GB", [("a100",), ("a100", "40gb")], [40], 312.0, 312.0, (8, 0), "NVIDIA A100 datasheet: 312 dense"),
+    _spec("A100 80GB", [("a100",), ("a100", "80gb")], [80], 312.0, 312.0, (8, 0), "NVIDIA A100 datasheet: 312 dense"),
+    _spec("A30", [("a30",)], [24], 165.0, 165.0, (8, 0), "NVIDIA A30 datasheet: 330 sparse / 2"),
+    _spec("A10", [("a10",)], [24], 125.0, 125.0, (8, 6), "NVIDIA A10 datasheet: 250 sparse / 2"),
+    # A10G (AWS G5) has no NVIDIA datasheet; AWS/Baseten's A10-vs-A10G comparison gives 70 TFLOPS
+    # BF16/FP16 tensor (vs the A10's 125). Conservative, third-party figure.
+    _spec("A10G", [("a10g",)], [24], 70.0, 70.0, (8, 6), "AWS G5 / Baseten A10 vs A10G: 70 (no NVIDIA datasheet)"),
+    _spec("L40S", [("l40s",)], [48], 362.05, 362.05, (8, 9), "NVIDIA L40S datasheet: 733 sparse / 2"),
+    # V100 datasheet (nvidia.com/en-us/data-center/v100): tensor 125 (SXM2) / 112 (PCIe) TFLOPS
+    # FP16 with FP32 accumulate; Volta has no BF16. 16 or 32 GB HBM2.
+    _spec("V100 SXM2", [("v100",), ("v100", "sxm2")], [16, 32], None, 125.0, (7, 0), "NVIDIA V100 datasheet (SXM2)"),
+    _spec("V100 PCIe", [("v100", "pcie")], [16, 32], None, 112.0, (7, 0), "NVIDIA V100 datasheet (PCIe)"),
+    # T4 datasheet: 65 TFLOPS mixed precision (FP16/FP32); Turing has no BF16.
+    _spec("T4", [("t4",)], [16], None, 65.0, (7, 5), "NVIDIA T4 datasheet: 65 mixed precision"),
+    # GeForce cards run FP16 with FP32 accumulate (what training uses, and always for BF16) at half
+    # the FP16-accumulate rate; these are the FP32-accumulate figures (the conservative ones).
+    _spec(
+        "RTX 3090", [("rtx", "3090"), ("3090",)], [24], 71.0, 71.0, (8, 6),
+        "NVIDIA Ampere GA102 whitepaper: 71 with FP32 accumulate (142 with FP16 accumulate)",
+    ),
+    _spec(
+        "RTX 4090", [("rtx", "4090"), ("4090",)], [24], 165.2, 165.2, (8, 9),
+        "NVIDIA Ada Lovelace whitepaper: 165.2 with FP32 accumulate (330.3 with FP16 accumulate)",
+    ),
+    # RTX 5090: 838 TFLOPS FP16 sparse with FP16 accumulate is widely published (419 dense); the
+    # FP32-accumulate rate is half of that, as on the GeForce generations before it.
+    _spec(
+        "RTX 5090", [("rtx", "5090"), ("5090",)], [32], 209.5, 209.5, (12, 0),
+        "NVIDIA RTX Blackwell whitepaper: 209.5 with FP32 accumulate (419 with FP16 accumulate)",
+    ),
+    # HGX B200 (nvidia.com/en-us/data-center/hgx): 8 GPUs, FP16/BF16 36 PFLOPS sparse -> 2,250 dense
+    # per GPU; 180 GB HBM3e per GPU as listed for HGX/DGX B200 (192 GB physical).
+    _spec("B200", [("b200",)], [180, 192], 2250.0, 2250.0, (10, 0), "NVIDIA HGX B200 spec: 36 PF sparse / 8 / 2"),
+    # GB10 / DGX Spark (nvidia.com/en-us/products/workstations/dgx-spark): NVIDIA documents only
+    # "1 PFLOP FP4 with sparsity". 1000 / 2 (dense) / 4 (FP4 -> 16-bit) = 125 at FP16 accumulate;
+    # sm_121 has the RTX-Blackwell tensor cores (48 SMs, like the RTX 5070), where FP32 accumulate
+    # runs at half rate -> 62.5. Derived, conservative; a measured BF16 GEMM above 62.5 means 125.
+    _spec(
+        "GB10", [("gb10",), ("dgx", "spark")], [128], 62.5, 62.5, (12, 1),
+        "NVIDIA DGX Spark spec (1 PFLOP FP4 sparse), derived: 1000 / 2 / 4 / 2 (FP32 accumulate)",
+        unified=True, integrated=True, host_memory_gb=128, host_cpu_cores=20, reported_gib=119.0,
+    ),
+)
+
+_NOISE_TOKENS = frozenset({"nvidia", "tesla", "geforce", "graphics", "gpu"})
+#: Tokens a name may carry beyond its pattern without making it a different card.
+_DETAIL_TOKENS = frozenset(
+    {"sxm", "sxm2", "sxm4", "sxm5", "pcie", "hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x", "gddr7", "lpddr5x"}
+)
+_MEMORY_TOKEN = re.compile(r"^(\d+)gb?$")
+
+
+def _tokens(name: str) -> tuple[str, ...]:
+    """Lower-case tokens of a GPU name without vendor words; "rtx4090" -> rtx 4090, "144g" -> 144gb."""
+    text = re.sub(r"rtx(?=\d)", "rtx ", name.lower())
+    tokens = []
+    for token in re.split(r"[^a-z0-9]+", text):
+        memory = _MEMORY_TOKEN.match(token)
+        if memory:
+            token = f"{memory.group(1)}gb"
+        if token and token not in _NOISE_TOKENS:
+            tokens.append(token)
+    return tuple(tokens)
+
+
+def _match_score(pattern: tuple[str, ...], tokens: tuple[str, ...]) -> int | None:
+    """len(pattern) when every pattern token is present and the rest are details; else None."""
+    if not set(pattern) <= set(tokens):
+        return None
+    rest = [t for t in tokens if t not in pattern]
+    if any(t not in _DETAIL_TOKENS and not _MEMORY_TOKEN.match(t) for t in rest):
+        return None
+    return len(pattern)
+
+
+def lookup_gpu(name: str | None, memory_bytes: int | None = None) -> GpuSpec | None:
+    """The table entry for a device name ("NVIDIA H100 80GB HBM3") or a user spelling ("h100-pcie").
+
+    The most specific matching pattern wins; ties (a bare "a100") go to the entry whose memory is
+    closest to ``memory_bytes`` when given, else to the first in the table. None when nothing
+    matches: an unknown card is reported as unknown, not guessed.
+    """
+    tokens = _tokens(name or "")
+    if not tokens:
+        return None
+    ranked = []
+    for index, spec in enumerate(GPU_SPECS):
+        scores = [s for s in (_match_score(p, tokens) for p in spec.patterns) if s is not None]
+        if scores:
+            distance = 0.0 if memory_bytes is None else min(abs(gb * GIB - memory_bytes) for gb in spec.memory_gb)
+            ranked.append((-max(scores), distance, index, spec))
+    return min(ranked, key=lambda item: item[:3])[3] if ranked else None
+
+
+def known_gpu_names() -> list[str]:
+    """The names of every table entry, in table order."""
+    return [spec.name for spec in GPU_SPECS]
+
+
+def resolve_gpu_name(name: str) -> GpuSpec:
+    """The table entry for a ``--gpu NAME`` value; ValueError listing the known names otherwise."""
+    spec = lookup_gpu(name)
+    if spec is None:
+        raise ValueError(
+            f"unknown GPU {name!r}: known GPUs are {', '.join(known_gpu_names())} "
+            "(spellings like 'h100', 'H100-PCIe', 'a100-80gb', 'rtx4090', 'gb10' work too); "
+            "for another card pass --gpu-memory GB instead"
+        )
+    return spec
+
+
+def _default_memory_gb(spec: GpuSpec, name: str = "") -> float:
+    """The variant a name spells out ("v100-32gb" -> 32), else what the default card reports."""
+    for token in _tokens(name):
+        memory = _MEMORY_TOKEN.match(token)
+        if memory and float(memory.group(1)) in spec.memory_gb:
+            return float(memory.group(1))
+    return spec.reported_gib or spec.memory_gb[0]
+
+
+@dataclass(frozen=True)
+class HardwareInfo:
+    """The machine a run trains on (detected) or plans for (hypothetical, from the table).
+
+    ``usable_memory_bytes`` is what training can place on the GPU: the shared memory (host RAM
+    total) on an integrated GPU such as GB10; the HBM on GH200 (its host RAM is extra and reported
+    as ``host_ram_bytes``); the card's memory on a discrete GPU; None without a GPU.
+    """
+
+    device_name: str | None
+    gpu_memory_bytes: int | None
+    gpu_free_bytes: int | None
+    compute_capability: tuple[int, int] | None
+    unified_memory: bool
+    memory_kind: str
+    usable_memory_bytes: int | None
+    cpu_cores: int | None
+    host_ram_bytes: int | None
+    host_ram_available_bytes: int | None
+    peak_tflops_bf16: float | None
+    peak_tflops_fp16: float | None
+    bf16_supported: bool | None
+    gpu_spec: str | None
+    hypothetical: bool = False
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.device_name is not None
+
+    def peak_tflops(self, precision: str) -> float | None:
+        """The dense peak for a mixed-precision mode ("bf16" or "fp16"); None for others or unknown."""
+        return {"bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_fp16}.get(precision)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> list[str]:
+        """A few human lines: GPU, memory, peak FLOPS, host."""
+        host = f"host: {_count(self.cpu_cores, 'CPU core')}, RAM {_gib(self.host_ram_bytes)}"
+        if self.host_ram_available_bytes is not None:
+            host += f" ({_gib(self.host_ram_available_bytes)} available)"
+        if not self.has_gpu:
+            return ["GPU: none (no CUDA device); training would run on the CPU", host]
+        major, minor = self.compute_capability or (0, 0)
+        bf16 = "bf16 supported" if self.bf16_supported else "no bf16 (use fp16 mixed precision)"
+        spec = f"table entry {self.gpu_spec}" if self.gpu_spec else "not in the GPU table: peak FLOPS unknown"
+        kind = "hypothetical " if self.hypothetical else ""
+        lines = [
+            f"GPU: {kind}{self.device_name} (sm_{major}{minor}, {bf16}; {spec})",
+            f"memory: {self.memory_kind}; GPU total {_gib(self.gpu_memory_bytes)}, free {_gib(self.gpu_free_bytes)}, "
+            f"usable for training {_gib(self.usable_memory_bytes)}",
+        ]
+        if self.gpu_spec:
+            lines.append(
+                f"peak dense tensor TFLOPS: bf16 {_tflops(self.peak_tflops_bf16)}, fp16 {_tflops(self.peak_tflops_fp16)}"
+            )
+        return [*lines, host]
+
+
+def _gib(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else f"{nbytes / GIB:.1f} GiB"
+
+
+def _tflops(value: float | None) -> str:
+    return "unsupported" if value is None else f"{value:g}"
+
+
+def _count(value: int | None, noun: str) -> str:
+    return f"unknown {noun}s" if value is None else f"{value} {noun}{'' if value == 1 else 's'}"
+
+
+def _no_gpu(cpu_cores: int | None, host_total: int | None, host_available: int | None) -> HardwareInfo:
+    return HardwareInfo(
+        device_name=None, gpu_memory_bytes=None, gpu_free_bytes=None, compute_capability=None,
+        unified_memory=False, memory_kind="none", usable_memory_bytes=None, cpu_cores=cpu_cores,
+        host_ram_bytes=host_total, host_ram_available_bytes=host_available, peak_tflops_bf16=None,
+        peak_tflops_fp16=None, bf16_supported=None, gpu_spec=None,
+    )
+
+
+def _from_device(
+    info: DeviceMemoryInfo,
+    free_bytes: int,
+    spec: GpuSpec | None,
+    cpu_cores: int | None,
+    host_total: int | None,
+    host_available: int | None,
+    hypothetical: bool = False,
+) -> HardwareInfo:
+    """One HardwareInfo from a device's attributes: the same path for detected and hypothetical machines."""
+    usable = host_total if info.integrated and host_total else info.total_bytes
+    return HardwareInfo(
+        device_name=info.name,
+        gpu_memory_bytes=info.total_bytes,
+        gpu_free_bytes=free_bytes,
+        compute_capability=tuple(info.compute_capability),
+        unified_memory=info.unified,
+        memory_kind=info.kind,
+        usable_memory_bytes=usable,
+        cpu_cores=cpu_cores,
+        host_ram_bytes=host_total,
+        host_ram_available_bytes=host_available,
+        peak_tflops_bf16=spec.bf16_tflops if spec else None,
+        peak_tflops_fp16=spec.fp16_tflops if spec else None,
+        bf16_supported=tuple(info.compute_capability) >= (8, 0),
+        gpu_spec=spec.name if spec else None,
+        hypothetical=hypothetical,
+    )
+
+
+def detect_hardware(
+    runtime: UnifiedMemoryRuntime | None = None, meminfo_path: str = MEMINFO_PATH, cpu_count: int | None = None
+) -> HardwareInfo:
+    """This machine: the runtime's current device (default :func:`get_runtime`) and the host.
+
+    CPU cores are those this process may use (``cpu_count`` overrides); host RAM is ``MemTotal``
+    / ``MemAvailable`` of ``meminfo_path`` (None where it cannot be read). Without a device the
+    GPU fields are None and the host fields are still filled.
+    """
+    runtime = get_runtime() if runtime is None else runtime
+    host = collect_host(meminfo_path)
+    cores = cpu_count if cpu_count is not None else (host["cpu_affinity"] or host["cpu_count"])
+    total, available = host["ram_total_bytes"], host["ram_available_bytes"]
+    info = runtime.device_info() if runtime.cuda_available() else None
+    if info is None:
+        return _no_gpu(cores, total, available)
+    free, _total = runtime.mem_get_info()
+    spec = lookup_gpu(info.name, memory_bytes=info.total_bytes)
+    return _from_device(info, int(free), spec, cores, total, available)
+
+
+def hardware_for_gpu(
+    name_or_spec: str | GpuSpec,
+    gpu_memory_gb: float | None = None,
+    cpu_cores: int | None = None,
+    host_ram_bytes: int | None = None,
+) -> HardwareInfo:
+    """A hypothetical, idle machine with this GPU, for ``simpletuner estimate --gpu NAME``.
+
+    ``gpu_memory_gb`` (GiB) overrides the table's memory ("a 24 GB card"); on an integrated GPU
+    it is the shared memory. Superchips default to their host side from the table (GH200: 480 GB
+    LPDDR5X, 72 cores; GB10: the shared memory, 20 cores). ValueError for an unknown name.
+    """
+    if isinstance(name_or_spec, GpuSpec):
+        spec, memory_gb = name_or_spec, _default_memory_gb(name_or_spec)
+    else:
+        spec = resolve_gpu_name(name_or_spec)
+        memory_gb = _default_memory_gb(spec, name_or_spec)
+    if gpu_memory_gb is not None:
+        if gpu_memory_gb <= 0:
+            raise ValueError(f"--gpu-memory must be a positive number of GB, got {gpu_memory_gb}")
+        memory_gb = gpu_memory_gb
+    total = int(memory_gb * GIB)
+    if host_ram_bytes is None and spec.host_memory_gb is not None:
+        host_ram_bytes = total if spec.integrated else int(spec.host_memory_gb * GIB)
+    info = DeviceMemoryInfo(
+        index=0, name=spec.name, compute_capability=spec.compute_capability, total_bytes=total,
+        managed_memory=True, concurrent_managed_access=True, pageable_memory_access=spec.unified,
+        pageable_uses_host_page_tables=spec.unified, integrated=spec.integrated,
+    )
+    cores = cpu_cores if cpu_cores is not None else spec.host_cpu_cores
+    return _from_device(info, total, spec, cores, host_ram_bytes, None, hypothetical=True)
+
+
+def achieved_tflops(flops_per_step: float, step_seconds: float) -> float | None:
+    """TFLOPS a step achieved: FLOPs / seconds / 1e12; None when the step time is not positive."""
+    if flops_per_step < 0:
+        raise ValueError(f"flops_per_step must be >= 0, got {flops_per_step}")
+    if step_seconds <= 0:
+        return None
+    return flops_per_step / step_seconds / 1e12
+
+
+def mfu(flops_per_step: float, step_seconds: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved TFLOPS / peak; None when the peak is unknown or the time is 0."""
+    achieved = achieved_tflops(flops_per_step, step_seconds)
+    if achieved is None or peak_tflops is None or peak_tflops <= 0:
+        return None
+    return achieved / peak_tflops

@@ -37,6 +37,21 @@ def apply_lora(denoiser: nn.Module, targets: list[str], config: TrainingConfig, 
     return denoiser
 
 
+def prepare_for_training(denoiser: nn.Module, targets: list[str], config: TrainingConfig, weight_dtype: torch.dtype) -> nn.Module:
+    """The trainer's set-up of a loaded denoiser: a LoRA on a frozen base in ``weight_dtype``, or
+    every weight trainable (full); gradient checkpointing if configured; train mode.
+
+    The memory estimator calls this on a meta-device model, so estimate and run cannot drift.
+    """
+    if config.training_type == "lora":
+        denoiser = apply_lora(denoiser, targets, config, base_dtype=weight_dtype)
+    else:
+        denoiser.requires_grad_(True)
+    if config.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    return denoiser.train()
+
+
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The parameters being trained, by name (what a checkpoint must restore)."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}

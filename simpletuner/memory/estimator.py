@@ -1,0 +1,575 @@
+"""Training-memory estimate for a config, with no GPU and no weights read.
+
+How the numbers are made:
+
+* The denoiser is built from its config on the ``meta`` device and set up as the trainer sets
+  it up (base weights in the autocast dtype for LoRA, fp32 for full fine-tunes, fp32 adapters,
+  gradient checkpointing when configured). Weights, trainable weights, gradients and optimizer
+  state are exact byte counts over its parameters.
+* Activations come from one training step (``spec.training_loss`` + backward) run on fake CPU
+  tensors under ``FakeTensorMode``, with ``MemTracker`` recording every storage the step
+  creates. Fake tensors carry shape and dtype but no data and do no compute, so an SD1.5-size
+  UNet traces in seconds. After every op the tracker's snapshot is split by category, and
+  ``activations`` is the most ever live of ``total - parameters - buffers - inputs -
+  gradients``: parameters, the batch and gradients have rows of their own, so nothing is
+  counted twice. Autograd's temporaries in the backward pass are part of ``activations``.
+  The step's own peak (``backward_peak``: activations plus the gradients made so far, at the
+  moment their sum is largest) is what the total uses; the two differ when gradients are big
+  (full fine-tunes), since activations are freed as gradients appear.
+* The total adds what a CUDA process holds besides tensors: the context, library workspaces
+  and allocator fragmentation (stated constants below, not measured here).
+
+The step is traced on CPU. CUDA differs by allocator rounding (512 B blocks), convolution
+workspaces (the ``CUDNN_WORKSPACE_BYTES`` allowance) and kernel choice. Attention is a fused
+kernel on both (SDPA flash on CPU, flash / memory-efficient on CUDA): neither keeps the
+attention matrix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: CUDA context per process: driver state plus the kernel images torch, cuBLAS and cuDNN load
+#: (lazily, ``CUDA_MODULE_LOADING=LAZY`` is the default): ~300-600 MiB on Hopper.
+CUDA_CONTEXT_BYTES = 500 * MiB
+#: cuBLAS / cuBLASLt workspaces: torch gives a handle 32 MiB on sm_90; the forward (main
+#: thread) and the autograd engine's device thread hold one handle each.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * MiB
+#: cuDNN convolution workspaces: an allowance for the transient buffers of the chosen conv
+#: algorithms, which no tensor-level trace sees. Charged only to models with convolutions.
+CUDNN_WORKSPACE_BYTES = 256 * MiB
+#: The caching allocator's fragmentation: what is freed and re-allocated every step
+#: (activations, gradients, the batch, optimizer temporaries) is reused for differently-sized
+#: tensors, so reserved memory exceeds allocated by about this fraction of that dynamic part.
+FRAGMENTATION_FRACTION = 0.10
+
+#: Persistent optimizer state per trainable element, in the trainable dtype. Adam/AdamW:
+#: exp_avg and exp_avg_sq (their ``step`` counters are CPU scalars unless capturable/fused).
+#: SGD: one momentum buffer (``build_optimizer`` always uses momentum 0.9).
+OPTIMIZER_STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1}
+
+# mixed_precision -> dtype, as the Trainer maps it.
+_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DEVICE_KINDS = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one training process needs, by component, and what the estimate assumed.
+
+    ``total = weights + gradients + optimizer_state + activations + optimizer_transient +
+    not_live_at_once + batch_data + framework_overhead``. ``trainable_weights`` is part of
+    ``weights`` and the three overhead parts make up ``framework_overhead`` (neither is added
+    again). ``not_live_at_once`` (<= 0) takes back what never coexists: the step peaks either
+    in forward/backward (``backward_peak``: activations with the gradients made so far) or in
+    the optimizer step (all gradients with its temporaries), whichever is larger.
+    """
+
+    weights: int  # every parameter and buffer of the denoiser (frozen base + adapter)
+    trainable_weights: int  # the parameters being trained
+    gradients: int  # one per trainable element, in the parameter's dtype
+    optimizer_state: int  # persistent per-element state (exp_avg, exp_avg_sq, momentum)
+    activations: int  # the most ever live of what forward/backward keep or make (traced)
+    batch_data: int  # latents + conditioning of one micro-batch
+    framework_overhead: int  # cuda_context + workspaces + fragmentation
+    total: int
+    optimizer_transient: int  # temporaries while the optimizer steps
+    backward_peak: int  # the most ever live above weights and batch in forward/backward
+    not_live_at_once: int  # <= 0; see above
+    cuda_context: int
+    workspaces: int
+    fragmentation: int
+    # --- what was assumed ---
+    model_family: str
+    micro_batch_size: int
+    resolution: int
+    latent_shape: tuple[int, ...]
+    weight_dtype: str
+    trainable_dtype: str
+    adapter: str
+    optimizer: str
+    gradient_checkpointing: bool
+    mixed_precision: str
+    device_kind: str
+    num_parameters: int
+    num_trainable_parameters: int
+
+    def headroom(self, usable_bytes: int) -> int:
+        """Bytes left of ``usable_bytes`` after this run (negative: it does not fit)."""
+        return int(usable_bytes) - self.total
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["latent_shape"] = list(self.latent_shape)
+        return out
+
+    def table(self, usable_bytes: int | None = None) -> str:
+        """A text table in GiB; with ``usable_bytes``, each row's share of it and the headroom."""
+        head = (
+            f"{self.model_family} {self.adapter} ({self.optimizer}), micro-batch {self.micro_batch_size} at "
+            f"{self.resolution}px (latents {'x'.join(map(str, self.latent_shape))}), mixed precision "
+            f"{self.mixed_precision}: weights {self.weight_dtype}, trainable {self.trainable_dtype}; gradient "
+            f"checkpointing {'on' if self.gradient_checkpointing else 'off'}; device {self.device_kind}"
+        )
+        rows = [
+            ("weights", self.weights),
+            ("  of which trainable", self.trainable_weights),
+            ("gradients", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("activations", self.activations),
+            ("optimizer step temporaries", self.optimizer_transient),
+            ("not live at once", self.not_live_at_once),
+            ("batch data", self.batch_data),
+            ("framework overhead", self.framework_overhead),
+            ("  CUDA context", self.cuda_context),
+            ("  library workspaces", self.workspaces),
+            (f"  fragmentation ({FRAGMENTATION_FRACTION:.0%} of dynamic)", self.fragmentation),
+            ("total", self.total),
+        ]
+        width = max(len(name) for name, _ in rows) + 2
+        lines = [head, f"{'component':<{width}}{'GiB':>9}" + (f"{'of usable':>11}" if usable_bytes else "")]
+        for name, value in rows:
+            line = f"{name:<{width}}{value / GiB:>9.2f}"
+            if usable_bytes:
+                line += f"{100 * value / usable_bytes:>10.1f}%"
+            lines.append(line)
+        if usable_bytes:
+            room = self.headroom(usable_bytes)
+            lines.append(f"{'usable':<{width}}{usable_bytes / GiB:>9.2f}")
+            lines.append(f"{'headroom':<{width}}{room / GiB:>9.2f}{100 * room / usable_bytes:>10.1f}%")
+        return "\n".join(lines)
+
+
+# --- the model, without weights --------------------------------------------------------------
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: the estimator needs a local diffusers-format folder (configs are enough)")
+    return json.loads(path.read_text())
+
+
+def _denoiser_class(model_path: str, denoiser_name: str) -> type:
+    import diffusers
+
+    index = _read_json(Path(model_path).expanduser() / "model_index.json")
+    try:
+        library, class_name = index[denoiser_name]
+    except KeyError:
+        raise ValueError(f"{model_path}/model_index.json names no {denoiser_name!r} component") from None
+    if library != "diffusers" or not hasattr(diffusers, class_name):
+        raise ValueError(f"{denoiser_name} is {library}.{class_name}; the estimator builds diffusers models only")
+    return getattr(diffusers, class_name)
+
+
+def _cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating tensors as ``from_pretrained(torch_dtype=dtype)`` does, keeping the class's
+    ``_keep_in_fp32_modules`` in fp32 (``Module.to`` would not)."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        target = torch.float32 if any(k in name.split(".") for k in keep) else dtype
+        if tensor.is_floating_point() and tensor.dtype != target:
+            tensor.data = tensor.data.to(target)
+
+
+def build_meta_denoiser(config: "TrainingConfig") -> nn.Module:
+    """The denoiser as ``Trainer.setup`` prepares it (dtypes, adapter, checkpointing), on ``meta``.
+
+    Reads ``model_index.json`` and the denoiser's ``config.json``; no weights.
+    """
+    from simpletuner.models import get_model_spec
+    from simpletuner.training.lora import prepare_for_training
+
+    spec = get_model_spec(config)
+    weight_dtype = _DTYPES[config.mixed_precision]
+    path = str(Path(config.pretrained_model_name_or_path).expanduser())
+    cls = _denoiser_class(path, spec.denoiser_name)
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(path, subfolder=spec.denoiser_name))
+        # As the trainer: load in the base dtype, then add the fp32 adapter (or unfreeze all).
+        _cast_like_from_pretrained(model, weight_dtype if config.training_type == "lora" else torch.float32)
+        return prepare_for_training(model, spec.lora_targets, config, weight_dtype)
+
+
+def _materialize_fake(model: nn.Module, device: torch.device) -> None:
+    """Replace each meta parameter and buffer by an empty tensor of its shape and dtype.
+
+    Called inside a FakeTensorMode, so the replacements are fake (no memory). Not
+    ``Module.to_empty``: it swaps tensors in place, which fake parameters refuse.
+    """
+    done: dict[int, torch.Tensor] = {}  # shared (tied) parameters stay shared
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                module._parameters[name] = done[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+
+
+# --- one micro-batch -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorShape:
+    """Shape and dtype of one batch tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape, dict[str, TensorShape]]:
+    """Latents and conditioning of one cached micro-batch, as the trainer reads them.
+
+    Latents are cached in fp32 at the bucket of a square image (``resolution`` x
+    ``resolution``, divided by the VAE's down factor); text embeddings in the autocast dtype,
+    padded to the tokenizer's max length (the text encoder's positions when no tokenizer).
+    """
+    if config.model_family != "sd":
+        raise ValueError(f"no batch shapes for model_family {config.model_family!r}")
+    root = Path(config.pretrained_model_name_or_path).expanduser()
+    vae = _read_json(root / "vae" / "config.json")
+    text = _read_json(root / "text_encoder" / "config.json")
+    side = config.resolution // 2 ** (len(vae["block_out_channels"]) - 1)
+    max_length = text["max_position_embeddings"]
+    if (root / "tokenizer" / "tokenizer_config.json").is_file():
+        max_length = int(_read_json(root / "tokenizer" / "tokenizer_config.json").get("model_max_length", max_length))
+    latents = TensorShape((batch_size, vae["latent_channels"], side, side), torch.float32)
+    embeds = TensorShape((batch_size, max_length, text["hidden_size"]), _DTYPES[config.mixed_precision])
+    return latents, {"prompt_embeds": embeds}
+
+
+# --- the fake step ---------------------------------------------------------------------------
+class _AutocastForward(nn.Module):
+    """The forward under autocast with fp32 outputs: what ``Accelerator.prepare`` makes of the
+    model for mixed precision (the loss around it runs outside autocast)."""
+
+    def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.device_type, self.dtype = inner, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            out = self.inner(*args, **kwargs)
+        return tuple(o.float() if torch.is_tensor(o) and o.dtype in (torch.float16, torch.bfloat16) else o for o in out)
+
+
+def run_fake_step(config: "TrainingConfig", batch_size: int, model: nn.Module, make_mode: Callable[[nn.Module, list], Any]):
+    """Turn the meta ``model`` fake and run one step (loss + backward) on a fake batch inside
+    the dispatch mode ``make_mode(model, inputs)`` returns; returns that mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from simpletuner.models import get_model_spec
+
+    spec = get_model_spec(config)
+    spec.load_noise_scheduler()  # a real object from its config, loaded before faking
+    latent_shape, cond_shapes = batch_shapes(config, batch_size)
+    device = torch.device("cpu")
+    # The only real tensors the step meets are the scheduler's constant tables: converted on use.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _materialize_fake(model, device)
+        latents = torch.empty(latent_shape.shape, dtype=latent_shape.dtype, device=device)
+        conditioning = {k: torch.empty(s.shape, dtype=s.dtype, device=device) for k, s in cond_shapes.items()}
+        denoiser = model
+        if config.mixed_precision != "no":
+            denoiser = _AutocastForward(model, device.type, _DTYPES[config.mixed_precision])
+        mode = make_mode(model, [latents, *conditioning.values()])
+        with mode:
+            per_sample = spec.training_loss(denoiser, latents, conditioning, torch.Generator().manual_seed(0))
+            (per_sample.sum() / batch_size).backward()  # the trainer's normalisation
+    return mode
+
+
+class _NoHook:
+    @staticmethod
+    def remove() -> None:
+        pass
+
+
+def _make_tracker():
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    not_activations = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.OTH)
+
+    class StepTracker(MemTracker):
+        """MemTracker that also keeps the largest activation footprint (``peak_activations``)."""
+
+        peak_activations = 0
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # torch 2.13 registers a gradient hook on every parameter, which raises for frozen
+            # ones (a LoRA base): mark those as hooked already.
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook, _NoHook)
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # The global peak only: the stock version also walks every module's stats on every
+            # op (ops x modules: minutes for an SD1.5 UNet), and per-module peaks are unused here.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+                live = snap[_TOTAL_KEY] - sum(snap[k] for k in not_activations)
+                self.peak_activations = max(self.peak_activations, live)
+
+    return StepTracker()
+
+
+def trace_activations(config: "TrainingConfig", batch_size: int, model: nn.Module | None = None) -> tuple[int, int]:
+    """``(activations, backward peak)`` of one fake training step: the most bytes of
+    activations and temporaries ever live, and the most bytes ever live above the parameters
+    and the batch (activations plus the gradients made so far)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
+
+    def make_tracker(fake_model, inputs):
+        tracker = _make_tracker()
+        tracker.track_external(fake_model, *inputs)  # parameters, buffers; inputs as "other"
+        return tracker
+
+    tracker = run_fake_step(config, batch_size, model or build_meta_denoiser(config), make_tracker)
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    resident = peak[_MemRefType.PARAM] + peak[_MemRefType.BUFFER] + peak[_MemRefType.OTH]
+    return tracker.peak_activations, peak[_TOTAL_KEY] - resident
+
+
+def flops_per_step(config: "TrainingConfig", batch_size: int | None = None) -> int:
+    """FLOPs of one micro-batch's forward and backward (``FlopCounterMode`` on the fake step)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = run_fake_step(
+        config, batch_size or config.train_batch_size, build_meta_denoiser(config), lambda m, i: FlopCounterMode(display=False)
+    )
+    return int(counter.get_total_flops())
+
+
+# --- the estimate ----------------------------------------------------------------------------
+def optimizer_bytes(config: "TrainingConfig", trainable: list[nn.Parameter], device_kind: str = "cuda") -> tuple[int, int]:
+    """``(persistent state, step temporaries)`` of ``config.optimizer`` over ``trainable``.
+
+    Temporaries: torch's multi-tensor (foreach) path, the default on CUDA, makes one full-size
+    list for ``sqrt(exp_avg_sq)`` (Adam, AdamW) and, with weight decay, one for
+    ``grad + wd * param`` (Adam, SGD; AdamW decays in place). On CPU the per-parameter loop
+    needs as much for one tensor at a time.
+    """
+    try:
+        states = OPTIMIZER_STATES_PER_ELEMENT[config.optimizer]
+    except KeyError:
+        raise ValueError(f"no optimizer-state rule for optimizer {config.optimizer!r}") from None
+    temp_lists = {"adamw": 1, "adam": 1, "sgd": 0}[config.optimizer]
+    if config.optimizer in ("adam", "sgd") and config.weight_decay > 0:
+        temp_lists += 1
+    total = sum(p.nbytes for p in trainable)
+    scope = total if device_kind == "cuda" else max((p.nbytes for p in trainable), default=0)
+    return states * total, temp_lists * scope
+
+
+def estimate_memory(config: "TrainingConfig", batch_size: int | None = None, *, device_kind: str = "cuda") -> MemoryBreakdown:
+    """The peak memory of training ``config`` on one device, estimated without a GPU.
+
+    Args:
+        config: a validated TrainingConfig; its model folder needs configs only, no weights.
+        batch_size: the micro-batch to estimate; default ``config.train_batch_size``.
+        device_kind: ``"cuda"`` adds the CUDA context and library workspaces; ``"cpu"`` does not.
+    """
+    if device_kind not in _DEVICE_KINDS:
+        raise ValueError(f"device_kind {device_kind!r} is not one of {', '.join(_DEVICE_KINDS)}")
+    batch_size = config.train_batch_size if batch_size is None else batch_size
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    model = build_meta_denoiser(config)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
+    weights = sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
+    gradients = sum(p.nbytes for p in trainable)  # one per trainable element, in its dtype
+    optimizer_state, optimizer_transient = optimizer_bytes(config, trainable, device_kind)
+    latents, conditioning = batch_shapes(config, batch_size)
+    batch_data = latents.nbytes + sum(s.nbytes for s in conditioning.values())
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    base_dtype = _DTYPES[config.mixed_precision] if config.training_type == "lora" else torch.float32
+    num_parameters, num_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
+    trainable_dtype = trainable[0].dtype
+    activations, backward_peak = trace_activations(config, batch_size, model)  # makes `model` fake
+
+    step_peak = max(backward_peak, gradients + optimizer_transient)
+    not_live_at_once = step_peak - (activations + gradients + optimizer_transient)
+    fragmentation = int(FRAGMENTATION_FRACTION * (step_peak + batch_data))
+    context = CUDA_CONTEXT_BYTES if device_kind == "cuda" else 0
+    workspaces = CUBLAS_WORKSPACE_BYTES + (CUDNN_WORKSPACE_BYTES if has_conv else 0) if device_kind == "cuda" else 0
+    overhead = context + workspaces + fragmentation
+    return MemoryBreakdown(
+        weights=weights,
+        trainable_weights=gradients,
+        gradients=gradients,
+        optimizer_state=optimizer_state,
+        activations=activations,
+        batch_data=batch_data,
+        framework_overhead=overhead,
+        total=weights + optimizer_state + step_peak + batch_data + overhead,
+        optimizer_transient=optimizer_transient,
+        backward_peak=backward_peak,
+        not_live_at_once=not_live_at_once,
+        cuda_context=context,
+        workspaces=workspaces,
+        fragmentation=fragmentation,
+        model_family=config.model_family,
+        micro_batch_size=batch_size,
+        resolution=config.resolution,
+        latent_shape=tuple(latents.shape[1:]),
+        adapter=f"lora r{config.lora_rank}" if config.training_type == "lora" else "full",
+        optimizer=config.optimizer,
+        gradient_checkpointing=config.gradient_checkpointing,
+        mixed_precision=config.mixed_precision,
+        device_kind=device_kind,
+        weight_dtype=str(base_dtype).removeprefix("torch."),
+        trainable_dtype=str(trainable_dtype).removeprefix("torch."),
+        num_parameters=num_parameters,
+        num_trainable_parameters=num_trainable,
+    )
+
+
+# --- checking the estimate: a real step on CPU -------------------------------------------------
+@dataclass(frozen=True)
+class MeasuredStep:
+    """Memory of one real training step on CPU, from the profiler's allocation events.
+
+    ``peak``: the most bytes allocated during loss + backward above what was allocated before
+    it (parameters, the batch), as ``MemoryBreakdown.backward_peak``; ``activations``: the most
+    of that ever live that is not a parameter gradient, as ``MemoryBreakdown.activations``.
+    """
+
+    peak: int
+    activations: int
+
+
+def measure_cpu_step(config: "TrainingConfig", batch_size: int | None = None, seed: int = 0) -> MeasuredStep:
+    """Run one real training step of ``config`` on CPU and measure it (loads the weights: tiny
+    models only). Independent of the estimate: real tensors and weights, the trainer's own
+    setup (``load_denoiser``, ``prepare_for_training``, ``Accelerator.prepare`` for mixed precision) and
+    the CPU allocator's own accounting as the torch profiler records it, not MemTracker."""
+    from accelerate import Accelerator
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    from simpletuner.models import get_model_spec
+    from simpletuner.training.lora import prepare_for_training
+    from simpletuner.training.trainer import _reset_accelerate_state
+
+    batch_size = batch_size or config.train_batch_size
+    spec = get_model_spec(config)
+    weight_dtype = _DTYPES[config.mixed_precision]
+    model = spec.load_denoiser(weight_dtype if config.training_type == "lora" else torch.float32)
+    model = prepare_for_training(model, spec.lora_targets, config, weight_dtype)
+    generator = torch.Generator().manual_seed(seed)
+    latent_shape, cond_shapes = batch_shapes(config, batch_size)
+    latents = torch.randn(latent_shape.shape, generator=generator).to(latent_shape.dtype)
+    conditioning = {k: torch.randn(s.shape, generator=generator).to(s.dtype) for k, s in cond_shapes.items()}
+    spec.load_noise_scheduler()
+    _reset_accelerate_state()
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision=config.mixed_precision)
+        prepared = accelerator.prepare(model)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            per_sample = spec.training_loss(prepared, latents, conditioning, generator)
+            accelerator.backward(per_sample.sum() / batch_size)
+    finally:
+        _reset_accelerate_state()
+
+    events = []  # (time, ptr, signed bytes, allocator total after the event)
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.typed[0] == _EventType.Allocation:
+            fields = event.typed[1]
+            events.append((event.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated))
+        stack.extend(event.children)
+    events.sort(key=lambda e: e[0])
+    before = events[0][3] - events[0][2]
+    # A gradient's buffer is the last allocation at its storage's address (never freed since).
+    grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    grad_allocs = {ptr: i for i, (_, ptr, size, _) in enumerate(events) if size > 0 and ptr in grad_ptrs}
+    grad_at = {i: events[i][2] for i in grad_allocs.values()}
+    peak = activations = gradients = 0
+    for i, (_, _, _, total) in enumerate(events):
+        gradients += grad_at.get(i, 0)
+        peak = max(peak, total - before)
+        activations = max(activations, total - before - gradients)
+    return MeasuredStep(peak=peak, activations=activations)
+
+
+# --- config-only model folders ---------------------------------------------------------------
+#: Stable Diffusion 1.5's architecture: UNet (860M), VAE (f8, 4 latent channels), CLIP ViT-L/14 text.
+SD15_UNET = dict(
+    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32,
+)
+SD15_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=512, scaling_factor=0.18215,
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+)
+SD15_TEXT = dict(
+    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+    max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+)
+SD15_SCHEDULER = dict(
+    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+    prediction_type="epsilon", clip_sample=False, steps_offset=1,
+)
+
+
+def write_config_only_model(out_dir: str | Path, pipeline_class: str, components: dict[str, Any]) -> Path:
+    """A diffusers-format folder of configs only (no weights): enough for ``estimate_memory``.
+
+    ``components`` maps a pipeline component name to a diffusers model or scheduler instance
+    (build models under ``torch.device("meta")``: no memory) or a transformers config; each is
+    written with its own ``save_config`` / ``save_pretrained`` and listed in ``model_index.json``.
+    """
+    import diffusers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__}
+    for name, obj in components.items():
+        if hasattr(obj, "save_config"):  # diffusers ConfigMixin
+            obj.save_config(out / name)
+            index[name] = ["diffusers", type(obj).__name__]
+        else:  # transformers PretrainedConfig: listed as the model class it configures
+            obj.save_pretrained(out / name)
+            index[name] = ["transformers", (obj.architectures or [type(obj).__name__.replace("Config", "Model")])[0]]
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def write_sd15_config_only(out_dir: str | Path) -> Path:
+    """SD 1.5's architecture as a config-only folder: estimates without the 4 GB download."""
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig
+
+    with torch.device("meta"):
+        unet, vae = UNet2DConditionModel(**SD15_UNET), AutoencoderKL(**SD15_VAE)
+    text = CLIPTextConfig(**SD15_TEXT, architectures=["CLIPTextModel"])
+    components = {"unet": unet, "vae": vae, "text_encoder": text, "scheduler": DDPMScheduler(**SD15_SCHEDULER)}
+    return write_config_only_model(out_dir, "StableDiffusionPipeline", components)

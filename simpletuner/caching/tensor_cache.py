@@ -8,13 +8,16 @@ so a key names everything its value depends on; an unknown key is simply a miss.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm import tqdm
@@ -63,6 +66,31 @@ def _plan_batches(
     return batches
 
 
+def _prepared(
+    batches: list[list[str]], misses: Mapping[str, Any], prepare: Callable[[list[Any]], Any] | None, workers: int
+) -> Iterator[tuple[list[str], Any]]:
+    """``(keys, prepare(payloads))`` per batch, in order; ``prepare`` runs on ``workers`` threads
+    up to ``2 * workers`` batches ahead. Closing the generator cancels what has not started."""
+    if prepare is None or workers < 1:
+        for keys in batches:
+            payloads = [misses[k] for k in keys]
+            yield keys, payloads if prepare is None else prepare(payloads)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="cache-prepare")
+    try:
+        ahead: deque = deque()
+        todo = iter(batches)
+        for keys in itertools.islice(todo, 2 * workers):
+            ahead.append((keys, pool.submit(prepare, [misses[k] for k in keys])))
+        while ahead:
+            keys, future = ahead.popleft()
+            for more in itertools.islice(todo, 1):
+                ahead.append((more, pool.submit(prepare, [misses[k] for k in more])))
+            yield keys, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 class TensorCache:
     """An encode-once cache of ``dict[str, Tensor]`` entries on a :class:`ShardedTensorStore`.
 
@@ -97,6 +125,8 @@ class TensorCache:
         batch_size: int,
         group: Callable[[Any], Hashable] | None = None,
         desc: str | None = None,
+        prepare: Callable[[list[Any]], Any] | None = None,
+        prepare_workers: int = 0,
     ) -> FillReport:
         """Compute and store every item whose key the store does not hold yet.
 
@@ -111,6 +141,10 @@ class TensorCache:
             group: payload -> hashable batch group (e.g. the image bucket), so a batch can be
                 stacked; None puts everything in one group.
             desc: progress-bar label; defaults to ``"caching <name>"``.
+            prepare: optional CPU stage (e.g. decode images) run on each batch of payloads
+                before ``compute``, which then receives its result instead of the payloads.
+            prepare_workers: threads running ``prepare`` ahead of ``compute`` (at most two
+                batches per thread in flight); 0 runs it inline.
 
         Entries are written in shards of ``flush_every`` as they are computed, and what is
         pending is written even when ``compute`` raises, so a crash loses little.
@@ -130,9 +164,8 @@ class TensorCache:
         num_computed = 0
         progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
         try:
-            for batch_keys in batches:
-                payloads = [misses[key] for key in batch_keys]
-                results = compute(payloads)
+            for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers):
+                results = compute(inputs)
                 self._check_results(batch_keys, results)
                 for key, result in zip(batch_keys, results):
                     if result is None:

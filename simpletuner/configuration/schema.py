@@ -8,12 +8,24 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+
+#: Keys a stock PyTorch CUDA build accepts in PYTORCH_CUDA_ALLOC_CONF (it refuses to start on others).
+CUDA_ALLOC_CONF_KEYS: tuple[str, ...] = (
+    "expandable_segments",
+    "garbage_collection_threshold",
+    "max_split_size_mb",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_use_cuda_host_register",
+    "release_lock_on_cudamalloc",
+    "roundup_power2_divisions",
+)
 
 CaptionStrategy = Literal["textfile", "filename", "instance_prompt"]
 
@@ -201,10 +213,65 @@ class TrainingConfig(_Strict):
     validation_num_inference_steps: int = Field(20, ge=1, description="Sampler steps for validation images.")
     validation_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance scale for validation images.")
 
+    # --- performance ---
+    enable_tf32: bool = Field(
+        True,
+        description=(
+            "Let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer): several times faster, "
+            "with 10 mantissa bits instead of 23 inside those products. Off: exact fp32. No effect on CPU."
+        ),
+    )
+    enable_compile: bool = Field(
+        False,
+        description=(
+            "`torch.compile` the denoiser: faster steps after a compile that takes tens of seconds to minutes "
+            "at start-up and again for each new bucket shape; needs a C compiler on the machine."
+        ),
+    )
+    dataloader_num_workers: int = Field(
+        0, ge=0, le=256,
+        description=(
+            "Threads that read and decode images ahead of the VAE while the latent cache fills (0: decode in the "
+            "training process between VAE batches). Helps large datasets at start-up; costs CPU RAM for "
+            "two decoded batches per thread. Training steps read from the caches and do not use it."
+        ),
+    )
+    dataloader_pin_memory: bool = Field(
+        False, description="Pin decoded image batches (CUDA only) so their copy to the GPU is faster; costs page-locked RAM."
+    )
+    cuda_allocator: dict[str, Union[bool, int, float]] = Field(
+        default_factory=dict,
+        description=(
+            "PyTorch CUDA caching-allocator settings, written to PYTORCH_CUDA_ALLOC_CONF before CUDA starts "
+            "(keys given here win over the environment's). Only keys a stock PyTorch accepts: "
+            "`expandable_segments` (less fragmentation with changing shapes), `max_split_size_mb`, "
+            "`garbage_collection_threshold`, `roundup_power2_divisions`, ..."
+        ),
+    )
+
     # --- logging ---
-    logging_steps: int = Field(10, ge=1, description="Log loss, lr and throughput every N optimizer steps (one host sync per log).")
+    logging_steps: int = Field(10, ge=1, description="Log loss, lr, samples/s, step time, data-wait share and MFU every N optimizer steps (one host sync per log).")
+    eval_steps: Optional[int] = Field(
+        None, ge=1,
+        description=(
+            "Every N optimizer steps, log `eval_loss`: the loss on `eval_iters` fixed micro-batches with fixed "
+            "noise and timesteps, without gradients. Comparable across steps, unlike the noisy training loss."
+        ),
+    )
+    eval_iters: int = Field(4, ge=1, description="Micro-batches in each `eval_loss` (more: steadier, slower).")
     report_to: Literal["none", "tensorboard", "wandb"] = Field("none", description="Experiment tracker (through Accelerate).")
     tracker_project_name: str = Field("simpletuner", description="Project name for the tracker.")
+
+    @field_validator("cuda_allocator")
+    @classmethod
+    def _allocator_keys(cls, value: dict) -> dict:
+        unknown = sorted(set(value) - set(CUDA_ALLOC_CONF_KEYS))
+        if unknown:
+            raise ValueError(
+                f"{', '.join(unknown)} not accepted by PyTorch's CUDA allocator (it would refuse to start). "
+                f"Known keys: {', '.join(CUDA_ALLOC_CONF_KEYS)}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainingConfig":

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from simpletuner.configuration.schema import CUDA_ALLOC_CONF_KEYS
 from simpletuner.gh200.runtime import INSTALL_HINT, DeviceMemoryInfo, get_runtime
 
 GIB = 1024**3
@@ -29,19 +30,7 @@ ENV_VARS = (
     "MKL_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
 )
-#: Keys a stock PyTorch CUDA build accepts in PYTORCH_CUDA_ALLOC_CONF (it rejects any other).
-ALLOC_CONF_KEYS = frozenset(
-    {
-        "max_split_size_mb",
-        "roundup_power2_divisions",
-        "garbage_collection_threshold",
-        "expandable_segments",
-        "pinned_use_cuda_host_register",
-        "pinned_num_register_threads",
-        "release_lock_on_cudamalloc",
-        "pinned_use_background_threads",
-    }
-)
+ALLOC_CONF_KEYS = frozenset(CUDA_ALLOC_CONF_KEYS)
 TORCH_CUDA_FIX = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
 DEVICE_FIX = "check `nvidia-smi`, the NVIDIA driver and CUDA_VISIBLE_DEVICES"
 ENV_FIX = "source scripts/setup_gh200_env.sh"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -119,22 +120,36 @@ def prepare_caches(
             latent_items.append((key, (ds, sample)))
 
     undecodable: dict[str, dict[str, str]] = {}  # dataset id -> {path: reason}
+    undecodable_lock = threading.Lock()
+    pin = config.dataloader_pin_memory and device.type == "cuda"
 
-    def encode_images(payloads: list[tuple[RegisteredDataset, Sample]]) -> list[dict[str, torch.Tensor] | None]:
+    def load_pixels(payloads: list[tuple[RegisteredDataset, Sample]]) -> tuple[list[bool], torch.Tensor | None]:
+        """Decode a batch (on a loader thread when dataloader_num_workers > 0); None for bad bodies."""
         pixels: list[torch.Tensor | None] = []
         for ds, sample in payloads:
             try:
                 pixels.append(load_sample_pixels(ds, sample)[0])
             except (OSError, ValueError, Image.DecompressionBombError) as exc:  # header was fine, body is not
-                undecodable.setdefault(ds.id, {})[sample.path] = f"cannot decode image: {exc}"
+                with undecodable_lock:
+                    undecodable.setdefault(ds.id, {})[sample.path] = f"cannot decode image: {exc}"
                 pixels.append(None)
         good = [p for p in pixels if p is not None]
-        if not good:
-            return [None] * len(payloads)
-        latents = iter(spec.encode_images(encoders.get_vae(), torch.stack(good)).float().cpu())
-        return [None if p is None else {"latents": next(latents)} for p in pixels]
+        stacked = torch.stack(good) if good else None
+        if stacked is not None and pin:
+            stacked = stacked.pin_memory()
+        return [p is not None for p in pixels], stacked
 
-    latent_report = vae_cache.fill(latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents")
+    def encode_images(loaded: tuple[list[bool], torch.Tensor | None]) -> list[dict[str, torch.Tensor] | None]:
+        ok, stacked = loaded
+        if stacked is None:
+            return [None] * len(ok)
+        latents = iter(spec.encode_images(encoders.get_vae(), stacked).float().cpu())
+        return [{"latents": next(latents)} if good else None for good in ok]
+
+    latent_report = vae_cache.fill(
+        latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents",
+        prepare=load_pixels, prepare_workers=config.dataloader_num_workers,
+    )
     for ds in datasets:
         ds.metadata.drop_unreadable(ds.id, str(getattr(ds.backend, "root", ds.id)), undecodable.get(ds.id, {}),
                                     config.max_bad_image_fraction)

@@ -17,11 +17,12 @@ from simpletuner.data_backend import BucketSampler, build_datasets
 from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
+from simpletuner.training import performance as perf
 from simpletuner.gh200.ramp import count_steps
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.training.accumulation import AccumulationPolicy
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
-from simpletuner.training.lora import apply_lora, trainable_state
+from simpletuner.training.lora import prepare_for_training, trainable_state
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.validation import generate_validation_images
 
@@ -58,6 +59,7 @@ class Trainer:
         self.output_dir = Path(self.config.output_dir).expanduser()
         self.progress = Progress()
         self.losses: list[float] = []
+        self.last_logs: dict[str, float] = {}  # figures of the latest logging window
         self.validation_images: list[Path] = []
 
     # --- setup ---------------------------------------------------------------------------
@@ -67,12 +69,12 @@ class Trainer:
 
         cfg = self.config
         has_cuda = torch.cuda.is_available()
-        if cfg.mixed_precision == "fp16" and not has_cuda:
+        if self.mixed_precision == "fp16" and not has_cuda:
             raise ValueError("mixed_precision 'fp16' needs a CUDA GPU; use 'bf16' or 'no' on this machine")
         log_with = None if cfg.report_to == "none" else cfg.report_to
         return Accelerator(
             cpu=not has_cuda,
-            mixed_precision=cfg.mixed_precision,
+            mixed_precision=self.mixed_precision,
             log_with=log_with,
             project_config=ProjectConfiguration(project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")),
         )
@@ -87,6 +89,9 @@ class Trainer:
 
         cfg = self.config
         clock = _PhaseClock()
+        perf.apply_cuda_allocator(cfg.cuda_allocator)  # before anything touches CUDA
+        self.mixed_precision = perf.resolve_mixed_precision(cfg.mixed_precision)
+        perf.apply_tf32(cfg.enable_tf32)
         _reset_accelerate_state()
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
@@ -98,7 +103,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_bytes(orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2))
         self.spec = spec = get_model_spec(cfg)
-        self.weight_dtype = _DTYPES[cfg.mixed_precision]
+        self.weight_dtype = _DTYPES[self.mixed_precision]
 
         clock.mark("accelerator")
         datasets = build_datasets(self.state)
@@ -116,17 +121,13 @@ class Trainer:
 
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
-        if cfg.training_type == "lora":
-            denoiser = apply_lora(denoiser, spec.lora_targets, cfg, base_dtype=self.weight_dtype)
-        else:
-            denoiser.requires_grad_(True)
-        if cfg.gradient_checkpointing:
-            denoiser.enable_gradient_checkpointing()
-        denoiser.train()
+        denoiser = perf.maybe_compile(prepare_for_training(denoiser, spec.lora_targets, cfg, self.weight_dtype), cfg.enable_compile)
         clock.mark("model")
         optimizer = build_optimizer(cfg, denoiser.parameters())
         samples = [s for ds in datasets for s in ds.samples]
         self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
+        self.eval_samples = samples
+        self.eval_batches = self._eval_batches(samples) if cfg.eval_steps else []
         self.total_steps = self._total_steps()
         self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps)
         # The schedule is not prepared: Accelerate would step it once per process per step.
@@ -145,6 +146,59 @@ class Trainer:
         decisions recorded in the StateTracker and ``<output_dir>/gh200_runtime.json``."""
         acc = self.accelerator
         return configure_runtime(self.state, acc.num_processes, acc.is_main_process, self.output_dir)
+
+    def _eval_batches(self, samples) -> list[Batch]:
+        """``eval_iters`` fixed micro-batches (a sampler of their own, so training order is untouched)."""
+        acc = self.accelerator
+        sampler = BucketSampler(samples, self.config.train_batch_size, acc.num_processes, acc.process_index,
+                                self.config.seed + 1)
+        batches = iter(sampler)
+        return [self.data.batch(next(batches), acc.device) for _ in range(min(self.config.eval_iters, len(sampler)))]
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Mean loss over the fixed eval batches with the same noise and timesteps every time."""
+        acc = self.accelerator
+        generator = torch.Generator().manual_seed(self.config.seed + 104729 + acc.process_index)
+        self.model.eval()
+        try:
+            with acc.autocast():
+                losses = [self.spec.training_loss(self.model, b.latents, b.conditioning, generator).mean()
+                          for b in self.eval_batches]
+        finally:
+            self.model.train()
+        local = torch.stack(losses).mean().reshape(1).to(acc.device)
+        return acc.gather(local).mean().item()
+
+    def _flops_per_sample(self) -> float | None:
+        """Forward + backward FLOPs per sample, counted once on a throwaway micro-batch.
+
+        Counting a real step would perturb it (the counter changes how some backward kernels
+        run), so this runs one extra forward and backward with the RNG forked and without
+        gradient sync, then drops the gradients: training is bit-identical with or without it.
+        Skipped under torch.compile, which the counter would disturb.
+        """
+        cfg, acc = self.config, self.accelerator
+        if cfg.enable_compile or not self.eval_samples:
+            return None
+        sampler = BucketSampler(self.eval_samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2)
+        batch = self.data.batch(next(iter(sampler)), acc.device)
+        count = perf.FlopCount()
+        devices = [acc.device.index or 0] if acc.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), acc.no_sync(self.model), perf.count_flops(count):
+            generator = torch.Generator().manual_seed(0)
+            self.spec.training_loss(self.model, batch.latents, batch.conditioning, generator).mean().backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        per_sample = count.total / batch.num_samples
+        logger.info("%.3g FLOPs per sample (forward + backward)", per_sample)
+        return per_sample
+
+    def _peak_tflops(self) -> float | None:
+        if not torch.cuda.is_available():
+            return None
+        from simpletuner.memory.hardware import detect_hardware
+
+        return detect_hardware().peak_tflops(self.mixed_precision)
 
     def _total_steps(self) -> int:
         cfg = self.config
@@ -260,33 +314,32 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
                    disable=not acc.is_local_main_process, dynamic_ncols=True)
         pending: list[torch.Tensor] = []
-        window_start, samples_in_window = time.perf_counter(), 0
+        meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self._flops_per_sample(),
+                                      cuda=torch.cuda)
         while self.progress.global_step < self.total_steps:
             window = self.accumulation.window_for(self.progress.micro_batches_seen)
-            micro = [next(batches) for _ in range(window)]
+            with meter.data_wait():
+                micro = [next(batches) for _ in range(window)]
             if logger.isEnabledFor(logging.DEBUG):
                 for b in micro:
                     logger.debug("rank %d micro-batch: %s", acc.process_index, [s.key for s in b.samples])
+            local_samples = sum(b.num_samples for b in micro)
             pending.append(self.train_step(micro))
-            samples_in_window += sum(b.num_samples for b in micro) * acc.num_processes
+            meter.step_done(local_samples)
             step = self.progress.global_step
             bar.update(1)
             if step % cfg.logging_steps == 0 or step == self.total_steps:
-                elapsed = time.perf_counter() - window_start
                 values = torch.stack(pending).tolist()  # the one host sync per logging window
                 self.losses += values
-                logs = {
-                    "loss": sum(values) / len(values),
-                    "lr": self.lr_scheduler.get_last_lr()[0],
-                    "samples_per_s": samples_in_window / elapsed,
-                    "step_time_s": elapsed / len(values),
-                }
-                bar.set_postfix(loss=f"{logs['loss']:.4f}", lr=f"{logs['lr']:.2e}",
-                                samples_s=f"{logs['samples_per_s']:.1f}", step_s=f"{logs['step_time_s']:.3f}")
+                logs = {"loss": sum(values) / len(values), "lr": self.lr_scheduler.get_last_lr()[0], **meter.report()}
+                logs["samples_per_s"] *= acc.num_processes
+                if cfg.eval_steps and step % cfg.eval_steps == 0:
+                    logs["eval_loss"] = self.eval_loss()
+                self.last_logs = logs
+                bar.set_postfix(_postfix(logs))
                 acc.log(logs, step=step)
-                logger.info("step %d/%d loss %.4f lr %.2e %.1f samples/s", step, self.total_steps,
-                            logs["loss"], logs["lr"], logs["samples_per_s"])
-                pending, window_start, samples_in_window = [], time.perf_counter(), 0
+                logger.info("step %d/%d %s", step, self.total_steps, _log_line(logs))
+                pending = []
             if cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0:
                 self.save_checkpoint()
             if cfg.validation_steps and step % cfg.validation_steps == 0:
@@ -311,6 +364,31 @@ class Trainer:
             logger.info("saved %s", path)
         acc.wait_for_everyone()
         return path
+
+
+def _postfix(logs: dict) -> dict[str, str]:
+    """The progress bar's figures: loss, lr, samples/s, step time, and MFU / eval loss when known."""
+    shown = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['lr']:.2e}", "samples_s": f"{logs['samples_per_s']:.1f}",
+             "step_s": f"{logs['step_time_s']:.3f}", "wait": f"{logs['data_wait_share']:.0%}"}
+    if "mfu" in logs:
+        shown["mfu"] = f"{logs['mfu']:.1%}"
+    if "eval_loss" in logs:
+        shown["eval"] = f"{logs['eval_loss']:.4f}"
+    return shown
+
+
+def _log_line(logs: dict) -> str:
+    parts = [f"loss {logs['loss']:.4f}", f"lr {logs['lr']:.2e}", f"{logs['samples_per_s']:.1f} samples/s",
+             f"step {logs['step_time_s']:.3f}s", f"data wait {logs['data_wait_share']:.0%}"]
+    if "tflops" in logs:
+        parts.append(f"{logs['tflops']:.2f} TFLOPS")
+    if "mfu" in logs:
+        parts.append(f"MFU {logs['mfu']:.1%}")
+    if "peak_memory_gib" in logs:
+        parts.append(f"peak {logs['peak_memory_gib']:.2f} GiB")
+    if "eval_loss" in logs:
+        parts.append(f"eval_loss {logs['eval_loss']:.4f}")
+    return ", ".join(parts)
 
 
 class LaunchError(RuntimeError):

@@ -1,0 +1,152 @@
+"""Performance knobs and throughput figures: TF32, precision fallback, allocator settings,
+torch.compile, FLOPs per step and the per-window throughput line (samples/s, step time,
+data-wait share, MFU, peak memory).
+
+The functions take the pieces of the machine they look at as arguments (``cuda`` module,
+environment), so the CPU tests drive the CUDA branches with a fake that records calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, MutableMapping
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def resolve_mixed_precision(requested: str, cuda: Any = torch.cuda) -> str:
+    """``requested``, except bf16 on a CUDA GPU without bf16 (before Ampere) becomes fp16 (said once)."""
+    if requested != "bf16" or not cuda.is_available():
+        return requested
+    if cuda.is_bf16_supported():
+        return requested
+    logger.warning(
+        "mixed_precision 'bf16' is not supported by %s; using 'fp16' (set mixed_precision to 'fp16' or 'no' to "
+        "silence this)", cuda.get_device_name(),
+    )
+    return "fp16"
+
+
+def apply_tf32(enabled: bool, backends: Any = torch.backends) -> None:
+    """Allow (or forbid) TF32 in CUDA matmuls and cuDNN convolutions."""
+    backends.cuda.matmul.allow_tf32 = enabled
+    backends.cudnn.allow_tf32 = enabled
+
+
+def _format_value(value: bool | int | float) -> str:
+    return ("True" if value else "False") if isinstance(value, bool) else str(value)
+
+
+def apply_cuda_allocator(settings: Mapping[str, bool | int | float], environ: MutableMapping[str, str] = os.environ,
+                         cuda: Any = torch.cuda) -> str | None:
+    """Merge ``settings`` into PYTORCH_CUDA_ALLOC_CONF (config keys win); returns the value set.
+
+    The allocator reads the variable when CUDA starts, so settings that arrive after that are
+    reported as not applied for this process.
+    """
+    if not settings:
+        return environ.get(ALLOC_CONF_VAR)
+    merged: dict[str, str] = {}
+    for part in filter(None, (environ.get(ALLOC_CONF_VAR) or "").split(",")):
+        key, _, value = part.partition(":")
+        merged[key.strip()] = value.strip()
+    for key, value in settings.items():
+        if key in merged and merged[key] != _format_value(value):
+            logger.info("cuda_allocator.%s=%s overrides %s from the environment", key, _format_value(value), merged[key])
+        merged[key] = _format_value(value)
+    value = ",".join(f"{k}:{v}" for k, v in merged.items())
+    environ[ALLOC_CONF_VAR] = value
+    if cuda.is_initialized():
+        logger.warning(
+            "cuda_allocator set %s=%s after CUDA started: it applies to new processes only. Launch through "
+            "simpletuner/train.py or export the variable before starting Python", ALLOC_CONF_VAR, value,
+        )
+    return value
+
+
+def maybe_compile(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
+    """``torch.compile(model)`` when enabled (logged); the model unchanged otherwise."""
+    if not enabled:
+        return model
+    logger.info("compiling the denoiser with torch.compile: the first steps (and each new bucket shape) are slow")
+    return torch.compile(model)
+
+
+@dataclass
+class FlopCount:
+    """FLOPs counted by :func:`count_flops` (None until a count finished)."""
+
+    total: int | None = None
+
+
+@contextmanager
+def count_flops(into: FlopCount) -> Iterator[FlopCount]:
+    """Count the FLOPs (matmuls, convolutions, attention) of what runs inside into ``into.total``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as mode:
+        yield into
+    into.total = int(mode.get_total_flops())
+
+
+@dataclass
+class ThroughputWindow:
+    """Figures of one logging window, measured without extra host syncs.
+
+    The trainer calls :meth:`data_wait` around fetching micro-batches and :meth:`step_done`
+    after each optimizer step; :meth:`report` (at the logging step, right after the one host
+    sync of that window) turns them into figures and starts the next window.
+    """
+
+    peak_tflops: float | None = None
+    flops_per_sample: float | None = None
+    cuda: Any = None
+    started: float = field(default_factory=time.perf_counter)
+    waited: float = 0.0
+    steps: int = 0
+    samples: int = 0
+
+    @contextmanager
+    def data_wait(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def step_done(self, samples: int) -> None:
+        self.steps += 1
+        self.samples += samples
+
+    def report(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        figures = {
+            "samples_per_s": self.samples / elapsed,
+            "step_time_s": elapsed / max(self.steps, 1),
+            "data_wait_share": self.waited / elapsed,
+        }
+        if self.flops_per_sample:
+            achieved = self.flops_per_sample * self.samples / elapsed / 1e12
+            figures["tflops"] = achieved
+            if self.peak_tflops:
+                figures["mfu"] = achieved / self.peak_tflops
+        if self.cuda is not None and self.cuda.is_available():
+            figures["peak_memory_gib"] = self.cuda.max_memory_allocated() / 2**30
+            self.cuda.reset_peak_memory_stats()
+        self.started, self.waited, self.steps, self.samples = time.perf_counter(), 0.0, 0, 0
+        return figures
+
+
+def uvm_memory_figures(pool_stats: Mapping[str, int] | None) -> dict[str, float]:
+    """The managed pool's reserved memory (GiB) for the log, when the pool is in use."""
+    if not pool_stats:
+        return {}
+    return {"managed_pool_gib": pool_stats.get("reserved_bytes", 0) / 2**30}

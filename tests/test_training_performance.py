@@ -1,0 +1,199 @@
+"""Performance knobs and throughput figures: fakes for the CUDA pieces, real training runs for the rest."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from simpletuner.caching import ShardedTensorStore, TensorCache
+from simpletuner.configuration import ConfigError, validate_config
+from simpletuner.state import StateTracker
+from simpletuner.training import performance as perf
+from simpletuner.training.trainer import Trainer
+
+
+class FakeCuda:
+    """What the knobs ask of ``torch.cuda``; records peak-memory resets."""
+
+    def __init__(self, available=True, bf16=True, initialized=False, peak=3 * 2**30):
+        self.available, self.bf16, self.initialized, self.peak, self.resets = available, bf16, initialized, peak, 0
+
+    def is_available(self):
+        return self.available
+
+    def is_bf16_supported(self):
+        return self.bf16
+
+    def get_device_name(self):
+        return "Tesla V100-SXM2-32GB"
+
+    def is_initialized(self):
+        return self.initialized
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def reset_peak_memory_stats(self):
+        self.resets += 1
+
+
+def test_bf16_falls_back_to_fp16_where_unsupported(caplog):
+    caplog.set_level(logging.WARNING)
+    assert perf.resolve_mixed_precision("bf16", FakeCuda(bf16=False)) == "fp16"
+    assert "not supported by Tesla V100" in caplog.text
+    assert perf.resolve_mixed_precision("bf16", FakeCuda(bf16=True)) == "bf16"
+    assert perf.resolve_mixed_precision("bf16", FakeCuda(available=False)) == "bf16"  # CPU autocast has bf16
+    assert perf.resolve_mixed_precision("no", FakeCuda(bf16=False)) == "no"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf32_switch(enabled):
+    backends = SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=None)),
+                               cudnn=SimpleNamespace(allow_tf32=None))
+    perf.apply_tf32(enabled, backends)
+    assert backends.cuda.matmul.allow_tf32 is enabled and backends.cudnn.allow_tf32 is enabled
+
+
+def test_allocator_settings_merge_into_the_environment(caplog):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False"}
+    caplog.set_level(logging.INFO)
+    value = perf.apply_cuda_allocator({"expandable_segments": True, "garbage_collection_threshold": 0.8}, env, FakeCuda())
+    assert value == env["PYTORCH_CUDA_ALLOC_CONF"] == \
+        "max_split_size_mb:128,expandable_segments:True,garbage_collection_threshold:0.8"
+    assert "overrides False from the environment" in caplog.text
+    assert perf.apply_cuda_allocator({}, env, FakeCuda()) == value  # nothing asked: untouched
+
+
+def test_allocator_settings_after_cuda_started_are_reported(caplog):
+    env: dict[str, str] = {}
+    perf.apply_cuda_allocator({"expandable_segments": True}, env, FakeCuda(initialized=True))
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "after CUDA started" in caplog.text
+
+
+def test_unknown_allocator_key_is_a_config_error(make_config):
+    with pytest.raises(ConfigError) as info:
+        validate_config(make_config(cuda_allocator={"use_uvm": True}))
+    assert any(p.startswith("cuda_allocator") and "use_uvm not accepted" in p and "expandable_segments" in p
+               for p in info.value.problems), info.value.problems
+
+
+def test_throughput_window_figures():
+    cuda = FakeCuda()
+    meter = perf.ThroughputWindow(peak_tflops=100.0, flops_per_sample=5e12, cuda=cuda)
+    with meter.data_wait():
+        pass
+    meter.step_done(4)
+    meter.step_done(4)
+    meter.waited = 0.5  # pin the measured parts so the arithmetic is checkable
+    meter.started -= 2.0
+    figures = meter.report()
+    elapsed = 8 / figures["samples_per_s"]
+    assert elapsed == pytest.approx(2.0, abs=0.05)
+    assert figures["step_time_s"] == pytest.approx(elapsed / 2)
+    assert figures["data_wait_share"] == pytest.approx(0.5 / elapsed)
+    assert figures["tflops"] == pytest.approx(5e12 * 8 / elapsed / 1e12)
+    assert figures["mfu"] == pytest.approx(figures["tflops"] / 100.0)
+    assert figures["peak_memory_gib"] == 3.0 and cuda.resets == 1
+    assert (meter.steps, meter.samples, meter.waited) == (0, 0, 0.0)  # next window starts empty
+    assert "mfu" not in perf.ThroughputWindow(flops_per_sample=1.0).report()  # peak unknown: no MFU
+
+
+def test_count_flops_matches_a_matmul():
+    count = perf.FlopCount()
+    with perf.count_flops(count):
+        torch.randn(4, 8) @ torch.randn(8, 16)
+    assert count.total == 2 * 4 * 8 * 16
+
+
+def _train(raw):
+    trainer = Trainer(StateTracker(validate_config(raw), raw))
+    return trainer, trainer.train()
+
+
+def test_trainer_logs_throughput_flops_and_a_repeatable_eval_loss(make_config, caplog):
+    caplog.set_level(logging.INFO, logger="simpletuner.training.trainer")
+    trainer, result = _train(make_config(max_train_steps=4, logging_steps=2, eval_steps=2, eval_iters=2))
+    logs = trainer.last_logs
+    assert {"loss", "lr", "samples_per_s", "step_time_s", "data_wait_share", "tflops", "eval_loss"} <= set(logs)
+    assert "mfu" not in logs  # no GPU, so no peak to compare with
+    assert 0 <= logs["data_wait_share"] < 1 and logs["tflops"] > 0
+    assert len(trainer.eval_batches) == 2
+    assert trainer.eval_loss() == trainer.eval_loss()  # fixed batches, noise and timesteps
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 2 and all("data wait" in line and "TFLOPS" in line for line in lines)
+    assert "eval_loss" in lines[-1]
+    assert sum("FLOPs per sample" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_flop_counting_and_eval_do_not_change_training(make_config, tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_flops_per_sample", lambda self: None)  # no counting pass at all
+        plain_trainer, plain = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "a")))
+    assert "tflops" not in plain_trainer.last_logs
+    _, measured = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "b"), eval_steps=1, eval_iters=1,
+                                     logging_steps=1))
+    assert plain.losses == measured.losses
+    a, b = load_file(plain.output_path), load_file(measured.output_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loader_threads_give_the_same_latents(make_config, tmp_path):
+    def latents(workers, name):
+        trainer = Trainer(StateTracker(validate_config(raw := make_config(
+            max_train_steps=1, dataloader_num_workers=workers, output_dir=str(tmp_path / name),
+            cache_config={"cache_dir": str(tmp_path / name / "cache")})), raw))
+        trainer.setup()
+        store = trainer.data.vae_cache.store
+        return {k: store.get(k)["latents"] for k in store.keys()}
+
+    inline, threaded = latents(0, "inline"), latents(2, "threaded")
+    assert inline.keys() == threaded.keys() and len(inline) > 0
+    assert all(torch.equal(inline[k], threaded[k]) for k in inline)
+
+
+def test_fill_prepares_ahead_in_order_and_stops_on_errors(tmp_path):
+    cache = TensorCache(ShardedTensorStore(tmp_path / "s"), "vae")
+    items = [(f"k{i}", i) for i in range(10)]
+    seen = []
+
+    def prepare(payloads):
+        return [p * 10 for p in payloads]
+
+    def compute(prepared):
+        seen.append(prepared)
+        return [{"x": torch.tensor([v])} for v in prepared]
+
+    report = cache.fill(items, compute, batch_size=3, prepare=prepare, prepare_workers=2)
+    assert report.num_computed == 10
+    assert seen == [[0, 10, 20], [30, 40, 50], [60, 70, 80], [90]]
+    assert cache.get("k7")["x"].item() == 70
+
+    def broken(payloads):
+        raise OSError("disk went away")
+
+    other = TensorCache(ShardedTensorStore(tmp_path / "t"), "vae")
+    with pytest.raises(OSError, match="disk went away"):
+        other.fill(items, compute, batch_size=3, prepare=broken, prepare_workers=2)
+
+
+def test_compile_knob_compiles_the_denoiser(make_config, monkeypatch):
+    # The eager backend runs the real torch.compile front end (Dynamo) without a C++ build.
+    calls = []
+    real = torch.compile
+
+    def recording(model, **kwargs):
+        calls.append(type(model).__name__)
+        return real(model, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", recording)
+    trainer, result = _train(make_config(max_train_steps=2, enable_compile=True))
+    assert calls == ["UNet2DConditionModel"]
+    assert result.global_step == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert "tflops" not in trainer.last_logs  # the FLOP counter is skipped under compile
+    assert result.output_path.is_file()
+

@@ -98,5 +98,10 @@ class FakeRuntime:
     def versions(self):
         return {"torch": torch.__version__, "cuda_build": "12.8", "driver": "12.8", "cuda_bindings": "12.8.0"}
 
+    def pool_stats(self):
+        """Like the real runtime: None until the first managed allocation."""
+        allocs = self.ops("managed_alloc")
+        return {"segments": len(allocs), "reserved_bytes": sum(c.nbytes for c in allocs)} if allocs else None
+
     def ops(self, op: str) -> list[Call]:
         return [c for c in self.calls if c.op == op]

@@ -60,6 +60,8 @@ def test_json_config_drives_unified_caches_hints_and_ramp(fake_runtime, make_con
     micro = trainer.progress.micro_batches_seen
     assert len(to_gpu) >= micro * raw["train_batch_size"] * 2  # latents + text embeddings per sample
     assert result.global_step == 3
+    pool = fake_runtime.pool_stats()
+    assert trainer.last_logs["managed_pool_gib"] == pytest.approx(pool["reserved_bytes"] / 2**30)
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # not persistent: nothing on disk
 
 

@@ -333,6 +333,7 @@ class Trainer:
                 self.losses += values
                 logs = {"loss": sum(values) / len(values), "lr": self.lr_scheduler.get_last_lr()[0], **meter.report()}
                 logs["samples_per_s"] *= acc.num_processes
+                logs.update(perf.uvm_memory_figures(_managed_pool_stats()))
                 if cfg.eval_steps and step % cfg.eval_steps == 0:
                     logs["eval_loss"] = self.eval_loss()
                 self.last_logs = logs
@@ -366,6 +367,14 @@ class Trainer:
         return path
 
 
+def _managed_pool_stats() -> dict | None:
+    """The unified-memory pool's figures once it holds memory (caches in `unified_memory`)."""
+    from simpletuner.gh200.runtime import get_runtime
+
+    stats = getattr(get_runtime(), "pool_stats", None)
+    return stats() if stats is not None else None
+
+
 def _postfix(logs: dict) -> dict[str, str]:
     """The progress bar's figures: loss, lr, samples/s, step time, and MFU / eval loss when known."""
     shown = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['lr']:.2e}", "samples_s": f"{logs['samples_per_s']:.1f}",
@@ -386,6 +395,8 @@ def _log_line(logs: dict) -> str:
         parts.append(f"MFU {logs['mfu']:.1%}")
     if "peak_memory_gib" in logs:
         parts.append(f"peak {logs['peak_memory_gib']:.2f} GiB")
+    if "managed_pool_gib" in logs:
+        parts.append(f"managed pool {logs['managed_pool_gib']:.2f} GiB")
     if "eval_loss" in logs:
         parts.append(f"eval_loss {logs['eval_loss']:.4f}")
     return ", ".join(parts)

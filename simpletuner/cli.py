@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, demo, zoo."""
+"""The ``simpletuner`` command: train, estimate, demo, zoo."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ def _cmd_train(args) -> int:
     for item in args.overrides:
         argv += ["--set", item]
     return train_main(argv)
+
+
+def _cmd_estimate(args) -> int:
+    from simpletuner.memory.cli import run
+
+    return run(args)
 
 
 def _cmd_demo(args) -> int:
@@ -45,6 +51,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "estimate",
+        help="memory needed to train a config, the batch split that fits a GPU (--apply writes it), presets",
+        description=(
+            "Estimate the GPU memory one training process needs (no GPU required), plan the largest micro-batch "
+            "that fits (--target-effective-batch, --apply), explain presets (--preset, --list-presets), or measure "
+            "real steps on a GPU (--profile). Exit codes: 0 done, 1 does not fit, 2 bad input."
+        ),
+    )
+    p.add_argument("--config", help="training JSON to estimate")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key for the estimate, as in `simpletuner train`")
+    p.add_argument("--gpu", default="auto", metavar="auto|NAME",
+                   help="auto (default): this machine's GPU; NAME: a card from the table "
+                        "(h100, a100-80gb, rtx4090, gb10, gh200, ...)")
+    p.add_argument("--gpu-memory", type=float, metavar="GB",
+                   help="the card's memory in GiB: overrides NAME's, or alone means a generic card of that size")
+    p.add_argument("--num-processes", type=int, default=1, metavar="N",
+                   help="processes (GPUs) training together; splits the effective batch (default: 1)")
+    p.add_argument("--target-effective-batch", type=int, metavar="N",
+                   help="auto-config: the largest micro-batch that fits and the accumulation that gives N samples per step")
+    p.add_argument("--safety-margin", type=float, metavar="F",
+                   help="plan to use at most this share of usable memory (default: 0.85)")
+    p.add_argument("--apply", action="store_true",
+                   help="write the plan into --config (backup <file>.backup first; prints the diff); "
+                        "without --target-effective-batch the config's own effective batch is kept")
+    p.add_argument("--profile", action="store_true", help="run real training steps on this GPU and compare with the estimate")
+    p.add_argument("--profile-steps", type=int, default=3, metavar="N", help="optimizer steps for --profile (default: 3)")
+    p.add_argument("--preset", metavar="NAME", help="explain a preset; with --config, show how the config differs from it")
+    p.add_argument("--list-presets", action="store_true", help="list the presets in config/presets/")
+    p.add_argument("--presets-dir", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_estimate)
 
     p = sub.add_parser("demo", help="write a tiny model + shapes dataset and train a LoRA on CPU")
     p.add_argument("--dir", default="demo_run", help="folder for model, data, config and output (default: demo_run)")

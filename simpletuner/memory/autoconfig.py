@@ -1,0 +1,432 @@
+"""Auto-config: the largest micro-batch that fits, the accumulation that keeps the effective batch.
+
+:func:`plan_batch` searches the micro-batch sizes that split the target effective batch exactly
+(the divisors of the per-process share, so ``micro-batch x accumulation x processes`` is always
+the target: no rounding, no "nearest" batch), each with and without gradient checkpointing.
+Memory grows with the micro-batch, so each setting is a binary search (the largest candidate is
+tried first: on a big GPU one estimate settles it), and every estimate is cached per
+``(micro-batch, checkpointing)`` in an :class:`EstimateCache`, which a caller may share between
+plans for several memory sizes.
+
+The choice: the largest micro-batch that fits under ``safety_margin x usable`` memory, with
+checkpointing off when that micro-batch fits without it. More memory therefore never gives a
+smaller micro-batch, and never turns checkpointing on at the same micro-batch. When
+checkpointing is needed, the plan also names the largest micro-batch that fits without it,
+since recomputation costs about a third more compute per sample and a bigger micro-batch does
+not always win that back: the user can measure both.
+
+Besides the denoiser's own breakdown, the total counts what the run keeps on the GPU next to it
+(:func:`extra_bytes`): the VAE and text encoder when validation images are made, and DDP's
+gradient buckets with several processes. When nothing fits, :class:`DoesNotFit` names the
+dominant component and the switches that would help (:mod:`simpletuner.memory.advice`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from simpletuner.memory.advice import (
+    DDP_BUCKETS,
+    VALIDATION_MODELS,
+    does_not_fit_message,
+    format_bytes,
+    suggest_switches,
+)
+from simpletuner.memory.estimator import MemoryBreakdown, estimate_memory
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+DEFAULT_SAFETY_MARGIN = 0.85
+
+class DoesNotFit(ValueError):
+    """Even the smallest plan does not fit; the message says what dominates and what would help."""
+
+    def __init__(self, message: str, breakdown: MemoryBreakdown, total: int, budget: int):
+        super().__init__(message)
+        self.breakdown, self.total, self.budget = breakdown, total, budget
+
+
+# --- what the run holds besides the denoiser ----------------------------------------------------
+def _module_bytes(model_root: Path, component: str, dtype) -> int | None:
+    """Bytes of one pipeline component built on ``meta`` from its config; None when unknown."""
+    import diffusers
+    import torch
+    import transformers
+
+    try:
+        library, class_name = json.loads((model_root / "model_index.json").read_text())[component]
+        module = {"diffusers": diffusers, "transformers": transformers}[library]
+        cls = getattr(module, class_name)
+    except (OSError, KeyError, ValueError, AttributeError, TypeError):
+        return None
+    with torch.device("meta"):
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(str(model_root), subfolder=component))
+        else:
+            model = cls(transformers.AutoConfig.from_pretrained(str(model_root / component)))
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize + sum(b.nbytes for b in model.buffers())
+
+
+def validation_model_bytes(config: "TrainingConfig") -> int | None:
+    """The VAE (fp32) and text encoder (autocast dtype) the trainer keeps on the GPU for validation
+    images; 0 without ``validation_prompt`` (they are released after caching), None when unknown."""
+    import torch
+
+    if not config.validation_prompt:
+        return 0
+    root = Path(config.pretrained_model_name_or_path).expanduser()
+    dtype = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mixed_precision]
+    vae, text = _module_bytes(root, "vae", torch.float32), _module_bytes(root, "text_encoder", dtype)
+    return None if vae is None or text is None else vae + text
+
+
+def extra_bytes(config: "TrainingConfig", breakdown: MemoryBreakdown, num_processes: int = 1,
+                validation_bytes: int | None = None) -> dict[str, int]:
+    """What the run keeps on each GPU beside the denoiser's breakdown, by name (zero rows left out).
+
+    ``validation models``: see :func:`validation_model_bytes` (pass it to avoid rebuilding).
+    ``DDP gradient buckets``: with several processes, DistributedDataParallel copies gradients
+    into buckets for the all-reduce (Accelerate's default ``gradient_as_bucket_view=False``):
+    one more copy of the gradients.
+    """
+    extras = {}
+    validation = validation_model_bytes(config) if validation_bytes is None else validation_bytes
+    if validation:
+        extras[VALIDATION_MODELS] = validation
+    if num_processes > 1:
+        extras[DDP_BUCKETS] = breakdown.gradients
+    return extras
+
+
+# --- cached estimates ----------------------------------------------------------------------------
+EstimateFn = Callable[["TrainingConfig", int], MemoryBreakdown]
+
+
+def _default_estimate(config: "TrainingConfig", batch_size: int) -> MemoryBreakdown:
+    return estimate_memory(config, batch_size, device_kind="cuda")
+
+
+@dataclass
+class Estimate:
+    """One estimated candidate: the breakdown, the extras and their sum."""
+
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    breakdown: MemoryBreakdown
+    extras: dict[str, int]
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return self.breakdown.total + sum(self.extras.values())
+
+
+class EstimateCache:
+    """Estimates of one config per ``(micro-batch, checkpointing)``, each made once.
+
+    ``estimate_fn(config, batch_size)`` defaults to :func:`estimate_memory` for CUDA; tests pass
+    a cheap one. Share one cache between plans for several memory sizes.
+    """
+
+    def __init__(self, config: "TrainingConfig", num_processes: int = 1, estimate_fn: EstimateFn | None = None):
+        self.config, self.num_processes = config, num_processes
+        self.estimate_fn = estimate_fn or _default_estimate
+        self._done: dict[tuple[int, bool], Estimate] = {}
+        self._validation_bytes: int | None = None
+
+    def __call__(self, micro_batch_size: int, gradient_checkpointing: bool) -> Estimate:
+        key = (micro_batch_size, gradient_checkpointing)
+        if key not in self._done:
+            variant = self.config.model_copy(update={"gradient_checkpointing": gradient_checkpointing})
+            start = time.perf_counter()
+            breakdown = self.estimate_fn(variant, micro_batch_size)
+            if self._validation_bytes is None:
+                self._validation_bytes = validation_model_bytes(self.config) or 0
+            extras = extra_bytes(variant, breakdown, self.num_processes, self._validation_bytes)
+            self._done[key] = Estimate(micro_batch_size, gradient_checkpointing, breakdown, extras,
+                                       time.perf_counter() - start)
+        return self._done[key]
+
+    @property
+    def made(self) -> list[Estimate]:
+        """Every estimate made so far, in the order made."""
+        return list(self._done.values())
+
+
+# --- the search ----------------------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    """Sorted divisors of ``n`` (n >= 1)."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
+    """The largest of the sorted ``candidates`` for which ``fits`` holds, assuming it holds for a
+    prefix (memory grows with the micro-batch); the largest is tried first. None when none fits."""
+    if not candidates:
+        return None
+    if fits(candidates[-1]):
+        return candidates[-1]
+    lo, hi = 0, len(candidates) - 2  # the answer lies in candidates[lo..hi], or nowhere
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+@dataclass(frozen=True)
+class RampTarget:
+    """The accumulation ramp of ``gh200_optimizations``: the effective batch grows from initial to target."""
+
+    initial: int
+    target: int
+
+
+def config_ramp(config: "TrainingConfig") -> RampTarget | None:
+    opts = config.gh200_optimizations
+    if not opts.enable_batch_size_rampup:
+        return None
+    return RampTarget(opts.initial_effective_batch_size, opts.target_effective_batch_size)
+
+
+def current_effective_batch(config: "TrainingConfig", num_processes: int = 1) -> int:
+    """Samples per optimizer step the config trains with (the ramp's target when it ramps)."""
+    ramp = config_ramp(config)
+    if ramp is not None:
+        return ramp.target
+    return config.train_batch_size * config.gradient_accumulation_steps * num_processes
+
+
+def micro_batch_candidates(target: int, num_processes: int = 1, ramp: RampTarget | None = None) -> list[int]:
+    """Micro-batches that split ``target`` exactly over ``num_processes``; with a ramp, also those
+    its start allows (the ramp needs both ends to be multiples of the micro-batch, and its start
+    to hold at least one micro-batch on every process)."""
+    if target < 1 or num_processes < 1:
+        raise ValueError(f"the effective batch and the process count must be >= 1, got {target} and {num_processes}")
+    if target % num_processes:
+        raise ValueError(
+            f"an effective batch of {target} does not split over {num_processes} processes; use a multiple of "
+            f"{num_processes} (e.g. {max(num_processes, target // num_processes * num_processes)})"
+        )
+    candidates = divisors(target // num_processes)
+    if ramp is not None:
+        candidates = [m for m in candidates if ramp.initial % m == 0 and m * num_processes <= ramp.initial]
+    return candidates
+
+
+@dataclass
+class Plan:
+    """What :func:`plan_batch` chose, and what it looked at."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int  # with a ramp: the window at the ramp's target
+    gradient_checkpointing: bool
+    effective_batch_size: int
+    num_processes: int
+    usable_bytes: int
+    safety_margin: float
+    estimate: Estimate  # the chosen candidate
+    candidates: list[int]
+    tried: list[Estimate]  # every candidate the search looked at, in order
+    without_checkpointing: Estimate | None = None  # when checkpointing is chosen: the best plan without it
+    ramp: RampTarget | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.safety_margin * self.usable_bytes)
+
+    @property
+    def ramp_windows(self) -> tuple[int, int] | None:
+        """Accumulation at the ramp's start and end, with this micro-batch."""
+        if self.ramp is None:
+            return None
+        per_micro = self.micro_batch_size * self.num_processes
+        return self.ramp.initial // per_micro, self.ramp.target // per_micro
+
+    def config_updates(self) -> dict[str, Any]:
+        """Top-level config keys this plan sets (accumulation is the ramp's business when it ramps)."""
+        updates: dict[str, Any] = {"train_batch_size": self.micro_batch_size}
+        if self.ramp is None:
+            updates["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        updates["gradient_checkpointing"] = self.gradient_checkpointing
+        return updates
+
+    def as_dict(self) -> dict[str, Any]:
+        alt = self.without_checkpointing
+        return {
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "effective_batch_size": self.effective_batch_size,
+            "num_processes": self.num_processes,
+            "usable_bytes": self.usable_bytes,
+            "safety_margin": self.safety_margin,
+            "budget_bytes": self.budget_bytes,
+            "total_bytes": self.estimate.total,
+            "extras": dict(self.estimate.extras),
+            "estimate": self.estimate.breakdown.as_dict(),
+            "candidates": list(self.candidates),
+            "tried": [
+                {"micro_batch_size": e.micro_batch_size, "gradient_checkpointing": e.gradient_checkpointing,
+                 "total_bytes": e.total, "fits": e.total <= self.budget_bytes} for e in self.tried
+            ],
+            "without_checkpointing": None if alt is None else {"micro_batch_size": alt.micro_batch_size,
+                                                               "total_bytes": alt.total},
+            "ramp": None if self.ramp is None else {"initial": self.ramp.initial, "target": self.ramp.target,
+                                                    "windows": list(self.ramp_windows)},
+            "config_updates": self.config_updates(),
+            "notes": list(self.notes),
+        }
+
+
+def resolve_target(config: "TrainingConfig", target: int | None, num_processes: int) -> int:
+    """The effective batch to plan for: ``target``, else the config's own; with a ramp, its target
+    (a different ``target`` is refused: the ramp's numbers are the user's to change)."""
+    ramp = config_ramp(config)
+    if ramp is not None:
+        if target is not None and target != ramp.target:
+            raise ValueError(
+                f"this config ramps the effective batch from {ramp.initial} to {ramp.target} "
+                f"(gh200_optimizations.enable_batch_size_rampup): the ramp decides the accumulation, so the plan keeps "
+                f"its target. Pass --target-effective-batch {ramp.target}, or change "
+                f"gh200_optimizations.initial_/target_effective_batch_size in the config first"
+            )
+        return ramp.target
+    return current_effective_batch(config, num_processes) if target is None else target
+
+
+def plan_batch(
+    config: "TrainingConfig",
+    usable_bytes: int,
+    target_effective_batch: int | None = None,
+    *,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    num_processes: int = 1,
+    estimates: EstimateCache | None = None,
+) -> Plan:
+    """The largest micro-batch (and its accumulation) that trains ``config`` under
+    ``safety_margin x usable_bytes``; :class:`DoesNotFit` when micro-batch 1 with checkpointing
+    does not fit either. ``target_effective_batch`` defaults to the config's (the ramp's target
+    when it ramps)."""
+    if not 0 < safety_margin <= 1:
+        raise ValueError(f"--safety-margin must be in (0, 1], got {safety_margin}")
+    if usable_bytes <= 0:
+        raise ValueError(f"usable memory must be positive, got {usable_bytes} bytes")
+    estimates = estimates or EstimateCache(config, num_processes)
+    if estimates.num_processes != num_processes:
+        raise ValueError("the estimate cache was made for another process count")
+    target = resolve_target(config, target_effective_batch, num_processes)
+    ramp = config_ramp(config)
+    candidates = micro_batch_candidates(target, num_processes, ramp)
+    if not candidates:
+        raise ValueError(
+            f"no micro-batch splits both ends of the ramp ({ramp.initial} -> {ramp.target}) over {num_processes} "
+            "process(es); make initial_effective_batch_size a multiple of the process count"
+        )
+    budget = int(safety_margin * usable_bytes)
+    consulted: dict[tuple[int, bool], Estimate] = {}
+
+    def lookup(micro_batch_size: int, checkpointing: bool) -> Estimate:
+        estimate = estimates(micro_batch_size, checkpointing)
+        consulted.setdefault((micro_batch_size, checkpointing), estimate)
+        return estimate
+
+    def fits(checkpointing: bool) -> Callable[[int], bool]:
+        return lambda m: lookup(m, checkpointing).total <= budget
+
+    best_off = largest_fitting(candidates, fits(False))
+    best_on = None
+    if best_off != candidates[-1]:  # checkpointing can only help with what does not fit without it
+        above = [m for m in candidates if best_off is None or m > best_off]
+        best_on = largest_fitting(above, fits(True))
+    if best_off is None and best_on is None:
+        smallest = lookup(candidates[0], True)
+        raise DoesNotFit(does_not_fit_message(config, smallest, budget, usable_bytes, safety_margin, even=True),
+                         smallest.breakdown, smallest.total, budget)
+    use_checkpointing = best_on is not None and (best_off is None or best_on > best_off)
+    micro = best_on if use_checkpointing else best_off
+    plan = Plan(
+        micro_batch_size=micro,
+        gradient_accumulation_steps=target // (micro * num_processes),
+        gradient_checkpointing=use_checkpointing,
+        effective_batch_size=target,
+        num_processes=num_processes,
+        usable_bytes=usable_bytes,
+        safety_margin=safety_margin,
+        estimate=lookup(micro, use_checkpointing),
+        candidates=candidates,
+        tried=list(consulted.values()),
+        without_checkpointing=lookup(best_off, False) if use_checkpointing and best_off else None,
+        ramp=ramp,
+    )
+    plan.notes = _plan_notes(plan)
+    return plan
+
+
+def _plan_notes(plan: Plan) -> list[str]:
+    notes = []
+    if plan.gradient_checkpointing:
+        alt = plan.without_checkpointing
+        if alt is None:
+            notes.append("gradient checkpointing: needed (no micro-batch fits without it)")
+        else:
+            notes.append(
+                f"gradient checkpointing: needed for micro-batch {plan.micro_batch_size}; without it micro-batch "
+                f"{alt.micro_batch_size} fits ({format_bytes(alt.total)}, accumulation "
+                f"{plan.effective_batch_size // (alt.micro_batch_size * plan.num_processes)}), which skips the "
+                "recomputation (about a third more compute per sample): compare samples/s of both"
+            )
+    else:
+        notes.append("gradient checkpointing: not needed (off: no recomputation)")
+    validation = plan.estimate.extras.get(VALIDATION_MODELS, 0)
+    kept = (f"; validation_prompt is set, so they stay loaded for validation images ({format_bytes(validation)}, counted)"
+            if validation else "")
+    notes.append(
+        "cached embeddings: always on in this trainer: latents and text embeddings are encoded once before "
+        f"training and the VAE and text encoder are released before the denoiser trains{kept}"
+    )
+    notes.append("weight offload (low_vram): not needed; this trainer has no offload mode")
+    ramp = plan.ramp
+    per_process = plan.effective_batch_size // plan.num_processes
+    if ramp is not None and plan.micro_batch_size == plan.candidates[-1] < per_process:
+        notes.append(
+            f"the ramp's start (initial_effective_batch_size {ramp.initial}) caps the micro-batch at "
+            f"{plan.candidates[-1]}: a larger start allows larger micro-batches, if they fit"
+        )
+    if len(plan.candidates) <= 2 and plan.effective_batch_size > 2 and ramp is None:
+        notes.append(
+            f"an effective batch of {plan.effective_batch_size} splits only as "
+            f"{' or '.join(f'{m} x {plan.effective_batch_size // (m * plan.num_processes)}' for m in plan.candidates)} "
+            "(micro-batch x accumulation): a target with more divisors (a power of two) gives the search more choices"
+        )
+    return notes
+
+
+__all__ = [
+    "DDP_BUCKETS",
+    "DEFAULT_SAFETY_MARGIN",
+    "VALIDATION_MODELS",
+    "DoesNotFit",
+    "Estimate",
+    "EstimateCache",
+    "Plan",
+    "RampTarget",
+    "current_effective_batch",
+    "divisors",
+    "extra_bytes",
+    "largest_fitting",
+    "micro_batch_candidates",
+    "plan_batch",
+    "suggest_switches",
+    "validation_model_bytes",
+]

@@ -1,0 +1,206 @@
+"""`simpletuner estimate` end to end on the tiny SD model: table, GPUs, auto-config, --apply, --profile."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from simpletuner.cli import main
+from simpletuner.memory import hardware
+
+
+@pytest.fixture
+def cfg_file(tmp_path, make_config):
+    """The tiny config as a file with a layout of its own (inline object, 4-space indent)."""
+    raw = make_config(train_batch_size=2, mixed_precision="no")
+    text = json.dumps(raw, indent=4).replace(
+        json.dumps(raw["cache_config"], indent=4).replace("\n", "\n    "), json.dumps(raw["cache_config"])
+    )
+    path = tmp_path / "cfg.json"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This machine without a CUDA device, whatever it has."""
+    real = hardware.detect_hardware
+    monkeypatch.setattr(hardware, "detect_hardware", lambda: real(runtime=_NoCuda()))
+
+
+class _NoCuda:
+    def cuda_available(self):
+        return False
+
+
+def test_estimate_without_a_gpu_prints_the_table_without_headroom(cfg_file, capsys, no_gpu):
+    assert main(["estimate", "--config", str(cfg_file)]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA device here" in out
+    for row in ("weights", "gradients", "optimizer state", "activations", "batch data", "framework overhead", "total"):
+        assert f"\n{row} " in out
+    assert "\nheadroom" not in out and "\nusable" not in out
+
+
+def test_estimate_on_a_named_gpu_as_json(cfg_file, capsys):
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["machine"]["kind"] == "table" and data["machine"]["hardware"]["gpu_spec"] == "H100 SXM"
+    assert data["fits"] is True and data["headroom_bytes"] == data["machine"]["usable_bytes"] - data["total_bytes"]
+    assert data["estimate"]["micro_batch_size"] == 2
+
+
+def test_unknown_gpu_lists_the_known_ones(cfg_file, capsys):
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "rtx9999"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown GPU 'rtx9999'" in err and "H100 SXM" in err and "GB10" in err and "--gpu-memory" in err
+
+
+def test_config_that_cannot_fit_names_the_dominant_part(cfg_file, capsys):
+    assert main(["estimate", "--config", str(cfg_file), "--gpu-memory", "0.001", "--target-effective-batch", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "does not fit: even micro-batch 1 with gradient checkpointing" in err
+    assert "largest part is framework overhead" in err and "too small to train on" in err
+
+    assert main(["estimate", "--config", str(cfg_file), "--gpu-memory", "0.5"]) == 1  # the config as it is
+    out = capsys.readouterr().out
+    assert "does not fit: micro-batch 2 needs" in out and "above the 0.50 GiB usable" in out
+
+
+def test_auto_config_needs_a_memory_size(cfg_file, capsys, no_gpu):
+    assert main(["estimate", "--config", str(cfg_file), "--target-effective-batch", "4"]) == 2
+    assert "pass --gpu NAME" in capsys.readouterr().err
+
+
+def test_apply_writes_backup_and_diff_and_keeps_everything_else(cfg_file, capsys):
+    original = cfg_file.read_text()
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--target-effective-batch", "4", "--apply"]) == 0
+    out = capsys.readouterr().out
+    backup = cfg_file.with_name("cfg.json.backup")
+    assert backup.read_text() == original
+    assert "train_batch_size: 2 -> 4" in out and '-    "train_batch_size": 2,' in out and '+    "train_batch_size": 4,' in out
+    new = cfg_file.read_text()
+    assert new == original.replace('"train_batch_size": 2', '"train_batch_size": 4')  # nothing else moved
+    old_raw, new_raw = json.loads(original), json.loads(new)
+    assert list(new_raw) == list(old_raw) and {**old_raw, "train_batch_size": 4} == new_raw
+
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--target-effective-batch", "8", "--apply"]) == 0
+    capsys.readouterr()
+    assert backup.read_text() == original, "an existing backup is never overwritten"
+    assert cfg_file.with_name("cfg.json.backup.1").read_text() == new
+    assert json.loads(cfg_file.read_text())["train_batch_size"] == 8
+
+
+def test_apply_refuses_a_read_only_file(cfg_file, capsys):
+    original = cfg_file.read_bytes()
+    cfg_file.chmod(0o444)
+    try:
+        assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--apply"]) == 2
+    finally:
+        cfg_file.chmod(0o644)
+    assert "read-only (mode 0444)" in capsys.readouterr().err
+    assert cfg_file.read_bytes() == original and not list(cfg_file.parent.glob("cfg.json.*"))
+
+
+def test_apply_failing_to_write_leaves_the_original(cfg_file, monkeypatch):
+    from simpletuner.memory.apply import ApplyError, apply_updates
+
+    original = cfg_file.read_bytes()
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(ApplyError, match="Permission denied; the original is unchanged"):
+        apply_updates(cfg_file, {"train_batch_size": 4, "gradient_checkpointing": True})
+    assert cfg_file.read_bytes() == original
+    assert sorted(p.name for p in cfg_file.parent.iterdir() if p.name.startswith((".cfg", "cfg"))) == ["cfg.json"]
+
+
+def test_apply_inserts_missing_keys_next_to_related_ones(cfg_file):
+    from simpletuner.memory.apply import apply_updates
+
+    result = apply_updates(cfg_file, {"gradient_accumulation_steps": 4, "gradient_checkpointing": True})
+    keys = list(json.loads(cfg_file.read_text()))
+    assert keys[keys.index("train_batch_size") + 1] == "gradient_accumulation_steps"
+    assert keys[keys.index("mixed_precision") + 1] == "gradient_checkpointing"
+    assert '\n    "gradient_checkpointing": true' in cfg_file.read_text()  # the file's own indentation
+    assert result.changed == {"gradient_accumulation_steps": (None, 4), "gradient_checkpointing": (None, True)}
+    assert apply_updates(cfg_file, {"gradient_checkpointing": True}).backup is None  # nothing to change
+
+
+def test_apply_with_overrides_is_refused(cfg_file, capsys):
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--apply", "--set", "resolution=128"]) == 2
+    assert "--set changes would not be written" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_profile_without_a_gpu_says_so(cfg_file, capsys):
+    assert main(["estimate", "--config", str(cfg_file), "--profile"]) == 2
+    assert "--profile runs real training steps and needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_profile_on_a_gpu_compares_estimate_and_measurement(cfg_file, capsys):
+    assert main(["estimate", "--config", str(cfg_file), "--profile", "--profile-steps", "2", "--json"]) == 0
+    profile = json.loads(capsys.readouterr().out)["profile"]
+    assert profile["steps"] == 2 and profile["measured_allocated"] > 0
+    assert profile["measured_reserved"] >= profile["measured_allocated"]
+
+
+def test_profile_runs_the_trainers_steps_in_a_throwaway_output_dir(tmp_path, make_config, monkeypatch):
+    """The --profile plumbing on CPU, with a fake torch.cuda giving the peak figures."""
+    import types
+
+    from simpletuner.configuration import load_config
+    from simpletuner.memory import profile
+    from simpletuner.memory.estimator import GiB, estimate_memory
+
+    class FakeCuda:
+        OutOfMemoryError = torch.cuda.OutOfMemoryError
+
+        def __init__(self):
+            self.calls = []
+            self.values = {"is_available": True, "max_memory_allocated": GiB // 4, "max_memory_reserved": GiB // 2,
+                           "mem_get_info": (GiB, 2 * GiB), "memory_reserved": GiB // 2, "get_device_name": "Fake GPU"}
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: self.calls.append(name) or self.values.get(name)
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(profile, "torch", types.SimpleNamespace(cuda=cuda))
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(make_config(gradient_accumulation_steps=3, validation_prompt="a red square",
+                                           validation_steps=1, checkpointing_steps=1)))
+    breakdown = estimate_memory(load_config(path).config)
+    result = profile.profile_training(str(path), [], breakdown, steps=2)
+    assert cuda.calls.index("reset_peak_memory_stats") < cuda.calls.index("max_memory_allocated")
+    assert (result.measured_allocated, result.measured_reserved, result.measured_outside_allocator) == (
+        GiB // 4, GiB // 2, GiB // 2)
+    assert result.estimated_total == breakdown.total and result.measured_total == GiB
+    assert "Fake GPU" in result.table()
+    assert not (tmp_path / "output").exists(), "no checkpoints, validation images or weights in the config's output_dir"
+
+
+def test_machine_detected_named_generic_and_shared():
+    from fake_cuda import FakeRuntime
+
+    from simpletuner.memory.cli import resolve_machine
+
+    busy = FakeRuntime()
+    busy.free_bytes = busy.info.total_bytes // 4
+    detected = resolve_machine("auto", None, detect=lambda: hardware.detect_hardware(runtime=busy))
+    assert detected.kind == "detected" and detected.usable_bytes == detected.hardware.usable_memory_bytes
+    assert any("something else holds GPU memory" in line for line in detected.lines)
+    assert any("plan for the HBM" in line for line in detected.lines)  # a GH200-like device
+
+    generic = resolve_machine("auto", 24)
+    assert (generic.kind, generic.usable_bytes, generic.hardware) == ("generic", 24 * hardware.GIB, None)
+    gb10 = resolve_machine("gb10", None)
+    assert gb10.kind == "table" and any("shared memory" in line for line in gb10.lines)
+    assert resolve_machine("a100", 80).usable_bytes == 80 * hardware.GIB
+    with pytest.raises(ValueError, match="positive"):
+        resolve_machine("auto", 0)

@@ -30,11 +30,15 @@ def run(config_path: str, overrides=(), log_level: str = "INFO"):
 
 def main(argv: list[str] | None = None) -> int:
     from simpletuner.configuration import ConfigError
+    from simpletuner.training.reliability import RunStopped
     from simpletuner.training.trainer import LaunchError
 
     args = build_parser().parse_args(argv)
     try:
         run(args.config, args.overrides, args.log_level)
+    except RunStopped as exc:  # preempted (143/130), non-finite (3), out of memory (4): the message says what next
+        print(f"stopped: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
         if args.log_level == "DEBUG":
             raise

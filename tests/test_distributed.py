@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,3 +65,66 @@ def test_two_processes_shard_batches_and_only_rank0_writes(make_config, tmp_path
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from" in proc.stderr and "at step 4" in proc.stderr
     assert (out / "latest").read_text() == "checkpoint-6"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids += [int(k) for k in text]
+    return kids
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the training processes under an `accelerate launch` (read from /proc)."""
+    found = {}
+    stack = [launcher]
+    while stack:
+        pid = stack.pop()
+        for kid in _children(pid):
+            env = Path(f"/proc/{kid}/environ").read_bytes().split(b"\0")
+            rank = [e for e in env if e.startswith(b"RANK=")]
+            if rank and b"train.py" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                found[int(rank[0][5:])] = kid
+            stack.append(kid)
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(make_config, tmp_path):
+    """All ranks agree on a preemption at a step boundary, save together, and the resume matches
+    an uninterrupted two-process run bit for bit."""
+    total = 30
+    straight_raw = make_config(max_train_steps=total, output_dir=str(tmp_path / "straight"))
+    straight_cfg = tmp_path / "straight.json"
+    straight_cfg.write_bytes(orjson.dumps(straight_raw))
+    assert _launch(straight_cfg).returncode == 0
+
+    raw = make_config(max_train_steps=total, output_dir=str(tmp_path / "run"), logging_steps=1)
+    cfg = tmp_path / "run.json"
+    cfg.write_bytes(orjson.dumps(raw))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), str(ROOT / "simpletuner" / "train.py"), "--config", str(cfg)]
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if "step 3/" in line:
+            pids = _rank_pids(proc.pid)
+            assert sorted(pids) == [0, 1], pids
+            os.kill(pids[1], signal.SIGTERM)  # only rank 1 is told
+            break
+    err = proc.stderr.read()
+    proc.wait(timeout=180)
+    assert err.count("stopped by SIGTERM") == 2, err[-4000:]  # both ranks stopped, with the signal's reason
+    out = Path(raw["output_dir"])
+    latest = (out / "latest").read_text()
+    assert sorted(p.name for p in out.glob("checkpoint-*/rng_state_*.pt")) == ["rng_state_0.pt", "rng_state_1.pt"]
+
+    cfg.write_bytes(orjson.dumps(dict(raw, resume_from_checkpoint="latest")))
+    resumed = _launch(cfg)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {out / latest}" in resumed.stderr
+    want = load_file(Path(straight_raw["output_dir"]) / "pytorch_lora_weights.safetensors")
+    got = load_file(out / "pytorch_lora_weights.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

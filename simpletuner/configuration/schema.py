@@ -201,6 +201,17 @@ class TrainingConfig(_Strict):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     lora_target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; default: the family's attention projections.")
 
+    # --- faults ---
+    nonfinite_policy: Literal["stop", "skip"] = Field(
+        "stop",
+        description=(
+            "A window whose loss or gradient is NaN/inf never reaches the optimizer. `stop`: save the last good "
+            "state and stop with an explanation (exit code 3). `skip`: drop that window and go on (the scheduler and "
+            "the ramp do not advance), stopping after `max_consecutive_nonfinite` in a row."
+        ),
+    )
+    max_consecutive_nonfinite: int = Field(5, ge=1, description="With `nonfinite_policy: skip`, stop after this many non-finite windows in a row.")
+
     # --- checkpoints ---
     checkpointing_steps: Optional[int] = Field(None, ge=1, description="Save a resumable checkpoint every N optimizer steps.")
     checkpoints_total_limit: Optional[int] = Field(None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete).")

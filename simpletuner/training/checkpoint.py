@@ -28,9 +28,11 @@ import orjson
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner.training.reliability import fault_point
+
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 2  # 2: denoiser config in the identity, skipped steps, AMP scaler
 MARKER = "COMPLETE"
 LATEST = "latest"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -121,8 +123,14 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     generator: torch.Generator,
     total_limit: int | None,
+    scaler=None,
 ) -> Path:
-    """Save collectively (every rank calls it); returns the final checkpoint folder."""
+    """Save collectively (every rank calls it); returns the final checkpoint folder.
+
+    Everything goes into a hidden temp folder, is fsynced, gets a COMPLETE marker written last,
+    and is renamed into place; only then does ``latest`` move and retention delete old ones.
+    A kill at any point leaves the previous checkpoint complete and named by ``latest``.
+    """
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".checkpoint-{step}.tmp"
     if accelerator.is_main_process:
@@ -135,15 +143,19 @@ def save_checkpoint(
         save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
         state = dict(trainer_state, format_version=CHECKPOINT_FORMAT_VERSION, world_size=accelerator.num_processes)
         (tmp / "trainer_state.json").write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
     accelerator.wait_for_everyone()
+    fault_point("checkpoint:files_written")
     if accelerator.is_main_process:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _write_atomic(tmp / MARKER, b"ok\n")
         _fsync_dir(tmp)
+        fault_point("checkpoint:marker_written")
         if final.exists():  # re-saving a step after a resume: the new one replaces it whole
             old = output_dir / f".checkpoint-{step}.old"
             os.replace(final, old)
@@ -152,7 +164,9 @@ def save_checkpoint(
         else:
             os.replace(tmp, final)
         _fsync_dir(output_dir)
+        fault_point("checkpoint:renamed")
         _write_atomic(output_dir / LATEST, final.name.encode())
+        fault_point("checkpoint:latest_written")
         apply_retention(output_dir, total_limit)
         logger.info("saved checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -204,4 +218,6 @@ def load_tensors(path: Path, process_index: int) -> dict[str, Any]:
         "optimizer": torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True),
         "lr_scheduler": torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=True),
         "rng": torch.load(rng_file, map_location="cpu", weights_only=True),
+        **({"scaler": torch.load(path / "scaler.pt", map_location="cpu", weights_only=True)}
+           if (path / "scaler.pt").is_file() else {}),
     }

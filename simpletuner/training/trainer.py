@@ -18,6 +18,7 @@ from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import performance as perf
+from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, PreemptionFlag
 from simpletuner.gh200.ramp import count_steps
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.training.accumulation import AccumulationPolicy
@@ -38,6 +39,7 @@ class Progress:
     global_step: int = 0
     micro_batches_seen: int = 0
     samples_seen: int = 0
+    skipped_steps: int = 0  # windows whose loss or gradient was not finite (never applied)
 
 
 @dataclass
@@ -60,6 +62,10 @@ class Trainer:
         self.progress = Progress()
         self.losses: list[float] = []
         self.last_logs: dict[str, float] = {}  # figures of the latest logging window
+        self.step_skipped = False
+        self.preempt_signum: int | None = None
+        self._preempt: PreemptionFlag | None = None
+        self._consecutive_skips = 0
         self.validation_images: list[Path] = []
 
     # --- setup ---------------------------------------------------------------------------
@@ -122,6 +128,7 @@ class Trainer:
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         denoiser = perf.maybe_compile(prepare_for_training(denoiser, spec.lora_targets, cfg, self.weight_dtype), cfg.enable_compile)
+        self._denoiser_fingerprint = _config_fingerprint(denoiser)
         clock.mark("model")
         optimizer = build_optimizer(cfg, denoiser.parameters())
         samples = [s for ds in datasets for s in ds.samples]
@@ -214,6 +221,7 @@ class Trainer:
             "lora_rank": cfg.lora_rank if cfg.training_type == "lora" else None,
             "lora_targets": self.spec.lora_targets if cfg.training_type == "lora" else None,
             "train_batch_size": cfg.train_batch_size,
+            "denoiser_config": self._denoiser_fingerprint,
         }
 
     # --- checkpoints ---------------------------------------------------------------------
@@ -222,6 +230,7 @@ class Trainer:
             "global_step": self.progress.global_step,
             "micro_batches_seen": self.progress.micro_batches_seen,
             "samples_seen": self.progress.samples_seen,
+            "skipped_steps": self.progress.skipped_steps,
             "sampler": self.sampler.state_dict(),
             "accumulation": self.accumulation.state_dict(),
             "identity": self._identity(),
@@ -238,6 +247,7 @@ class Trainer:
             self._trainer_state(),
             self.generator,
             self.config.checkpoints_total_limit,
+            scaler=self.accelerator.scaler,
         )
 
     def _resume(self) -> None:
@@ -266,12 +276,21 @@ class Trainer:
         self.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         ckpt.restore_rng(tensors["rng"], self.generator)
-        self.progress = Progress(state["global_step"], state["micro_batches_seen"], state["samples_seen"])
+        self.progress = Progress(state["global_step"], state["micro_batches_seen"], state["samples_seen"],
+                                 state.get("skipped_steps", 0))
+        if acc.scaler is not None and "scaler" in tensors:
+            acc.scaler.load_state_dict(tensors["scaler"])
         logger.info("resumed from %s at step %d (%d samples seen)", path, self.progress.global_step, self.progress.samples_seen)
 
     # --- the step ------------------------------------------------------------------------
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """One optimizer step over a window of micro-batches; returns the window loss (no host sync)."""
+        """One optimizer step over a window of micro-batches; returns the window loss.
+
+        A window whose loss or gradient norm is not finite never reaches the optimizer: its
+        gradients are dropped, nothing advances, and ``self.step_skipped`` is set. Deciding
+        that costs one host sync per optimizer step (none per micro-batch); the same sync
+        carries the preemption flag so every rank agrees on both.
+        """
         acc = self.accelerator
         window_samples = sum(b.num_samples for b in micro_batches)
         total = torch.zeros((), device=acc.device)
@@ -283,8 +302,19 @@ class Trainer:
                 loss = per_sample.sum() / window_samples
                 acc.backward(loss)
             total += loss.detach()
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.config.max_grad_norm:
-            acc.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            norm = acc.clip_grad_norm_(params, self.config.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        self.step_skipped = self._agree(total, norm)
+        if self.step_skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.progress.skipped_steps += 1
+            self._consecutive_skips += 1
+            self._on_nonfinite(micro_batches, total, norm)
+            return total
+        self._consecutive_skips = 0
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -292,6 +322,44 @@ class Trainer:
         self.progress.micro_batches_seen += len(micro_batches)
         self.progress.samples_seen += window_samples * acc.num_processes
         return total
+
+    def _agree(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
+        """Whether any rank saw a non-finite loss or gradient; records an agreed preemption signal."""
+        acc = self.accelerator
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm.to(loss.device)))
+        signum = float(self._preempt.signum or 0) if self._preempt is not None else 0.0
+        flags = torch.stack([bad.float(), torch.tensor(signum, device=loss.device)])
+        if acc.num_processes > 1:
+            flags = acc.reduce(flags, reduction="max")  # noqa: the one collective of the step
+        any_bad, agreed_signum = flags.tolist()
+        self.preempt_signum = int(agreed_signum) or None
+        return bool(any_bad)
+
+    def _on_nonfinite(self, micro_batches: list[Batch], loss: torch.Tensor, norm: torch.Tensor) -> None:
+        cfg = self.config
+        keys = [s.key for b in micro_batches for s in b.samples]
+        where = (f"the window after step {self.progress.global_step} (loss {loss.item():.4g}, gradient norm "
+                 f"{norm.item():.4g}; samples {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''})")
+        if cfg.nonfinite_policy == "skip" and self._consecutive_skips < cfg.max_consecutive_nonfinite:
+            logger.warning("skipped %s: not finite (%d in a row, %d this run)", where, self._consecutive_skips,
+                           self.progress.skipped_steps)
+            return
+        path = self.save_checkpoint()
+        why = (f"{self._consecutive_skips} windows in a row were not finite (max_consecutive_nonfinite="
+               f"{cfg.max_consecutive_nonfinite})" if cfg.nonfinite_policy == "skip" else "nonfinite_policy is 'stop'")
+        raise NonFiniteLoss(
+            f"non-finite loss or gradient in {where}; {why}. The last good state is saved as {path} (those weights "
+            "never saw the bad window). Try a lower learning_rate, max_grad_norm (gradient clipping), bf16 instead "
+            "of fp16, or nonfinite_policy 'skip' to step over rare bad batches; then resume_from_checkpoint 'latest'"
+        )
+
+    def _out_of_memory(self, exc: BaseException) -> OutOfMemory:
+        """Free what the failed step held and explain what would fit (nothing is saved)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        free_memory()
+        from simpletuner.memory.oom import explain_out_of_memory
+
+        return OutOfMemory(explain_out_of_memory(self.config, exc, num_processes=self.accelerator.num_processes))
 
     # --- the loop ------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -313,9 +381,23 @@ class Trainer:
         batches = self.data.iterate(self.sampler, acc.device)
         bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
                    disable=not acc.is_local_main_process, dynamic_ncols=True)
-        pending: list[torch.Tensor] = []
         meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self._flops_per_sample(),
                                       cuda=torch.cuda)
+        try:
+            with PreemptionFlag() as self._preempt:
+                self._loop(batches, bar, meter)
+        finally:
+            self._preempt = None
+            bar.close()
+        output = self._save_final()
+        if cfg.validation_prompt and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
+            self._validate()
+        acc.end_training()
+        return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
+
+    def _loop(self, batches, bar, meter: perf.ThroughputWindow) -> None:
+        cfg, acc = self.config, self.accelerator
+        pending: list[torch.Tensor] = []
         while self.progress.global_step < self.total_steps:
             window = self.accumulation.window_for(self.progress.micro_batches_seen)
             with meter.data_wait():
@@ -324,12 +406,19 @@ class Trainer:
                 for b in micro:
                     logger.debug("rank %d micro-batch: %s", acc.process_index, [s.key for s in b.samples])
             local_samples = sum(b.num_samples for b in micro)
-            pending.append(self.train_step(micro))
+            try:
+                loss = self.train_step(micro)
+            except torch.OutOfMemoryError as exc:
+                raise self._out_of_memory(exc) from None
+            if self.step_skipped:
+                self._stop_if_preempted()
+                continue
+            pending.append(loss)
             meter.step_done(local_samples)
             step = self.progress.global_step
             bar.update(1)
             if step % cfg.logging_steps == 0 or step == self.total_steps:
-                values = torch.stack(pending).tolist()  # the one host sync per logging window
+                values = torch.stack(pending).tolist()
                 self.losses += values
                 logs = {"loss": sum(values) / len(values), "lr": self.lr_scheduler.get_last_lr()[0], **meter.report()}
                 logs["samples_per_s"] *= acc.num_processes
@@ -345,12 +434,16 @@ class Trainer:
                 self.save_checkpoint()
             if cfg.validation_steps and step % cfg.validation_steps == 0:
                 self._validate()
-        bar.close()
-        output = self._save_final()
-        if cfg.validation_prompt and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
-            self._validate()
-        acc.end_training()
-        return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
+            self._stop_if_preempted()
+
+    def _stop_if_preempted(self) -> None:
+        """At a step boundary that every rank agreed on: save and stop with the signal's exit code."""
+        if self.preempt_signum is None:
+            return
+        path = ckpt.find_latest(self.output_dir)
+        if path is None or path.name != f"checkpoint-{self.progress.global_step}":
+            path = self.save_checkpoint()
+        raise Preempted(self.preempt_signum, path)
 
     def _save_final(self) -> Path | None:
         acc = self.accelerator
@@ -365,6 +458,14 @@ class Trainer:
             logger.info("saved %s", path)
         acc.wait_for_everyone()
         return path
+
+
+def _config_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the denoiser's architecture config: a checkpoint of another model is refused."""
+    import hashlib
+
+    config = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
+    return hashlib.sha256(orjson.dumps(config, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
 
 
 def _managed_pool_stats() -> dict | None:

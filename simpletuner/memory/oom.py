@@ -1,0 +1,46 @@
+"""What to say when a training step runs out of GPU memory: the estimate and what would fit."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+
+def explain_out_of_memory(config: "TrainingConfig", exc: BaseException, usable_bytes: int | None = None,
+                          num_processes: int = 1) -> str:
+    """The failure, the estimator's breakdown for this config, and the settings that would fit.
+
+    ``usable_bytes`` defaults to the detected device's usable memory. Estimating needs no GPU
+    memory (meta and fake tensors), so it works right after the OOM.
+    """
+    from simpletuner.memory.autoconfig import DoesNotFit, plan_batch
+    from simpletuner.memory.estimator import estimate_memory
+    from simpletuner.memory.hardware import detect_hardware
+
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lines = [f"out of GPU memory during a training step ({first_line}). Nothing was saved from this step."]
+    try:
+        if usable_bytes is None:
+            usable_bytes = detect_hardware().usable_memory_bytes
+        breakdown = estimate_memory(config)
+        lines.append("Estimated memory for this config:")
+        lines.append(breakdown.table(usable_bytes))
+        if usable_bytes:
+            try:
+                plan = plan_batch(config, usable_bytes, num_processes=num_processes)
+            except DoesNotFit as no_fit:
+                lines.append(str(no_fit))
+            else:
+                updates = ", ".join(f"{k}: {v}" for k, v in plan.config_updates().items())
+                lines.append(f"Settings estimated to fit with the same effective batch: {updates} "
+                             f"(`simpletuner estimate --config <cfg> --apply` writes them).")
+    except Exception as estimate_error:  # the explanation must never hide the OOM itself
+        logger.debug("memory estimate after OOM failed", exc_info=True)
+        lines.append(f"(the memory estimate could not be made: {estimate_error}; run `simpletuner estimate --config <cfg>`)")
+    lines.append("Then resume with resume_from_checkpoint: \"latest\".")
+    return "\n".join(lines)

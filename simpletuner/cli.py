@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, estimate, demo, zoo."""
+"""The ``simpletuner`` command: train, estimate, demo, cache, zoo."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def _cmd_demo(args) -> int:
         out = config.parent / "output"
         print(f"demo: LoRA at {out / 'pytorch_lora_weights.safetensors'}; before/after samples in {out / 'validation'}")
     return code
+
+
+def _cmd_cache(args) -> int:
+    from simpletuner.caching.admin import main as cache_main
+
+    return cache_main(args.args)
 
 
 def _cmd_zoo(args) -> int:
@@ -92,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_cmd_demo)
 
+    p = sub.add_parser("cache", help="verify or clear a config's latent / text-embedding caches (see `simpletuner cache -h`)",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="verify|clear --config cfg.json [...]")
+    p.set_defaults(func=_cmd_cache)
+
     p = sub.add_parser("zoo", help="write a tiny random-weight diffusers pipeline folder")
     p.add_argument("--family", default="sd")
     p.add_argument("--out", required=True)
@@ -100,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["cache"]:  # its own parser, so `simpletuner cache -h` shows the cache options
+        return _cmd_cache(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -33,3 +33,16 @@ def test_demo_trains_and_writes_before_and_after_samples(tmp_path, capsys):
     config = orjson.loads((tmp_path / "demo" / "config.json").read_bytes())
     assert config["max_train_steps"] == 4
     assert "LoRA at" in capsys.readouterr().out
+
+
+def test_cache_verify_and_clear_through_the_cli(tmp_path, capsys, make_config):
+    raw = make_config(max_train_steps=1)
+    path = tmp_path / "cfg.json"
+    path.write_bytes(orjson.dumps(raw))
+    assert main(["train", "--config", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["cache", "verify", "--config", str(path), "--json"]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    assert report  # one report per cache, with entries present
+    assert main(["cache", "clear", "--config", str(path), "--yes"]) == 0
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))

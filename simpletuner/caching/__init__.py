@@ -3,10 +3,12 @@
 - :mod:`.fingerprint`: cache keys over everything that changes a value, plus file and
   encoder-folder identities.
 - :mod:`.store`: :class:`ShardedTensorStore`, atomic safetensors shards on disk.
+- :mod:`.integrity`: per-tensor checksums in each shard's header, :class:`VerifyReport`.
 - :mod:`.memory_store`: :class:`MemoryTensorStore`, entries in RAM or managed memory.
 - :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``) and
   :func:`open_caches` for a model's ``(vae, text)`` pair.
 - :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind.
+- :mod:`.admin`: ``simpletuner cache verify|clear --config cfg.json``.
 """
 
 from simpletuner.caching.fingerprint import (
@@ -15,22 +17,29 @@ from simpletuner.caching.fingerprint import (
     fingerprint,
     folder_identity,
 )
+from simpletuner.caching.integrity import CacheIntegrityError, CompactReport, VerifyReport
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_caches
-from simpletuner.caching.text_cache import text_cache_key
-from simpletuner.caching.vae_cache import latent_cache_key
+from simpletuner.caching.text_cache import caption_text_key, text_cache_key
+from simpletuner.caching.vae_cache import LATENT_DTYPE, latent_cache_key, sample_latent_key
 
 __all__ = [
     "CACHE_FORMAT_VERSION",
+    "CacheIntegrityError",
+    "CompactReport",
     "FillReport",
     "MemoryTensorStore",
     "ShardedTensorStore",
     "TensorCache",
+    "VerifyReport",
     "file_stat_identity",
     "fingerprint",
     "folder_identity",
     "latent_cache_key",
     "open_caches",
     "text_cache_key",
+    "caption_text_key",
+    "sample_latent_key",
+    "LATENT_DTYPE",
 ]

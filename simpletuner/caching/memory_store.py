@@ -2,18 +2,21 @@
 
 Same surface as :class:`ShardedTensorStore`, so :class:`TensorCache` works on either. With a
 backing disk store (``persistent_cache``) every entry is also written to disk and the next run
-loads them from there instead of encoding again.
+loads them from there instead of encoding again. Loading checks every entry's checksum (it reads
+each one anyway): a corrupt one is not loaded, becomes a miss, and :meth:`MemoryTensorStore.verify`
+names it so the cache fill re-encodes and reports it.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm import tqdm
 
+from simpletuner.caching.integrity import VerifyReport, summarise_problems
 from simpletuner.caching.store import ShardedTensorStore
 
 logger = logging.getLogger(__name__)
@@ -43,13 +46,28 @@ class MemoryTensorStore:
         self.backing = backing
         self.root: Path | str = backing.root if backing is not None else f"<memory:{name}>"
         self._entries: dict[str, dict[str, torch.Tensor]] = {}
-        if backing is not None and len(backing):
-            keys = backing.keys()
-            for start in tqdm(range(0, len(keys), 256), desc=f"loading {name} cache", unit="chunk", disable=None):
-                chunk = keys[start : start + 256]
-                for key, entry in zip(chunk, backing.get_many(chunk)):
-                    self._entries[key] = {n: self._place(t) for n, t in entry.items()}
-            logger.info("%s cache: loaded %d entries from %s into memory", name, len(self._entries), backing.root)
+        self._rejected: dict[str, str] = {}  # key -> why its backing copy was not loaded
+        if backing is not None:
+            self._load(backing)
+
+    def _load(self, backing: ShardedTensorStore) -> None:
+        """Read and check every backing entry; place the good ones, remember the bad ones."""
+        self._rejected.update(backing.lost_keys())
+        keys = backing.keys()
+        num_unverified = 0
+        for start in tqdm(range(0, len(keys), 256), desc=f"loading {self.name} cache", unit="chunk", disable=None):
+            read = backing.read_checked(keys[start : start + 256])
+            for key, entry in read.entries.items():
+                self._entries[key] = {n: self._place(t) for n, t in entry.items()}
+            self._rejected.update(read.problems)
+            backing.discard(read.problems)  # the disk index must not serve them either
+            num_unverified += read.num_unverified
+        if keys:
+            logger.info("%s cache: loaded %d entries from %s into memory%s", self.name, len(self._entries), backing.root,
+                        f" ({num_unverified} unverified: written before checksums)" if num_unverified else "")
+        if self._rejected:
+            logger.warning("%s cache: %d corrupt entries in %s were not loaded; they are misses, re-encoded when needed: %s",
+                           self.name, len(self._rejected), backing.root, summarise_problems(self._rejected))
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -81,7 +99,30 @@ class MemoryTensorStore:
         shard = self.backing.put_many(entries) if self.backing is not None else None
         for key, entry in entries.items():
             self._entries[key] = {n: self._place(t.detach().to("cpu", copy=True)) for n, t in entry.items()}
+            self._rejected.pop(key, None)
         return shard
+
+    # --- integrity (the same surface as ShardedTensorStore) ---
+    def verify(self, keys: Iterable[str] | None = None, desc: str | None = None) -> VerifyReport:
+        """Entries in memory were checked when loaded (or written by this process), so this
+        reports the backing copies that failed their check at load time, for ``keys``."""
+        asked = list(self._rejected) if keys is None else list(dict.fromkeys(keys))
+        problems = {k: self._rejected[k] for k in asked if k in self._rejected}
+        num_ok = sum(k in self._entries for k in asked) if keys is not None else len(self._entries)
+        unreadable = self.backing.unreadable_shards if self.backing is not None else {}
+        return VerifyReport(num_ok, 0, problems, unreadable)
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Stop serving ``keys`` (they become misses)."""
+        keys = list(keys)
+        for key in keys:
+            self._entries.pop(key, None)
+        if self.backing is not None:
+            self.backing.discard(keys)
+
+    def quarantine_unreadable(self) -> list[Path]:
+        """Move damaged backing shards aside (see :meth:`ShardedTensorStore.quarantine_unreadable`)."""
+        return self.backing.quarantine_unreadable() if self.backing is not None else []
 
     def __repr__(self) -> str:
         return f"MemoryTensorStore(name={self.name!r}, entries={len(self)}, backing={self.backing!r})"

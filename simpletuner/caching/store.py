@@ -9,7 +9,17 @@ holding many entries with tensor names ``"{key}|{name}"``. Reading goes through 
 Writes are atomic: a shard is written to a hidden temp file in the same folder, fsync'd,
 then ``os.replace``'d into place, so a crash leaves either the whole shard or none of it.
 On start the store indexes shards from their headers only; a shard that cannot be opened
-(truncated, corrupt, foreign) is skipped with a warning and its entries become misses.
+(truncated, corrupt, foreign) is skipped with a warning naming why and how many entries it
+held, and those entries become misses.
+
+Integrity (format version 2): the key of an entry is the fingerprint of everything its value
+depends on (see :mod:`.fingerprint`), and the shard's header metadata records a CRC-32 of
+every tensor (over its dtype, shape and bytes) under ``"crc32:{key}|{name}"``. Reads on the
+training path do not check it (CRC-32 of a 32 KiB latent takes ~12 us, more than half of what
+reading it costs); :meth:`verify` and
+:meth:`read_checked` do, and :class:`~simpletuner.caching.tensor_cache.TensorCache` verifies
+every entry it is about to use once, at fill time. Version-1 shards (no checksums) stay
+readable and are reported as unverified.
 
 Not safe for concurrent writers in one process; separate processes may each write their
 own shards into one folder (names are uuids) and call :meth:`refresh` to see the others'.
@@ -19,22 +29,54 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Collection, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
+
+from simpletuner.caching.integrity import (
+    CHECKSUM_PREFIX,
+    KEY_SEPARATOR,
+    UNVERIFIED_VERSION,
+    BadShard,
+    CacheIntegrityError,
+    CheckedRead,
+    CompactReport,
+    ShardHeader,
+    VerifyReport,
+    checksum,
+    group_tensor_names,
+    read_header,
+    tensor_checksum,
+)
 
 logger = logging.getLogger(__name__)
 
 SHARD_GLOB = "shard-*.safetensors"
-KEY_SEPARATOR = "|"
+QUARANTINE_SUFFIX = ".corrupt"
 _TEMP_PREFIX = ".tmp-shard-"
 _FORMAT_NAME = "simpletuner.sharded_tensor_store"
-_FORMAT_VERSION = "1"
+_FORMAT_VERSION = "2"
+# Shards are verified on threads (zlib.crc32 and file reads release the GIL) where there are cores
+# to spare; on a 2-core box a second thread measured no gain.
+_VERIFY_WORKERS = min(8, (os.cpu_count() or 1) // 2)
+
+__all__ = ["CacheIntegrityError", "CheckedRead", "CompactReport", "ShardedTensorStore", "VerifyReport"]
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    reason: str
+    keys: tuple[str, ...]  # entries its header lists, when the header itself could be read
+    is_corrupt: bool  # a damaged safetensors file (safe to move aside), not a foreign or newer one
 
 
 def _owned_cpu_tensors(entries: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -84,9 +126,12 @@ class ShardedTensorStore:
             raise ValueError(f"cache store root {self.root} exists and is not a folder")
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_open_shards = max_open_shards
-        # key -> (shard path, tensor names in that entry)
+        # key -> (shard path, tensor names in that entry); the newest shard holding a key wins
         self._index: dict[str, tuple[Path, tuple[str, ...]]] = {}
         self._indexed_shards: set[Path] = set()
+        self._shard_keys: dict[Path, tuple[str, ...]] = {}  # every key each readable shard holds
+        self._shard_order: dict[Path, tuple[int, str]] = {}  # (write time ns, name): newer wins
+        self._unreadable: dict[Path, _Unreadable] = {}
         self._handles: OrderedDict[Path, object] = OrderedDict()
         self.refresh()
 
@@ -105,35 +150,71 @@ class ShardedTensorStore:
                 len(leftovers), self.root, leftovers[0].name,
             )
         new_shards = [p for p in self.root.glob(SHARD_GLOB) if p not in self._indexed_shards]
-        # Oldest first, so a key written again later resolves to the newest shard.
-        new_shards.sort(key=lambda p: (p.stat().st_mtime_ns, p.name))
+        readable = []
         for shard in new_shards:
-            entries = self._read_shard_index(shard)
             self._indexed_shards.add(shard)
-            if entries is None:
-                continue
+            indexed = self._read_shard_index(shard)
+            if indexed is not None:
+                readable.append((shard, *indexed))
+        # Oldest first, so a key written again later resolves to the newest shard.
+        for shard, order, entries in sorted(readable, key=lambda item: item[1]):
+            self._shard_order[shard] = order
+            self._shard_keys[shard] = tuple(entries)
             for key, names in entries.items():
-                self._index[key] = (shard, names)
+                current = self._index.get(key)
+                if current is None or self._shard_order[current[0]] < order:
+                    self._index[key] = (shard, names)
         added = len(self._index) - before
         logger.debug("indexed %d shard(s), %d new entries in %s", len(new_shards), added, self.root)
         return added
 
-    def _read_shard_index(self, shard: Path) -> dict[str, tuple[str, ...]] | None:
-        """Key -> tensor names of one shard from its header, or None when it cannot be used."""
+    def _read_shard_index(self, shard: Path) -> tuple[tuple[int, str], dict[str, tuple[str, ...]]] | None:
+        """``(write order, {key: tensor names})`` of one shard from its header, or None (recorded
+        as unreadable) when it cannot be used. The order is the write time recorded in the
+        header (format 2), else the file's mtime: in-place damage and copies that do not keep
+        timestamps must not make an old copy of a key win over its re-encoded one."""
         try:
             with safe_open(str(shard), framework="pt") as handle:
                 tensor_names = list(handle.keys())
-        except (SafetensorError, OSError) as error:
-            logger.warning("skipping unreadable cache shard %s (its entries will be recomputed): %s", shard, error)
+                metadata = handle.metadata() or {}
+        except SafetensorError as error:
+            self._mark_unreadable(shard, error)
             return None
-        grouped: dict[str, list[str]] = {}
-        for tensor_name in tensor_names:
-            key, sep, name = tensor_name.partition(KEY_SEPARATOR)
-            if not sep or not key or not name:
-                logger.warning("skipping cache shard %s: tensor %r is not named 'key|name'", shard, tensor_name)
-                return None
-            grouped.setdefault(key, []).append(name)
-        return {key: tuple(names) for key, names in grouped.items()}
+        except OSError as error:
+            self._mark_unreadable(shard, error, reason=f"cannot be read: {error}", is_corrupt=False)
+            return None
+        version = metadata.get("version", UNVERIFIED_VERSION)
+        if version not in (UNVERIFIED_VERSION, _FORMAT_VERSION):
+            reason = f"written by a newer simpletuner (cache format version {version}); upgrade, or clear this cache"
+            self._mark_unreadable(shard, None, reason=reason, is_corrupt=False)
+            return None
+        try:
+            entries = group_tensor_names(shard, tensor_names)
+        except BadShard as error:
+            self._mark_unreadable(shard, None, reason=str(error), is_corrupt=False)
+            return None
+        written_ns = metadata.get("written_ns", "")
+        order = int(written_ns) if written_ns.isdigit() else shard.stat().st_mtime_ns
+        return (order, shard.name), entries
+
+    def _mark_unreadable(self, shard: Path, error: Exception | None, reason: str | None = None,
+                         is_corrupt: bool = True) -> None:
+        keys: tuple[str, ...] = ()
+        if is_corrupt:  # say what is wrong more plainly than safetensors, and which entries are lost
+            try:
+                header = read_header(shard, allow_truncated=True)
+            except (BadShard, OSError) as detail:
+                reason = reason or str(detail)
+            else:
+                reason = reason or header.truncation or f"corrupt ({error})"
+                try:
+                    keys = tuple(group_tensor_names(shard, header.tensors))
+                except BadShard:
+                    keys = ()
+        reason = reason or str(error)
+        self._unreadable[shard] = _Unreadable(reason, keys, is_corrupt)
+        lost = f"its {len(keys)} entries are misses and will be re-encoded" if keys else "its entries are misses"
+        logger.warning("skipping unreadable cache shard %s: %s; %s", shard, reason, lost)
 
     # --- mapping-like reads ---
     def __contains__(self, key: object) -> bool:
@@ -152,6 +233,38 @@ class ShardedTensorStore:
     def shard_paths(self) -> list[Path]:
         """The shards currently holding at least one indexed entry."""
         return sorted({shard for shard, _ in self._index.values()})
+
+    def shard_entries(self) -> dict[Path, tuple[str, ...]]:
+        """Every readable shard and the keys it holds (including superseded copies)."""
+        return dict(self._shard_keys)
+
+    def superseded(self) -> dict[Path, list[str]]:
+        """Per shard, the copies it holds that are not served any more (a newer shard holds the
+        key, or it was discarded as corrupt); :meth:`compact` removes them."""
+        out: dict[Path, list[str]] = {}
+        for shard, keys in self._shard_keys.items():
+            dead = [k for k in keys if self._index.get(k, (None,))[0] != shard]
+            if dead:
+                out[shard] = dead
+        return out
+
+    @property
+    def unreadable_shards(self) -> dict[Path, str]:
+        """Shards that could not be indexed, and why."""
+        return {shard: info.reason for shard, info in self._unreadable.items()}
+
+    def lost_keys(self) -> dict[str, str]:
+        """Keys listed by unreadable shards and held by no readable one, with the reason."""
+        lost: dict[str, str] = {}
+        for shard, info in self._unreadable.items():
+            for key in info.keys:
+                if key not in self._index:
+                    lost.setdefault(key, f"shard {shard.name} is unreadable: {info.reason}")
+        return lost
+
+    def quarantined_files(self) -> list[Path]:
+        """Unreadable shards moved aside by :meth:`quarantine_unreadable`."""
+        return sorted(self.root.glob(SHARD_GLOB + QUARANTINE_SUFFIX))
 
     def _handle(self, shard: Path):
         handle = self._handles.get(shard)
@@ -172,36 +285,273 @@ class ShardedTensorStore:
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         """The entry stored under ``key``. Raises KeyError naming the key and the store root."""
-        shard, names = self._locate(key)
-        handle = self._handle(shard)
-        return {name: handle.get_tensor(f"{key}{KEY_SEPARATOR}{name}") for name in names}
+        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
-        """The entries for ``keys``, in that order; reads are grouped by shard."""
+        """The entries for ``keys``, in that order; reads are grouped by shard.
+
+        Checksums are not checked here (the hot path; see :meth:`verify`).
+
+        Raises:
+            KeyError: a key is not stored.
+            CacheIntegrityError: a shard cannot be opened or read any more.
+        """
         by_shard: dict[Path, list[int]] = {}
         for position, key in enumerate(keys):
             shard, _ = self._locate(key)
             by_shard.setdefault(shard, []).append(position)
         results: list[dict[str, torch.Tensor] | None] = [None] * len(keys)
         for shard, positions in by_shard.items():
-            handle = self._handle(shard)
-            for position in positions:
-                key = keys[position]
-                names = self._index[key][1]
-                results[position] = {name: handle.get_tensor(f"{key}{KEY_SEPARATOR}{name}") for name in names}
+            try:
+                handle = self._handle(shard)
+                for position in positions:
+                    key = keys[position]
+                    names = self._index[key][1]
+                    results[position] = {name: handle.get_tensor(f"{key}{KEY_SEPARATOR}{name}") for name in names}
+            except (SafetensorError, OSError) as error:
+                raise CacheIntegrityError(
+                    f"cache shard {shard} cannot be read any more ({error}); it changed after it was indexed. "
+                    "Run `simpletuner cache verify --config <your config>` to check the cache; corrupt entries "
+                    "are re-encoded when training starts again"
+                ) from error
         return results  # type: ignore[return-value]
 
     def load_all_into_memory(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every entry, read into CPU memory (for memory-backed caches)."""
+        """Every entry, read into CPU memory (unchecked; see :meth:`read_checked`)."""
         keys = self.keys()
         return dict(zip(keys, self.get_many(keys)))
+
+    # --- integrity ---
+    def verify(self, keys: Iterable[str] | None = None, desc: str | None = None) -> VerifyReport:
+        """Read the given entries (default: all, plus those lost in unreadable shards) from disk
+        and check their checksums. Keys the store never held are ignored (plain misses).
+
+        Args:
+            keys: the entries to check; None checks every entry.
+            desc: a progress-bar label (shown on a terminal); None shows no bar.
+        """
+        all_lost = self.lost_keys()
+        if keys is None:
+            wanted, problems = list(self._index), dict(all_lost)
+        else:
+            asked = list(dict.fromkeys(keys))
+            wanted = [k for k in asked if k in self._index]
+            problems = {k: all_lost[k] for k in asked if k in all_lost}
+        by_shard: dict[Path, list[str]] = {}
+        for key in wanted:
+            by_shard.setdefault(self._index[key][0], []).append(key)
+        num_ok = num_unverified = 0
+        progress = tqdm(total=len(wanted), desc=desc, unit="entry", disable=None if desc else True)
+        workers = min(_VERIFY_WORKERS, len(by_shard))
+        try:
+            if workers > 1:
+                with ThreadPoolExecutor(workers, thread_name_prefix="cache-verify") as pool:
+                    results = pool.map(lambda item: self._verify_shard(*item), by_shard.items())
+                    for (ok, unverified, bad), group in zip(results, by_shard.values()):
+                        num_ok, num_unverified = num_ok + ok, num_unverified + unverified
+                        problems.update(bad)
+                        progress.update(len(group))
+            else:
+                for shard, group in by_shard.items():
+                    ok, unverified, bad = self._verify_shard(shard, group)
+                    num_ok, num_unverified = num_ok + ok, num_unverified + unverified
+                    problems.update(bad)
+                    progress.update(len(group))
+        finally:
+            progress.close()
+        return VerifyReport(num_ok, num_unverified, problems, self.unreadable_shards)
+
+    def _verify_shard(self, shard: Path, keys: list[str]) -> tuple[int, int, dict[str, str]]:
+        """``(num_ok, num_unverified, problems)`` of ``keys`` in ``shard``, read straight from the file."""
+        try:
+            header = read_header(shard)
+        except (BadShard, OSError) as error:
+            reason = f"shard {shard.name} cannot be read: {error}"
+            return 0, 0, {key: reason for key in keys}
+        is_checked = header.version != UNVERIFIED_VERSION
+        num_ok = num_unverified = 0
+        problems: dict[str, str] = {}
+        with open(shard, "rb", buffering=0) as file:
+            for key in keys:
+                reason = None
+                for name in self._index[key][1]:
+                    reason = self._check_tensor(file, header, shard, key, name, is_checked)
+                    if reason:
+                        break
+                if reason:
+                    problems[key] = reason
+                elif is_checked:
+                    num_ok += 1
+                else:
+                    num_unverified += 1
+        return num_ok, num_unverified, problems
+
+    @staticmethod
+    def _check_tensor(file, header: ShardHeader, shard: Path, key: str, name: str, is_checked: bool) -> str | None:
+        tensor_name = f"{key}{KEY_SEPARATOR}{name}"
+        info = header.tensors.get(tensor_name)
+        if info is None:
+            return f"tensor {name!r} is missing from shard {shard.name}"
+        if not is_checked:
+            return None
+        expected = header.metadata.get(CHECKSUM_PREFIX + tensor_name)
+        if expected is None:
+            return f"no checksum recorded for tensor {name!r} in shard {shard.name}"
+        begin, end = info["data_offsets"]
+        file.seek(header.data_start + begin)
+        data = file.read(end - begin)
+        if len(data) != end - begin:
+            return f"shard {shard.name} is truncated"
+        actual = checksum(info["dtype"], info["shape"], data)
+        if actual != expected:
+            return f"checksum mismatch in tensor {name!r} of shard {shard.name} (recorded {expected}, read {actual})"
+        return None
+
+    def read_checked(self, keys: Sequence[str]) -> CheckedRead:
+        """Read ``keys`` and check each tensor against its checksum (for loading into memory).
+
+        Entries that fail, or that were lost in an unreadable shard, are left out and listed in
+        ``problems``; entries of version-1 shards are returned and counted as unverified.
+
+        Raises:
+            KeyError: a key is neither stored nor lost in an unreadable shard.
+        """
+        lost = self.lost_keys()
+        problems: dict[str, str] = {}
+        by_shard: dict[Path, list[str]] = {}
+        for key in keys:
+            if key not in self._index and key in lost:
+                problems[key] = lost[key]
+                continue
+            by_shard.setdefault(self._locate(key)[0], []).append(key)
+        entries: dict[str, dict[str, torch.Tensor]] = {}
+        num_unverified = 0
+        for shard, group in by_shard.items():
+            try:
+                handle = self._handle(shard)
+                metadata = handle.metadata() or {}
+            except (SafetensorError, OSError) as error:
+                problems.update({key: f"shard {shard.name} cannot be read: {error}" for key in group})
+                continue
+            is_checked = metadata.get("version", UNVERIFIED_VERSION) != UNVERIFIED_VERSION
+            for key in group:
+                try:
+                    entry = {n: handle.get_tensor(f"{key}{KEY_SEPARATOR}{n}") for n in self._index[key][1]}
+                except SafetensorError as error:
+                    problems[key] = f"shard {shard.name} cannot be read: {error}"
+                    continue
+                reason = self._check_entry(metadata, shard, key, entry) if is_checked else None
+                if reason:
+                    problems[key] = reason
+                    continue
+                num_unverified += not is_checked
+                entries[key] = entry
+        return CheckedRead(entries, problems, num_unverified)
+
+    @staticmethod
+    def _check_entry(metadata: Mapping[str, str], shard: Path, key: str, entry: Mapping[str, torch.Tensor]) -> str | None:
+        for name, tensor in entry.items():
+            expected = metadata.get(f"{CHECKSUM_PREFIX}{key}{KEY_SEPARATOR}{name}")
+            if expected is None:
+                return f"no checksum recorded for tensor {name!r} in shard {shard.name}"
+            actual = tensor_checksum(tensor)
+            if actual != expected:
+                return f"checksum mismatch in tensor {name!r} of shard {shard.name} (recorded {expected}, read {actual})"
+        return None
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Stop serving ``keys`` (in this process; nothing on disk changes), e.g. corrupt
+        entries about to be re-encoded: they become misses, and a later write wins."""
+        for key in keys:
+            self._index.pop(key, None)
+
+    def quarantine_unreadable(self) -> list[Path]:
+        """Rename damaged shards (truncated, corrupt header) to ``<name>.corrupt`` so they stop
+        being scanned; returns the new paths. Foreign or newer-format shards are left alone."""
+        moved = []
+        for shard, info in list(self._unreadable.items()):
+            if not info.is_corrupt:
+                continue
+            target = shard.with_name(shard.name + QUARANTINE_SUFFIX)
+            try:
+                os.replace(shard, target)
+            except FileNotFoundError:
+                pass  # already gone
+            except OSError as error:
+                logger.warning("cannot move unreadable cache shard %s aside: %s", shard, error)
+                continue
+            else:
+                moved.append(target)
+                logger.warning("moved unreadable cache shard %s aside to %s (%s)", shard.name, target.name, info.reason)
+            del self._unreadable[shard]
+            self._indexed_shards.discard(shard)
+        return moved
+
+    def compact(self, keep: Collection[str]) -> CompactReport:
+        """Rewrite the folder so that it holds only the entries in ``keep`` that pass their checksum.
+
+        Superseded copies, entries not in ``keep`` (stale), corrupt entries, damaged shards
+        and quarantined files are removed. A shard left with nothing to keep is deleted; one
+        left with some is rewritten (new shard first, atomically, then the old one deleted).
+        Entries of version-1 shards that are rewritten gain checksums over their current bytes.
+        Not for a folder another process is training from.
+        """
+        bytes_before = self.folder_bytes()
+        num_removed = num_rewritten = num_deleted = 0
+        for shard, shard_keys in list(self._shard_keys.items()):
+            live = [k for k in shard_keys if self._index.get(k, (None,))[0] == shard]
+            wanted = [k for k in live if k in keep]
+            read = self.read_checked(wanted) if wanted else CheckedRead({}, {}, 0)
+            if len(read.entries) == len(shard_keys):
+                continue
+            if read.entries:
+                self.put_many(read.entries)
+                num_rewritten += 1
+            num_removed += len(shard_keys) - len(read.entries)
+            self._forget_shard(shard)
+            shard.unlink(missing_ok=True)
+            num_deleted += 1
+        for shard, info in list(self._unreadable.items()):
+            if info.is_corrupt:
+                shard.unlink(missing_ok=True)
+                del self._unreadable[shard]
+                self._indexed_shards.discard(shard)
+                num_removed += len(info.keys)
+                num_deleted += 1
+        for path in self.quarantined_files():
+            path.unlink(missing_ok=True)
+            num_deleted += 1
+        self._fsync_root()
+        report = CompactReport(num_removed, num_rewritten, num_deleted, bytes_before, self.folder_bytes())
+        logger.info("compacted %s: %s", self.root, report)
+        return report
+
+    def _forget_shard(self, shard: Path) -> None:
+        self._handles.pop(shard, None)
+        self._shard_order.pop(shard, None)
+        for key in self._shard_keys.pop(shard, ()):
+            if self._index.get(key, (None,))[0] == shard:
+                del self._index[key]
+        self._indexed_shards.discard(shard)
+
+    def folder_bytes(self) -> int:
+        """Bytes of the shards (readable or not) and quarantined files in the folder."""
+        paths = [*self.root.glob(SHARD_GLOB), *self.quarantined_files()]
+        total = 0
+        for path in paths:
+            try:
+                total += path.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
 
     # --- writes ---
     def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]]) -> Path:
         """Write ``entries`` as one new shard, atomically, and index them. Returns the shard path.
 
         Tensors are detached, moved to CPU and made contiguous; dtypes are kept. A key that
-        is already stored is overwritten (the new shard wins).
+        is already stored is overwritten (the new shard wins). The header records a checksum
+        of every tensor.
 
         Raises:
             ValueError: ``entries`` is empty, a key is empty or contains ``"|"``, or an entry
@@ -213,7 +563,14 @@ class ShardedTensorStore:
         shard_id = uuid.uuid4().hex
         final_path = self.root / f"shard-{shard_id}.safetensors"
         temp_path = self.root / f"{_TEMP_PREFIX}{shard_id}.safetensors"
-        metadata = {"format": _FORMAT_NAME, "version": _FORMAT_VERSION, "num_entries": str(len(entries))}
+        metadata = {
+            "format": _FORMAT_NAME,
+            "version": _FORMAT_VERSION,
+            "num_entries": str(len(entries)),
+            "checksum": "crc32 over each tensor's dtype, shape and bytes",
+            "written_ns": str(time.time_ns()),
+        }
+        metadata.update({CHECKSUM_PREFIX + name: tensor_checksum(tensor) for name, tensor in flat.items()})
         is_done = False
         try:
             save_file(flat, str(temp_path), metadata=metadata)
@@ -229,6 +586,8 @@ class ShardedTensorStore:
                 temp_path.unlink(missing_ok=True)
         self._fsync_root()
         self._indexed_shards.add(final_path)
+        self._shard_keys[final_path] = tuple(entries)
+        self._shard_order[final_path] = (int(metadata["written_ns"]), final_path.name)
         for key, entry in entries.items():
             self._index[key] = (final_path, tuple(entry))
         logger.debug("wrote %d entries to %s", len(entries), final_path)

@@ -4,6 +4,10 @@ The VAE-latent and text-embed caches are both this: a list of ``(key, payload)``
 batched ``compute`` (the encoder) run only on the keys the store does not hold yet, and
 ``get_batch`` for the training loop. Keys come from :mod:`simpletuner.caching.fingerprint`
 so a key names everything its value depends on; an unknown key is simply a miss.
+
+Before a fill counts an entry as a hit it checks it against its checksum (once per fill,
+i.e. at start-up, not on every read): a corrupt or truncated entry becomes a miss, is
+encoded again, and the fill logs "re-encoded N corrupt entries: ...".
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Se
 import torch
 from tqdm import tqdm
 
+from simpletuner.caching.integrity import summarise_problems
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 
@@ -46,6 +51,7 @@ class FillReport:
     num_computed: int
     seconds: float
     failed: tuple[str, ...] = ()  # keys compute could not produce (returned None for); not stored
+    corrupt: tuple[str, ...] = ()  # stored keys that failed their integrity check and were computed again
 
 
 def _plan_batches(
@@ -99,14 +105,23 @@ class TensorCache:
         name: a short name for logs and progress bars ("vae", "text").
         flush_every: write a shard each time this many computed entries are pending, so
             an interrupted fill loses at most that much work.
+        verify: check every hit against its checksum before ``fill`` trusts it (reads each
+            needed entry once at start-up); False trusts the index.
     """
 
-    def __init__(self, store: ShardedTensorStore, name: str, flush_every: int = DEFAULT_FLUSH_EVERY):
+    def __init__(
+        self,
+        store: ShardedTensorStore | MemoryTensorStore,
+        name: str,
+        flush_every: int = DEFAULT_FLUSH_EVERY,
+        verify: bool = True,
+    ):
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         self.store = store
         self.name = name
         self.flush_every = flush_every
+        self.verify = verify
 
     def __contains__(self, key: object) -> bool:
         return key in self.store
@@ -147,7 +162,10 @@ class TensorCache:
                 batches per thread in flight); 0 runs it inline.
 
         Entries are written in shards of ``flush_every`` as they are computed, and what is
-        pending is written even when ``compute`` raises, so a crash loses little.
+        pending is written even when ``compute`` raises, so a crash loses little. Stored
+        entries that fail their checksum, or were in a shard that can no longer be read, are
+        computed again (``FillReport.corrupt``); damaged shards are moved aside
+        (``<name>.corrupt``) so later runs do not trip over them.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -155,6 +173,7 @@ class TensorCache:
         unique: dict[str, Any] = {}
         for key, payload in items:
             unique.setdefault(key, payload)
+        corrupt = self._find_corrupt(unique)
         misses = {key: payload for key, payload in unique.items() if key not in self.store}
         num_hits = len(unique) - len(misses)
         batches = _plan_batches(misses, batch_size, group)
@@ -188,13 +207,32 @@ class TensorCache:
             num_computed=num_computed,
             seconds=time.perf_counter() - started,
             failed=tuple(failed),
+            corrupt=tuple(corrupt),
         )
         logger.info(
-            "%s cache: %d items, %d hits, %d computed, %d failed in %.2fs (%s)",
-            self.name, report.num_items, report.num_hits, report.num_computed, len(failed), report.seconds,
-            self.store.root,
+            "%s cache: %d items, %d hits, %d computed (%d of them corrupt before), %d failed in %.2fs (%s)",
+            self.name, report.num_items, report.num_hits, report.num_computed, len(corrupt), len(failed),
+            report.seconds, self.store.root,
         )
+        reencoded = {key: reason for key, reason in corrupt.items() if key in self.store}
+        if reencoded:
+            logger.warning("%s cache: re-encoded %d corrupt entries: %s", self.name, len(reencoded),
+                           summarise_problems(reencoded))
         return report
+
+    def _find_corrupt(self, unique: Mapping[str, Any]) -> dict[str, str]:
+        """Check the entries ``unique`` would hit; drop the bad ones from the store's index so they
+        are misses. Returns ``{key: reason}`` for each of them."""
+        report = self.store.verify(list(unique), desc=f"verifying {self.name} cache") if self.verify else None
+        corrupt = dict(report.problems) if report is not None else {}
+        if corrupt:
+            logger.info(
+                "%s cache: %d stored entries failed their integrity check and will be encoded again: %s",
+                self.name, len(corrupt), summarise_problems(corrupt),
+            )
+            self.store.discard(corrupt)
+        self.store.quarantine_unreadable()
+        return corrupt
 
     def _check_results(self, batch_keys: list[str], results: Any) -> None:
         if not isinstance(results, Sequence) or len(results) != len(batch_keys):
@@ -245,7 +283,7 @@ class TensorCache:
 CACHE_TYPES = ("disk", "memory", "unified_memory")
 
 
-def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str):
+def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> ShardedTensorStore | MemoryTensorStore:
     """A disk store, or a memory store (optionally backed by disk) placed per ``kind``."""
     if kind == "disk":
         return ShardedTensorStore(folder)
@@ -266,6 +304,7 @@ def open_caches(
     vae_type: str = "disk",
     text_type: str = "disk",
     persistent: bool = True,
+    verify: bool = True,
 ) -> tuple[TensorCache, TensorCache]:
     """Open the ``(vae_cache, text_cache)`` pair of a model under ``cache_dir/model_tag``.
 
@@ -273,7 +312,8 @@ def open_caches(
     folders are registered with ``state.register_cache_dir`` when a state is given, so
     ``state.delete_cache_files()`` removes them. ``vae_type`` / ``text_type`` choose
     `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU);
-    memory stores are written through to disk when ``persistent``.
+    memory stores are written through to disk when ``persistent``. ``verify`` is passed to
+    :class:`TensorCache` (check each needed entry's checksum when filling).
 
     Raises:
         ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or a
@@ -289,8 +329,8 @@ def open_caches(
             raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
     base = Path(cache_dir) / model_tag
     vae_dir, text_dir = base / "vae", base / "text"
-    vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae")
-    text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text")
+    vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae", verify=verify)
+    text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text", verify=verify)
     if state is not None:
         for folder, kind in ((vae_dir, vae_type), (text_dir, text_type)):
             if kind == "disk" or persistent:

@@ -43,3 +43,9 @@ def text_cache_key(*, caption: str, encoder_identity: str, dtype: str, max_lengt
         dtype=str(dtype),
         max_length=max_length,
     )
+
+
+def caption_text_key(caption: str, encoder_identity: str, text_dtype) -> str:
+    """The text key the trainer uses for ``caption`` (embeddings in ``text_dtype``, the
+    tokenizer's own max length)."""
+    return text_cache_key(caption=caption, encoder_identity=encoder_identity, dtype=str(text_dtype), max_length=None)

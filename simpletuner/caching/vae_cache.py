@@ -61,3 +61,22 @@ def latent_cache_key(
         encoder_identity=encoder_identity,
         dtype=str(dtype),
     )
+
+
+#: Latents are encoded and stored in float32 (the training dtype is applied when read).
+LATENT_DTYPE = "float32"
+
+
+def sample_latent_key(dataset, sample, encoder_identity: str, default_resolution: int) -> str:
+    """The latent key of ``sample`` of a registered ``dataset`` (its backend gives the file
+    identity; its config may override the resolution). The trainer and ``simpletuner cache``
+    both call this, so they always agree on what is cached."""
+    return latent_cache_key(
+        sample_key=sample.key,
+        file_identity=dataset.backend.identity(sample.path),
+        bucket=sample.bucket,
+        crop={"style": sample.crop_style, "seed": sample.crop_seed},
+        resolution=dataset.config.resolution or default_resolution,
+        encoder_identity=encoder_identity,
+        dtype=LATENT_DTYPE,
+    )

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from simpletuner.training.performance import PRECISION_DTYPES
+
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
@@ -61,7 +63,7 @@ FRAGMENTATION_FRACTION = 0.10
 OPTIMIZER_STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1}
 
 # mixed_precision -> dtype, as the Trainer maps it.
-_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = PRECISION_DTYPES
 _DEVICE_KINDS = ("cuda", "cpu")
 
 

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 from PIL import Image
 
-from simpletuner.caching import FillReport, TensorCache, latent_cache_key, open_caches, text_cache_key
+from simpletuner.caching import FillReport, TensorCache, caption_text_key, open_caches, sample_latent_key
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
 from simpletuner.models import ModelSpec
 
@@ -103,19 +103,10 @@ def prepare_caches(
     latent_items: list[tuple[str, tuple[RegisteredDataset, Sample]]] = []
     latent_keys: dict[str, str] = {}
     for ds in datasets:
-        resolution = ds.config.resolution or config.resolution
         for sample in ds.samples:
             if sample.key in latent_keys:
                 continue  # repeats share one cache entry
-            key = latent_cache_key(
-                sample_key=sample.key,
-                file_identity=ds.backend.identity(sample.path),
-                bucket=sample.bucket,
-                crop={"style": sample.crop_style, "seed": sample.crop_seed},
-                resolution=resolution,
-                encoder_identity=image_identity,
-                dtype="float32",
-            )
+            key = sample_latent_key(ds, sample, image_identity, config.resolution)
             latent_keys[sample.key] = key
             latent_items.append((key, (ds, sample)))
 
@@ -155,9 +146,7 @@ def prepare_caches(
                                     config.max_bad_image_fraction)
 
     captions = sorted({s.caption for ds in datasets for s in ds.samples})  # after dropping undecodable ones
-    text_keys = {
-        c: text_cache_key(caption=c, encoder_identity=text_identity, dtype=str(text_dtype), max_length=None) for c in captions
-    }
+    text_keys = {c: caption_text_key(c, text_identity, text_dtype) for c in captions}
 
     def encode_text(batch: list[str]) -> list[dict[str, torch.Tensor]]:
         out = spec.encode_prompts(encoders.get_text(), batch)

@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
 
+#: The torch dtype of each ``mixed_precision`` mode: frozen LoRA bases and text embeddings use it.
+PRECISION_DTYPES: dict[str, torch.dtype] = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def resolve_mixed_precision(requested: str, cuda: Any = torch.cuda) -> str:
     """``requested``, except bf16 on a CUDA GPU without bf16 (before Ampere) becomes fp16 (said once)."""

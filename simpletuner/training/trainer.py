@@ -29,7 +29,6 @@ from simpletuner.training.validation import generate_validation_images
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -109,7 +108,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_bytes(orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2))
         self.spec = spec = get_model_spec(cfg)
-        self.weight_dtype = _DTYPES[self.mixed_precision]
+        self.weight_dtype = perf.PRECISION_DTYPES[self.mixed_precision]
 
         clock.mark("accelerator")
         datasets = build_datasets(self.state)

@@ -94,12 +94,27 @@ def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
     built = []
     for dataset_cfg in config.datasets:
         backend = builder_for(dataset_cfg)(dataset_cfg, config)
-        metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed)
+        metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed, unreadable=staging_failures(backend))
         dataset = RegisteredDataset(id=dataset_cfg.id, config=dataset_cfg, backend=backend, metadata=metadata)
         state.register_dataset(dataset)
         built.append(dataset)
         _log_summary(dataset)
     return built
+
+
+def staging_failures(backend: DataBackend) -> dict[str, str]:
+    """Files a backend that reads everything up front found but could not read: ``{path: reason}``.
+
+    ``GH200InMemoryBackend`` leaves them out of ``list_files`` and lists them in
+    ``report.failed``; the metadata scan counts them as bad files, so a dataset reports the
+    same skipped paths and applies the same ``max_bad_image_fraction`` whatever its ``type``.
+    Backends that read on demand have none.
+    """
+    from simpletuner.gh200.in_memory_backend import GH200InMemoryBackend
+
+    if isinstance(backend, GH200InMemoryBackend):
+        return dict(backend.report.failed)
+    return {}
 
 
 def _log_summary(dataset: RegisteredDataset) -> None:

@@ -30,6 +30,10 @@ _BACKGROUND = (255, 255, 255)
 
 CROP_STYLES = ("center", "random")
 
+#: ``prepare_image`` resamples only the crop window when the resized image would be more than
+#: this many times the bucket's area (only images far more elongated than the 4:1 buckets).
+MAX_RESIZE_OVERSHOOT = 16
+
 
 def _exif_orientation(image: Image.Image) -> int:
     """The EXIF orientation recorded in the header, or 1 (none); never decodes pixels.
@@ -156,9 +160,6 @@ def prepare_image(
     # ``max`` guards against rounding a side to one pixel short of the bucket.
     resized_w = max(target_w, round(width * scale))
     resized_h = max(target_h, round(height * scale))
-    if (resized_w, resized_h) != (width, height):
-        resample = Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC
-        image = image.resize((resized_w, resized_h), resample=resample, reducing_gap=3.0 if scale < 1 else None)
     if crop_style == "center":
         left = (resized_w - target_w) // 2
         top = (resized_h - target_h) // 2
@@ -166,7 +167,18 @@ def prepare_image(
         rng = random.Random(crop_seed)
         left = rng.randint(0, resized_w - target_w)
         top = rng.randint(0, resized_h - target_h)
-    cropped = image.crop((left, top, left + target_w, top + target_h))
+    resample = Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC
+    if resized_w * resized_h > MAX_RESIZE_OVERSHOOT * target_w * target_h:
+        # A strip far beyond MAX_ASPECT_RATIO: resizing all of it would build a huge
+        # intermediate (a 4000x1 strip in a 2048x512 bucket: ~1 G pixels), so resample only
+        # the source window that maps onto the crop.
+        sx, sy = width / resized_w, height / resized_h
+        box = (left * sx, top * sy, (left + target_w) * sx, (top + target_h) * sy)
+        cropped = image.resize((target_w, target_h), resample=resample, box=box)
+    else:
+        if (resized_w, resized_h) != (width, height):
+            image = image.resize((resized_w, resized_h), resample=resample, reducing_gap=3.0 if scale < 1 else None)
+        cropped = image.crop((left, top, left + target_w, top + target_h))
     array = np.asarray(cropped, dtype=np.uint8)
     pixels = torch.from_numpy(array.copy()).permute(2, 0, 1).to(torch.float32).div_(127.5).sub_(1.0)
     info = {

@@ -7,13 +7,14 @@ that is mostly unreadable usually means a wrong folder or a failed copy.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tqdm.auto import tqdm
 
@@ -66,12 +67,15 @@ class DatasetMetadata:
 
     def drop_unreadable(self, dataset_id: str, root: str, failures: dict[str, str], limit: float) -> None:
         """Remove samples whose image failed to decode after the header scan (e.g. a cut-off
-        body), record them as bad files, and apply ``max_bad_image_fraction`` again."""
+        body), record them as bad files, warn naming each, and apply ``max_bad_image_fraction``
+        again over all the dataset's bad files."""
         if not failures:
             return
         self.samples = [s for s in self.samples if s.path not in failures]
-        self.bad_files.extend(sorted(failures.items()))
+        new = sorted(failures.items())
+        self.bad_files.extend(new)
         _check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit)
+        _warn_skipped(dataset_id, self.num_files, new, len(self.bad_files), "while decoding")
         if not self.samples:
             raise ValueError(f"dataset {dataset_id!r}: no image under {root} could be decoded:\n{_format_bad(self.bad_files)}")
 
@@ -88,10 +92,25 @@ def caption_from_filename(path: str) -> str:
 
 
 def _decode_caption(data: bytes, where: str) -> str:
+    """UTF-8 (a BOM is dropped), or UTF-16 when the file starts with a UTF-16 BOM (what
+    Windows Notepad writes as "Unicode"). Anything else that is not valid UTF-8 is decoded with
+    undecodable bytes replaced by U+FFFD, and a warning names the file: guessing a legacy
+    code page (latin-1, cp1252, shift-jis) would turn the bytes into confident nonsense."""
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            return data.decode("utf-16")
+        except UnicodeDecodeError:
+            pass  # a UTF-8/latin-1 file that merely starts with those two bytes
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        logger.warning("caption file %s is not valid UTF-8 (%s); undecodable bytes were replaced", where, exc.reason)
+        logger.warning(
+            "caption file %s is not valid UTF-8 (%s at byte %d); undecodable bytes were replaced with U+FFFD. "
+            "Re-save it as UTF-8 to keep those characters",
+            where,
+            exc.reason,
+            exc.start,
+        )
         return data.decode("utf-8", errors="replace")
 
 
@@ -152,6 +171,34 @@ def _image_size(backend: DataBackend, path: str) -> tuple[int, int]:
     return read_image_size(backend.read(path))
 
 
+def display_path(path: str) -> str:
+    """``path`` safe to print and log: bytes of a file name that is not valid UTF-8 (which
+    Python holds as lone surrogates) are shown as ``\\xNN`` escapes."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _is_utf8_name(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _caption_problem(backend: DataBackend, path: str, dataset_cfg: Any, unreadable: Mapping[str, str]) -> str | None:
+    """Why the caption file of ``path`` cannot be used, or None when it is fine or absent.
+
+    A caption file that exists but cannot be read skips its image: falling back to
+    ``instance_prompt`` or the file name would silently train on a different caption.
+    """
+    if dataset_cfg.caption_strategy != "textfile":
+        return None
+    text_path = PurePosixPath(path).with_suffix(".txt").as_posix()
+    if text_path in unreadable:
+        return f"caption file {text_path} cannot be read: {unreadable[text_path]}"
+    return None
+
+
 def _describe_root(backend: DataBackend, dataset_cfg: Any) -> str:
     root = getattr(backend, "root", None) or getattr(dataset_cfg, "instance_data_dir", None)
     return str(root) if root is not None else f"dataset {backend.id!r}"
@@ -161,28 +208,50 @@ def _format_bad(bad: list[tuple[str, str]]) -> str:
     return "\n".join(f"  - {path}: {reason}" for path, reason in bad[:NUM_BAD_FILES_SHOWN])
 
 
-def build_metadata(backend: DataBackend, dataset_cfg: Any, config: "TrainingConfig", seed: int) -> DatasetMetadata:
+def build_metadata(
+    backend: DataBackend,
+    dataset_cfg: Any,
+    config: "TrainingConfig",
+    seed: int,
+    unreadable: Mapping[str, str] | None = None,
+) -> DatasetMetadata:
     """Scan ``backend`` for images and give each a caption, size, bucket and crop seed.
 
     Resolution is ``dataset_cfg.resolution`` or ``config.resolution``; buckets are aligned to
-    ``config.aspect_bucket_alignment``. Unreadable files (empty, cut-off header, not an
-    image, no permission) are skipped and listed in ``bad_files``.
+    ``config.aspect_bucket_alignment``. Images that cannot be used are skipped, listed in
+    ``bad_files`` with the reason, and named in one warning: empty, cut-off header, not an
+    image, no permission, a file name that is not valid UTF-8, or a caption file that exists
+    but cannot be read.
+
+    ``unreadable`` maps the paths a backend found but could not read before the scan (a
+    staging backend's failures; they are not in its ``list_files``) to the reason; images
+    among them count as bad files, caption files among them skip their image.
 
     Raises:
         ValueError: no image files under the root; no readable image; or a larger fraction
             of unreadable files than ``config.max_bad_image_fraction``.
     """
+    unreadable = unreadable or {}
     root = _describe_root(backend, dataset_cfg)
     resolution = dataset_cfg.resolution or config.resolution
     alignment = config.aspect_bucket_alignment
     files = backend.list_files(IMAGE_EXTENSIONS)
-    if not files:
+    failed_images = sorted(
+        (display_path(p), f"cannot read file: {reason}")
+        for p, reason in unreadable.items()
+        if PurePosixPath(p).suffix.lower() in IMAGE_EXTENSIONS
+    )
+    if not files and not failed_images:
         raise ValueError(f"no images found under {root} (looked for .jpg, .jpeg, .png, .webp recursively)")
 
-    result = DatasetMetadata(num_files=len(files))
+    result = DatasetMetadata(num_files=len(files) + len(failed_images), bad_files=list(failed_images))
     sources: Counter[str] = Counter()
     unique: list[Sample] = []
     for path in tqdm(files, desc=f"scanning {backend.id}", unit="img", disable=None):
+        if not _is_utf8_name(path):
+            # Sample keys, cache keys and file-name captions are UTF-8 text.
+            result.bad_files.append((display_path(path), "file name is not valid UTF-8; rename the file"))
+            continue
         try:
             width, height = _image_size(backend, path)
         except ValueError as exc:
@@ -191,7 +260,16 @@ def build_metadata(backend: DataBackend, dataset_cfg: Any, config: "TrainingConf
         except OSError as exc:
             result.bad_files.append((path, f"cannot read file: {exc.strerror or exc}"))
             continue
-        caption, source = caption_for(backend, path, dataset_cfg)
+        problem = _caption_problem(backend, path, dataset_cfg, unreadable)
+        if problem is None:
+            try:
+                caption, source = caption_for(backend, path, dataset_cfg)
+            except OSError as exc:
+                text_path = PurePosixPath(path).with_suffix(".txt").as_posix()
+                problem = f"caption file {text_path} cannot be read: {exc.strerror or exc}"
+        if problem is not None:
+            result.bad_files.append((path, problem))
+            continue
         sources[source] += 1
         key = f"{backend.id}/{path}"
         unique.append(
@@ -207,10 +285,10 @@ def build_metadata(backend: DataBackend, dataset_cfg: Any, config: "TrainingConf
             )
         )
 
-    _check_bad_files(backend.id, root, len(files), result.bad_files, config.max_bad_image_fraction)
+    _check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction)
     if not unique:
         raise ValueError(
-            f"dataset {backend.id!r}: none of the {len(files)} image files under {root} could be read:\n"
+            f"dataset {backend.id!r}: none of the {result.num_files} image files under {root} could be read:\n"
             f"{_format_bad(result.bad_files)}\nfix or replace these files"
         )
     if dataset_cfg.caption_strategy == "textfile" and sources["textfile"] < len(unique):
@@ -221,6 +299,7 @@ def build_metadata(backend: DataBackend, dataset_cfg: Any, config: "TrainingConf
             len(unique),
             "instance_prompt" if dataset_cfg.instance_prompt else "the file name",
         )
+    _warn_skipped(backend.id, result.num_files, result.bad_files, len(result.bad_files), "while scanning")
     repeats = getattr(dataset_cfg, "repeats", 0)
     result.samples = unique * (1 + repeats)
     result.caption_sources = dict(sources)
@@ -228,7 +307,7 @@ def build_metadata(backend: DataBackend, dataset_cfg: Any, config: "TrainingConf
 
 
 def _check_bad_files(dataset_id: str, root: str, total: int, bad: list[tuple[str, str]], limit: float) -> None:
-    """Raise when too many files were unreadable; otherwise warn about the skipped ones."""
+    """Raise when more than ``limit`` of the ``total`` image files are bad, naming them."""
     if not bad:
         return
     fraction = len(bad) / total
@@ -239,6 +318,20 @@ def _check_bad_files(dataset_id: str, root: str, total: int, bad: list[tuple[str
             f"First {min(len(bad), NUM_BAD_FILES_SHOWN)}:\n{_format_bad(bad)}\n"
             "Fix or remove these files, or raise `max_bad_image_fraction` in the config to skip them."
         )
-    shown = ", ".join(f"{path} ({reason})" for path, reason in bad[:3])
-    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-    logger.warning("dataset %r: skipped %d unreadable file(s) of %d: %s%s", dataset_id, len(bad), total, shown, more)
+
+
+def _warn_skipped(dataset_id: str, total: int, skipped: list[tuple[str, str]], num_bad: int, when: str) -> None:
+    """One warning naming every file in ``skipped`` with its reason (there are at most
+    ``max_bad_image_fraction`` of the dataset, so the list is what the user needs to fix)."""
+    if not skipped:
+        return
+    listed = "\n".join(f"  - {path}: {reason}" for path, reason in skipped)
+    logger.warning(
+        "dataset %r: skipped %d unreadable file(s) %s (%d of %d image files skipped in all):\n%s",
+        dataset_id,
+        len(skipped),
+        when,
+        num_bad,
+        total,
+        listed,
+    )

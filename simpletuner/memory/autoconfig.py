@@ -54,15 +54,15 @@ class DoesNotFit(ValueError):
 # --- what the run holds besides the denoiser ----------------------------------------------------
 def _module_bytes(model_root: Path, component: str, dtype) -> int | None:
     """Bytes of one pipeline component built on ``meta`` from its config; None when unknown."""
-    import diffusers
     import torch
     import transformers
 
+    from simpletuner.models.spec import resolve_component_class
+
     try:
         library, class_name = json.loads((model_root / "model_index.json").read_text())[component]
-        module = {"diffusers": diffusers, "transformers": transformers}[library]
-        cls = getattr(module, class_name)
-    except (OSError, KeyError, ValueError, AttributeError, TypeError):
+        cls = resolve_component_class(library, class_name, "model")
+    except (OSError, KeyError, ValueError, TypeError):
         return None
     with torch.device("meta"):
         if library == "diffusers":

@@ -162,16 +162,16 @@ def _read_json(path: Path) -> dict:
 
 
 def _denoiser_class(model_path: str, denoiser_name: str) -> type:
-    import diffusers
+    from simpletuner.models.spec import resolve_component_class
 
     index = _read_json(Path(model_path).expanduser() / "model_index.json")
     try:
         library, class_name = index[denoiser_name]
-    except KeyError:
-        raise ValueError(f"{model_path}/model_index.json names no {denoiser_name!r} component") from None
-    if library != "diffusers" or not hasattr(diffusers, class_name):
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{model_path}/model_index.json names no [library, class] for {denoiser_name!r}") from None
+    if library != "diffusers":
         raise ValueError(f"{denoiser_name} is {library}.{class_name}; the estimator builds diffusers models only")
-    return getattr(diffusers, class_name)
+    return resolve_component_class(library, class_name, "model")
 
 
 def _cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,13 @@ class StableDiffusionSpec(ModelSpec):
     family = "sd"
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     denoiser_name = "unet"
+    components = {
+        "unet": ("model", "diffusers", frozenset({"UNet2DConditionModel"})),
+        "vae": ("model", "diffusers", frozenset({"AutoencoderKL"})),
+        "text_encoder": ("model", "transformers", frozenset({"CLIPTextModel"})),
+        "tokenizer": ("tokenizer", "transformers", frozenset({"CLIPTokenizer", "CLIPTokenizerFast"})),
+        "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
+    }
 
     def __init__(self, config):
         super().__init__(config)
@@ -43,21 +51,28 @@ class StableDiffusionSpec(ModelSpec):
     def load_vae(self, device, dtype):
         from diffusers import AutoencoderKL
 
-        vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", torch_dtype=dtype, **self._kwargs())
+        # use_safetensors=True on every weights load: never unpickle a file we did not write.
+        vae = AutoencoderKL.from_pretrained(
+            self.model_path, subfolder="vae", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
         return vae.to(device=device).requires_grad_(False).eval()
 
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModel, CLIPTokenizer
 
         tokenizer = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer", **self._kwargs())
-        encoder = CLIPTextModel.from_pretrained(self.model_path, subfolder="text_encoder", dtype=dtype, **self._kwargs())
+        encoder = CLIPTextModel.from_pretrained(
+            self.model_path, subfolder="text_encoder", dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
         encoder = encoder.to(device=device).requires_grad_(False).eval()
         return {"tokenizer": tokenizer, "text_encoder": encoder}
 
     def load_denoiser(self, dtype=torch.float32):
         from diffusers import UNet2DConditionModel
 
-        return UNet2DConditionModel.from_pretrained(self.model_path, subfolder="unet", torch_dtype=dtype, **self._kwargs())
+        return UNet2DConditionModel.from_pretrained(
+            self.model_path, subfolder="unet", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
 
     # --- identities ----------------------------------------------------------------------
     def _identity(self, *subfolders: str) -> str:

@@ -3,13 +3,21 @@
 A family module implements loading from a diffusers-format folder, prompt and image encoding
 for the caches, the training loss (noise, timesteps, target) and adapter saving. The trainer
 only talks to this interface, so adding a family never adds an ``if family == ...`` branch.
+
+Safe loading: a model folder is data, never code. Each family loads fixed classes (the names
+in ``model_index.json`` are checked against the family's allow-list, never imported or
+called), weights come from safetensors only (``use_safetensors=True``; a folder holding only
+pickle weights is refused before anything loads), and ``trust_remote_code`` is never set.
 """
 
 from __future__ import annotations
 
 import abc
+import inspect
+import json
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -18,18 +26,153 @@ if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 
+#: Weight files ``from_pretrained`` would unpickle (a pickle can run any code when loaded).
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_SAFETENSORS = re.compile(r"\.safetensors(\.index\.json)?$")
+_PICKLE = re.compile("(" + "|".join(re.escape(s) for s in PICKLE_WEIGHT_SUFFIXES) + r")(\.index\.json)?$")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+ComponentKind = Literal["model", "tokenizer", "scheduler"]
+
+
+def pickle_only_weights(folder: Path) -> list[str]:
+    """Names of the pickle weight files in ``folder`` when it holds no safetensors weights;
+    ``[]`` when it has safetensors, or no weights at all (a configs-only folder)."""
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    if any(_SAFETENSORS.search(n) for n in names):
+        return []
+    return [n for n in names if _PICKLE.search(n)]
+
+
+def _base_classes(kind: ComponentKind) -> tuple[type, ...]:
+    if kind == "model":
+        from diffusers import ModelMixin
+        from transformers import PreTrainedModel
+
+        return (ModelMixin, PreTrainedModel)
+    if kind == "tokenizer":
+        from transformers import PreTrainedTokenizerBase
+
+        return (PreTrainedTokenizerBase,)
+    from diffusers import SchedulerMixin
+
+    return (SchedulerMixin,)
+
+
+def resolve_component_class(library: Any, class_name: Any, kind: ComponentKind) -> type:
+    """The class a model folder names as ``[library, class_name]`` (``model_index.json``),
+    only when it is a diffusers/transformers class of the right kind.
+
+    ``library`` must be ``"diffusers"`` or ``"transformers"`` and ``class_name`` a plain
+    identifier exported by it whose value is a class deriving from ``ModelMixin`` /
+    ``PreTrainedModel`` (``kind="model"``), ``PreTrainedTokenizerBase`` (``"tokenizer"``) or
+    ``SchedulerMixin`` (``"scheduler"``). Nothing else is imported or called, so a folder
+    naming ``["os", "system"]`` or ``["transformers", "pipeline"]`` can never reach a callable.
+
+    Raises:
+        ValueError: any other library or name; the message names what was refused.
+    """
+    named = f"{library}.{class_name}" if isinstance(library, str) and isinstance(class_name, str) else repr([library, class_name])
+    if library not in ("diffusers", "transformers") or not isinstance(class_name, str) or not _IDENTIFIER.match(class_name):
+        raise ValueError(f"{named} is not a diffusers or transformers class; refusing to load it")
+    import diffusers
+    import transformers
+
+    module = diffusers if library == "diffusers" else transformers
+    try:
+        found = getattr(module, class_name)
+    except (AttributeError, ImportError, RuntimeError):
+        found = None
+    bases = _base_classes(kind)
+    if not (inspect.isclass(found) and issubclass(found, bases)):
+        wanted = " or ".join(f"{b.__module__.split('.')[0]}.{b.__name__}" for b in bases)
+        raise ValueError(f"{named} is not a {kind} class (a subclass of {wanted}); refusing to load it")
+    return found
+
+
 class ModelSpec(abc.ABC):
-    """One diffusion-model family. Instances are cheap; components load on request."""
+    """One diffusion-model family. Instances are cheap (a look at the folder's
+    ``model_index.json`` and file names); components load on request."""
 
     family: ClassVar[str]
     #: Module names LoRA adapts when ``lora_target_modules`` is not set.
     default_lora_targets: ClassVar[list[str]]
     #: Name of the trained component inside the pipeline folder (``unet``, ``transformer``).
     denoiser_name: ClassVar[str]
+    #: Components this family loads: folder name -> (kind, library, allowed class names, or a
+    #: pattern the name must match in full). The names are only compared, never imported: each
+    #: family loads its own fixed classes (a scheduler's class does not matter, the family
+    #: builds its training scheduler from the folder's config, hence a pattern for it).
+    components: ClassVar[dict[str, tuple[ComponentKind, str, frozenset[str] | re.Pattern]]]
 
     def __init__(self, config: "TrainingConfig"):
         self.config = config
         self.model_path = config.pretrained_model_name_or_path
+        self.check_model_folder()
+
+    # --- safe loading --------------------------------------------------------------------
+    @property
+    def local_root(self) -> Path | None:
+        """The model folder when ``pretrained_model_name_or_path`` is a local folder, else None (a hub id)."""
+        root = Path(self.model_path).expanduser()
+        return root if root.is_dir() else None
+
+    def check_model_folder(self) -> None:
+        """Refuse a local folder whose ``model_index.json`` names, for a component this family
+        loads, a class off the allow-list, or whose weights are pickle files only.
+
+        Runs before anything loads; reads only JSON and file names. A hub id is checked by
+        the libraries themselves (every load passes ``use_safetensors=True``).
+
+        Raises:
+            ValueError: naming the folder, the component and the fix.
+        """
+        root = self.local_root
+        if root is None:
+            return
+        index_file = root / "model_index.json"
+        if index_file.is_file():
+            try:
+                index = json.loads(index_file.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{index_file} is not valid JSON ({exc}); is {root} a diffusers pipeline folder?") from None
+            if not isinstance(index, dict):
+                raise ValueError(f"{index_file} is not a JSON object; is {root} a diffusers pipeline folder?")
+            for name, (_, library, allowed) in self.components.items():
+                if name in index:
+                    self._check_index_entry(index_file, name, index[name], library, allowed)
+        for name, (kind, _, _) in self.components.items():
+            if kind != "model":
+                continue
+            pickles = pickle_only_weights(root / name)
+            if pickles:
+                raise ValueError(
+                    f"{root / name} holds only pickle weights ({', '.join(pickles)}) and no .safetensors. "
+                    "simpletuner loads safetensors only, because unpickling a file can run any code in it. "
+                    f"Convert it to safetensors once, on a machine where you trust the file: load it with "
+                    f"from_pretrained({str(root)!r}, subfolder={name!r}) and write it back with "
+                    "save_pretrained(..., safe_serialization=True)"
+                )
+
+    def _check_index_entry(self, index_file: Path, name: str, entry: Any, library: str,
+                           allowed: frozenset[str] | re.Pattern) -> None:
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise ValueError(f"{index_file}: {name!r} is {entry!r}, not [library, class name]")
+        named_library, class_name = entry
+        if isinstance(allowed, re.Pattern):
+            ok = isinstance(class_name, str) and allowed.fullmatch(class_name) is not None
+            expected = f"{library}.<{allowed.pattern}>"
+        else:
+            ok = class_name in allowed
+            expected = f"{library}." + " or ".join(sorted(allowed))
+        if named_library != library or not ok:
+            raise ValueError(
+                f"{index_file}: {name!r} names {named_library}.{class_name}; model family {self.family!r} loads "
+                f"{name} as {expected} and nothing else. Point `pretrained_model_name_or_path` at a "
+                f"{self.family} pipeline folder"
+            )
 
     # --- loading -------------------------------------------------------------------------
     @abc.abstractmethod

@@ -122,7 +122,8 @@ def prepare_caches(
                 pixels.append(load_sample_pixels(ds, sample)[0])
             except (OSError, ValueError, Image.DecompressionBombError) as exc:  # header was fine, body is not
                 with undecodable_lock:
-                    undecodable.setdefault(ds.id, {})[sample.path] = f"cannot decode image: {exc}"
+                    reason = str(exc) if isinstance(exc, ValueError) else f"cannot decode image: {exc}"
+                undecodable.setdefault(ds.id, {})[sample.path] = reason
                 pixels.append(None)
         good = [p for p in pixels if p is not None]
         stacked = torch.stack(good) if good else None

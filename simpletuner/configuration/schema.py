@@ -152,7 +152,9 @@ class TrainingConfig(_Strict):
 
     # --- model ---
     pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
-    model_family: Literal["sd"] = Field("sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet).")
+    model_family: Literal["sd", "sdxl"] = Field(
+        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids)."
+    )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."
     )
@@ -185,7 +187,18 @@ class TrainingConfig(_Strict):
         "constant", description="Learning-rate schedule (diffusers' `get_scheduler`)."
     )
     lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
-    optimizer: Literal["adamw", "adam", "sgd"] = Field("adamw", description="Optimizer (torch).")
+    optimizer: Literal["adamw", "adam", "sgd", "automagic"] = Field(
+        "adamw",
+        description=(
+            "`adamw`, `adam`, `sgd` (torch), or `automagic`: a learning rate per element, starting at "
+            "`learning_rate`, raised by `lr_bump` while its update keeps its sign and lowered when it flips, "
+            "within [`min_lr`, `max_lr`]; Adafactor-style factored second moments (about 3 bytes of state per "
+            "weight instead of AdamW's 8), decoupled weight decay, stochastic rounding into bf16 weights."
+        ),
+    )
+    lr_bump: float = Field(1e-6, gt=0, description="Automagic: how much an element's learning rate moves per step.")
+    min_lr: float = Field(1e-7, gt=0, description="Automagic: lowest per-element learning rate.")
+    max_lr: float = Field(1e-3, gt=0, description="Automagic: highest per-element learning rate.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
@@ -310,6 +323,14 @@ class TrainingConfig(_Strict):
                     problems.append(
                         f"gh200_optimizations.{key} {value} is not a multiple of train_batch_size {self.train_batch_size}"
                     )
+        if self.optimizer == "automagic":
+            if self.min_lr > self.max_lr:
+                problems.append(f"min_lr {self.min_lr} is greater than max_lr {self.max_lr}: set min_lr <= max_lr")
+            elif not self.min_lr <= self.learning_rate <= self.max_lr:
+                problems.append(
+                    f"learning_rate {self.learning_rate} is outside [min_lr {self.min_lr}, max_lr {self.max_lr}]: with "
+                    "optimizer automagic it is each element's starting learning rate"
+                )
         if self.validation_steps is not None and not self.validation_prompt:
             problems.append("`validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps")
         if problems:

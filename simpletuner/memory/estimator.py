@@ -240,22 +240,19 @@ class TensorShape:
 def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape, dict[str, TensorShape]]:
     """Latents and conditioning of one cached micro-batch, as the trainer reads them.
 
-    Latents are cached in fp32 at the bucket of a square image (``resolution`` x
+    The family's spec gives the shapes (``ModelSpec.batch_shapes``, from the folder's configs):
+    latents are cached in fp32 at the bucket of a square image (``resolution`` x
     ``resolution``, divided by the VAE's down factor); text embeddings in the autocast dtype,
-    padded to the tokenizer's max length (the text encoder's positions when no tokenizer).
+    padded to the tokenizer's max length.
     """
-    if config.model_family != "sd":
-        raise ValueError(f"no batch shapes for model_family {config.model_family!r}")
-    root = Path(config.pretrained_model_name_or_path).expanduser()
-    vae = _read_json(root / "vae" / "config.json")
-    text = _read_json(root / "text_encoder" / "config.json")
-    side = config.resolution // 2 ** (len(vae["block_out_channels"]) - 1)
-    max_length = text["max_position_embeddings"]
-    if (root / "tokenizer" / "tokenizer_config.json").is_file():
-        max_length = int(_read_json(root / "tokenizer" / "tokenizer_config.json").get("model_max_length", max_length))
-    latents = TensorShape((batch_size, vae["latent_channels"], side, side), torch.float32)
-    embeds = TensorShape((batch_size, max_length, text["hidden_size"]), _DTYPES[config.mixed_precision])
-    return latents, {"prompt_embeds": embeds}
+    from simpletuner.models import get_model_spec
+
+    try:
+        latents, conditioning = get_model_spec(config).batch_shapes(batch_size)
+    except NotImplementedError:
+        raise ValueError(f"no batch shapes for model_family {config.model_family!r}") from None
+    text_dtype = _DTYPES[config.mixed_precision]
+    return TensorShape(tuple(latents), torch.float32), {k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()}
 
 
 # --- the fake step ---------------------------------------------------------------------------
@@ -372,6 +369,12 @@ def optimizer_bytes(config: "TrainingConfig", trainable: list[nn.Parameter], dev
     ``grad + wd * param`` (Adam, SGD; AdamW decays in place). On CPU the per-parameter loop
     needs as much for one tensor at a time.
     """
+    if config.optimizer == "automagic":
+        from simpletuner.training.optimizers import automagic_state_bytes
+
+        # Updated one parameter at a time: temporaries of about four fp32 copies of the largest.
+        largest = max((p.numel() for p in trainable), default=0)
+        return sum(automagic_state_bytes(p) for p in trainable), 4 * 4 * largest
     try:
         states = OPTIMIZER_STATES_PER_ELEMENT[config.optimizer]
     except KeyError:

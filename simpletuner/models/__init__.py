@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.sdxl import StableDiffusionXLSpec
 from simpletuner.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 #: Family name (the config's ``model_family``) -> its ModelSpec class.
-MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec}
+MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl": StableDiffusionXLSpec}
 
 
 def get_model_spec(config: "TrainingConfig") -> ModelSpec:
@@ -23,4 +24,4 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
     return cls(config)
 
 
-__all__ = ["MODEL_FAMILIES", "ModelSpec", "StableDiffusionSpec", "get_model_spec"]
+__all__ = ["MODEL_FAMILIES", "ModelSpec", "StableDiffusionSpec", "StableDiffusionXLSpec", "get_model_spec"]

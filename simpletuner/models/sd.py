@@ -120,9 +120,38 @@ class StableDiffusionSpec(ModelSpec):
         elif self.prediction_type == "v_prediction":
             target = scheduler.get_velocity(latents, noise, timesteps)
         else:
-            raise ValueError(f"prediction_type {self.prediction_type!r} is not supported by family 'sd' (epsilon, v_prediction)")
-        pred = denoiser(noisy, timesteps, conditioning["prompt_embeds"], return_dict=False)[0]
+            raise ValueError(
+                f"prediction_type {self.prediction_type!r} is not supported by family {self.family!r} (epsilon, v_prediction)"
+            )
+        pred = self.predict(denoiser, noisy, timesteps, conditioning)
         return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+
+    def predict(self, denoiser, noisy, timesteps, conditioning):
+        """The denoiser's output for a noisy batch: the one call that differs between UNet families."""
+        return denoiser(noisy, timesteps, conditioning["prompt_embeds"], return_dict=False)[0]
+
+    # --- memory estimate -----------------------------------------------------------------
+    def _required_config(self, subfolder: str) -> dict[str, Any]:
+        found = self.read_component_config(subfolder)
+        if found is None:
+            raise ValueError(f"{self.model_path}/{subfolder}/config.json does not exist: the estimator needs it (configs are enough)")
+        return found
+
+    def _max_length(self, tokenizer: str, text_config: dict[str, Any]) -> int:
+        """The tokenizer's padded length (the text encoder's positions when there is no tokenizer)."""
+        tokenizer_config = self.read_component_config(tokenizer, "tokenizer_config.json") or {}
+        return int(tokenizer_config.get("model_max_length", text_config["max_position_embeddings"]))
+
+    def latent_shape(self, batch_size: int) -> tuple[int, ...]:
+        """Latents of a square ``resolution`` image: the VAE's channels, sides divided by its down factor."""
+        vae = self._required_config("vae")
+        side = self.config.resolution // 2 ** (len(vae["block_out_channels"]) - 1)
+        return (batch_size, vae["latent_channels"], side, side)
+
+    def batch_shapes(self, batch_size):
+        text = self._required_config("text_encoder")
+        embeds = (batch_size, self._max_length("tokenizer", text), text["hidden_size"])
+        return self.latent_shape(batch_size), {"prompt_embeds": embeds}
 
     # --- output --------------------------------------------------------------------------
     def save_lora(self, output_dir, denoiser):

@@ -233,6 +233,29 @@ class ModelSpec(abc.ABC):
     def build_pipeline(self, denoiser: nn.Module, vae: nn.Module, text_encoders: dict[str, Any]) -> Any:
         """A diffusers pipeline for sampling with the model being trained."""
 
+    # --- memory estimate (optional) --------------------------------------------------------
+    def batch_shapes(self, batch_size: int) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+        """Shapes of one cached micro-batch at a square ``resolution`` bucket, read from the
+        folder's configs only (no weights): the latents and each conditioning tensor
+        ``encode_prompts`` caches, with the batch dimension first. Used by the memory estimator.
+
+        Raises:
+            NotImplementedError: the family does not describe its batch (no memory estimate).
+        """
+        raise NotImplementedError(f"model family {self.family!r} does not describe its batch shapes")
+
+    def read_component_config(self, subfolder: str, filename: str = "config.json") -> dict[str, Any] | None:
+        """A component's JSON config from the local model folder; None when the file is absent.
+
+        Raises:
+            ValueError: ``pretrained_model_name_or_path`` is not a local folder.
+        """
+        root = self.local_root
+        if root is None:
+            raise ValueError(f"{self.model_path} is not a local folder: shapes are read from a local diffusers-format folder")
+        path = root / subfolder / filename
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
     @property
     def lora_targets(self) -> list[str]:
         return list(self.config.lora_target_modules or self.default_lora_targets)

@@ -25,6 +25,12 @@ def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter]
         )
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.learning_rate, momentum=0.9, weight_decay=config.weight_decay)
+    if config.optimizer == "automagic":
+        from simpletuner.training.optimizers import Automagic
+
+        # The same seed on every rank: data-parallel copies round their bf16 weights identically.
+        return Automagic(params, lr=config.learning_rate, min_lr=config.min_lr, max_lr=config.max_lr,
+                         lr_bump=config.lr_bump, weight_decay=config.weight_decay, seed=config.seed)
     raise ValueError(f"optimizer {config.optimizer!r} is not supported")
 
 

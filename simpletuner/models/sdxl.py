@@ -1,0 +1,143 @@
+"""Stable Diffusion XL: a ``text_time`` UNet2DConditionModel, AutoencoderKL, and two CLIP text
+encoders (CLIPTextModel + CLIPTextModelWithProjection).
+
+Conditioning, as ``StableDiffusionXLPipeline.encode_prompt`` makes it (no clip skip):
+
+* ``prompt_embeds``: the penultimate hidden states of both encoders, concatenated on the
+  feature axis ([seq, hidden_1 + hidden_2] per caption);
+* ``pooled_prompt_embeds``: the second encoder's projected pooled output (``text_embeds``).
+
+Both are cached per caption. The UNet's third input, the six micro-conditioning time ids
+``(original_h, original_w, crop_top, crop_left, target_h, target_w)``, depends on the image, not
+the caption, so it is not cached: it is made at training time from the batch's bucket, whose
+pixel size is the latents' size times the VAE factor, as ``original = target = (h, w)`` and
+``crop = (0, 0)``. That is what the pipeline passes by default when sampling at that size, so
+training and sampling see the same ids. (The source image's size before resizing and the
+crop offset are not kept in the latent cache; conditioning on them is a possible refinement.)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from simpletuner.models.sd import StableDiffusionSpec
+
+
+class StableDiffusionXLSpec(StableDiffusionSpec):
+    """SDXL with epsilon or v-prediction targets (DDPM noise schedule from the folder's scheduler config)."""
+
+    family = "sdxl"
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    denoiser_name = "unet"
+    _tokenizers = frozenset({"CLIPTokenizer", "CLIPTokenizerFast"})
+    components = {
+        "unet": ("model", "diffusers", frozenset({"UNet2DConditionModel"})),
+        "vae": ("model", "diffusers", frozenset({"AutoencoderKL"})),
+        "text_encoder": ("model", "transformers", frozenset({"CLIPTextModel"})),
+        "text_encoder_2": ("model", "transformers", frozenset({"CLIPTextModelWithProjection"})),
+        "tokenizer": ("tokenizer", "transformers", _tokenizers),
+        "tokenizer_2": ("tokenizer", "transformers", _tokenizers),
+        "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
+    }
+
+    def __init__(self, config):
+        super().__init__(config)
+        self._vae_scale_factor: int | None = None
+
+    # --- loading -------------------------------------------------------------------------
+    def load_text_encoders(self, device, dtype):
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+        out: dict[str, Any] = {}
+        for suffix, encoder_class in (("", CLIPTextModel), ("_2", CLIPTextModelWithProjection)):
+            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer" + suffix, **self._kwargs())
+            encoder = encoder_class.from_pretrained(
+                self.model_path, subfolder="text_encoder" + suffix, dtype=dtype, use_safetensors=True, **self._kwargs()
+            )
+            out["text_encoder" + suffix] = encoder.to(device=device).requires_grad_(False).eval()
+        return out
+
+    def text_encoder_identity(self) -> str:
+        return self._identity("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+
+    @property
+    def vae_scale_factor(self) -> int:
+        """Pixels per latent along a side: 2 ** (number of VAE blocks - 1), from the VAE's config only."""
+        if self._vae_scale_factor is None:
+            from diffusers import AutoencoderKL
+
+            vae_config = AutoencoderKL.load_config(self.model_path, subfolder="vae", **self._kwargs())
+            self._vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        return self._vae_scale_factor
+
+    # --- encoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, text_encoders, captions):
+        hidden, pooled = [], None
+        for suffix in ("", "_2"):
+            tokenizer, encoder = text_encoders["tokenizer" + suffix], text_encoders["text_encoder" + suffix]
+            ids = tokenizer(
+                captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+            ).input_ids.to(encoder.device)
+            out = encoder(ids, output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled = out.text_embeds if suffix == "_2" else pooled
+        embeds = torch.cat(hidden, dim=-1)
+        return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
+
+    # --- training ------------------------------------------------------------------------
+    def time_ids(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, 6] micro-conditioning for a batch of one bucket: original = target = the bucket's
+        pixel size, crop top-left (0, 0) (see the module docstring)."""
+        height, width = (s * self.vae_scale_factor for s in latents.shape[-2:])
+        row = torch.tensor([height, width, 0, 0, height, width], dtype=torch.float32, device=latents.device)
+        return row.expand(latents.shape[0], 6)
+
+    def predict(self, denoiser, noisy, timesteps, conditioning):
+        added = {"text_embeds": conditioning["pooled_prompt_embeds"], "time_ids": self.time_ids(noisy)}
+        return denoiser(noisy, timesteps, conditioning["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
+
+    # --- memory estimate -----------------------------------------------------------------
+    def batch_shapes(self, batch_size):
+        text_1, text_2 = self._required_config("text_encoder"), self._required_config("text_encoder_2")
+        max_length = self._max_length("tokenizer", text_1)
+        if self._max_length("tokenizer_2", text_2) != max_length:
+            raise ValueError(f"{self.model_path}: the two tokenizers pad to different lengths; SDXL concatenates their outputs")
+        return self.latent_shape(batch_size), {
+            "prompt_embeds": (batch_size, max_length, text_1["hidden_size"] + text_2["hidden_size"]),
+            "pooled_prompt_embeds": (batch_size, text_2["projection_dim"]),
+        }
+
+    # --- output --------------------------------------------------------------------------
+    def save_lora(self, output_dir, denoiser):
+        from diffusers import StableDiffusionXLPipeline
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
+        StableDiffusionXLPipeline.save_lora_weights(
+            save_directory=str(output_dir),
+            unet_lora_layers=layers,
+            unet_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
+            safe_serialization=True,
+        )
+        return Path(output_dir) / "pytorch_lora_weights.safetensors"
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+        scheduler = EulerDiscreteScheduler.from_config(self.load_noise_scheduler().config, prediction_type=self.prediction_type)
+        return StableDiffusionXLPipeline(
+            vae=vae,
+            text_encoder=text_encoders["text_encoder"],
+            text_encoder_2=text_encoders["text_encoder_2"],
+            tokenizer=text_encoders["tokenizer"],
+            tokenizer_2=text_encoders["tokenizer_2"],
+            unet=denoiser,
+            scheduler=scheduler,
+            add_watermarker=False,
+        )

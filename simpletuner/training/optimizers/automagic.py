@@ -1,0 +1,378 @@
+"""Automagic: Adafactor-style steps with a learning rate per element that adapts itself.
+
+Per parameter element, each step (``t`` counts that parameter's steps, from 1)::
+
+    s      = g**2 + eps
+    v      = beta2 * v + (1 - beta2) * s                    # 1-D (and 0-D) parameters
+    v_hat  = v / (1 - beta2**t)                             # Adam-style bias correction
+    # >= 2-D parameters are factored as a (shape[0], numel / shape[0]) matrix:
+    #   R = beta2 * R + (1 - beta2) * mean_j s[i, j]      (one value per row)
+    #   C = beta2 * C + (1 - beta2) * mean_i s[i, j]      (one value per column)
+    #   v_hat[i, j] = (R[i] / mean(R)) * (C[j] / (1 - beta2**t))
+    u      = g / sqrt(v_hat)
+    u      = u / max(1, RMS(u) / clip_threshold)            # RMS over the whole parameter
+    q      = sign(u)                                        # -1, 0 or +1
+    lr     = clamp(lr + lr_bump * q * q_prev, min_lr, max_lr)   # agree: +bump, flip: -bump
+    q_prev = q                                              # 0 on the first step: lr unchanged
+    a      = lr * group["lr"] / group["initial_lr"]        # an LR schedule's factor, 1 without one
+    p      = p * (1 - a * weight_decay) - a * u             # decoupled weight decay
+
+The freshly adjusted ``lr`` is the one applied in the same step. A zero update (a zero
+gradient) neither raises nor lowers the lr, now or on the next step.
+
+Storage per parameter element: ~3 bytes for >= 2-D parameters, 7 bytes for 1-D ones.
+
+- ``lr_index`` (int16, 2 B): the lr on a uniform grid of at most 65,536 points,
+  ``lr = min(min_lr + n * spacing, max_lr)`` with ``spacing = lr_bump / k`` and ``k`` the
+  largest whole number that fits ``[min_lr, max_lr]`` in 65,535 spacings. The additive rule
+  only ever visits ``lr0 + j * lr_bump`` and the two bounds, so what it needs is uniform
+  *absolute* resolution, and floats give relative resolution: in bf16 (7-bit mantissa) the
+  spacing near 1e-3 is 7.6e-6, so a 1e-6 bump rounds away and the lr stalls at ~4.9e-4;
+  fp16 has no normal numbers below 6.1e-5, where ``min_lr`` usually lives. On the grid
+  a bump is exactly ``k`` index steps (integer arithmetic, no drift however many steps)
+  and ``min_lr``/``max_lr`` are hit exactly; only the initial lr and the values stepped down
+  from ``max_lr`` are off, by less than one spacing (at most ``2 * (max_lr - min_lr) / 65535``;
+  1.5e-8 for the defaults). ``lr_bump`` below ``(max_lr - min_lr) / 65535`` is refused.
+- ``sign`` (int8, 1 B): the previous update's sign. Three values make the first step
+  ("no previous sign") and zero updates fall out of the same product ``q * q_prev``;
+  packing bools into bits would save 0.875 B more at the cost of unpacking every step.
+- second moments (fp32): ``row_var`` + ``col_var`` (shape[0] + numel / shape[0] floats,
+  negligible) for >= 2-D parameters, ``var`` (4 B per element) for 1-D ones.
+
+bf16 parameters are updated in fp32 and rounded back stochastically (add 16 random low
+bits to the fp32 pattern, truncate): unbiased, so updates smaller than a bf16 ulp add up
+instead of vanishing. The random bits come from a ``torch.Generator`` per device, seeded by
+``seed`` (the same on every rank, so data-parallel replicas round identically) and saved in
+``state_dict()``. fp16 parameters are rounded to nearest; fp32 ones are updated in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+#: Grid points for the per-element learning rate (int16 range).
+_GRID_POINTS = 1 << 16
+_INDEX_MIN = -(1 << 15)
+_INDEX_MAX = (1 << 15) - 1
+#: Key of the stochastic-rounding generators in ``state_dict()``.
+_RNG_KEY = "automagic_rng"
+
+
+def _group_label(group: Mapping[str, Any], index: int) -> str:
+    name = group.get("name")
+    return f"param group {name!r}" if name is not None else f"param group {index}"
+
+
+def _validate_group(group: Mapping[str, Any], label: str) -> None:
+    """Raise ValueError naming ``label`` and the fix for any unusable option."""
+    lr, min_lr, max_lr, lr_bump = group["lr"], group["min_lr"], group["max_lr"], group["lr_bump"]
+    prefix = f"automagic {label}:"
+    if not (isinstance(min_lr, (int, float)) and math.isfinite(min_lr) and min_lr > 0):
+        raise ValueError(f"{prefix} min_lr={min_lr!r} must be a finite number > 0")
+    if not (isinstance(max_lr, (int, float)) and math.isfinite(max_lr)):
+        raise ValueError(f"{prefix} max_lr={max_lr!r} must be a finite number")
+    if min_lr > max_lr:
+        raise ValueError(f"{prefix} min_lr={min_lr!r} is greater than max_lr={max_lr!r}; set min_lr <= max_lr")
+    if not (isinstance(lr, (int, float)) and min_lr <= lr <= max_lr):
+        raise ValueError(
+            f"{prefix} initial lr={lr!r} is outside [min_lr, max_lr] = [{min_lr!r}, {max_lr!r}]; "
+            "set the lr inside the bounds or widen them"
+        )
+    if not (isinstance(lr_bump, (int, float)) and math.isfinite(lr_bump) and lr_bump > 0):
+        raise ValueError(f"{prefix} lr_bump={lr_bump!r} must be a finite number > 0")
+    span = max_lr - min_lr
+    if span > 0 and math.floor((_GRID_POINTS - 1) * lr_bump / span) < 1:
+        raise ValueError(
+            f"{prefix} lr_bump={lr_bump!r} is below the per-element lr resolution "
+            f"(max_lr - min_lr) / 65535 = {span / (_GRID_POINTS - 1):.3g}; raise lr_bump or narrow [min_lr, max_lr]"
+        )
+    if not 0.0 <= group["beta2"] < 1.0:
+        raise ValueError(f"{prefix} beta2={group['beta2']!r} must be in [0, 1)")
+    if not group["eps"] > 0:
+        raise ValueError(f"{prefix} eps={group['eps']!r} must be > 0")
+    if not group["clip_threshold"] > 0:
+        raise ValueError(f"{prefix} clip_threshold={group['clip_threshold']!r} must be > 0")
+    if not group["weight_decay"] >= 0:
+        raise ValueError(f"{prefix} weight_decay={group['weight_decay']!r} must be >= 0")
+
+
+class _Grid(NamedTuple):
+    """A group's lr grid: ``lr = min(min_lr + (index - _INDEX_MIN) * spacing, max_lr)``."""
+
+    min_lr: float
+    max_lr: float
+    spacing: float
+    bump_steps: int  # lr_bump in index steps
+    top_index: int  # the index of max_lr
+
+
+def _grid(group: Mapping[str, Any]) -> _Grid:
+    min_lr, max_lr, lr_bump = group["min_lr"], group["max_lr"], group["lr_bump"]
+    span = max_lr - min_lr
+    if span == 0:
+        return _Grid(min_lr, max_lr, 0.0, 0, _INDEX_MIN)
+    if lr_bump >= span:  # every bump saturates at a bound
+        return _Grid(min_lr, max_lr, span / (_GRID_POINTS - 1), _GRID_POINTS, _INDEX_MAX)
+    steps_per_bump = math.floor((_GRID_POINTS - 1) * lr_bump / span)
+    spacing = lr_bump / steps_per_bump
+    num_steps = min(math.ceil(span / spacing - 1e-6), _GRID_POINTS - 1)
+    return _Grid(min_lr, max_lr, spacing, steps_per_bump, _INDEX_MIN + num_steps)
+
+
+def _stochastic_round_to_bf16(src: torch.Tensor, dst: torch.Tensor, generator: torch.Generator) -> None:
+    """Round fp32 ``src`` into bf16 ``dst``, up or down with probability by distance."""
+    bits = src.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    rounded = noise.add_(bits).bitwise_and_(-(1 << 16))  # keep the bf16 bits; exact cast below
+    dst.copy_(rounded.view(torch.float32))
+
+
+class Automagic(torch.optim.Optimizer):
+    """Adafactor-normalised steps with a self-adjusting per-element learning rate.
+
+    The update rule and the storage are described in this module's docstring.
+
+    Args:
+        params: parameters or param groups. A group may carry ``name`` (``"high_noise"``),
+            used in error messages, and any option below.
+        lr: initial per-element learning rate, in ``[min_lr, max_lr]``.
+        min_lr, max_lr: bounds of the per-element learning rate (``0 < min_lr <= max_lr``).
+        lr_bump: added to an element's lr when its update keeps its sign, subtracted when
+            it flips.
+        beta2: decay of the second-moment averages.
+        eps: added to the squared gradient before averaging (Adafactor's eps1; there is no
+            eps2 since the step size is the per-element lr, not relative to the parameter).
+        clip_threshold: largest RMS of the normalised update.
+        weight_decay: decoupled: ``p -= lr * weight_decay * p``.
+        stochastic_rounding: round bf16 parameters stochastically (else to nearest).
+        seed: seed of the stochastic-rounding generators.
+
+    A torch LR scheduler scales every element's lr by ``group["lr"] / group["initial_lr"]``
+    (warmup, decay); the bounds apply to the lr before that factor. ``load_state_dict``
+    restores the saved groups' options, like every torch optimizer: the saved lr indices
+    only mean something on the grid of the saved bounds.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-6,
+        min_lr: float = 1e-7,
+        max_lr: float = 1e-3,
+        lr_bump: float = 1e-6,
+        beta2: float = 0.999,
+        eps: float = 1e-30,
+        clip_threshold: float = 1.0,
+        weight_decay: float = 0.0,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            min_lr=min_lr,
+            max_lr=max_lr,
+            lr_bump=lr_bump,
+            beta2=beta2,
+            eps=eps,
+            clip_threshold=clip_threshold,
+            weight_decay=weight_decay,
+            stochastic_rounding=stochastic_rounding,
+        )
+        self._seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending_rng_states: dict[str, torch.Tensor] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate the group's bounds (ValueError naming the group), then add it."""
+        merged = {**self.defaults, **param_group}
+        _validate_group(merged, _group_label(merged, len(self.param_groups)))
+        param_group.setdefault("initial_lr", merged["lr"])
+        super().add_param_group(param_group)
+
+    # -- the step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr_scale = group["lr"] / group["initial_lr"]
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("Automagic does not support sparse gradients")
+                self._update(p, group, lr_scale)
+        return loss
+
+    def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
+        state = self.state[p]
+        grid = _grid(group)
+        offset = 0 if grid.spacing == 0 else round((group["initial_lr"] - grid.min_lr) / grid.spacing)
+        index = min(_INDEX_MIN + offset, grid.top_index)
+        state["step"] = 0
+        state["lr_index"] = torch.full_like(p, index, dtype=torch.int16, memory_format=torch.contiguous_format)
+        state["sign"] = torch.zeros_like(p, dtype=torch.int8, memory_format=torch.contiguous_format)
+        if p.dim() >= 2:
+            state["row_var"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+            state["col_var"] = torch.zeros(p.numel() // p.shape[0], dtype=torch.float32, device=p.device)
+        else:
+            state["var"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return state
+
+    def _update(self, p: torch.Tensor, group: Mapping[str, Any], lr_scale: float) -> None:
+        state = self.state[p] or self._init_state(p, group)
+        state["step"] += 1
+        beta2 = group["beta2"]
+        bias_correction = 1.0 - beta2 ** state["step"]
+
+        grad = p.grad.detach().to(torch.float32)
+        sq = grad.square().add_(group["eps"])
+        if "row_var" in state:
+            row_var, col_var = state["row_var"], state["col_var"]
+            sq = sq.reshape(p.shape[0], -1)
+            row_var.mul_(beta2).add_(sq.mean(dim=1), alpha=1.0 - beta2)
+            col_var.mul_(beta2).add_(sq.mean(dim=0), alpha=1.0 - beta2)
+            row_factor = (row_var / row_var.mean()).rsqrt_()
+            col_factor = (col_var / bias_correction).rsqrt_()
+            update = grad.reshape(p.shape[0], -1) * row_factor[:, None] * col_factor[None, :]
+            update = update.reshape(p.shape)
+        else:
+            var = state["var"]
+            var.mul_(beta2).add_(sq, alpha=1.0 - beta2)
+            update = grad / (var / bias_correction).sqrt_()
+        rms = update.square().mean().sqrt()
+        update.div_((rms / group["clip_threshold"]).clamp_(min=1.0))
+
+        # Per-element lr: +bump where the sign held, -bump where it flipped, then clamp.
+        grid = _grid(group)
+        sign = torch.sign(update).to(torch.int8)
+        agreement = (sign * state["sign"]).to(torch.int32)
+        lr_index = state["lr_index"]
+        lr_index.copy_(agreement.mul_(grid.bump_steps).add_(lr_index).clamp_(_INDEX_MIN, grid.top_index))
+        state["sign"].copy_(sign)
+        lr = self._lr_from_index(lr_index, grid)
+        if lr_scale != 1.0:
+            lr.mul_(lr_scale)
+
+        param = p.detach()
+        work = param if param.dtype == torch.float32 else param.to(torch.float32)
+        if group["weight_decay"] != 0:
+            work.addcmul_(work, lr, value=-group["weight_decay"])
+        work.addcmul_(lr, update, value=-1.0)
+        if work is param:
+            return
+        if param.dtype == torch.bfloat16 and group["stochastic_rounding"]:
+            _stochastic_round_to_bf16(work, param, self._generator(param.device))
+        else:
+            param.copy_(work)
+
+    @staticmethod
+    def _lr_from_index(lr_index: torch.Tensor, grid: _Grid) -> torch.Tensor:
+        lr = (lr_index.to(torch.float32) - _INDEX_MIN).mul_(grid.spacing).add_(grid.min_lr)
+        return lr.clamp_(max=grid.max_lr)
+
+    def lr_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 per-element lr of ``p`` (before any schedule factor); the initial lr before its first step."""
+        for group in self.param_groups:
+            if any(p is q for q in group["params"]):
+                state = self.state.get(p)
+                if not state:
+                    return torch.full_like(p, group["initial_lr"], dtype=torch.float32)
+                return self._lr_from_index(state["lr_index"], _grid(group))
+        raise ValueError("the tensor is not a parameter of this optimizer")
+
+    def mean_lr(self) -> list[float]:
+        """Mean per-element lr of each group, for logging (one host sync per group)."""
+        means = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.numel()]
+            total = sum(self.lr_of(p).double().sum() for p in params)
+            means.append(float(total) / max(1, sum(p.numel() for p in params)))
+        return means
+
+    # -- stochastic rounding RNG ------------------------------------------------------
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        generator = self._generators.get(key)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._seed)
+            pending = self._pending_rng_states.pop(key, None)
+            if pending is not None:
+                generator.set_state(pending.cpu())
+            self._generators[key] = generator
+        return generator
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus the stochastic-rounding generators (weights_only-loadable)."""
+        state_dict = super().state_dict()
+        rng = {key: state.clone() for key, state in self._pending_rng_states.items()}
+        rng.update({key: generator.get_state() for key, generator in self._generators.items()})
+        state_dict[_RNG_KEY] = {"seed": self._seed, "states": rng}
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore everything exactly: torch's loader casts float state to the parameter
+        dtype (fp32 moments of a bf16 parameter would come back bf16), so the per-parameter
+        state is re-copied from the saved tensors afterwards, keeping their dtypes."""
+        state_dict = dict(state_dict)
+        rng = state_dict.pop(_RNG_KEY, None)
+        super().load_state_dict(state_dict)
+        saved_ids = (i for g in state_dict["param_groups"] for i in g["params"])
+        params = (p for g in self.param_groups for p in g["params"])
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(saved_id)
+            if saved is not None:
+                self.state[p] = {
+                    k: v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in saved.items()
+                }
+        if rng is not None:
+            self._seed = int(rng["seed"])
+            self._generators = {}
+            self._pending_rng_states = {key: state.clone().cpu() for key, state in rng["states"].items()}
+
+
+def automagic_param_groups(
+    named_groups: Mapping[str, Iterable[torch.nn.Parameter]],
+    bounds: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """Param groups with per-stage Automagic bounds.
+
+    ``named_groups`` maps a stage (``"high_noise"``, ``"low_noise"``) to its parameters.
+    For each of ``lr``, ``lr_bump``, ``min_lr``, ``max_lr`` a group takes
+    ``bounds[f"{stage}_{key}"]``, falling back to ``bounds[key]`` when that is missing or
+    None; a key absent from both leaves the optimizer's default. Other keys in ``bounds``
+    (a whole config dict) are ignored. The groups are validated when the optimizer is built.
+    """
+    groups = []
+    for stage, params in named_groups.items():
+        group: dict[str, Any] = {"name": stage, "params": list(params)}
+        for key in ("lr", "lr_bump", "min_lr", "max_lr"):
+            value = bounds.get(f"{stage}_{key}")
+            if value is None:
+                value = bounds.get(key)
+            if value is not None:
+                group[key] = value
+        groups.append(group)
+    return groups
+
+
+def automagic_state_bytes(p: torch.Tensor) -> int:
+    """Persistent state bytes Automagic keeps for ``p`` (what :meth:`Automagic._init_state` allocates):
+    an int16 lr index and an int8 sign per element, plus fp32 second moments (a row and a column
+    vector for >= 2-D parameters, one per element otherwise). Used by the memory estimator."""
+    numel = p.numel()
+    moments = (p.shape[0] + numel // p.shape[0]) if p.dim() >= 2 else numel
+    return numel * (2 + 1) + moments * 4

@@ -1,0 +1,160 @@
+"""The sdxl family on its tiny zoo model: loading, prompt encoding and time ids as the diffusers
+pipeline makes them, LoRA training through the real Trainer, reload in diffusers, the estimate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from simpletuner.configuration import validate_config
+from simpletuner.models import StableDiffusionXLSpec, get_model_spec
+from simpletuner.models.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
+from simpletuner.state import StateTracker
+from simpletuner.training.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def tiny_sdxl(tmp_path_factory):
+    from simpletuner.models.zoo import write_tiny_model
+
+    return write_tiny_model("sdxl", tmp_path_factory.mktemp("tiny_sdxl") / "model")
+
+
+@pytest.fixture
+def sdxl_config(make_config, tiny_sdxl):
+    def _make(**overrides):
+        return make_config(**{"pretrained_model_name_or_path": str(tiny_sdxl), "model_family": "sdxl", **overrides})
+
+    return _make
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_sdxl):
+    from diffusers import StableDiffusionXLPipeline
+
+    return StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True, add_watermarker=False)
+
+
+def _train(raw) -> tuple[Trainer, object]:
+    trainer = Trainer(StateTracker(validate_config(raw), raw))
+    return trainer, trainer.train()
+
+
+def _fixed_loss(trainer: Trainer) -> float:
+    """Loss on a fixed batch with fixed noise/timesteps: comparable before and after training."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    all_samples = trainer.state.datasets[0].samples
+    samples = [s for s in all_samples if s.bucket == all_samples[0].bucket][:4]
+    batch = trainer.data.batch(samples, trainer.accelerator.device)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        losses = [trainer.spec.training_loss(model, batch.latents, batch.conditioning, gen).mean() for _ in range(8)]
+    return float(torch.stack(losses).mean())
+
+
+def test_zoo_folder_loads_and_is_checked(sdxl_config, tiny_sdxl, tmp_path):
+    spec = get_model_spec(validate_config(sdxl_config()))
+    assert isinstance(spec, StableDiffusionXLSpec)
+    unet = spec.load_denoiser()
+    assert unet.config.addition_embed_type == "text_time"
+    assert unet.config.cross_attention_dim == sum(TINY_SDXL_HIDDEN)
+    encoders = spec.load_text_encoders(torch.device("cpu"), torch.float32)
+    assert sorted(encoders) == ["text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"]
+    assert type(encoders["text_encoder_2"]).__name__ == "CLIPTextModelWithProjection"
+    assert spec.vae_scale_factor == 8
+    assert spec.prediction_type == "epsilon"
+    # The text-embed cache key covers both encoders.
+    assert spec.text_encoder_identity() != spec._identity("tokenizer", "text_encoder")
+
+    # A folder naming the wrong class for the second encoder is refused before anything loads.
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_sdxl, bad)
+    index = json.loads((bad / "model_index.json").read_text())
+    index["text_encoder_2"] = ["transformers", "CLIPTextModel"]
+    (bad / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="text_encoder_2.*CLIPTextModelWithProjection"):
+        get_model_spec(validate_config(sdxl_config(pretrained_model_name_or_path=str(bad))))
+
+
+def test_prompts_and_time_ids_match_the_diffusers_pipeline(sdxl_config, pipe):
+    spec = get_model_spec(validate_config(sdxl_config()))
+    encoders = spec.load_text_encoders(torch.device("cpu"), torch.float32)
+    captions = ["a red square", "a blue circle on grey"]
+    out = spec.encode_prompts(encoders, captions)
+    assert len(out) == 2
+    for cond in out:
+        assert cond["prompt_embeds"].shape == (77, sum(TINY_SDXL_HIDDEN))
+        assert cond["pooled_prompt_embeds"].shape == (TINY_SDXL_PROJECTION,)
+    embeds, _, pooled, _ = pipe.encode_prompt(captions, device="cpu", do_classifier_free_guidance=False)
+    assert torch.allclose(torch.stack([c["prompt_embeds"] for c in out]), embeds, atol=1e-6)
+    assert torch.allclose(torch.stack([c["pooled_prompt_embeds"] for c in out]), pooled, atol=1e-6)
+    assert not torch.allclose(out[0]["pooled_prompt_embeds"], out[1]["pooled_prompt_embeds"])
+
+    # Time ids of a 48x64 (h x w) bucket: what the pipeline passes when sampling at that size.
+    latents = torch.zeros(3, 4, 6, 8)
+    want = pipe._get_add_time_ids((48, 64), (0, 0), (48, 64), torch.float32, text_encoder_projection_dim=TINY_SDXL_PROJECTION)
+    assert torch.equal(spec.time_ids(latents), want.expand(3, 6))
+
+    # The validation pipeline samples with the (untrained) model, classifier-free guidance on.
+    vae = spec.load_vae(torch.device("cpu"), torch.float32)
+    sampler = spec.build_pipeline(spec.load_denoiser(), vae, encoders)
+    sampler.set_progress_bar_config(disable=True)
+    images = sampler("a red square", num_inference_steps=2, guidance_scale=3.0, height=64, width=64,
+                     generator=torch.Generator().manual_seed(0)).images
+    assert images[0].size == (64, 64)
+
+
+def test_lora_overfits_and_reloads_in_diffusers(sdxl_config, tiny_sdxl, tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+
+    raw = sdxl_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
+    trainer, _ = _train(raw)
+    before = _fixed_loss(trainer)
+    raw = sdxl_config(max_train_steps=60, learning_rate=1e-2, lora_rank=16, lora_alpha=8,
+                      output_dir=str(tmp_path / "long"), logging_steps=10)
+    trainer, result = _train(raw)
+    after = _fixed_loss(trainer)
+    assert result.global_step == 60 and len(result.losses) == 60
+    assert after < before * 0.85, (before, after)
+
+    # The saved adapter, loaded through diffusers' SDXL pipeline, reproduces the trained UNet.
+    assert result.output_path.name == "pytorch_lora_weights.safetensors"
+    loaded = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True, add_watermarker=False)
+    loaded.load_lora_weights(str(result.output_path.parent))
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+    t = torch.tensor([10, 500])
+    ctx = torch.randn(2, 77, sum(TINY_SDXL_HIDDEN), generator=gen)
+    added = {"text_embeds": torch.randn(2, TINY_SDXL_PROJECTION, generator=gen), "time_ids": trainer.spec.time_ids(x)}
+    with torch.no_grad():
+        want = trained(x, t, ctx, added_cond_kwargs=added).sample
+        got = loaded.unet(x, t, ctx, added_cond_kwargs=added).sample
+        base = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True).unet(
+            x, t, ctx, added_cond_kwargs=added).sample
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
+
+
+def test_memory_estimate_counts_sdxl_exactly(sdxl_config):
+    from simpletuner.memory.estimator import batch_shapes, estimate_memory
+    from simpletuner.training.lora import apply_lora
+
+    cfg = validate_config(sdxl_config(mixed_precision="no"))
+    latents, cond = batch_shapes(cfg, 2)
+    assert latents.shape == (2, 4, 8, 8)
+    assert {k: s.shape for k, s in cond.items()} == {
+        "prompt_embeds": (2, 77, sum(TINY_SDXL_HIDDEN)),
+        "pooled_prompt_embeds": (2, TINY_SDXL_PROJECTION),
+    }
+    est = estimate_memory(cfg, device_kind="cpu")
+    spec = get_model_spec(cfg)
+    model = apply_lora(spec.load_denoiser(torch.float32), spec.lora_targets, cfg, base_dtype=torch.float32)
+    params = list(model.parameters())
+    assert est.weights == sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
+    assert est.trainable_weights == sum(p.nbytes for p in params if p.requires_grad)
+    assert est.num_parameters == sum(p.numel() for p in params)
+    assert est.activations > 0 and est.batch_data == latents.nbytes + sum(s.nbytes for s in cond.values())

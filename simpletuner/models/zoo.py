@@ -34,9 +34,27 @@ def tiny_clip_tokenizer(max_length: int = 77):
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
+def _tiny_vae(**overrides):
+    """A tiny 4-channel AutoencoderKL with the /8 downscale of the SD VAEs."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=TINY_SD_RESOLUTION,
+        layers_per_block=1,
+        **overrides,
+    )
+
+
 def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
     """Write a tiny SD 1.x-style pipeline (UNet, VAE, CLIP text encoder, tokenizer, DDPM scheduler)."""
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     if prediction_type not in ("epsilon", "v_prediction"):
@@ -68,17 +86,7 @@ def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: i
         attention_head_dim=8,
         norm_num_groups=8,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=TINY_SD_RESOLUTION,
-        layers_per_block=1,
-    )
+    vae = _tiny_vae()
     scheduler = DDPMScheduler(
         num_train_timesteps=1000,
         beta_schedule="scaled_linear",
@@ -134,7 +142,7 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
     their penultimate hidden states) and its added-embedding input is six time ids times
     ``addition_time_embed_dim`` plus the second encoder's projection (the pooled embedding).
     """
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     if prediction_type not in ("epsilon", "v_prediction"):
@@ -159,18 +167,7 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
         addition_time_embed_dim=TINY_SDXL_TIME_EMBED,
         projection_class_embeddings_input_dim=6 * TINY_SDXL_TIME_EMBED + TINY_SDXL_PROJECTION,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=TINY_SD_RESOLUTION,
-        layers_per_block=1,
-        scaling_factor=0.13025,
-    )
+    vae = _tiny_vae(scaling_factor=0.13025)  # SDXL's VAE scale
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000,
         beta_schedule="scaled_linear",

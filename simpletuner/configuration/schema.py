@@ -204,6 +204,24 @@ class TrainingConfig(_Strict):
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
     weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
     max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm to this; null disables clipping.")
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+        "uniform",
+        description=(
+            "How training timesteps (noise levels) are drawn: `uniform`; `logit_normal` (sigmoid of a normal with "
+            "`logit_mean`, `logit_std`: more samples mid-schedule); `mode` (SD3's mode sampling, `mode_scale`)."
+        ),
+    )
+    logit_mean: float = Field(0.0, description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).")
+    logit_std: float = Field(1.0, gt=0, description="Standard deviation of the normal behind `logit_normal` sampling.")
+    mode_scale: float = Field(1.29, description="Shape of `mode` sampling (SD3's default 1.29).")
+    loss_weighting: Literal["none", "min_snr"] = Field(
+        "none",
+        description=(
+            "Per-sample loss weights: `none`; `min_snr` (Min-SNR-gamma: caps the weight of low-noise timesteps at "
+            "`snr_gamma`, for DDPM schedules; identity, with one warning, where the scheduler has no alphas_cumprod)."
+        ),
+    )
+    snr_gamma: float = Field(5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")
     mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Autocast precision for the forward pass.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
 

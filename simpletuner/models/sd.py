@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from simpletuner.models import noise as noise_lib
+
 from simpletuner.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -112,8 +114,16 @@ class StableDiffusionSpec(ModelSpec):
         scheduler = self.load_noise_scheduler()
         bsz = latents.shape[0]
         # Noise and timesteps come from our own CPU generator so a resumed run draws the same ones.
+        cfg = self.config
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device, latents.dtype)
-        timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (bsz,), generator=generator).to(latents.device)
+        if cfg.timestep_sampling == "uniform":  # the original draw, kept so existing runs resume identically
+            timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (bsz,), generator=generator)
+        else:
+            u = noise_lib.sample_u(bsz, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+            timesteps = noise_lib.ddpm_timesteps(u, scheduler.config.num_train_timesteps)
+        weights = (noise_lib.min_snr_weights(timesteps, scheduler, cfg.snr_gamma, self.prediction_type)
+                   if cfg.loss_weighting == "min_snr" else None)
+        timesteps = timesteps.to(latents.device)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":
             target = noise
@@ -124,7 +134,8 @@ class StableDiffusionSpec(ModelSpec):
                 f"prediction_type {self.prediction_type!r} is not supported by family {self.family!r} (epsilon, v_prediction)"
             )
         pred = self.predict(denoiser, noisy, timesteps, conditioning)
-        return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        return loss if weights is None else loss * weights.to(loss.device)
 
     def predict(self, denoiser, noisy, timesteps, conditioning):
         """The denoiser's output for a noisy batch: the one call that differs between UNet families."""

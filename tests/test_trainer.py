@@ -198,3 +198,19 @@ def test_image_with_good_header_but_cut_body_is_skipped_and_counted(make_config,
     raw["datasets"][0]["instance_data_dir"] = str(data)
     with pytest.raises(ValueError, match="000.png"):
         _train(raw)
+
+
+def test_dora_adapter_trains_and_reloads_in_diffusers(make_config, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    raw = make_config(max_train_steps=6, learning_rate=1e-2, lora_use_dora=True)
+    trainer, result = _train(raw)
+    saved = load_file(result.output_path)
+    assert any("lora_magnitude_vector" in k for k in saved), sorted(saved)[:5]
+    pipe = StableDiffusionPipeline.from_pretrained(raw["pretrained_model_name_or_path"], safety_checker=None)
+    pipe.load_lora_weights(str(result.output_path.parent))
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    gen = torch.Generator().manual_seed(1)
+    x, t, ctx = torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 500]), torch.randn(2, 77, 32, generator=gen)
+    with torch.no_grad():
+        assert torch.allclose(pipe.unet(x, t, ctx).sample, trained(x, t, ctx).sample, atol=1e-5)

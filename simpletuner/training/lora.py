@@ -21,6 +21,7 @@ def apply_lora(denoiser: nn.Module, targets: list[str], config: TrainingConfig, 
         lora_dropout=config.lora_dropout,
         init_lora_weights="gaussian",
         target_modules=targets,
+        use_dora=config.lora_use_dora,
     )
     try:
         denoiser.add_adapter(lora)

@@ -14,6 +14,7 @@ from simpletuner.models import StableDiffusionXLSpec, get_model_spec
 from simpletuner.models.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
 from simpletuner.state import StateTracker
 from simpletuner.training.trainer import Trainer
+from training_helpers import fixed_loss, train
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +39,7 @@ def pipe(tiny_sdxl):
     return StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True, add_watermarker=False)
 
 
-def _train(raw) -> tuple[Trainer, object]:
-    trainer = Trainer(StateTracker(validate_config(raw), raw))
-    return trainer, trainer.train()
-
-
-def _fixed_loss(trainer: Trainer) -> float:
-    """Loss on a fixed batch with fixed noise/timesteps: comparable before and after training."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    all_samples = trainer.state.datasets[0].samples
-    samples = [s for s in all_samples if s.bucket == all_samples[0].bucket][:4]
-    batch = trainer.data.batch(samples, trainer.accelerator.device)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        losses = [trainer.spec.training_loss(model, batch.latents, batch.conditioning, gen).mean() for _ in range(8)]
-    return float(torch.stack(losses).mean())
+_train, _fixed_loss = train, fixed_loss
 
 
 def test_zoo_folder_loads_and_is_checked(sdxl_config, tiny_sdxl, tmp_path):

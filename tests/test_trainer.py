@@ -10,23 +10,10 @@ from simpletuner.configuration import validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.trainer import Trainer
+from training_helpers import fixed_loss, train
 
 
-def _train(raw) -> tuple[Trainer, object]:
-    trainer = Trainer(StateTracker(validate_config(raw), raw))
-    return trainer, trainer.train()
-
-
-def _fixed_loss(trainer: Trainer) -> float:
-    """Loss on a fixed batch with fixed noise/timesteps: comparable before and after training."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    all_samples = trainer.state.datasets[0].samples
-    samples = [s for s in all_samples if s.bucket == all_samples[0].bucket][:4]
-    batch = trainer.data.batch(samples, trainer.accelerator.device)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        losses = [trainer.spec.training_loss(model, batch.latents, batch.conditioning, gen).mean() for _ in range(8)]
-    return float(torch.stack(losses).mean())
+_train, _fixed_loss = train, fixed_loss
 
 
 def test_lora_overfits_and_reloads_in_diffusers(make_config, tmp_path):

@@ -147,13 +147,17 @@ class GH200Optimizations(_Strict):
         return self
 
 
+#: Model families trained with flow matching (sigma in (0, 1)) rather than a DDPM schedule.
+FLOW_MATCHING_FAMILIES = frozenset({"sd3"})
+
+
 class TrainingConfig(_Strict):
     """One training run. Load it with ``simpletuner.configuration.load_config``."""
 
     # --- model ---
     pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
-    model_family: Literal["sd", "sdxl"] = Field(
-        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids)."
+    model_family: Literal["sd", "sdxl", "sd3"] = Field(
+        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present)."
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."
@@ -214,11 +218,20 @@ class TrainingConfig(_Strict):
     logit_mean: float = Field(0.0, description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the normal behind `logit_normal` sampling.")
     mode_scale: float = Field(1.29, description="Shape of `mode` sampling (SD3's default 1.29).")
-    loss_weighting: Literal["none", "min_snr"] = Field(
+    loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
         "none",
         description=(
             "Per-sample loss weights: `none`; `min_snr` (Min-SNR-gamma: caps the weight of low-noise timesteps at "
-            "`snr_gamma`, for DDPM schedules; identity, with one warning, where the scheduler has no alphas_cumprod)."
+            "`snr_gamma`, for DDPM schedules (sd, sdxl); identity, with one warning, where the scheduler has no "
+            "alphas_cumprod); flow-matching weights for flow families (sd3): `sigma_sqrt` (1 / sigma^2, clamped) "
+            "or `cosmap` (SD3's cosine-map weighting)."
+        ),
+    )
+    flow_shift: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "Flow-matching resolution shift applied to the sampled noise levels (`shift * s / (1 + (shift - 1) * s)`; "
+            "1.0: none). Default (null): the `shift` of the model's scheduler config. Flow families (sd3) only."
         ),
     )
     snr_gamma: float = Field(5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")
@@ -232,7 +245,7 @@ class TrainingConfig(_Strict):
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     lora_use_dora: bool = Field(
         False,
-        description="DoRA: also learn a magnitude per output channel (peft `use_dora`); often closer to a full fine-tune at the same rank, ~20% slower steps.",
+        description="DoRA: also learn a magnitude per output channel (peft `use_dora`); often closer to a full fine-tune at the same rank; each step costs more (a weight norm per adapted layer).",
     )
     lora_target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; default: the family's attention projections.")
 
@@ -353,6 +366,17 @@ class TrainingConfig(_Strict):
                     f"learning_rate {self.learning_rate} is outside [min_lr {self.min_lr}, max_lr {self.max_lr}]: with "
                     "optimizer automagic it is each element's starting learning rate"
                 )
+        flow_family = self.model_family in FLOW_MATCHING_FAMILIES
+        if flow_family and self.loss_weighting == "min_snr":
+            problems.append(
+                f"loss_weighting min_snr is for DDPM schedules, but model_family {self.model_family!r} trains with "
+                "flow matching: use none, sigma_sqrt or cosmap"
+            )
+        if not flow_family and self.loss_weighting in ("sigma_sqrt", "cosmap"):
+            problems.append(
+                f"loss_weighting {self.loss_weighting} is a flow-matching weighting, but model_family "
+                f"{self.model_family!r} uses a DDPM schedule: use none or min_snr"
+            )
         if self.validation_steps is not None and not self.validation_prompt:
             problems.append("`validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps")
         if problems:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.sd3 import StableDiffusion3Spec
 from simpletuner.models.sdxl import StableDiffusionXLSpec
 from simpletuner.models.spec import ModelSpec
 
@@ -12,7 +13,7 @@ if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 #: Family name (the config's ``model_family``) -> its ModelSpec class.
-MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl": StableDiffusionXLSpec}
+MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl": StableDiffusionXLSpec, "sd3": StableDiffusion3Spec}
 
 
 def get_model_spec(config: "TrainingConfig") -> ModelSpec:
@@ -24,4 +25,4 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
     return cls(config)
 
 
-__all__ = ["MODEL_FAMILIES", "ModelSpec", "StableDiffusionSpec", "StableDiffusionXLSpec", "get_model_spec"]
+__all__ = ["MODEL_FAMILIES", "ModelSpec", "StableDiffusion3Spec", "StableDiffusionSpec", "StableDiffusionXLSpec", "get_model_spec"]

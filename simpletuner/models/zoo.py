@@ -35,10 +35,10 @@ def tiny_clip_tokenizer(max_length: int = 77):
 
 
 def _tiny_vae(**overrides):
-    """A tiny 4-channel AutoencoderKL with the /8 downscale of the SD VAEs."""
+    """A tiny AutoencoderKL (4 latent channels unless overridden) with the /8 downscale of the SD VAEs."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL(
+    kwargs = dict(
         in_channels=3,
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 4,
@@ -48,8 +48,9 @@ def _tiny_vae(**overrides):
         norm_num_groups=8,
         sample_size=TINY_SD_RESOLUTION,
         layers_per_block=1,
-        **overrides,
     )
+    kwargs.update(overrides)
+    return AutoencoderKL(**kwargs)
 
 
 def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
@@ -192,7 +193,89 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
     return out
 
 
-TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl}
+#: Tiny SD3 widths: CLIP-L-like and CLIP-G-like hidden sizes and projections, the T5 width
+#: (wider than the two CLIP widths summed, as in SD3, so the CLIP features are zero-padded to it).
+TINY_SD3_CLIP_HIDDEN = (16, 32)
+TINY_SD3_CLIP_PROJECTION = (16, 24)
+TINY_SD3_T5_WIDTH = 64
+TINY_SD3_LATENT_CHANNELS = 16
+
+
+def tiny_t5_tokenizer():
+    """A unigram T5 tokenizer built in memory: lowercase letters, digits and punctuation, each also
+    as a word-initial piece; ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, no sentinel tokens, no files."""
+    import string
+
+    from transformers import T5Tokenizer
+
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [(c, -3.0) for c in chars] + [("\u2581" + c, -2.5) for c in chars]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> Path:
+    """Write a tiny SD3-style pipeline: an SD3Transformer2DModel (MMDiT), a 16-channel VAE with
+    SD3's shift and scaling factors, two CLIPTextModelWithProjection of different widths, a T5
+    encoder (``with_t5=False``: none, ``model_index.json`` names it null, as SD3 without T5) and
+    a FlowMatchEulerDiscreteScheduler with SD3's shift 3.0.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_clip_tokenizer()
+    (hidden_1, hidden_2), (proj_1, proj_2) = TINY_SD3_CLIP_HIDDEN, TINY_SD3_CLIP_PROJECTION
+    text_encoder_3 = tokenizer_3 = None
+    if with_t5:
+        tokenizer_3 = tiny_t5_tokenizer()
+        t5_config = T5Config(
+            vocab_size=len(tokenizer_3),
+            d_model=TINY_SD3_T5_WIDTH,
+            d_kv=16,
+            d_ff=2 * TINY_SD3_T5_WIDTH,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer_3.pad_token_id,
+            eos_token_id=tokenizer_3.eos_token_id,
+            decoder_start_token_id=tokenizer_3.pad_token_id,
+        )
+        text_encoder_3 = T5EncoderModel(t5_config)
+    heads, head_dim = 2, 8
+    transformer = SD3Transformer2DModel(
+        sample_size=TINY_SD_RESOLUTION // 8,
+        patch_size=2,
+        in_channels=TINY_SD3_LATENT_CHANNELS,
+        num_layers=2,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=TINY_SD3_T5_WIDTH,
+        caption_projection_dim=heads * head_dim,
+        pooled_projection_dim=proj_1 + proj_2,
+        out_channels=TINY_SD3_LATENT_CHANNELS,
+        pos_embed_max_size=16,
+    )
+    vae = _tiny_vae(latent_channels=TINY_SD3_LATENT_CHANNELS, scaling_factor=1.5305, shift_factor=0.0609,
+                    use_quant_conv=False, use_post_quant_conv=False)  # SD3's VAE settings
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        vae=vae,
+        text_encoder=CLIPTextModelWithProjection(_tiny_clip_config(tokenizer, hidden_1, proj_1)),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_tiny_clip_config(tokenizer_2, hidden_2, proj_2)),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny sd3 pipeline to %s", out)
+    return out
+
+
+TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3}
 
 
 def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:

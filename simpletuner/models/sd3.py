@@ -1,0 +1,237 @@
+"""Stable Diffusion 3: an SD3Transformer2DModel (MMDiT), a 16-channel AutoencoderKL, two CLIP
+text encoders with projection (CLIP-L, CLIP-G) and a T5 encoder where the folder has one.
+
+Conditioning, as ``StableDiffusion3Pipeline.encode_prompt`` makes it (no clip skip), cached per caption:
+
+* ``prompt_embeds``: the penultimate hidden states of both CLIP encoders concatenated on the
+  feature axis, zero-padded to the T5 width, then concatenated along the sequence with the T5
+  last hidden states ([77 + 256, width]). A folder without T5 (``model_index.json`` names
+  ``text_encoder_3`` null) gets zeros of ``[256, joint_attention_dim]`` there, as the pipeline does.
+* ``pooled_prompt_embeds``: both CLIP projections (``text_embeds``) concatenated.
+
+Training is rectified flow matching: ``sigma`` is drawn by ``timestep_sampling`` (uniform,
+logit_normal, mode) and shifted by ``flow_shift`` (default: the scheduler config's ``shift``);
+``noisy = (1 - sigma) * latents + sigma * noise``, the transformer sees ``timestep = sigma *
+num_train_timesteps`` (the [0, 1000] scale the pipeline passes) and predicts ``noise - latents``.
+Latents are ``(mode - shift_factor) * scaling_factor`` of the VAE (``StableDiffusionSpec.encode_images``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from simpletuner.models import noise as noise_lib
+from simpletuner.models.sd import StableDiffusionSpec
+
+#: T5 tokens per caption: StableDiffusion3Pipeline's default ``max_sequence_length``, so training
+#: and validation sampling see the same sequence.
+T5_MAX_LENGTH = 256
+#: Components a folder may name null (``[null, null]`` in ``model_index.json``): SD3 without T5.
+_OPTIONAL = frozenset({"text_encoder_3", "tokenizer_3"})
+
+
+class StableDiffusion3Spec(StableDiffusionSpec):
+    """SD3 / SD3.5 with the rectified-flow target ``noise - latents``."""
+
+    family = "sd3"
+    # What diffusers' train_dreambooth_lora_sd3.py adapts: attention of both streams.
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+    denoiser_name = "transformer"
+    _clip_tokenizers = frozenset({"CLIPTokenizer", "CLIPTokenizerFast"})
+    components = {
+        "transformer": ("model", "diffusers", frozenset({"SD3Transformer2DModel"})),
+        "vae": ("model", "diffusers", frozenset({"AutoencoderKL"})),
+        "text_encoder": ("model", "transformers", frozenset({"CLIPTextModelWithProjection"})),
+        "text_encoder_2": ("model", "transformers", frozenset({"CLIPTextModelWithProjection"})),
+        "text_encoder_3": ("model", "transformers", frozenset({"T5EncoderModel"})),
+        "tokenizer": ("tokenizer", "transformers", _clip_tokenizers),
+        "tokenizer_2": ("tokenizer", "transformers", _clip_tokenizers),
+        "tokenizer_3": ("tokenizer", "transformers", frozenset({"T5Tokenizer", "T5TokenizerFast"})),
+        "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
+    }
+
+    def _check_index_entry(self, index_file, name, entry, library, allowed):
+        if name in _OPTIONAL and entry == [None, None]:
+            return  # SD3 without T5
+        super()._check_index_entry(index_file, name, entry, library, allowed)
+
+    @property
+    def has_t5(self) -> bool:
+        """Whether the folder has a T5 encoder (a hub id is assumed to have one)."""
+        root = self.local_root
+        if root is None:
+            return True
+        index_file = root / "model_index.json"
+        if index_file.is_file():
+            entry = json.loads(index_file.read_text(encoding="utf-8")).get("text_encoder_3")
+            if entry is None or entry == [None, None]:
+                return False
+        return (root / "text_encoder_3").is_dir()
+
+    # --- loading -------------------------------------------------------------------------
+    def load_noise_scheduler(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if self._scheduler is None:
+            self._scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+                self.model_path, subfolder="scheduler", **self._kwargs()
+            )
+        return self._scheduler
+
+    @property
+    def prediction_type(self) -> str:
+        return "flow_matching"
+
+    @property
+    def shift(self) -> float:
+        """The resolution shift applied to sampled sigmas: ``flow_shift``, else the scheduler's ``shift``."""
+        if self.config.flow_shift is not None:
+            return float(self.config.flow_shift)
+        return float(self.load_noise_scheduler().config.get("shift", 1.0))
+
+    def load_text_encoders(self, device, dtype):
+        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
+
+        out: dict[str, Any] = {}
+        for suffix in ("", "_2"):
+            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer" + suffix, **self._kwargs())
+            encoder = CLIPTextModelWithProjection.from_pretrained(
+                self.model_path, subfolder="text_encoder" + suffix, dtype=dtype, use_safetensors=True, **self._kwargs()
+            )
+            out["text_encoder" + suffix] = encoder.to(device=device).requires_grad_(False).eval()
+        if self.has_t5:
+            out["tokenizer_3"] = T5Tokenizer.from_pretrained(self.model_path, subfolder="tokenizer_3", **self._kwargs())
+            encoder = T5EncoderModel.from_pretrained(
+                self.model_path, subfolder="text_encoder_3", dtype=dtype, use_safetensors=True, **self._kwargs()
+            )
+            out["text_encoder_3"] = encoder.to(device=device).requires_grad_(False).eval()
+        return out
+
+    def load_denoiser(self, dtype=torch.float32):
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel.from_pretrained(
+            self.model_path, subfolder="transformer", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
+
+    def text_encoder_identity(self) -> str:
+        parts = ["tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"]
+        if self.has_t5:
+            parts += ["tokenizer_3", "text_encoder_3"]
+        return self._identity(*parts)
+
+    def _joint_attention_dim(self) -> int:
+        from diffusers import SD3Transformer2DModel
+
+        return int(SD3Transformer2DModel.load_config(self.model_path, subfolder="transformer", **self._kwargs())["joint_attention_dim"])
+
+    # --- encoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, text_encoders, captions):
+        clip_length = text_encoders["tokenizer"].model_max_length  # the pipeline pads both CLIPs to this
+        hidden, pooled = [], []
+        for suffix in ("", "_2"):
+            tokenizer, encoder = text_encoders["tokenizer" + suffix], text_encoders["text_encoder" + suffix]
+            ids = tokenizer(captions, padding="max_length", max_length=clip_length, truncation=True, return_tensors="pt").input_ids
+            out = encoder(ids.to(encoder.device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled.append(out.text_embeds)
+        clip_embeds = torch.cat(hidden, dim=-1)
+        if "text_encoder_3" in text_encoders:
+            tokenizer, encoder = text_encoders["tokenizer_3"], text_encoders["text_encoder_3"]
+            ids = tokenizer(captions, padding="max_length", max_length=T5_MAX_LENGTH, truncation=True,
+                            add_special_tokens=True, return_tensors="pt").input_ids
+            t5_embeds = encoder(ids.to(encoder.device))[0].to(clip_embeds.dtype)
+        else:
+            t5_embeds = clip_embeds.new_zeros((len(captions), T5_MAX_LENGTH, self._joint_attention_dim()))
+        clip_embeds = F.pad(clip_embeds, (0, t5_embeds.shape[-1] - clip_embeds.shape[-1]))
+        embeds = torch.cat([clip_embeds, t5_embeds], dim=-2)
+        pooled_embeds = torch.cat(pooled, dim=-1)
+        return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled_embeds)]
+
+    # --- training ------------------------------------------------------------------------
+    def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
+        cfg = self.config
+        u = noise_lib.sample_u(batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+        return noise_lib.shift_sigmas(u, self.shift)
+
+    def training_loss(self, denoiser, latents, conditioning, generator):
+        """Per-sample flow-matching loss. Draw order from ``generator``: the noise (float32, the
+        latents' shape), then the sigmas (``sample_sigmas``)."""
+        scheduler = self.load_noise_scheduler()
+        bsz = latents.shape[0]
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+        sigmas = self.sample_sigmas(bsz, generator)
+        s = sigmas.view(-1, *([1] * (latents.ndim - 1))).to(latents.device)
+        clean = latents.float()
+        noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
+        target = noise - clean
+        timesteps = (sigmas * scheduler.config.num_train_timesteps).to(latents.device)
+        pred = self.predict(denoiser, noisy, timesteps, conditioning)
+        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        if self.config.loss_weighting in ("sigma_sqrt", "cosmap"):
+            loss = loss * noise_lib.flow_weights(sigmas, self.config.loss_weighting).to(loss.device)
+        return loss
+
+    def predict(self, denoiser, noisy, timesteps, conditioning):
+        return denoiser(
+            hidden_states=noisy,
+            timestep=timesteps,
+            encoder_hidden_states=conditioning["prompt_embeds"],
+            pooled_projections=conditioning["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
+
+    # --- memory estimate -----------------------------------------------------------------
+    def batch_shapes(self, batch_size):
+        text_1, text_2 = self._required_config("text_encoder"), self._required_config("text_encoder_2")
+        clip_length = self._max_length("tokenizer", text_1)
+        if self.has_t5:
+            width = int(self._required_config("text_encoder_3")["d_model"])
+        else:
+            width = int(self._required_config("transformer")["joint_attention_dim"])
+        return self.latent_shape(batch_size), {
+            "prompt_embeds": (batch_size, clip_length + T5_MAX_LENGTH, width),
+            "pooled_prompt_embeds": (batch_size, text_1["projection_dim"] + text_2["projection_dim"]),
+        }
+
+    # --- output --------------------------------------------------------------------------
+    def save_lora(self, output_dir, denoiser):
+        from diffusers import StableDiffusion3Pipeline
+        from peft.utils import get_peft_model_state_dict
+
+        # PEFT keys as they are (lora_A / lora_B), as diffusers' SD3 LoRA script saves them:
+        # convert_state_dict_to_diffusers would rename to_q's to the old UNet ``lora.down`` form,
+        # which the SD3 loader does not map back.
+        layers = get_peft_model_state_dict(denoiser)
+        StableDiffusion3Pipeline.save_lora_weights(
+            save_directory=str(output_dir),
+            transformer_lora_layers=layers,
+            transformer_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
+            safe_serialization=True,
+        )
+        return Path(output_dir) / "pytorch_lora_weights.safetensors"
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        """Sampling pipeline; its Euler flow scheduler uses the training shift (``flow_shift`` when set)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.load_noise_scheduler().config, shift=self.shift)
+        return StableDiffusion3Pipeline(
+            transformer=denoiser,
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoders["text_encoder"],
+            tokenizer=text_encoders["tokenizer"],
+            text_encoder_2=text_encoders["text_encoder_2"],
+            tokenizer_2=text_encoders["tokenizer_2"],
+            text_encoder_3=text_encoders.get("text_encoder_3"),
+            tokenizer_3=text_encoders.get("tokenizer_3"),
+        )

@@ -148,7 +148,7 @@ class GH200Optimizations(_Strict):
 
 
 #: Model families trained with flow matching (sigma in (0, 1)) rather than a DDPM schedule.
-FLOW_MATCHING_FAMILIES = frozenset({"sd3"})
+FLOW_MATCHING_FAMILIES = frozenset({"wan", "sd3", "flux"})
 
 
 class TrainingConfig(_Strict):
@@ -156,8 +156,8 @@ class TrainingConfig(_Strict):
 
     # --- model ---
     pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
-    model_family: Literal["sd", "sdxl", "sd3"] = Field(
-        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present)."
+    model_family: Literal["sd", "sdxl", "sd3", "flux", "wan"] = Field(
+        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video)."
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."

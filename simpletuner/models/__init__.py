@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from simpletuner.models.flux import FluxSpec
 from simpletuner.models.sd import StableDiffusionSpec
 from simpletuner.models.sd3 import StableDiffusion3Spec
 from simpletuner.models.sdxl import StableDiffusionXLSpec
 from simpletuner.models.spec import ModelSpec
+from simpletuner.models.wan import WanSpec
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 #: Family name (the config's ``model_family``) -> its ModelSpec class.
-MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl": StableDiffusionXLSpec, "sd3": StableDiffusion3Spec}
+MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl": StableDiffusionXLSpec, "sd3": StableDiffusion3Spec, "flux": FluxSpec, "wan": WanSpec}
 
 
 def get_model_spec(config: "TrainingConfig") -> ModelSpec:
@@ -25,4 +27,4 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
     return cls(config)
 
 
-__all__ = ["MODEL_FAMILIES", "ModelSpec", "StableDiffusion3Spec", "StableDiffusionSpec", "StableDiffusionXLSpec", "get_model_spec"]
+__all__ = ["MODEL_FAMILIES", "FluxSpec", "ModelSpec", "StableDiffusion3Spec", "StableDiffusionSpec", "StableDiffusionXLSpec", "WanSpec", "get_model_spec"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.spec import save_transformer_lora
 
 #: T5 tokens per caption: StableDiffusion3Pipeline's default ``max_sequence_length``, so training
 #: and validation sampling see the same sequence.
@@ -205,19 +205,8 @@ class StableDiffusion3Spec(StableDiffusionSpec):
     # --- output --------------------------------------------------------------------------
     def save_lora(self, output_dir, denoiser):
         from diffusers import StableDiffusion3Pipeline
-        from peft.utils import get_peft_model_state_dict
 
-        # PEFT keys as they are (lora_A / lora_B), as diffusers' SD3 LoRA script saves them:
-        # convert_state_dict_to_diffusers would rename to_q's to the old UNet ``lora.down`` form,
-        # which the SD3 loader does not map back.
-        layers = get_peft_model_state_dict(denoiser)
-        StableDiffusion3Pipeline.save_lora_weights(
-            save_directory=str(output_dir),
-            transformer_lora_layers=layers,
-            transformer_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
-            safe_serialization=True,
-        )
-        return Path(output_dir) / "pytorch_lora_weights.safetensors"
+        return save_transformer_lora(StableDiffusion3Pipeline, output_dir, denoiser)
 
     def build_pipeline(self, denoiser, vae, text_encoders):
         """Sampling pipeline; its Euler flow scheduler uses the training shift (``flow_shift`` when set)."""

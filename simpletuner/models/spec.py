@@ -259,3 +259,21 @@ class ModelSpec(abc.ABC):
     @property
     def lora_targets(self) -> list[str]:
         return list(self.config.lora_target_modules or self.default_lora_targets)
+
+
+def save_transformer_lora(pipeline_cls, output_dir, denoiser) -> Path:
+    """Save a transformer LoRA through ``pipeline_cls.save_lora_weights`` with its adapter metadata.
+
+    PEFT keys are kept as they are (``lora_A`` / ``lora_B``), as diffusers' own transformer LoRA
+    scripts save them: ``convert_state_dict_to_diffusers`` would rename ``to_q`` keys to the old
+    UNet ``lora.down`` form, which the SD3 / Flux / Wan loaders do not map back.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    pipeline_cls.save_lora_weights(
+        save_directory=str(output_dir),
+        transformer_lora_layers=get_peft_model_state_dict(denoiser),
+        transformer_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
+        safe_serialization=True,
+    )
+    return Path(output_dir) / "pytorch_lora_weights.safetensors"

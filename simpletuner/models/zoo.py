@@ -275,7 +275,108 @@ def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> 
     return out
 
 
-TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3}
+TINY_WAN_T5_WIDTH = 32
+TINY_WAN_LATENT_CHANNELS = 4
+
+
+def write_tiny_wan(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.1-style pipeline: a one-block WanTransformer3DModel, an AutoencoderKLWan
+    with Wan's /8 spatial and /4 temporal factors and 4 latent channels (with their own
+    latents_mean / latents_std), a UMT5 encoder with the tiny T5 tokenizer, and the
+    UniPCMultistepScheduler (flow prediction, flow_shift 3.0) the Wan checkpoints ship.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer = tiny_t5_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=TINY_WAN_T5_WIDTH, d_kv=8, d_ff=2 * TINY_WAN_T5_WIDTH, num_layers=1,
+        num_heads=4, relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    ))
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,  # rope splits 12 as t4 h4 w4
+        in_channels=TINY_WAN_LATENT_CHANNELS, out_channels=TINY_WAN_LATENT_CHANNELS, text_dim=TINY_WAN_T5_WIDTH,
+        freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=TINY_WAN_LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, -0.05], latents_std=[1.5, 0.8, 2.0, 1.2],
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        num_train_timesteps=1000, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny wan pipeline to %s", out)
+    return out
+
+
+#: Tiny Flux widths: CLIP-L-like hidden size (its pooled output is the pooled projection) and T5 width.
+TINY_FLUX_CLIP_HIDDEN = 32
+TINY_FLUX_T5_WIDTH = 48
+TINY_FLUX_LATENT_CHANNELS = 16
+
+
+def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = True) -> Path:
+    """Write a tiny Flux.1-style pipeline: a FluxTransformer2DModel (one double and one single
+    block, guidance embedding as Flux dev, 64 packed input channels), a 16-channel VAE with
+    Flux's shift and scaling factors, a CLIPTextModel, a T5 encoder and a
+    FlowMatchEulerDiscreteScheduler configured as Flux dev's (``dynamic_shift=False``: static shift 3.0).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    t5_config = T5Config(
+        vocab_size=len(tokenizer_2),
+        d_model=TINY_FLUX_T5_WIDTH,
+        d_kv=12,
+        d_ff=2 * TINY_FLUX_T5_WIDTH,
+        num_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer_2.pad_token_id,
+        eos_token_id=tokenizer_2.eos_token_id,
+        decoder_start_token_id=tokenizer_2.pad_token_id,
+    )
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=TINY_FLUX_LATENT_CHANNELS * 4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=TINY_FLUX_T5_WIDTH,
+        pooled_projection_dim=TINY_FLUX_CLIP_HIDDEN,
+        guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4),
+    )
+    vae = _tiny_vae(latent_channels=TINY_FLUX_LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159,
+                    use_quant_conv=False, use_post_quant_conv=False)  # Flux's VAE settings
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=dynamic_shift, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=CLIPTextModel(_tiny_clip_config(tokenizer, TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_CLIP_HIDDEN)),
+        tokenizer=tokenizer,
+        text_encoder_2=T5EncoderModel(t5_config),
+        tokenizer_2=tokenizer_2,
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny flux pipeline to %s", out)
+    return out
+
+
+TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3, "flux": write_tiny_flux, "wan": write_tiny_wan}
 
 
 def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:

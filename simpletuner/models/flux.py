@@ -1,0 +1,250 @@
+"""Flux.1 (dev / schnell): a FluxTransformer2DModel (MMDiT + single-stream blocks, rotary ids,
+optional guidance embedding), a 16-channel AutoencoderKL, a CLIP-L text encoder (pooled output
+only) and a T5 encoder.
+
+Conditioning, as ``FluxPipeline.encode_prompt`` makes it, cached per caption:
+
+* ``prompt_embeds``: T5 last hidden states, padded to ``T5_MAX_LENGTH`` (512, the pipeline's
+  default ``max_sequence_length``) - ``[512, d_model]``.
+* ``pooled_prompt_embeds``: the CLIPTextModel's ``pooler_output`` (``[hidden_size]``).
+
+The text ids (zeros ``[seq, 3]``) and the latent image ids (``FluxPipeline._prepare_latent_image_ids``
+at half the latent resolution) are rebuilt at train time, they depend only on the shapes.
+
+Latents are ``(mode - shift_factor) * scaling_factor`` of the VAE, cached unpacked
+``[16, h, w]``; ``training_loss`` packs them into 2x2 patches ``[B, (h/2)(w/2), 64]`` with
+``FluxPipeline._pack_latents`` and computes the loss **in packed space** (packing is a
+permutation, so the per-sample mean squared error equals the unpacked one).
+
+Training is rectified flow matching, as sd3: ``sigma`` is drawn by ``timestep_sampling`` and then
+shifted. When ``flow_shift`` is set it is the static shift ``shift * s / (1 + (shift - 1) * s)``;
+otherwise, when the scheduler config has ``use_dynamic_shifting`` (Flux dev), the shift depends on
+the image sequence length as in the pipeline: ``mu = calculate_shift(seq_len, base_image_seq_len,
+max_image_seq_len, base_shift, max_shift)``, ``sigma' = e^mu / (e^mu + (1 / sigma - 1))``; otherwise
+the scheduler's static ``shift``. ``noisy = (1 - sigma) * x + sigma * noise``, the target is
+``noise - x`` and the transformer sees ``timestep = sigma`` (the pipeline passes ``t / 1000``).
+
+Guidance: a guidance-distilled transformer (``guidance_embeds``, Flux dev) is trained with the
+embedded guidance ``FLUX_TRAINING_GUIDANCE = 1.0`` (as diffusers' Flux LoRA script's default
+``--guidance_scale``); no config key sets it. Schnell (no guidance embedding) gets ``guidance=None``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from simpletuner.models import noise as noise_lib
+from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.spec import save_transformer_lora
+
+#: T5 tokens per caption: FluxPipeline's default ``max_sequence_length``, so training and
+#: validation sampling see the same sequence.
+T5_MAX_LENGTH = 512
+#: The embedded guidance a guidance-distilled Flux transformer is trained with.
+FLUX_TRAINING_GUIDANCE = 1.0
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, h, w]`` -> ``[B, (h/2)(w/2), 4C]`` (``FluxPipeline._pack_latents``)."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
+def unpack_latents(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """``[B, (h/2)(w/2), 4C]`` -> ``[B, C, h, w]`` for latent sides ``h``, ``w``."""
+    from diffusers import FluxPipeline
+
+    # _unpack_latents takes pixel sides and the VAE factor; latent sides with factor 1 are the same thing.
+    return FluxPipeline._unpack_latents(packed, h, w, 1)
+
+
+def latent_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+    """Rotary ids ``[(h/2)(w/2), 3]`` of the packed latents of latent sides ``h``, ``w``."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
+
+
+def dynamic_shift_sigmas(sigmas: torch.Tensor, image_seq_len: int, scheduler_config) -> torch.Tensor:
+    """The pipeline's resolution-dependent shift: ``e^mu / (e^mu + (1 / sigma - 1))``."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    mu = calculate_shift(
+        image_seq_len,
+        scheduler_config.get("base_image_seq_len", 256),
+        scheduler_config.get("max_image_seq_len", 4096),
+        scheduler_config.get("base_shift", 0.5),
+        scheduler_config.get("max_shift", 1.15),
+    )
+    return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
+
+
+class FluxSpec(StableDiffusionSpec):
+    """Flux.1 with the rectified-flow target ``noise - latents`` on packed latents."""
+
+    family = "flux"
+    # What diffusers' train_dreambooth_lora_flux.py adapts by default: attention of both streams,
+    # the feed-forwards of the double blocks, and the MLP input of the single blocks.
+    default_lora_targets = [
+        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
+        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        "proj_mlp",
+    ]
+    denoiser_name = "transformer"
+    components = {
+        "transformer": ("model", "diffusers", frozenset({"FluxTransformer2DModel"})),
+        "vae": ("model", "diffusers", frozenset({"AutoencoderKL"})),
+        "text_encoder": ("model", "transformers", frozenset({"CLIPTextModel"})),
+        "text_encoder_2": ("model", "transformers", frozenset({"T5EncoderModel"})),
+        "tokenizer": ("tokenizer", "transformers", frozenset({"CLIPTokenizer", "CLIPTokenizerFast"})),
+        "tokenizer_2": ("tokenizer", "transformers", frozenset({"T5Tokenizer", "T5TokenizerFast"})),
+        "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
+    }
+
+    # --- loading -------------------------------------------------------------------------
+    def load_noise_scheduler(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if self._scheduler is None:
+            self._scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+                self.model_path, subfolder="scheduler", **self._kwargs()
+            )
+        return self._scheduler
+
+    @property
+    def prediction_type(self) -> str:
+        return "flow_matching"
+
+    @property
+    def dynamic_shift(self) -> bool:
+        """Whether sigmas get the resolution-dependent shift (no ``flow_shift`` and a dynamic scheduler)."""
+        return self.config.flow_shift is None and bool(self.load_noise_scheduler().config.get("use_dynamic_shifting", False))
+
+    @property
+    def shift(self) -> float:
+        """The static shift: ``flow_shift``, else the scheduler's ``shift`` (unused when ``dynamic_shift``)."""
+        if self.config.flow_shift is not None:
+            return float(self.config.flow_shift)
+        return float(self.load_noise_scheduler().config.get("shift", 1.0))
+
+    def load_text_encoders(self, device, dtype):
+        from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
+
+        out: dict[str, Any] = {
+            "tokenizer": CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer", **self._kwargs()),
+            "tokenizer_2": T5Tokenizer.from_pretrained(self.model_path, subfolder="tokenizer_2", **self._kwargs()),
+        }
+        for name, cls in (("text_encoder", CLIPTextModel), ("text_encoder_2", T5EncoderModel)):
+            encoder = cls.from_pretrained(self.model_path, subfolder=name, dtype=dtype, use_safetensors=True, **self._kwargs())
+            out[name] = encoder.to(device=device).requires_grad_(False).eval()
+        return out
+
+    def load_denoiser(self, dtype=torch.float32):
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel.from_pretrained(
+            self.model_path, subfolder="transformer", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
+
+    def text_encoder_identity(self) -> str:
+        return self._identity("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+
+    # --- encoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_prompts(self, text_encoders, captions):
+        tokenizer, encoder = text_encoders["tokenizer"], text_encoders["text_encoder"]
+        ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids
+        pooled = encoder(ids.to(encoder.device), output_hidden_states=False).pooler_output
+        tokenizer, encoder = text_encoders["tokenizer_2"], text_encoders["text_encoder_2"]
+        ids = tokenizer(captions, padding="max_length", max_length=T5_MAX_LENGTH, truncation=True, return_tensors="pt").input_ids
+        embeds = encoder(ids.to(encoder.device), output_hidden_states=False)[0]
+        return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
+
+    # --- training ------------------------------------------------------------------------
+    def sample_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+        """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
+        cfg = self.config
+        u = noise_lib.sample_u(batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+        if self.dynamic_shift:
+            return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
+        return noise_lib.shift_sigmas(u, self.shift)
+
+    def training_loss(self, denoiser, latents, conditioning, generator):
+        """Per-sample flow-matching loss on packed latents. Draw order from ``generator``: the noise
+        (float32, the unpacked latents' shape), then the sigmas (``sample_sigmas``)."""
+        bsz, _, h, w = latents.shape
+        if h % 2 or w % 2:
+            raise ValueError(f"flux packs latents in 2x2 patches: latent sides {h}x{w} must be even "
+                             "(aspect_bucket_alignment a multiple of 16)")
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+        sigmas = self.sample_sigmas(bsz, generator, (h // 2) * (w // 2))
+        s = sigmas.view(-1, 1, 1).to(latents.device)
+        clean, noise = pack_latents(latents.float()), pack_latents(noise)
+        noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
+        target = noise - clean
+        pred = self.predict(denoiser, noisy, sigmas.to(latents.device), conditioning, (h, w))
+        loss = F.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2))
+        if self.config.loss_weighting in ("sigma_sqrt", "cosmap"):
+            loss = loss * noise_lib.flow_weights(sigmas, self.config.loss_weighting).to(loss.device)
+        return loss
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, latent_size):
+        """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1)."""
+        embeds = conditioning["prompt_embeds"]
+        dtype = noisy.dtype
+        guidance = None
+        if denoiser.config.guidance_embeds:
+            guidance = torch.full((noisy.shape[0],), FLUX_TRAINING_GUIDANCE, device=noisy.device, dtype=torch.float32)
+        return denoiser(
+            hidden_states=noisy,
+            timestep=timesteps.to(dtype),
+            guidance=guidance,
+            pooled_projections=conditioning["pooled_prompt_embeds"],
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
+            img_ids=latent_image_ids(*latent_size, noisy.device, dtype),
+            return_dict=False,
+        )[0]
+
+    # --- memory estimate -----------------------------------------------------------------
+    def batch_shapes(self, batch_size):
+        clip, t5 = self._required_config("text_encoder"), self._required_config("text_encoder_2")
+        return self.latent_shape(batch_size), {
+            "prompt_embeds": (batch_size, T5_MAX_LENGTH, int(t5["d_model"])),
+            "pooled_prompt_embeds": (batch_size, int(clip["hidden_size"])),
+        }
+
+    # --- output --------------------------------------------------------------------------
+    def save_lora(self, output_dir, denoiser):
+        from diffusers import FluxPipeline
+
+        return save_transformer_lora(FluxPipeline, output_dir, denoiser)
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        """Sampling pipeline. With ``flow_shift`` set its scheduler uses that static shift (as
+        training does); otherwise the folder's scheduler (dynamic shifting for Flux dev)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        config = self.load_noise_scheduler().config
+        if self.config.flow_shift is not None:
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config, shift=self.shift, use_dynamic_shifting=False)
+        else:
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+        return FluxPipeline(
+            transformer=denoiser,
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoders["text_encoder"],
+            tokenizer=text_encoders["tokenizer"],
+            text_encoder_2=text_encoders["text_encoder_2"],
+            tokenizer_2=text_encoders["tokenizer_2"],
+        )

@@ -1,0 +1,226 @@
+"""Wan 2.1 text-to-video: one WanTransformer3DModel, the causal 3-D AutoencoderKLWan and a UMT5
+text encoder. Image datasets train as 1-frame video.
+
+Latents are video latents ``[C, F, h, w]`` per sample (``F = (frames - 1) // 4 + 1``; an image is
+one frame, so ``F = 1``), ``(mode - latents_mean) / latents_std`` per channel: the inverse of
+what ``WanPipeline`` applies before decoding. The trainer stacks them to ``[B, C, F, h, w]``.
+
+Conditioning, as ``WanPipeline.encode_prompt`` makes it, cached per caption: ``prompt_embeds``,
+the UMT5 last hidden states of the cleaned caption (``prompt_clean``) padded to
+``max_sequence_length`` (512, the pipeline's ``__call__`` default), with every position past
+the attention mask set to zero ([512, d_model]).
+
+Training is rectified flow matching exactly as ``sd3`` (``StableDiffusion3Spec.training_loss``):
+``noisy = (1 - sigma) * latents + sigma * noise``, target ``noise - latents``, timestep
+``sigma * 1000``. The shift is ``flow_shift`` when set, else the folder scheduler's own
+(``flow_shift`` of a UniPCMultistepScheduler as Wan ships, or ``shift`` of a
+FlowMatchEulerDiscreteScheduler), else 1.0.
+
+Wan 2.2 (not built): a second expert ``transformer_2`` for low noise, switched at
+``boundary_ratio * 1000`` (``model_index.json``). The folder check already accepts a
+``transformer_2`` entry (null for 2.1); a 2.2 spec would subclass this one, load both experts,
+route ``predict`` by timestep against the boundary (or train one expert, restricting sampled
+sigmas to its side) and save LoRAs with ``transformer_2_lora_layers``... keyed per expert.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from simpletuner.models.sd3 import StableDiffusion3Spec
+from simpletuner.models.spec import save_transformer_lora
+
+#: UMT5 tokens per caption: WanPipeline.__call__'s default ``max_sequence_length``.
+WAN_MAX_LENGTH = 512
+_T5_TOKENIZERS = frozenset({"T5Tokenizer", "T5TokenizerFast", "AutoTokenizer"})
+_TEXT_ENCODERS = {"UMT5EncoderModel", "T5EncoderModel"}
+
+
+class WanSpec(StableDiffusion3Spec):
+    """Wan 2.1 T2V (single transformer), flow matching; images are 1-frame videos."""
+
+    family = "wan"
+    # Self- and cross-attention projections of every block (attn1 / attn2), as common Wan LoRAs.
+    default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    denoiser_name = "transformer"
+    #: Padded caption length (WanPipeline.__call__'s default).
+    max_sequence_length = WAN_MAX_LENGTH
+    components = {
+        "transformer": ("model", "diffusers", frozenset({"WanTransformer3DModel"})),
+        "transformer_2": ("model", "diffusers", frozenset({"WanTransformer3DModel"})),  # Wan 2.2 only; null in 2.1
+        "vae": ("model", "diffusers", frozenset({"AutoencoderKLWan"})),
+        "text_encoder": ("model", "transformers", frozenset(_TEXT_ENCODERS)),
+        "tokenizer": ("tokenizer", "transformers", _T5_TOKENIZERS),
+        "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
+    }
+
+    def _check_index_entry(self, index_file, name, entry, library, allowed):
+        if name == "transformer_2" and entry in (None, [None, None]):
+            return  # Wan 2.1: no low-noise expert
+        super(StableDiffusion3Spec, self)._check_index_entry(index_file, name, entry, library, allowed)
+
+    @property
+    def has_t5(self) -> bool:
+        return True
+
+    # --- loading -------------------------------------------------------------------------
+    def _scheduler_config(self) -> dict[str, Any]:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return dict(FlowMatchEulerDiscreteScheduler.load_config(self.model_path, subfolder="scheduler", **self._kwargs()))
+
+    @property
+    def shift(self) -> float:
+        """``flow_shift`` when set, else the folder scheduler's ``flow_shift`` (UniPC) or ``shift`` (Euler), else 1."""
+        if self.config.flow_shift is not None:
+            return float(self.config.flow_shift)
+        cfg = self._scheduler_config()
+        for key in ("flow_shift", "shift"):
+            if cfg.get(key) is not None:
+                return float(cfg[key])
+        return 1.0
+
+    def load_noise_scheduler(self):
+        """The training schedule: Euler flow matching with the folder's timestep count (only that is read)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if self._scheduler is None:
+            cfg = self._scheduler_config()
+            self._scheduler = FlowMatchEulerDiscreteScheduler(
+                num_train_timesteps=int(cfg.get("num_train_timesteps", 1000)), shift=self.shift
+            )
+        return self._scheduler
+
+    def load_vae(self, device, dtype):
+        from diffusers import AutoencoderKLWan
+
+        vae = AutoencoderKLWan.from_pretrained(
+            self.model_path, subfolder="vae", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
+        return vae.to(device=device).requires_grad_(False).eval()
+
+    def _text_encoder_class(self):
+        from simpletuner.models.spec import resolve_component_class
+
+        entry = None
+        root = self.local_root
+        if root is not None and (root / "model_index.json").is_file():
+            import json
+
+            entry = json.loads((root / "model_index.json").read_text(encoding="utf-8")).get("text_encoder")
+        name = entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[1] in _TEXT_ENCODERS else "UMT5EncoderModel"
+        return resolve_component_class("transformers", name, "model")  # one of the two allowed names
+
+    def load_text_encoders(self, device, dtype):
+        from transformers import T5Tokenizer
+
+        tokenizer = T5Tokenizer.from_pretrained(self.model_path, subfolder="tokenizer", **self._kwargs())
+        encoder = self._text_encoder_class().from_pretrained(
+            self.model_path, subfolder="text_encoder", dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
+        return {"tokenizer": tokenizer, "text_encoder": encoder.to(device=device).requires_grad_(False).eval()}
+
+    def load_denoiser(self, dtype=torch.float32):
+        from diffusers import WanTransformer3DModel
+
+        return WanTransformer3DModel.from_pretrained(
+            self.model_path, subfolder="transformer", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+        )
+
+    def text_encoder_identity(self) -> str:
+        return self._identity("tokenizer", "text_encoder")
+
+    # --- encoding ------------------------------------------------------------------------
+    @staticmethod
+    def _stats(vae, latents):
+        shape = (1, vae.config.z_dim) + (1,) * (latents.ndim - 2)
+        mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
+        std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
+        return mean, std
+
+    @torch.no_grad()
+    def encode_images(self, vae, pixels):
+        """[B, 3, H, W] images (or [B, 3, F, H, W] clips) in [-1, 1] -> normalised [B, C, F', h, w]."""
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)  # one frame
+        pixels = pixels.to(device=vae.device, dtype=vae.dtype)
+        latents = vae.encode(pixels).latent_dist.mode()
+        mean, std = self._stats(vae, latents)
+        return (latents - mean) / std
+
+    @torch.no_grad()
+    def encode_prompts(self, text_encoders, captions):
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokenizer, encoder = text_encoders["tokenizer"], text_encoders["text_encoder"]
+        length = self.max_sequence_length
+        inputs = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=length,
+                           truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        mask = inputs.attention_mask.to(encoder.device)
+        hidden = encoder(inputs.input_ids.to(encoder.device), mask).last_hidden_state
+        # The pipeline keeps the first mask.sum() positions and zero-pads the rest.
+        keep = (torch.arange(length, device=hidden.device)[None, :] < mask.gt(0).sum(dim=1, keepdim=True)).unsqueeze(-1)
+        hidden = torch.where(keep, hidden, torch.zeros_like(hidden))
+        return [{"prompt_embeds": e} for e in hidden]
+
+    # --- training ------------------------------------------------------------------------
+    def predict(self, denoiser, noisy, timesteps, conditioning):
+        return denoiser(
+            hidden_states=noisy,
+            timestep=timesteps,
+            encoder_hidden_states=conditioning["prompt_embeds"],
+            return_dict=False,
+        )[0]
+
+    # --- memory estimate -----------------------------------------------------------------
+    def latent_shape(self, batch_size: int, frames: int = 1) -> tuple[int, ...]:
+        vae = self._required_config("vae")
+        spatial = int(vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1))
+        temporal = int(vae.get("scale_factor_temporal") or 4)
+        side = self.config.resolution // spatial
+        return (batch_size, int(vae.get("z_dim", 16)), (frames - 1) // temporal + 1, side, side)
+
+    def batch_shapes(self, batch_size):
+        text = self._required_config("text_encoder")
+        return self.latent_shape(batch_size), {"prompt_embeds": (batch_size, self.max_sequence_length, int(text["d_model"]))}
+
+    # --- output --------------------------------------------------------------------------
+    def save_lora(self, output_dir, denoiser):
+        from diffusers import WanPipeline
+
+        return save_transformer_lora(WanPipeline, output_dir, denoiser)
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        """A sampler with the image-pipeline call the validation loop makes (``.images``, PIL):
+        a 1-frame WanPipeline run; the scheduler is the folder's (UniPC or Euler) at the training shift."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler, WanPipeline
+
+        cfg = self._scheduler_config()
+        if cfg.get("_class_name") == "UniPCMultistepScheduler":
+            scheduler = UniPCMultistepScheduler.from_config(cfg, flow_shift=self.shift)
+        else:
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg, shift=self.shift)
+        pipe = WanPipeline(tokenizer=text_encoders["tokenizer"], text_encoder=text_encoders["text_encoder"], vae=vae,
+                           scheduler=scheduler, transformer=denoiser)
+        return WanImageSampler(pipe, self.max_sequence_length)
+
+
+class WanImageSampler:
+    """``WanPipeline`` called as an image pipeline: one frame per sample, returned as ``.images``."""
+
+    def __init__(self, pipe, max_sequence_length: int = WAN_MAX_LENGTH):
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length
+
+    def set_progress_bar_config(self, **kwargs):
+        self.pipe.set_progress_bar_config(**kwargs)
+
+    def __call__(self, prompt, num_images_per_prompt: int = 1, **kwargs):
+        kwargs.setdefault("max_sequence_length", self.max_sequence_length)
+        videos = self.pipe(prompt, num_videos_per_prompt=num_images_per_prompt, num_frames=1, output_type="pil",
+                           **kwargs).frames
+        return SimpleNamespace(images=[video[0] for video in videos], frames=videos)

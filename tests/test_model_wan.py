@@ -1,0 +1,142 @@
+"""The wan family (Wan 2.1 T2V, single transformer) on its tiny zoo model: images as 1-frame video
+latents, prompt encoding as WanPipeline does it, the flow-matching loss by hand, LoRA training
+through the real Trainer, reload in diffusers, validation sampling and the memory estimate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from simpletuner.configuration import validate_config
+from simpletuner.models import WanSpec, get_model_spec
+from simpletuner.models import noise as noise_lib
+from simpletuner.models.wan import WAN_MAX_LENGTH
+from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C, TINY_WAN_T5_WIDTH as WIDTH
+from training_helpers import fixed_loss, train
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    from simpletuner.models.zoo import write_tiny_model
+
+    return write_tiny_model("wan", tmp_path_factory.mktemp("tiny_wan") / "model")
+
+
+@pytest.fixture
+def wan_config(make_config, tiny_wan):
+    def _make(**overrides):
+        return make_config(**{"pretrained_model_name_or_path": str(tiny_wan), "model_family": "wan", **overrides})
+
+    return _make
+
+
+def test_zoo_loads_and_images_become_one_frame_latents(wan_config, tiny_wan, tmp_path):
+    spec = get_model_spec(validate_config(wan_config()))
+    assert isinstance(spec, WanSpec) and spec.shift == 3.0  # the UniPC scheduler's flow_shift
+    assert get_model_spec(validate_config(wan_config(flow_shift=5.0))).shift == 5.0
+    transformer = spec.load_denoiser()
+    assert type(transformer).__name__ == "WanTransformer3DModel" and transformer.config.in_channels == C
+    vae = spec.load_vae(torch.device("cpu"), torch.float32)
+    pixels = torch.rand(2, 3, 64, 64) * 2 - 1
+    got = spec.encode_images(vae, pixels)
+    assert got.shape == (2, C, 1, 8, 8)
+    raw = vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
+    mean = torch.tensor([0.1, -0.2, 0.3, -0.05]).view(1, C, 1, 1, 1)
+    std = torch.tensor([1.5, 0.8, 2.0, 1.2]).view(1, C, 1, 1, 1)
+    assert torch.allclose(got, (raw - mean) / std, atol=1e-6)
+    # WanPipeline's decode step (latents / (1 / std) + mean) inverts it.
+    assert torch.allclose(got / (1.0 / std) + mean, raw, atol=1e-5)
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_wan, bad)
+    index = json.loads((bad / "model_index.json").read_text())
+    index["text_encoder"] = ["transformers", "CLIPTextModel"]
+    (bad / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="text_encoder.*UMT5EncoderModel"):
+        get_model_spec(validate_config(wan_config(pretrained_model_name_or_path=str(bad))))
+
+
+def test_prompts_match_wan_pipeline_and_validation_samples(wan_config, tiny_wan):
+    from diffusers import WanPipeline
+
+    spec = get_model_spec(validate_config(wan_config()))
+    encoders = spec.load_text_encoders(torch.device("cpu"), torch.float32)
+    captions = ["a red  square ", "a blue circle on grey, with a long caption"]
+    out = spec.encode_prompts(encoders, captions)
+    assert all(c["prompt_embeds"].shape == (WAN_MAX_LENGTH, WIDTH) for c in out)
+    pipe = WanPipeline.from_pretrained(str(tiny_wan), use_safetensors=True)
+    with torch.no_grad():
+        want, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=WAN_MAX_LENGTH,
+                                     device="cpu")
+    got = torch.stack([c["prompt_embeds"] for c in out])
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.count_nonzero(got[0, 20:]) == 0 and torch.count_nonzero(got[0, :5]) > 0  # zero padding
+
+    sampler = spec.build_pipeline(spec.load_denoiser(), spec.load_vae(torch.device("cpu"), torch.float32), encoders)
+    sampler.set_progress_bar_config(disable=True)
+    images = sampler("a red square", num_images_per_prompt=2, num_inference_steps=2, guidance_scale=3.0, height=64,
+                     width=64, generator=torch.Generator().manual_seed(0)).images
+    assert len(images) == 2 and images[0].size == (64, 64)
+
+
+@pytest.mark.parametrize("weighting", ["none", "cosmap"])
+def test_loss_is_the_flow_matching_formula(wan_config, weighting):
+    spec = get_model_spec(validate_config(wan_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=2.0,
+                                                     loss_weighting=weighting)))
+    model = spec.load_denoiser().eval()
+    gen = torch.Generator().manual_seed(7)
+    latents = torch.randn(3, C, 1, 8, 8, generator=gen)
+    cond = {"prompt_embeds": torch.randn(3, WAN_MAX_LENGTH, WIDTH, generator=gen)}
+    with torch.no_grad():
+        got = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
+        g = torch.Generator().manual_seed(3)
+        noise = torch.randn(latents.shape, generator=g)
+        u = torch.sigmoid(torch.randn(3, generator=g) + 0.2)
+        sigmas = 2.0 * u / (1 + u)
+        s = sigmas.view(-1, 1, 1, 1, 1)
+        pred = model(hidden_states=(1 - s) * latents + s * noise, timestep=sigmas * 1000,
+                     encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        want = ((pred - (noise - latents)) ** 2).mean(dim=(1, 2, 3, 4))
+        if weighting != "none":
+            want = want * noise_lib.flow_weights(sigmas, weighting)
+    assert got.shape == (3,) and torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_lora_overfits_and_reloads_in_diffusers(wan_config, tiny_wan, tmp_path):
+    from diffusers import WanPipeline
+
+    opts = dict(learning_rate=1e-2, lora_rank=16, lora_alpha=8)
+    trainer, _ = train(wan_config(max_train_steps=1, **opts))
+    before = fixed_loss(trainer)
+    trainer, result = train(wan_config(max_train_steps=30, output_dir=str(tmp_path / "long"), logging_steps=10, **opts))
+    after = fixed_loss(trainer)
+    assert result.global_step == 30 and after < before * 0.85, (before, after)
+
+    assert result.output_path.name == "pytorch_lora_weights.safetensors"
+    loaded = WanPipeline.from_pretrained(str(tiny_wan), use_safetensors=True)
+    loaded.load_lora_weights(str(result.output_path.parent))
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    gen = torch.Generator().manual_seed(1)
+    kwargs = dict(hidden_states=torch.randn(2, C, 1, 8, 8, generator=gen), timestep=torch.tensor([10.0, 500.0]),
+                  encoder_hidden_states=torch.randn(2, WAN_MAX_LENGTH, WIDTH, generator=gen), return_dict=False)
+    with torch.no_grad():
+        want = trained(**kwargs)[0]
+        got = loaded.transformer(**kwargs)[0]
+        base = WanPipeline.from_pretrained(str(tiny_wan), use_safetensors=True).transformer(**kwargs)[0]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
+
+
+def test_memory_estimate_runs_for_wan(wan_config):
+    from simpletuner.memory.estimator import batch_shapes, estimate_memory
+
+    cfg = validate_config(wan_config(mixed_precision="no"))
+    latents, cond = batch_shapes(cfg, 2)
+    assert latents.shape == (2, C, 1, 8, 8)
+    assert {k: s.shape for k, s in cond.items()} == {"prompt_embeds": (2, WAN_MAX_LENGTH, WIDTH)}
+    est = estimate_memory(cfg, device_kind="cpu")
+    assert est.activations > 0 and est.batch_data == latents.nbytes + sum(s.nbytes for s in cond.values())

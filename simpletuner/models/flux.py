@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from simpletuner.models import noise as noise_lib
-from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.flow import FlowMatchingSpec
 from simpletuner.models.spec import save_transformer_lora
 
 #: T5 tokens per caption: FluxPipeline's default ``max_sequence_length``, so training and
@@ -86,7 +86,7 @@ def dynamic_shift_sigmas(sigmas: torch.Tensor, image_seq_len: int, scheduler_con
     return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
 
 
-class FluxSpec(StableDiffusionSpec):
+class FluxSpec(FlowMatchingSpec):
     """Flux.1 with the rectified-flow target ``noise - latents`` on packed latents."""
 
     family = "flux"
@@ -110,30 +110,10 @@ class FluxSpec(StableDiffusionSpec):
     }
 
     # --- loading -------------------------------------------------------------------------
-    def load_noise_scheduler(self):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if self._scheduler is None:
-            self._scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_path, subfolder="scheduler", **self._kwargs()
-            )
-        return self._scheduler
-
-    @property
-    def prediction_type(self) -> str:
-        return "flow_matching"
-
     @property
     def dynamic_shift(self) -> bool:
         """Whether sigmas get the resolution-dependent shift (no ``flow_shift`` and a dynamic scheduler)."""
         return self.config.flow_shift is None and bool(self.load_noise_scheduler().config.get("use_dynamic_shifting", False))
-
-    @property
-    def shift(self) -> float:
-        """The static shift: ``flow_shift``, else the scheduler's ``shift`` (unused when ``dynamic_shift``)."""
-        if self.config.flow_shift is not None:
-            return float(self.config.flow_shift)
-        return float(self.load_noise_scheduler().config.get("shift", 1.0))
 
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from simpletuner.models import noise as noise_lib
-from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.flow import FlowMatchingSpec
 from simpletuner.models.spec import save_transformer_lora
 
 #: T5 tokens per caption: StableDiffusion3Pipeline's default ``max_sequence_length``, so training
@@ -36,7 +36,7 @@ T5_MAX_LENGTH = 256
 _OPTIONAL = frozenset({"text_encoder_3", "tokenizer_3"})
 
 
-class StableDiffusion3Spec(StableDiffusionSpec):
+class StableDiffusion3Spec(FlowMatchingSpec):
     """SD3 / SD3.5 with the rectified-flow target ``noise - latents``."""
 
     family = "sd3"
@@ -75,26 +75,6 @@ class StableDiffusion3Spec(StableDiffusionSpec):
         return (root / "text_encoder_3").is_dir()
 
     # --- loading -------------------------------------------------------------------------
-    def load_noise_scheduler(self):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        if self._scheduler is None:
-            self._scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_path, subfolder="scheduler", **self._kwargs()
-            )
-        return self._scheduler
-
-    @property
-    def prediction_type(self) -> str:
-        return "flow_matching"
-
-    @property
-    def shift(self) -> float:
-        """The resolution shift applied to sampled sigmas: ``flow_shift``, else the scheduler's ``shift``."""
-        if self.config.flow_shift is not None:
-            return float(self.config.flow_shift)
-        return float(self.load_noise_scheduler().config.get("shift", 1.0))
-
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 

@@ -53,29 +53,11 @@ def _tiny_vae(**overrides):
     return AutoencoderKL(**kwargs)
 
 
-def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
-    """Write a tiny SD 1.x-style pipeline (UNet, VAE, CLIP text encoder, tokenizer, DDPM scheduler)."""
-    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+def _tiny_unet(cross_attention_dim: int, **extra):
+    """The tiny two-level UNet the sd and sdxl zoo models share (latents 4 x res/8)."""
+    from diffusers import UNet2DConditionModel
 
-    if prediction_type not in ("epsilon", "v_prediction"):
-        raise ValueError(f"prediction_type must be epsilon or v_prediction, not {prediction_type!r}")
-    out = Path(out_dir)
-    torch.manual_seed(seed)
-    tokenizer = tiny_clip_tokenizer()
-    text_config = CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=77,
-        projection_dim=32,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         sample_size=TINY_SD_RESOLUTION // 8,
         in_channels=4,
         out_channels=4,
@@ -83,10 +65,25 @@ def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: i
         layers_per_block=1,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
+        cross_attention_dim=cross_attention_dim,
         attention_head_dim=8,
         norm_num_groups=8,
+        **extra,
     )
+
+
+def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
+    """Write a tiny SD 1.x-style pipeline (UNet, VAE, CLIP text encoder, tokenizer, DDPM scheduler)."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+    from transformers import CLIPTextModel
+
+    if prediction_type not in ("epsilon", "v_prediction"):
+        raise ValueError(f"prediction_type must be epsilon or v_prediction, not {prediction_type!r}")
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer = tiny_clip_tokenizer()
+    text_config = _tiny_clip_config(tokenizer, 32, 32)
+    unet = _tiny_unet(cross_attention_dim=32)
     vae = _tiny_vae()
     scheduler = DDPMScheduler(
         num_train_timesteps=1000,
@@ -143,7 +140,7 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
     their penultimate hidden states) and its added-embedding input is six time ids times
     ``addition_time_embed_dim`` plus the second encoder's projection (the pooled embedding).
     """
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     if prediction_type not in ("epsilon", "v_prediction"):
@@ -152,17 +149,8 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
     torch.manual_seed(seed)
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_clip_tokenizer()
     hidden_1, hidden_2 = TINY_SDXL_HIDDEN
-    unet = UNet2DConditionModel(
-        sample_size=TINY_SD_RESOLUTION // 8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+    unet = _tiny_unet(
         cross_attention_dim=hidden_1 + hidden_2,
-        attention_head_dim=8,
-        norm_num_groups=8,
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=TINY_SDXL_TIME_EMBED,

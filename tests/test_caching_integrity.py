@@ -110,7 +110,7 @@ def test_threaded_verify_finds_the_same_as_serial(tmp_path, monkeypatch):
     flip_byte(_shard_of(cache.store, "k3"), "k3")
     flip_byte(_shard_of(cache.store, "k8"), "k8", name="size", offset=0)
     serial = ShardedTensorStore(tmp_path).verify()
-    monkeypatch.setattr("simpletuner.caching.store._VERIFY_WORKERS", 4)
+    monkeypatch.setattr("simpletuner.caching.shard_checks._VERIFY_WORKERS", 4)
     threaded = ShardedTensorStore(tmp_path).verify()
     assert sorted(threaded.problems) == sorted(serial.problems) == ["k3", "k8"]
     assert threaded.num_ok == serial.num_ok == 10

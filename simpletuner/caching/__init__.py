@@ -2,7 +2,8 @@
 
 - :mod:`.fingerprint`: cache keys over everything that changes a value, plus file and
   encoder-folder identities.
-- :mod:`.store`: :class:`ShardedTensorStore`, atomic safetensors shards on disk.
+- :mod:`.store`: :class:`ShardedTensorStore`, atomic safetensors shards on disk; its integrity
+  checks (verify, checked reads, compaction) live in :mod:`.shard_checks`.
 - :mod:`.integrity`: per-tensor checksums in each shard's header, :class:`VerifyReport`.
 - :mod:`.memory_store`: :class:`MemoryTensorStore`, entries in RAM or managed memory.
 - :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``) and

@@ -68,8 +68,25 @@ def _requested() -> tuple[bool, str]:
     return False, f"off by default (set {ENV_VAR}=1 or gh200_optimizations.enable_uvm_hints)"
 
 
+_decided: tuple[tuple, bool] | None = None  # ((override, env value, runtime), answer): asked per tensor
+
+
 def gh200_uvm_enabled() -> bool:
-    """True when hints are asked for and managed memory is usable here."""
+    """True when hints are asked for and managed memory is usable here.
+
+    Called for every tensor a unified-memory cache hands out, so the answer is kept until the
+    override, the environment variable or the runtime changes.
+    """
+    global _decided
+    key = (_override, os.environ.get(ENV_VAR), id(get_runtime()))
+    if _decided is not None and _decided[0] == key:
+        return _decided[1]
+    answer = _decide()
+    _decided = (key, answer)
+    return answer
+
+
+def _decide() -> bool:
     wanted, why = _requested()
     if not wanted:
         _say_once(logging.INFO, "GH200 unified-memory hints are off: %s", why)
@@ -199,7 +216,8 @@ def unified_memory_status() -> dict[str, Any]:
 
 def _reset_for_tests() -> None:
     """Forget the override and what was said (tests only)."""
-    global _override
+    global _override, _decided
     _override = None
+    _decided = None
     with _said_lock:
         _said.clear()

@@ -165,13 +165,18 @@ class StableDiffusionSpec(ModelSpec):
         return self.latent_shape(batch_size), {"prompt_embeds": embeds}
 
     # --- output --------------------------------------------------------------------------
-    def save_lora(self, output_dir, denoiser):
+    def lora_pipeline_class(self):
+        """The diffusers pipeline whose ``save_lora_weights`` / ``load_lora_weights`` own the file format."""
         from diffusers import StableDiffusionPipeline
+
+        return StableDiffusionPipeline
+
+    def save_lora(self, output_dir, denoiser):
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
-        StableDiffusionPipeline.save_lora_weights(
+        self.lora_pipeline_class().save_lora_weights(
             save_directory=str(output_dir),
             unet_lora_layers=layers,
             unet_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),

@@ -19,7 +19,6 @@ crop offset are not kept in the latent cache; conditioning on them is a possible
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,19 +112,10 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         }
 
     # --- output --------------------------------------------------------------------------
-    def save_lora(self, output_dir, denoiser):
+    def lora_pipeline_class(self):
         from diffusers import StableDiffusionXLPipeline
-        from diffusers.utils import convert_state_dict_to_diffusers
-        from peft.utils import get_peft_model_state_dict
 
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
-        StableDiffusionXLPipeline.save_lora_weights(
-            save_directory=str(output_dir),
-            unet_lora_layers=layers,
-            unet_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
-            safe_serialization=True,
-        )
-        return Path(output_dir) / "pytorch_lora_weights.safetensors"
+        return StableDiffusionXLPipeline
 
     def build_pipeline(self, denoiser, vae, text_encoders):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline

@@ -35,7 +35,19 @@ class _FolderDatasetConfig(_Strict):
 
     id: str = Field(..., min_length=1, description="Unique name of this dataset; used in cache paths and logs.")
     instance_data_dir: str = Field(..., description="Folder searched recursively for .jpg/.jpeg/.png/.webp images.")
-    dataset_type: Literal["image"] = Field("image", description="Kind of samples in the folder.")
+    dataset_type: Literal["image", "video"] = Field(
+        "image",
+        description=(
+            "`image`: still images. `video`: short clips (.mp4/.webm/.mov/.mkv through the `video` extra, animated "
+            ".gif/.webp without it) or folders of numbered frames (one sub-folder per clip); each trains as "
+            "`num_frames` frames taken every `frame_stride` frames from the start. Video needs a video family (wan)."
+        ),
+    )
+    num_frames: Optional[int] = Field(
+        None, ge=1,
+        description="Video datasets: frames per training clip, of the form 4k+1 (1, 5, 9, ..., 81). Required for `video`.",
+    )
+    frame_stride: int = Field(1, ge=1, description="Video datasets: take every N-th frame of the source clip (1: consecutive frames).")
     caption_strategy: CaptionStrategy = Field(
         "textfile",
         description=(
@@ -57,6 +69,15 @@ class _FolderDatasetConfig(_Strict):
     def _prompt_needed(self):
         if self.caption_strategy == "instance_prompt" and not self.instance_prompt:
             raise ValueError("caption_strategy 'instance_prompt' needs `instance_prompt`: add the caption every image should get")
+        if self.dataset_type == "video":
+            if self.num_frames is None:
+                raise ValueError("dataset_type 'video' needs `num_frames` (4k+1: 1, 5, 9, 13, ..., 81)")
+            if self.num_frames % 4 != 1:
+                lower, upper = self.num_frames - (self.num_frames - 1) % 4, self.num_frames + (5 - self.num_frames % 4) % 4
+                raise ValueError(f"num_frames {self.num_frames} is not of the form 4k+1 (the video VAE packs 4 frames per "
+                                 f"latent frame after the first): use {lower} or {upper}")
+        elif self.num_frames is not None or self.frame_stride != 1:
+            raise ValueError("`num_frames` / `frame_stride` apply to dataset_type 'video' only")
         return self
 
 
@@ -147,6 +168,35 @@ class GH200Optimizations(_Strict):
         return self
 
 
+class Augmentations(_Strict):
+    """Random changes to training images before they are encoded (all off by default)."""
+
+    flip_probability: float = Field(0.0, ge=0, le=1, description="Chance of a horizontal flip.")
+    crop_jitter: float = Field(
+        0.0, ge=0, lt=0.5,
+        description="Move the crop window by up to this fraction of the bucket side (the image is scaled up just enough to allow it).",
+    )
+    color_jitter: float = Field(
+        0.0, ge=0, lt=1,
+        description="Change brightness, contrast and saturation each by a random factor in [1 - x, 1 + x].",
+    )
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self.flip_probability or self.crop_jitter or self.color_jitter)
+
+
+class LycorisOptions(_Strict):
+    """The LyCORIS adapter (`lora_type: lycoris`, needs the `lycoris` extra)."""
+
+    algo: Literal["locon", "loha", "lokr"] = Field(
+        "lokr",
+        description="`locon` (LoRA on linear and conv layers), `loha` (Hadamard product of two low-rank pairs), `lokr` (Kronecker product).",
+    )
+    factor: int = Field(-1, description="LoKr: the Kronecker factor of each weight's split (-1: as square as possible).")
+    full_matrix: bool = Field(False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair.")
+
+
 #: Model families trained with flow matching (sigma in (0, 1)) rather than a DDPM schedule.
 FLOW_MATCHING_FAMILIES = frozenset({"wan", "sd3", "flux"})
 
@@ -157,12 +207,38 @@ class TrainingConfig(_Strict):
     # --- model ---
     pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
     model_family: Literal["sd", "sdxl", "sd3", "flux", "wan"] = Field(
-        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video)."
+        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split at the pipeline's `boundary_ratio`)."
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."
     )
     revision: Optional[str] = Field(None, description="Hub revision, when loading from the hub.")
+    base_model_precision: Literal["no_change", "qfloat8", "qint8", "int8_torchao", "fp8_torchao"] = Field(
+        "no_change",
+        description=(
+            "Store the frozen base weights quantised: `qfloat8` / `qint8` (optimum-quanto, the `quanto` extra) or "
+            "`int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); about half the memory of bf16 weights, "
+            "some speed and a little quality. Adapters still train in fp32. `no_change`: the mixed-precision dtype. "
+            "LoRA / LyCORIS only."
+        ),
+    )
+    train_stages: Literal["both", "high", "low"] = Field(
+        "both",
+        description=(
+            "Wan 2.2 (two experts): `both` trains an adapter on each expert in one run (each sample goes to the "
+            "expert its timestep belongs to); `high` / `low` trains only the high-noise (`transformer`, timesteps at "
+            "or above the boundary) or low-noise (`transformer_2`) expert, sampling timesteps on its side only."
+        ),
+    )
+    low_vram: bool = Field(
+        False,
+        description=(
+            "Keep what is idle in CPU RAM: the frozen expert when `train_stages` is `high` or `low`, and the text "
+            "encoders and VAE kept for validation; each moves to the GPU only while it is needed (validation). Costs "
+            "a host-to-device copy per validation. On unified-memory machines (GH200, GB10) try it off first: "
+            "there the GPU reads CPU RAM directly and the copies gain little."
+        ),
+    )
 
     # --- output ---
     output_dir: str = Field("output", description="Folder for checkpoints, logs, validation images and the final weights.")
@@ -203,6 +279,14 @@ class TrainingConfig(_Strict):
     lr_bump: float = Field(1e-6, gt=0, description="Automagic: how much an element's learning rate moves per step.")
     min_lr: float = Field(1e-7, gt=0, description="Automagic: lowest per-element learning rate.")
     max_lr: float = Field(1e-3, gt=0, description="Automagic: highest per-element learning rate.")
+    high_noise_learning_rate: Optional[float] = Field(None, gt=0, description="Wan 2.2: `learning_rate` of the high-noise expert's adapter (default: `learning_rate`).")
+    high_noise_lr_bump: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `lr_bump` of the high-noise expert (default: `lr_bump`).")
+    high_noise_min_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `min_lr` of the high-noise expert (default: `min_lr`).")
+    high_noise_max_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `max_lr` of the high-noise expert (default: `max_lr`).")
+    low_noise_learning_rate: Optional[float] = Field(None, gt=0, description="Wan 2.2: `learning_rate` of the low-noise expert's adapter (default: `learning_rate`).")
+    low_noise_lr_bump: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `lr_bump` of the low-noise expert (default: `lr_bump`).")
+    low_noise_min_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `min_lr` of the low-noise expert (default: `min_lr`).")
+    low_noise_max_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `max_lr` of the low-noise expert (default: `max_lr`).")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
@@ -239,7 +323,12 @@ class TrainingConfig(_Strict):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
 
     # --- adapter ---
-    training_type: Literal["lora", "full"] = Field("lora", description="`lora`: train a LoRA adapter on the denoiser; `full`: train every denoiser weight.")
+    training_type: Literal["lora", "full"] = Field("lora", description="`lora`: train an adapter on the denoiser (`lora_type` says which); `full`: train every denoiser weight.")
+    lora_type: Literal["standard", "lycoris"] = Field(
+        "standard",
+        description="`standard`: a peft LoRA (optionally DoRA), saved for diffusers' `load_lora_weights`; `lycoris`: a LyCORIS adapter (`lycoris` table; the `lycoris` extra), saved in LyCORIS' own format.",
+    )
+    lycoris: LycorisOptions = Field(default_factory=LycorisOptions, description="LyCORIS options; see the table below. Rank and alpha come from `lora_rank` / `lora_alpha`.")
     lora_rank: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: Optional[float] = Field(None, gt=0, description="LoRA alpha; default: equal to `lora_rank` (scale 1).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
@@ -293,6 +382,24 @@ class TrainingConfig(_Strict):
             "Threads that read and decode images ahead of the VAE while the latent cache fills (0: decode in the "
             "training process between VAE batches). Helps large datasets at start-up; costs CPU RAM for "
             "two decoded batches per thread. Training steps read from the caches and do not use it."
+        ),
+    )
+    dataloader_persistent_workers: bool = Field(
+        False,
+        description=(
+            "Keep the image-decoding threads alive between epochs instead of starting them for each re-encode "
+            "(only matters with `augmentations_cache_mode` `refresh_each_epoch` or `disable_cache`)."
+        ),
+    )
+    augmentations: Augmentations = Field(default_factory=Augmentations, description="Image augmentations; see the table below.")
+    augmentations_cache_mode: Literal["disable_cache", "static", "refresh_each_epoch"] = Field(
+        "static",
+        description=(
+            "How augmented images meet the latent cache: `static` encodes one augmented version per image once "
+            "(cheapest; the same augmentation every epoch); `refresh_each_epoch` re-encodes every image at the start "
+            "of each epoch with new random augmentations (old entries removed; a half-refreshed cache is never read as "
+            "complete); `disable_cache` encodes every batch as it is trained (a VAE pass per step, new augmentations "
+            "every time; the VAE stays loaded)."
         ),
     )
     dataloader_pin_memory: bool = Field(
@@ -366,6 +473,26 @@ class TrainingConfig(_Strict):
                     f"learning_rate {self.learning_rate} is outside [min_lr {self.min_lr}, max_lr {self.max_lr}]: with "
                     "optimizer automagic it is each element's starting learning rate"
                 )
+        if self.train_stages != "both" and self.model_family != "wan":
+            problems.append(
+                f"train_stages {self.train_stages!r} picks one expert of a two-expert model (Wan 2.2), but model_family "
+                f"{self.model_family!r} has one denoiser: remove train_stages"
+            )
+        if self.optimizer == "automagic":
+            for stage in ("high_noise", "low_noise"):
+                lo = getattr(self, f"{stage}_min_lr") or self.min_lr
+                hi = getattr(self, f"{stage}_max_lr") or self.max_lr
+                if lo > hi:
+                    problems.append(f"{stage}_min_lr {lo} is greater than {stage}_max_lr {hi}: set min <= max")
+        if self.training_type == "full" and self.base_model_precision != "no_change":
+            problems.append(
+                f"base_model_precision {self.base_model_precision!r} quantises frozen base weights, but training_type "
+                "'full' trains every weight: use training_type 'lora' or base_model_precision 'no_change'"
+            )
+        if self.model_family != "wan" and any(
+            d.dataset_type == "video" for d in (self.datasets or [])
+        ):
+            problems.append(f"video datasets need a video model family (wan), not {self.model_family!r}")
         flow_family = self.model_family in FLOW_MATCHING_FAMILIES
         if flow_family and self.loss_weighting == "min_snr":
             problems.append(

@@ -13,6 +13,7 @@ import logging
 from typing import Any, Mapping
 
 from simpletuner.caching.fingerprint import fingerprint
+from simpletuner.data_backend.video import sample_identity
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,24 @@ def latent_cache_key(
 LATENT_DTYPE = "float32"
 
 
-def sample_latent_key(dataset, sample, encoder_identity: str, default_resolution: int) -> str:
+def sample_latent_key(dataset, sample, encoder_identity: str, default_resolution: int,
+                      augment: Mapping[str, Any] | None = None) -> str:
     """The latent key of ``sample`` of a registered ``dataset`` (its backend gives the file
     identity; its config may override the resolution). The trainer and ``simpletuner cache``
-    both call this, so they always agree on what is cached."""
+    both call this, so they always agree on what is cached. ``augment`` describes the
+    augmentations the latent was encoded with
+    (:func:`~simpletuner.data_backend.augment.augmentation_key`); None (off) leaves the key as
+    it was before augmentations existed."""
+    crop = {"style": sample.crop_style, "seed": sample.crop_seed}
+    if sample.is_video:  # clips only, so image keys stay as they were
+        crop.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
+    if augment is not None:
+        crop["augment"] = dict(augment)
     return latent_cache_key(
         sample_key=sample.key,
-        file_identity=dataset.backend.identity(sample.path),
+        file_identity=sample_identity(dataset.backend, sample),  # a frame folder: its frames' identities
         bucket=sample.bucket,
-        crop={"style": sample.crop_style, "seed": sample.crop_seed},
+        crop=crop,
         resolution=dataset.config.resolution or default_resolution,
         encoder_identity=encoder_identity,
         dtype=LATENT_DTYPE,

@@ -12,6 +12,12 @@ from typing import Iterable, Protocol, runtime_checkable
 
 #: File extensions (lowercase, with the dot) treated as training images.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp"})
+#: Video files of a video dataset, decoded with PyAV (the optional ``video`` extra).
+VIDEO_FILE_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".webm", ".mov", ".mkv"})
+#: Animated images a video dataset reads as clips with Pillow (``.webp`` only when animated).
+ANIMATED_IMAGE_EXTENSIONS: frozenset[str] = frozenset({".gif", ".webp"})
+#: Files that are already compressed media: a staging backend keeps their bytes as they are.
+ENCODED_MEDIA_EXTENSIONS: frozenset[str] = IMAGE_EXTENSIONS | VIDEO_FILE_EXTENSIONS | ANIMATED_IMAGE_EXTENSIONS
 
 
 @runtime_checkable

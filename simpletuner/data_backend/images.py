@@ -11,10 +11,13 @@ import io
 import logging
 import random
 import struct
+from pathlib import PurePosixPath
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+
+from simpletuner.data_backend.base import DataBackend, SupportsReadHead
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,11 @@ _DECODE_ERRORS = (OSError, SyntaxError, EOFError, struct.error, ValueError, Inde
 _BACKGROUND = (255, 255, 255)
 
 CROP_STYLES = ("center", "random")
+
+#: Bytes read first to parse a JPEG/PNG header (a JPEG's EXIF segment is at most 64 KiB);
+#: the whole file is read only if that fails. WebP keeps EXIF at the end: always read whole.
+HEADER_BYTES = 256 * 1024
+_PREFIX_PARSABLE = frozenset({".jpg", ".jpeg", ".png"})
 
 #: ``prepare_image`` resamples only the crop window when the resized image would be more than
 #: this many times the bucket's area (only images far more elongated than the 4:1 buckets).
@@ -77,6 +85,21 @@ def read_image_size(data: bytes) -> tuple[int, int]:
     if orientation in _SWAPPING_ORIENTATIONS:
         return height, width
     return width, height
+
+
+def image_size_of(backend: DataBackend, path: str) -> tuple[int, int]:
+    """:func:`read_image_size` of the file ``path`` of ``backend``: reads only a prefix where the
+    backend can (:class:`SupportsReadHead`) and the format allows, the whole file otherwise."""
+    if isinstance(backend, SupportsReadHead) and PurePosixPath(path).suffix.lower() in _PREFIX_PARSABLE:
+        head = backend.read_head(path, HEADER_BYTES)
+        if not head:
+            raise ValueError("empty file (0 bytes)")
+        try:
+            return read_image_size(head)
+        except ValueError:
+            if len(head) < HEADER_BYTES:
+                raise  # that was the whole file
+    return read_image_size(backend.read(path))
 
 
 def load_rgb(data: bytes) -> Image.Image:

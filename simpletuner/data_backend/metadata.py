@@ -1,6 +1,8 @@
-"""Dataset metadata: one scan of the files gives each image its caption, size and bucket.
+"""Dataset metadata: one scan of the files gives each image (or clip) its caption, size and bucket.
 
-The scan reads image headers only (no pixel decoding), so it stays fast on large folders.
+The scan reads image headers only (no pixel decoding), so it stays fast on large folders; a video
+dataset's clips are found and probed by ``simpletuner.data_backend.video`` (size and frame count
+from headers and container metadata), and clips too short for ``num_frames`` stop the run.
 Broken files are skipped and reported; too many of them stops the run, because a dataset
 that is mostly unreadable usually means a wrong folder or a failed copy.
 """
@@ -18,19 +20,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tqdm.auto import tqdm
 
-from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend, SupportsReadHead
+from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
 from simpletuner.data_backend.buckets import bucket_for
-from simpletuner.data_backend.images import read_image_size
+from simpletuner.data_backend.images import image_size_of
+from simpletuner.data_backend.video import CLIP_KINDS, FRAME_FOLDER, VIDEO_FILE, Clip, find_clips, frame_indices
+from simpletuner.data_backend.video import frames_needed, probe_clip, require_av, stray_images_error, too_short_error
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
-#: Bytes read first to parse a JPEG/PNG header (a JPEG's EXIF segment is at most 64 KiB);
-#: the whole file is read only if that fails. WebP keeps EXIF at the end: always read whole.
-HEADER_BYTES = 256 * 1024
-_PREFIX_PARSABLE = frozenset({".jpg", ".jpeg", ".png"})
 #: Bad files named in an error message or warning.
 NUM_BAD_FILES_SHOWN = 10
 
@@ -39,7 +39,11 @@ _TRAILING_NUMBER = re.compile(r"(?:[\s_\-]+\d+)+$")
 
 @dataclass(frozen=True)
 class Sample:
-    """One training image: where it is, its caption, and the bucket and crop it trains at."""
+    """One training image or clip: where it is, its caption, and the bucket and crop it trains at.
+
+    A clip (``media`` other than ``"image"``) trains on ``num_frames`` frames taken every
+    ``frame_stride`` frames from its start, all with the same crop.
+    """
 
     key: str  # f"{dataset_id}/{path}": unique across datasets, the cache key's sample part
     dataset_id: str
@@ -49,6 +53,15 @@ class Sample:
     bucket: tuple[int, int]  # (width, height) it is cropped to
     crop_style: str
     crop_seed: int
+    num_frames: int = 1
+    frame_stride: int = 1
+    media: str = "image"  # or a clip's kind: "video" (PyAV file), "animated" (gif/webp), "frames" (a folder)
+    frame_paths: tuple[str, ...] = ()  # a frame folder's frames this sample takes, in order
+
+    @property
+    def is_video(self) -> bool:
+        """Whether this sample is a clip (pixels ``[3, F, H, W]``) rather than an image."""
+        return self.media != "image"
 
 
 @dataclass
@@ -63,7 +76,8 @@ class DatasetMetadata:
     samples: list[Sample] = field(default_factory=list)
     bad_files: list[tuple[str, str]] = field(default_factory=list)
     caption_sources: dict[str, int] = field(default_factory=dict)
-    num_files: int = 0  # image files found, readable or not
+    num_files: int = 0  # image files (or clips) found, readable or not
+    noun: str = "image files"  # what the dataset holds, in messages ("clips" for video)
 
     def drop_unreadable(self, dataset_id: str, root: str, failures: dict[str, str], limit: float) -> None:
         """Remove samples whose image failed to decode after the header scan (e.g. a cut-off
@@ -74,19 +88,20 @@ class DatasetMetadata:
         self.samples = [s for s in self.samples if s.path not in failures]
         new = sorted(failures.items())
         self.bad_files.extend(new)
-        _check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit)
-        _warn_skipped(dataset_id, self.num_files, new, len(self.bad_files), "while decoding")
+        _check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit, self.noun)
+        _warn_skipped(dataset_id, self.num_files, new, len(self.bad_files), "while decoding", self.noun)
         if not self.samples:
-            raise ValueError(f"dataset {dataset_id!r}: no image under {root} could be decoded:\n{_format_bad(self.bad_files)}")
+            raise ValueError(f"dataset {dataset_id!r}: none of the {self.noun} under {root} could be decoded:\n"
+                             f"{_format_bad(self.bad_files)}")
 
 
-def caption_from_filename(path: str) -> str:
+def caption_from_filename(path: str, *, is_folder: bool = False) -> str:
     """``"photos/red_cat-on_mat_001.png"`` -> ``"red cat on mat"``.
 
     Underscores and dashes become spaces and a trailing number (``_001``, ``-12``) is
-    dropped; a name that is only a number keeps it.
+    dropped; a name that is only a number keeps it. A folder (a frame folder) keeps its whole name.
     """
-    stem = PurePosixPath(path).stem
+    stem = PurePosixPath(path).name if is_folder else PurePosixPath(path).stem
     trimmed = _TRAILING_NUMBER.sub("", stem) or stem
     return " ".join(re.sub(r"[_\-]+", " ", trimmed).split())
 
@@ -114,13 +129,20 @@ def _decode_caption(data: bytes, where: str) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def caption_for(backend: DataBackend, path: str, dataset_cfg: Any) -> tuple[str, str]:
-    """The caption of the image at ``path`` and where it came from.
+def caption_file(path: str, *, is_folder: bool = False) -> str:
+    """The caption file of the image or clip file at ``path`` (``a/b.png`` -> ``a/b.txt``), or of
+    the frame folder ``path`` (``a/clip`` -> ``a/clip.txt``, next to the folder)."""
+    return f"{path}.txt" if is_folder else PurePosixPath(path).with_suffix(".txt").as_posix()
+
+
+def caption_for(backend: DataBackend, path: str, dataset_cfg: Any, *, is_folder: bool = False) -> tuple[str, str]:
+    """The caption of the image (or clip, or frame folder when ``is_folder``) at ``path`` and where
+    it came from.
 
     Strategies (``dataset_cfg.caption_strategy``):
 
-    - ``textfile``: the stripped text of the same-named ``.txt`` next to the image; when that
-      is missing or empty, ``instance_prompt``, and without one the file name.
+    - ``textfile``: the stripped text of :func:`caption_file`; when that is missing or empty,
+      ``instance_prompt``, and without one the file name.
     - ``filename``: :func:`caption_from_filename`.
     - ``instance_prompt``: ``dataset_cfg.instance_prompt`` for every image.
 
@@ -129,16 +151,16 @@ def caption_for(backend: DataBackend, path: str, dataset_cfg: Any) -> tuple[str,
     """
     strategy = dataset_cfg.caption_strategy
     if strategy == "textfile":
-        text_path = PurePosixPath(path).with_suffix(".txt").as_posix()
+        text_path = caption_file(path, is_folder=is_folder)
         if backend.exists(text_path):
             caption = _decode_caption(backend.read(text_path), f"{backend.id}/{text_path}").strip()
             if caption:
                 return caption, "textfile"
         if dataset_cfg.instance_prompt:
             return dataset_cfg.instance_prompt, "instance_prompt"
-        return caption_from_filename(path), "filename"
+        return caption_from_filename(path, is_folder=is_folder), "filename"
     if strategy == "filename":
-        return caption_from_filename(path), "filename"
+        return caption_from_filename(path, is_folder=is_folder), "filename"
     if strategy == "instance_prompt":
         if not dataset_cfg.instance_prompt:
             raise ValueError(
@@ -157,20 +179,6 @@ def crop_seed_for(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def _image_size(backend: DataBackend, path: str) -> tuple[int, int]:
-    """Header-only size; reads a prefix where the backend can, the whole file otherwise."""
-    if isinstance(backend, SupportsReadHead) and PurePosixPath(path).suffix.lower() in _PREFIX_PARSABLE:
-        head = backend.read_head(path, HEADER_BYTES)
-        if not head:
-            raise ValueError("empty file (0 bytes)")
-        try:
-            return read_image_size(head)
-        except ValueError:
-            if len(head) < HEADER_BYTES:
-                raise  # that was the whole file
-    return read_image_size(backend.read(path))
-
-
 def display_path(path: str) -> str:
     """``path`` safe to print and log: bytes of a file name that is not valid UTF-8 (which
     Python holds as lone surrogates) are shown as ``\\xNN`` escapes."""
@@ -185,7 +193,9 @@ def _is_utf8_name(path: str) -> bool:
     return True
 
 
-def _caption_problem(backend: DataBackend, path: str, dataset_cfg: Any, unreadable: Mapping[str, str]) -> str | None:
+def _caption_problem(
+    backend: DataBackend, path: str, dataset_cfg: Any, unreadable: Mapping[str, str], is_folder: bool = False
+) -> str | None:
     """Why the caption file of ``path`` cannot be used, or None when it is fine or absent.
 
     A caption file that exists but cannot be read skips its image: falling back to
@@ -193,7 +203,7 @@ def _caption_problem(backend: DataBackend, path: str, dataset_cfg: Any, unreadab
     """
     if dataset_cfg.caption_strategy != "textfile":
         return None
-    text_path = PurePosixPath(path).with_suffix(".txt").as_posix()
+    text_path = caption_file(path, is_folder=is_folder)
     if text_path in unreadable:
         return f"caption file {text_path} cannot be read: {unreadable[text_path]}"
     return None
@@ -215,60 +225,83 @@ def build_metadata(
     seed: int,
     unreadable: Mapping[str, str] | None = None,
 ) -> DatasetMetadata:
-    """Scan ``backend`` for images and give each a caption, size, bucket and crop seed.
+    """Scan ``backend`` for images (clips for ``dataset_type: video``) and give each a caption,
+    size, bucket and crop seed.
 
     Resolution is ``dataset_cfg.resolution`` or ``config.resolution``; buckets are aligned to
     ``config.aspect_bucket_alignment``. Images that cannot be used are skipped, listed in
     ``bad_files`` with the reason, and named in one warning: empty, cut-off header, not an
     image, no permission, a file name that is not valid UTF-8, or a caption file that exists
-    but cannot be read.
+    but cannot be read. Clips are bucketed by their first frame's size and skipped on the same
+    grounds (a corrupt clip counts as a bad file).
 
     ``unreadable`` maps the paths a backend found but could not read before the scan (a
     staging backend's failures; they are not in its ``list_files``) to the reason; images
     among them count as bad files, caption files among them skip their image.
 
     Raises:
-        ValueError: no image files under the root; no readable image; or a larger fraction
-            of unreadable files than ``config.max_bad_image_fraction``.
+        ValueError: no image files (clips) under the root; no readable one; a larger fraction
+            of unreadable files than ``config.max_bad_image_fraction``; for video, clips with
+            fewer frames than ``num_frames`` at ``frame_stride`` take (all named at once) or still
+            images directly under the root.
+        ImportError: a video dataset holds video files and PyAV is not installed.
     """
     unreadable = unreadable or {}
     root = _describe_root(backend, dataset_cfg)
     resolution = dataset_cfg.resolution or config.resolution
     alignment = config.aspect_bucket_alignment
-    files = backend.list_files(IMAGE_EXTENSIONS)
-    failed_images = sorted(
-        (display_path(p), f"cannot read file: {reason}")
-        for p, reason in unreadable.items()
-        if PurePosixPath(p).suffix.lower() in IMAGE_EXTENSIONS
-    )
-    if not files and not failed_images:
+    is_video = getattr(dataset_cfg, "dataset_type", "image") == "video"
+    if is_video:
+        clips, failed, stray = find_clips(backend, unreadable)
+        if stray:
+            raise stray_images_error(backend.id, root, stray)
+        if any(clip.media == VIDEO_FILE for clip in clips):
+            require_av()  # before scanning: a missing extra is not a bad file
+        entries: list[tuple[str, Clip | None]] = [(clip.path, clip) for clip in clips]
+        needed = frames_needed(dataset_cfg.num_frames, dataset_cfg.frame_stride)
+    else:
+        entries = [(path, None) for path in backend.list_files(IMAGE_EXTENSIONS)]
+        failed = sorted(
+            (display_path(p), f"cannot read file: {reason}")
+            for p, reason in unreadable.items()
+            if PurePosixPath(p).suffix.lower() in IMAGE_EXTENSIONS
+        )
+    if not entries and not failed:
+        if is_video:
+            raise ValueError(f"no clips found under {root} (looked for {CLIP_KINDS}, recursively)")
         raise ValueError(f"no images found under {root} (looked for .jpg, .jpeg, .png, .webp recursively)")
 
-    result = DatasetMetadata(num_files=len(files) + len(failed_images), bad_files=list(failed_images))
+    noun = "clips" if is_video else "image files"
+    result = DatasetMetadata(num_files=len(entries) + len(failed), bad_files=list(failed), noun=noun)
     sources: Counter[str] = Counter()
     unique: list[Sample] = []
-    for path in tqdm(files, desc=f"scanning {backend.id}", unit="img", disable=None):
+    too_short: list[tuple[str, int]] = []
+    for path, clip in tqdm(entries, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None):
+        shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
         if not _is_utf8_name(path):
             # Sample keys, cache keys and file-name captions are UTF-8 text.
-            result.bad_files.append((display_path(path), "file name is not valid UTF-8; rename the file"))
+            result.bad_files.append((display_path(shown), "file name is not valid UTF-8; rename the file"))
             continue
         try:
-            width, height = _image_size(backend, path)
+            width, height, num_source = probe_clip(backend, clip) if clip else (*image_size_of(backend, path), 1)
         except ValueError as exc:
-            result.bad_files.append((path, str(exc)))
+            result.bad_files.append((shown, str(exc)))
             continue
         except OSError as exc:
-            result.bad_files.append((path, f"cannot read file: {exc.strerror or exc}"))
+            result.bad_files.append((shown, f"cannot read file: {exc.strerror or exc}"))
             continue
-        problem = _caption_problem(backend, path, dataset_cfg, unreadable)
+        if clip is not None and num_source < needed:
+            too_short.append((shown, num_source))
+            continue
+        problem = _caption_problem(backend, path, dataset_cfg, unreadable, is_folder)
         if problem is None:
             try:
-                caption, source = caption_for(backend, path, dataset_cfg)
+                caption, source = caption_for(backend, path, dataset_cfg, is_folder=is_folder)
             except OSError as exc:
-                text_path = PurePosixPath(path).with_suffix(".txt").as_posix()
+                text_path = caption_file(path, is_folder=is_folder)
                 problem = f"caption file {text_path} cannot be read: {exc.strerror or exc}"
         if problem is not None:
-            result.bad_files.append((path, problem))
+            result.bad_files.append((shown, problem))
             continue
         sources[source] += 1
         key = f"{backend.id}/{path}"
@@ -282,56 +315,73 @@ def build_metadata(
                 bucket=bucket_for(width, height, resolution, alignment),
                 crop_style=dataset_cfg.crop_style,
                 crop_seed=crop_seed_for(seed, key),
+                **(_clip_fields(clip, dataset_cfg) if clip else {}),
             )
         )
 
-    _check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction)
+    if too_short:
+        raise too_short_error(backend.id, root, too_short, result.num_files, dataset_cfg.num_frames,
+                              dataset_cfg.frame_stride)
+    _check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction, noun)
     if not unique:
         raise ValueError(
-            f"dataset {backend.id!r}: none of the {result.num_files} image files under {root} could be read:\n"
+            f"dataset {backend.id!r}: none of the {result.num_files} {noun} under {root} could be read:\n"
             f"{_format_bad(result.bad_files)}\nfix or replace these files"
         )
     if dataset_cfg.caption_strategy == "textfile" and sources["textfile"] < len(unique):
         logger.warning(
-            "dataset %r: %d of %d images have no (or an empty) caption .txt file; captioned from %s",
+            "dataset %r: %d of %d %s have no (or an empty) caption .txt file; captioned from %s",
             backend.id,
             len(unique) - sources["textfile"],
             len(unique),
+            "clips" if is_video else "images",
             "instance_prompt" if dataset_cfg.instance_prompt else "the file name",
         )
-    _warn_skipped(backend.id, result.num_files, result.bad_files, len(result.bad_files), "while scanning")
+    _warn_skipped(backend.id, result.num_files, result.bad_files, len(result.bad_files), "while scanning", noun)
     repeats = getattr(dataset_cfg, "repeats", 0)
     result.samples = unique * (1 + repeats)
     result.caption_sources = dict(sources)
     return result
 
 
-def _check_bad_files(dataset_id: str, root: str, total: int, bad: list[tuple[str, str]], limit: float) -> None:
-    """Raise when more than ``limit`` of the ``total`` image files are bad, naming them."""
+def _clip_fields(clip: Clip, dataset_cfg: Any) -> dict[str, Any]:
+    """The ``Sample`` fields of a clip: its kind, frame count and stride, and a frame folder's frames."""
+    num_frames, stride = dataset_cfg.num_frames, dataset_cfg.frame_stride
+    frames = tuple(clip.frames[i] for i in frame_indices(num_frames, stride)) if clip.media == FRAME_FOLDER else ()
+    return {"num_frames": num_frames, "frame_stride": stride, "media": clip.media, "frame_paths": frames}
+
+
+def _check_bad_files(
+    dataset_id: str, root: str, total: int, bad: list[tuple[str, str]], limit: float, noun: str = "image files"
+) -> None:
+    """Raise when more than ``limit`` of the ``total`` image files (or clips) are bad, naming them."""
     if not bad:
         return
     fraction = len(bad) / total
     if fraction > limit:
         raise ValueError(
-            f"dataset {dataset_id!r}: {len(bad)} of {total} image files under {root} could not be read "
+            f"dataset {dataset_id!r}: {len(bad)} of {total} {noun} under {root} could not be read "
             f"({fraction:.1%}), more than max_bad_image_fraction={limit} ({limit:.1%}). "
             f"First {min(len(bad), NUM_BAD_FILES_SHOWN)}:\n{_format_bad(bad)}\n"
             "Fix or remove these files, or raise `max_bad_image_fraction` in the config to skip them."
         )
 
 
-def _warn_skipped(dataset_id: str, total: int, skipped: list[tuple[str, str]], num_bad: int, when: str) -> None:
+def _warn_skipped(
+    dataset_id: str, total: int, skipped: list[tuple[str, str]], num_bad: int, when: str, noun: str = "image files"
+) -> None:
     """One warning naming every file in ``skipped`` with its reason (there are at most
     ``max_bad_image_fraction`` of the dataset, so the list is what the user needs to fix)."""
     if not skipped:
         return
     listed = "\n".join(f"  - {path}: {reason}" for path, reason in skipped)
     logger.warning(
-        "dataset %r: skipped %d unreadable file(s) %s (%d of %d image files skipped in all):\n%s",
+        "dataset %r: skipped %d unreadable file(s) %s (%d of %d %s skipped in all):\n%s",
         dataset_id,
         len(skipped),
         when,
         num_bad,
         total,
+        noun,
         listed,
     )

@@ -2,8 +2,8 @@
 
 ``GH200InMemoryBackend`` lists the folder with ``LocalDataBackend``, reads every file once on
 ``num_workers`` threads and keeps the bytes in a table that never changes afterwards, so any
-number of threads may read at once. Encoded images (JPEG/PNG/WebP) are kept as they are
-(re-compressing them gains ~0%); other files (captions, raw arrays) are stored with the
+number of threads may read at once. Encoded images (JPEG/PNG/WebP) and clips (MP4/WebM/MOV/MKV/GIF)
+are kept as they are (re-compressing them gains ~0%); other files (captions, raw arrays) are stored with the
 chosen codec unless they are tiny or it would not make them smaller. It answers every question as
 ``LocalDataBackend`` would for the folder as it was when staged.
 """
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
-from simpletuner.data_backend.base import IMAGE_EXTENSIONS, normalize_extensions
+from simpletuner.data_backend.base import ENCODED_MEDIA_EXTENSIONS, normalize_extensions
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.gh200.codecs import Codec, get_codec
 
@@ -183,7 +183,7 @@ class GH200InMemoryBackend:
         root: the dataset folder.
         id: the dataset id (in messages and sample keys).
         compression: codec for files that compress: ``lz4``, ``zlib``, ``snappy`` or ``none``.
-        compress_encoded_images: also compress ``.jpg/.jpeg/.png/.webp`` bytes.
+        compress_encoded_images: also compress ``.jpg/.jpeg/.png/.webp`` and video (``.mp4``, ``.gif``, ...) bytes.
         num_workers: loader threads; default :func:`default_num_workers`.
         memory_limit_gb: refuse before reading anything when the bytes to hold exceed this
             many GB (10**9 bytes). Files that will be compressed are checked by their
@@ -227,7 +227,7 @@ class GH200InMemoryBackend:
 
     # --- staging ---
     def _codec_for(self, path: str) -> Codec:
-        if not self.compress_encoded_images and os.path.splitext(path)[1].lower() in IMAGE_EXTENSIONS:
+        if not self.compress_encoded_images and os.path.splitext(path)[1].lower() in ENCODED_MEDIA_EXTENSIONS:
             return _AS_IS
         return self.codec
 

@@ -92,6 +92,7 @@ def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
         OSError: a folder cannot be read.
     """
     from simpletuner.data_backend import RegisteredDataset, build_local_backend, build_metadata
+    from simpletuner.data_backend.augment import static_augmentation_key
     from simpletuner.models import get_model_spec
     from simpletuner.training.performance import PRECISION_DTYPES, resolve_mixed_precision
 
@@ -101,6 +102,7 @@ def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
     image_identity = spec.image_encoder_identity()
     text_identity = spec.text_encoder_identity()
     text_dtype = PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision)]
+    augment = static_augmentation_key(config)  # the static cache holds augmented latents under their own keys
     latent_keys: set[str] = set()
     captions: set[str] = set()
     for dataset_cfg in config.datasets:
@@ -108,7 +110,7 @@ def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
         metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed)
         dataset = RegisteredDataset(dataset_cfg.id, dataset_cfg, backend, metadata)
         for sample in metadata.samples:
-            latent_keys.add(sample_latent_key(dataset, sample, image_identity, config.resolution))
+            latent_keys.add(sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment))
             captions.add(sample.caption)
     text_keys = {caption_text_key(c, text_identity, text_dtype) for c in captions}
     return {"vae": latent_keys, "text": text_keys}
@@ -281,7 +283,9 @@ def cmd_clear(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO
     if args.stale_only:
         return _clear_stale(config, args, stdin, out)
     base = cache_base(config)
-    folders = [base / name for name in CACHE_NAMES if (base / name).exists()]
+    from simpletuner.training.reencode import EPOCH_CACHE_NAME
+
+    folders = [base / name for name in (*CACHE_NAMES, EPOCH_CACHE_NAME) if (base / name).exists()]
     if not folders:
         print(f"nothing to remove: no caches under {base}", file=out)
         return 0

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm import tqdm
 
 from simpletuner.caching.integrity import VerifyReport, summarise_problems
+from simpletuner.caching.shard_checks import check_marker_name
 from simpletuner.caching.store import ShardedTensorStore
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class MemoryTensorStore:
         self.root: Path | str = backing.root if backing is not None else f"<memory:{name}>"
         self._entries: dict[str, dict[str, torch.Tensor]] = {}
         self._rejected: dict[str, str] = {}  # key -> why its backing copy was not loaded
+        self._markers: dict[str, dict[str, Any]] = {}  # without a backing folder
         if backing is not None:
             self._load(backing)
 
@@ -119,6 +121,38 @@ class MemoryTensorStore:
             self._entries.pop(key, None)
         if self.backing is not None:
             self.backing.discard(keys)
+
+    def remove(self, keys: Iterable[str]) -> int:
+        """Delete ``keys`` from memory and from the backing folder; returns how many were held."""
+        keys = list(dict.fromkeys(keys))
+        num_removed = sum(self._entries.pop(key, None) is not None for key in keys)
+        for key in keys:
+            self._rejected.pop(key, None)
+        if self.backing is not None:
+            self.backing.remove(keys)
+        return num_removed
+
+    # Markers live in the backing folder when there is one (they must outlive the process), else here.
+    def write_marker(self, name: str, content: Mapping[str, Any]) -> None:
+        """See :meth:`ShardedTensorStore.write_marker`."""
+        if self.backing is not None:
+            self.backing.write_marker(name, content)
+        else:
+            self._markers[check_marker_name(name)] = dict(content)
+
+    def read_marker(self, name: str) -> dict[str, Any] | None:
+        """See :meth:`ShardedTensorStore.read_marker`."""
+        return self.backing.read_marker(name) if self.backing is not None else self._markers.get(name)
+
+    def marker_names(self) -> list[str]:
+        """See :meth:`ShardedTensorStore.marker_names`."""
+        return self.backing.marker_names() if self.backing is not None else sorted(self._markers)
+
+    def remove_marker(self, name: str) -> None:
+        """See :meth:`ShardedTensorStore.remove_marker`."""
+        if self.backing is not None:
+            self.backing.remove_marker(name)
+        self._markers.pop(name, None)
 
     def quarantine_unreadable(self) -> list[Path]:
         """Move damaged backing shards aside (see :meth:`ShardedTensorStore.quarantine_unreadable`)."""

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Collection, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
+
+import orjson
 
 import torch
 from safetensors import SafetensorError
@@ -35,9 +38,18 @@ from simpletuner.caching.integrity import (
 logger = logging.getLogger("simpletuner.caching.store")  # one logger for the whole store
 
 QUARANTINE_SUFFIX = ".corrupt"
+MARKER_SUFFIX = ".marker.json"
+_MARKER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 # Shards are verified on threads (zlib.crc32 and file reads release the GIL) where there are cores
 # to spare; on a 2-core box a second thread measured no gain.
 _VERIFY_WORKERS = min(8, (os.cpu_count() or 1) // 2)
+
+
+def check_marker_name(name: str) -> str:
+    """``name`` when it is a plain file name part (letters, digits, ``._-``); else ValueError."""
+    if not isinstance(name, str) or not _MARKER_NAME.match(name):
+        raise ValueError(f"marker name {name!r} must be letters, digits, '.', '_' or '-' (not starting with '.' or '-')")
+    return name
 
 
 class ShardChecks:
@@ -246,3 +258,59 @@ class ShardChecks:
         report = CompactReport(num_removed, num_rewritten, num_deleted, bytes_before, self.folder_bytes())
         logger.info("compacted %s: %s", self.root, report)
         return report
+
+    # --- removal and markers (e.g. the per-epoch augmented latents) ---
+    def remove(self, keys: Iterable[str]) -> int:
+        """Delete the entries of ``keys`` from disk (unlike :meth:`discard`); returns how many were held.
+
+        A shard holding nothing else is deleted; one that also holds entries still served is
+        rewritten without them first (new shard atomically, then the old one deleted), so a
+        crash leaves every kept entry readable. Not for a folder another process reads from.
+        """
+        doomed = set(keys)
+        num_removed = sum(key in self._index for key in doomed)
+        for shard, shard_keys in list(self._shard_keys.items()):
+            if not doomed.intersection(shard_keys):
+                continue
+            kept = [k for k in shard_keys if k not in doomed and self._index.get(k, (None,))[0] == shard]
+            if kept:
+                self.put_many(dict(zip(kept, self.get_many(kept))))
+            self._forget_shard(shard)
+            shard.unlink(missing_ok=True)
+        self.discard(doomed)  # keys held only by unreadable shards
+        self._fsync_root()
+        return num_removed
+
+    def _marker_path(self, name: str) -> Path:
+        return self.root / f"{check_marker_name(name)}{MARKER_SUFFIX}"
+
+    def write_marker(self, name: str, content: Mapping[str, Any]) -> None:
+        """Record ``content`` (JSON-able) under ``name`` in the store folder, atomically (temp file,
+        fsync, rename), e.g. "every entry of version 3 is written"."""
+        path = self._marker_path(name)
+        temp = path.with_name(f".tmp-{path.name}")
+        with open(temp, "wb") as file:
+            file.write(orjson.dumps(dict(content), option=orjson.OPT_SORT_KEYS))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+        self._fsync_root()
+
+    def read_marker(self, name: str) -> dict[str, Any] | None:
+        """The content of marker ``name``, or None when there is none (or it cannot be parsed)."""
+        try:
+            content = orjson.loads(self._marker_path(name).read_bytes())
+        except FileNotFoundError:
+            return None
+        except orjson.JSONDecodeError as error:
+            logger.warning("ignoring unreadable marker %s: %s", self._marker_path(name), error)
+            return None
+        return content if isinstance(content, dict) else None
+
+    def marker_names(self) -> list[str]:
+        """Names of the markers in the folder."""
+        return sorted(p.name[: -len(MARKER_SUFFIX)] for p in self.root.glob(f"*{MARKER_SUFFIX}"))
+
+    def remove_marker(self, name: str) -> None:
+        """Delete marker ``name`` (nothing happens when there is none)."""
+        self._marker_path(name).unlink(missing_ok=True)

@@ -18,7 +18,7 @@ import os
 import re
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Sequence
@@ -73,18 +73,22 @@ def _plan_batches(
 
 
 def _prepared(
-    batches: list[list[str]], misses: Mapping[str, Any], prepare: Callable[[list[Any]], Any] | None, workers: int
+    batches: list[list[str]], misses: Mapping[str, Any], prepare: Callable[[list[Any]], Any] | None, workers: int,
+    pool: Executor | None = None,
 ) -> Iterator[tuple[list[str], Any]]:
     """``(keys, prepare(payloads))`` per batch, in order; ``prepare`` runs on ``workers`` threads
-    up to ``2 * workers`` batches ahead. Closing the generator cancels what has not started."""
+    (``pool`` when given: it is left running for its owner) up to ``2 * workers`` batches ahead.
+    Closing the generator cancels what has not started and waits for what has."""
     if prepare is None or workers < 1:
         for keys in batches:
             payloads = [misses[k] for k in keys]
             yield keys, payloads if prepare is None else prepare(payloads)
         return
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="cache-prepare")
+    own_pool = pool is None
+    if own_pool:
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="cache-prepare")
+    ahead: deque = deque()
     try:
-        ahead: deque = deque()
         todo = iter(batches)
         for keys in itertools.islice(todo, 2 * workers):
             ahead.append((keys, pool.submit(prepare, [misses[k] for k in keys])))
@@ -94,7 +98,12 @@ def _prepared(
                 ahead.append((more, pool.submit(prepare, [misses[k] for k in more])))
             yield keys, future.result()
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if own_pool:
+            pool.shutdown(wait=True, cancel_futures=True)
+        else:
+            for _, future in ahead:
+                future.cancel()
+            wait([future for _, future in ahead])
 
 
 class TensorCache:
@@ -142,6 +151,7 @@ class TensorCache:
         desc: str | None = None,
         prepare: Callable[[list[Any]], Any] | None = None,
         prepare_workers: int = 0,
+        prepare_pool: Executor | None = None,
     ) -> FillReport:
         """Compute and store every item whose key the store does not hold yet.
 
@@ -160,6 +170,8 @@ class TensorCache:
                 before ``compute``, which then receives its result instead of the payloads.
             prepare_workers: threads running ``prepare`` ahead of ``compute`` (at most two
                 batches per thread in flight); 0 runs it inline.
+            prepare_pool: run ``prepare`` on this executor (of ``prepare_workers`` threads) instead of
+                starting threads for this fill; it is left running (``dataloader_persistent_workers``).
 
         Entries are written in shards of ``flush_every`` as they are computed, and what is
         pending is written even when ``compute`` raises, so a crash loses little. Stored
@@ -183,7 +195,7 @@ class TensorCache:
         num_computed = 0
         progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
         try:
-            for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers):
+            for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers, prepare_pool):
                 results = compute(inputs)
                 self._check_results(batch_keys, results)
                 for key, result in zip(batch_keys, results):
@@ -250,6 +262,10 @@ class TensorCache:
                     "expected a non-empty dict of tensors"
                 )
 
+    def remove(self, keys: Sequence[str]) -> int:
+        """Delete ``keys`` from the store (memory and disk); returns how many it held."""
+        return self.store.remove(keys)
+
     def get_batch(self, keys: Sequence[str]) -> Entry:
         """Entries for ``keys`` stacked along a new dim 0, one tensor per name.
 
@@ -295,6 +311,19 @@ def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: st
 
         return MemoryTensorStore(name, place=lambda t: to_unified(t, prefer), prefetch=prefetch_to_device, backing=backing)
     raise ValueError(f"cache type {kind!r} is not one of disk, memory, unified_memory")
+
+
+def open_tensor_cache(folder: str | os.PathLike[str], kind: str, name: str, persistent: bool = True,
+                      prefer: str = "cpu", verify: bool = True) -> TensorCache:
+    """One :class:`TensorCache` in ``folder`` of cache type ``kind`` (`disk`, `memory`,
+    `unified_memory`; memory ones written through to ``folder`` when ``persistent``).
+
+    Raises:
+        ValueError: an unknown cache type.
+    """
+    if kind not in CACHE_TYPES:
+        raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
+    return TensorCache(_open_store(Path(folder), kind, name, persistent, prefer), name, verify=verify)
 
 
 def open_caches(

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from PIL import Image
 
 from simpletuner.caching import FillReport, TensorCache, caption_text_key, open_caches, sample_latent_key
-from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
+from simpletuner.data_backend import RegisteredDataset, Sample
+from simpletuner.data_backend.augment import static_augmentation_key
 from simpletuner.models import ModelSpec
+from simpletuner.training.reencode import DecodeThreads, EpochLatents, PixelLoader, Reencoder, batch_group, encode_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -37,30 +37,72 @@ class Batch:
 
 
 class CachedData:
-    """Maps samples to cache keys and reads batches from the caches."""
+    """Maps samples to cache keys and reads batches: latents from the VAE cache, or, with
+    augmentations in ``refresh_each_epoch`` / ``disable_cache`` mode, re-encoded while training
+    (the VAE stays loaded: this object holds it). Text embeddings are always cached."""
 
     def __init__(self, vae_cache: TensorCache, text_cache: TensorCache, latent_keys: dict[str, str],
-                 text_keys: dict[str, str], fill_reports: dict[str, FillReport]):
+                 text_keys: dict[str, str], fill_reports: dict[str, FillReport], mode: str = "static",
+                 reencoder: Reencoder | None = None):
         self.vae_cache = vae_cache
         self.text_cache = text_cache
-        self.latent_keys = latent_keys
+        self.latent_keys = latent_keys  # static mode: sample key -> latent key
         self.text_keys = text_keys
         self.fill_reports = fill_reports  # "latents" / "text": hits and encodes of this run
+        self.mode = mode  # static | refresh_each_epoch | disable_cache
+        self._reencoder = reencoder
+
+    @property
+    def epoch_latents(self) -> EpochLatents | None:
+        """``refresh_each_epoch``: the per-epoch latents (their cache and refresh reports)."""
+        return self._reencoder.epochs if self._reencoder is not None else None
+
+    @property
+    def decode_threads(self) -> DecodeThreads | None:
+        """The decoding threads used while training (re-encoding modes only)."""
+        return self._reencoder.threads if self._reencoder is not None else None
+
+    def _conditioning(self, samples: list[Sample], device: torch.device) -> dict[str, torch.Tensor]:
+        cond = self.text_cache.get_batch([self.text_keys[s.caption] for s in samples])
+        return {k: v.to(device, non_blocking=True) for k, v in cond.items()}
+
+    def _from_cache(self, cache: TensorCache, keys: dict[str, str], samples: list[Sample], device) -> Batch:
+        latents = cache.get_batch([keys[s.key] for s in samples])["latents"]
+        return Batch(latents.to(device, non_blocking=True), self._conditioning(samples, device), samples)
 
     def batch(self, samples: list[Sample], device: torch.device) -> Batch:
-        latents = self.vae_cache.get_batch([self.latent_keys[s.key] for s in samples])["latents"]
-        cond = self.text_cache.get_batch([self.text_keys[s.caption] for s in samples])
-        return Batch(
-            latents=latents.to(device, non_blocking=True),
-            conditioning={k: v.to(device, non_blocking=True) for k, v in cond.items()},
-            samples=samples,
-        )
+        """The micro-batch of ``samples`` outside the training order (evaluation, FLOP counting):
+        cached latents, or, when latents are re-encoded while training, encoded now with one fixed
+        augmentation version (``"eval"``), the same on every call."""
+        if self._reencoder is None:
+            return self._from_cache(self.vae_cache, self.latent_keys, samples, device)
+        latents = self._reencoder.encode(samples, ["eval"] * len(samples), device)
+        return Batch(latents, self._conditioning(samples, device), samples)
 
     def iterate(self, sampler, device: torch.device) -> Iterator[Batch]:
-        """Micro-batches forever, epoch after epoch; the sampler keeps the position."""
+        """Micro-batches forever, epoch after epoch; the sampler keeps the position.
+
+        ``refresh_each_epoch`` re-encodes the epoch's latents before its first batch is read;
+        ``disable_cache`` encodes every batch as it is read, decoding ahead on the loader threads.
+        """
         while True:
+            epoch = sampler.epoch + 1 if sampler.batch_index >= len(sampler) else sampler.epoch
+            if self.mode == "disable_cache":
+                for samples, latents in self._reencoder.iterate_epoch(sampler, epoch, device):
+                    yield Batch(latents, self._conditioning(samples, device), samples)
+                continue
+            if self.mode == "refresh_each_epoch":
+                keys = self._reencoder.epochs.prepare(sampler, epoch)
+                cache = self._reencoder.epochs.cache
+            else:
+                cache, keys = self.vae_cache, self.latent_keys
             for samples in sampler:
-                yield self.batch(samples, device)
+                yield self._from_cache(cache, keys, samples, device)
+
+    def close(self) -> None:
+        """Stop the persistent decoding threads, if any."""
+        if self._reencoder is not None:
+            self._reencoder.threads.close()
 
 
 class _LazyEncoders:
@@ -82,6 +124,16 @@ class _LazyEncoders:
         return self.text
 
 
+def _cache_mode(config) -> str:
+    """The effective ``augmentations_cache_mode``: re-encoding without augmentations changes nothing."""
+    mode = config.augmentations_cache_mode
+    if mode == "refresh_each_epoch" and not config.augmentations.is_enabled:
+        logger.warning("augmentations_cache_mode 'refresh_each_epoch' without augmentations would re-encode the "
+                       "same latents every epoch: caching them once instead (`static`)")
+        return "static"
+    return mode
+
+
 def prepare_caches(
     spec: ModelSpec,
     datasets: list[RegisteredDataset],
@@ -90,7 +142,12 @@ def prepare_caches(
     text_dtype: torch.dtype,
     state=None,
 ) -> tuple[CachedData, _LazyEncoders]:
-    """Encode every sample and caption not already cached; returns the data and any loaded encoders."""
+    """Encode every sample and caption not already cached; returns the data and any loaded encoders.
+
+    With ``augmentations_cache_mode`` ``refresh_each_epoch`` or ``disable_cache`` no latent is
+    encoded here: every image is decoded once instead, so files that do not decode are dropped
+    before the sampler is built; the VAE is loaded and kept by the returned data.
+    """
     cache = spec.config.cache_config
     vae_cache, text_cache = open_caches(
         cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
@@ -99,51 +156,31 @@ def prepare_caches(
     image_identity = spec.image_encoder_identity()
     text_identity = spec.text_encoder_identity()
     config = spec.config
+    mode = _cache_mode(config)
+    loader = PixelLoader(config, pin=config.dataloader_pin_memory and device.type == "cuda")
 
-    latent_items: list[tuple[str, tuple[RegisteredDataset, Sample]]] = []
-    latent_keys: dict[str, str] = {}
+    distinct: dict[str, tuple[RegisteredDataset, Sample]] = {}
     for ds in datasets:
         for sample in ds.samples:
-            if sample.key in latent_keys:
-                continue  # repeats share one cache entry
-            key = sample_latent_key(ds, sample, image_identity, config.resolution)
-            latent_keys[sample.key] = key
-            latent_items.append((key, (ds, sample)))
-
-    undecodable: dict[str, dict[str, str]] = {}  # dataset id -> {path: reason}
-    undecodable_lock = threading.Lock()
-    pin = config.dataloader_pin_memory and device.type == "cuda"
-
-    def load_pixels(payloads: list[tuple[RegisteredDataset, Sample]]) -> tuple[list[bool], torch.Tensor | None]:
-        """Decode a batch (on a loader thread when dataloader_num_workers > 0); None for bad bodies."""
-        pixels: list[torch.Tensor | None] = []
-        for ds, sample in payloads:
-            try:
-                pixels.append(load_sample_pixels(ds, sample)[0])
-            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # header was fine, body is not
-                with undecodable_lock:
-                    reason = str(exc) if isinstance(exc, ValueError) else f"cannot decode image: {exc}"
-                undecodable.setdefault(ds.id, {})[sample.path] = reason
-                pixels.append(None)
-        good = [p for p in pixels if p is not None]
-        stacked = torch.stack(good) if good else None
-        if stacked is not None and pin:
-            stacked = stacked.pin_memory()
-        return [p is not None for p in pixels], stacked
-
-    def encode_images(loaded: tuple[list[bool], torch.Tensor | None]) -> list[dict[str, torch.Tensor] | None]:
-        ok, stacked = loaded
-        if stacked is None:
-            return [None] * len(ok)
-        latents = iter(spec.encode_images(encoders.get_vae(), stacked).float().cpu())
-        return [{"latents": next(latents)} if good else None for good in ok]
-
-    latent_report = vae_cache.fill(
-        latent_items, encode_images, VAE_ENCODE_BATCH, group=lambda p: (p[0].id, p[1].bucket), desc="VAE latents",
-        prepare=load_pixels, prepare_workers=config.dataloader_num_workers,
-    )
+            distinct.setdefault(sample.key, (ds, sample))  # repeats share one cache entry
+    if mode == "static":
+        static_augment = static_augmentation_key(config)  # None when augmentations are off
+        version = None if static_augment is None else 0
+        latent_keys = {key: sample_latent_key(ds, s, image_identity, config.resolution, augment=static_augment)
+                       for key, (ds, s) in distinct.items()}
+        latent_report = vae_cache.fill(
+            [(latent_keys[key], (ds, s, version)) for key, (ds, s) in distinct.items()],
+            lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded), VAE_ENCODE_BATCH, group=batch_group,
+            desc="VAE latents", prepare=loader.load_batch, prepare_workers=config.dataloader_num_workers,
+        )
+        reencoder = None
+    else:  # latents are encoded while training; decode everything once now to drop unreadable files
+        latent_keys = {}
+        reencoder = Reencoder(spec, encoders.get_vae(), loader, datasets, Path(cache_dir).expanduser(), state,
+                              image_identity, mode, VAE_ENCODE_BATCH)
+        latent_report = reencoder.probe([(ds, s, None) for ds, s in distinct.values()])
     for ds in datasets:
-        ds.metadata.drop_unreadable(ds.id, str(getattr(ds.backend, "root", ds.id)), undecodable.get(ds.id, {}),
+        ds.metadata.drop_unreadable(ds.id, str(getattr(ds.backend, "root", ds.id)), loader.undecodable.get(ds.id, {}),
                                     config.max_bad_image_fraction)
 
     captions = sorted({s.caption for ds in datasets for s in ds.samples})  # after dropping undecodable ones
@@ -155,7 +192,7 @@ def prepare_caches(
 
     text_report = text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings")
     reports = {"latents": latent_report, "text": text_report}
-    return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports), encoders
+    return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports, mode, reencoder), encoders
 
 
 def free_memory() -> None:

@@ -31,7 +31,7 @@ def run(config_path: str, overrides=(), log_level: str = "INFO"):
 def main(argv: list[str] | None = None) -> int:
     from simpletuner.configuration import ConfigError
     from simpletuner.training.reliability import RunStopped
-    from simpletuner.training.trainer import LaunchError
+    from simpletuner.training.launch import LaunchError
 
     args = build_parser().parse_args(argv)
     try:

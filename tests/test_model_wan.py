@@ -140,3 +140,12 @@ def test_memory_estimate_runs_for_wan(wan_config):
     assert {k: s.shape for k, s in cond.items()} == {"prompt_embeds": (2, WAN_MAX_LENGTH, WIDTH)}
     est = estimate_memory(cfg, device_kind="cpu")
     assert est.activations > 0 and est.batch_data == latents.nbytes + sum(s.nbytes for s in cond.values())
+
+
+def test_memory_estimate_of_a_video_dataset_counts_its_frames(wan_config, tmp_path):
+    from simpletuner.memory.estimator import batch_shapes
+
+    video = {"id": "clips", "type": "local", "instance_data_dir": str(tmp_path), "dataset_type": "video", "num_frames": 9}
+    cfg = validate_config(wan_config(datasets=[video]))
+    latents, _ = batch_shapes(cfg, 2)
+    assert latents.shape == (2, C, 3, 8, 8)  # 9 frames -> (9 - 1) / 4 + 1 latent frames

@@ -143,7 +143,7 @@ def test_bad_data_errors(make_config, tmp_path):
     ({"MASTER_ADDR": "127.0.0.1", "ACCELERATE_USE_CPU": "True"}, "starts ONE process"),
 ])
 def test_launch_mismatches_are_caught(env, message):
-    from simpletuner.training.trainer import LaunchError, check_launch_matches
+    from simpletuner.training.launch import LaunchError, check_launch_matches
 
     with pytest.raises(LaunchError, match=message):
         check_launch_matches(1, env)

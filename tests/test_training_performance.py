@@ -132,7 +132,7 @@ def test_trainer_logs_throughput_flops_and_a_repeatable_eval_loss(make_config, c
 
 def test_flop_counting_and_eval_do_not_change_training(make_config, tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_flops_per_sample", lambda self: None)  # no counting pass at all
+        patch.setattr(Trainer, "_flops_per_sample", lambda self, model: None)  # no counting pass at all
         plain_trainer, plain = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "a")))
     assert "tflops" not in plain_trainer.last_logs
     _, measured = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "b"), eval_steps=1, eval_iters=1,

@@ -34,7 +34,13 @@ class _FolderDatasetConfig(_Strict):
     """Fields every folder-of-images dataset shares, whatever its storage backend."""
 
     id: str = Field(..., min_length=1, description="Unique name of this dataset; used in cache paths and logs.")
-    instance_data_dir: str = Field(..., description="Folder searched recursively for .jpg/.jpeg/.png/.webp images.")
+    instance_data_dir: str = Field(
+        ...,
+        description=(
+            "Folder searched recursively for .jpg/.jpeg/.png/.webp images; for `dataset_type: video`, for clips "
+            "(.mp4/.webm/.mov/.mkv/.gif/.webp) and frame folders (one sub-folder of numbered frames per clip)."
+        ),
+    )
     dataset_type: Literal["image", "video"] = Field(
         "image",
         description=(
@@ -51,7 +57,8 @@ class _FolderDatasetConfig(_Strict):
     caption_strategy: CaptionStrategy = Field(
         "textfile",
         description=(
-            "`textfile`: caption from a same-named .txt file next to the image (falls back to "
+            "`textfile`: caption from a same-named .txt file next to the image, clip or frame folder (`walk.txt` "
+            "beside the folder `walk/`; falls back to "
             "`instance_prompt`, then to the file name, and reports how many fell back); "
             "`filename`: caption from the file name (underscores and dashes become spaces); "
             "`instance_prompt`: every image gets `instance_prompt`."
@@ -187,13 +194,15 @@ class Augmentations(_Strict):
 
 
 class LycorisOptions(_Strict):
-    """The LyCORIS adapter (`lora_type: lycoris`, needs the `lycoris` extra)."""
+    """The LyCORIS adapter (`lora_type: lycoris`, needs the `lycoris` extra): on the layers `lora_target_modules`
+    names, rank `lora_rank`, alpha `lora_alpha`, dropout `lora_dropout`; saved in LyCORIS' own key format
+    (`lycoris_<layer>.*`, loadable by LyCORIS-aware tools), not diffusers' `load_lora_weights`."""
 
     algo: Literal["locon", "loha", "lokr"] = Field(
         "lokr",
         description="`locon` (LoRA on linear and conv layers), `loha` (Hadamard product of two low-rank pairs), `lokr` (Kronecker product).",
     )
-    factor: int = Field(-1, description="LoKr: the Kronecker factor of each weight's split (-1: as square as possible).")
+    factor: int = Field(-1, description="LoKr: the size of the smaller Kronecker factor of each weight dimension (-1: as square a split as possible).")
     full_matrix: bool = Field(False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair.")
 
 
@@ -216,10 +225,12 @@ class TrainingConfig(_Strict):
     base_model_precision: Literal["no_change", "qfloat8", "qint8", "int8_torchao", "fp8_torchao"] = Field(
         "no_change",
         description=(
-            "Store the frozen base weights quantised: `qfloat8` / `qint8` (optimum-quanto, the `quanto` extra) or "
-            "`int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); about half the memory of bf16 weights, "
-            "some speed and a little quality. Adapters still train in fp32. `no_change`: the mixed-precision dtype. "
-            "LoRA / LyCORIS only."
+            "Store the frozen base's Linear weights in 8 bits: `qfloat8` / `qint8` (optimum-quanto, the `quanto` "
+            "extra) or `int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); those weights take about half "
+            "their bf16 memory (a quarter of fp32), convolutions and norms keep the mixed-precision dtype; costs a "
+            "little quality and, weight-only, some speed. Adapters (LoRA / LyCORIS) still train in fp32; the saved "
+            "LoRA loads onto the unquantised base. DoRA (`lora_use_dora`) needs a torchao kind. `no_change`: the "
+            "mixed-precision dtype. LoRA / LyCORIS only."
         ),
     )
     train_stages: Literal["both", "high", "low"] = Field(
@@ -381,7 +392,8 @@ class TrainingConfig(_Strict):
         description=(
             "Threads that read and decode images ahead of the VAE while the latent cache fills (0: decode in the "
             "training process between VAE batches). Helps large datasets at start-up; costs CPU RAM for "
-            "two decoded batches per thread. Training steps read from the caches and do not use it."
+            "two decoded batches per thread. Training steps read from the caches and do not use it, except with "
+            "`augmentations_cache_mode` `refresh_each_epoch` or `disable_cache`, which decode while training."
         ),
     )
     dataloader_persistent_workers: bool = Field(
@@ -397,9 +409,11 @@ class TrainingConfig(_Strict):
         description=(
             "How augmented images meet the latent cache: `static` encodes one augmented version per image once "
             "(cheapest; the same augmentation every epoch); `refresh_each_epoch` re-encodes every image at the start "
-            "of each epoch with new random augmentations (old entries removed; a half-refreshed cache is never read as "
-            "complete); `disable_cache` encodes every batch as it is trained (a VAE pass per step, new augmentations "
-            "every time; the VAE stays loaded)."
+            "of each epoch with new random augmentations (each process its own share, in a folder of its own; old "
+            "entries removed; a half-refreshed cache is never read as complete; without augmentations it runs as "
+            "`static`); `disable_cache` encodes every batch as it is trained (a VAE pass per step, new augmentations "
+            "every time, no latents stored). Both re-encoding modes keep the VAE loaded and decode every image once at "
+            "start-up to drop unreadable files."
         ),
     )
     dataloader_pin_memory: bool = Field(

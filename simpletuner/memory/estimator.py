@@ -161,19 +161,6 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _denoiser_class(model_path: str, denoiser_name: str) -> type:
-    from simpletuner.models.spec import resolve_component_class
-
-    index = _read_json(Path(model_path).expanduser() / "model_index.json")
-    try:
-        library, class_name = index[denoiser_name]
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{model_path}/model_index.json names no [library, class] for {denoiser_name!r}") from None
-    if library != "diffusers":
-        raise ValueError(f"{denoiser_name} is {library}.{class_name}; the estimator builds diffusers models only")
-    return resolve_component_class(library, class_name, "model")
-
-
 def _cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast floating tensors as ``from_pretrained(torch_dtype=dtype)`` does, keeping the class's
     ``_keep_in_fp32_modules`` in fp32 (``Module.to`` would not)."""
@@ -190,17 +177,20 @@ def build_meta_denoiser(config: "TrainingConfig") -> nn.Module:
     Reads ``model_index.json`` and the denoiser's ``config.json``; no weights.
     """
     from simpletuner.models import get_model_spec
-    from simpletuner.training.lora import prepare_for_training
 
     spec = get_model_spec(config)
     weight_dtype = _DTYPES[config.mixed_precision]
     path = str(Path(config.pretrained_model_name_or_path).expanduser())
-    cls = _denoiser_class(path, spec.denoiser_name)
+    _read_json(Path(path) / "model_index.json")  # a clear error when the folder is not there
     with torch.device("meta"):
-        model = cls.from_config(cls.load_config(path, subfolder=spec.denoiser_name))
+        model = spec.denoiser_from_config()
         # As the trainer: load in the base dtype, then add the fp32 adapter (or unfreeze all).
-        _cast_like_from_pretrained(model, weight_dtype if config.training_type == "lora" else torch.float32)
-        return prepare_for_training(model, spec.lora_targets, config, weight_dtype)
+        for module in [model] + [m for m in model.modules() if m is not model and hasattr(m, "_keep_in_fp32_modules")]:
+            _cast_like_from_pretrained(module, weight_dtype if config.training_type == "lora" else torch.float32)
+        model = spec.prepare_denoiser(model, weight_dtype)
+        if config.low_vram:
+            spec.apply_low_vram(model)  # what waits in CPU RAM is not GPU memory
+        return model
 
 
 def _materialize_fake(model: nn.Module, device: torch.device) -> None:
@@ -387,6 +377,14 @@ def optimizer_bytes(config: "TrainingConfig", trainable: list[nn.Parameter], dev
     return states * total, temp_lists * scope
 
 
+def _adapter_name(config: "TrainingConfig") -> str:
+    if config.training_type != "lora":
+        return "full"
+    name = f"lycoris {config.lycoris.algo}" if config.lora_type == "lycoris" else "lora"
+    base = "" if config.base_model_precision == "no_change" else f" on a {config.base_model_precision} base"
+    return f"{name} r{config.lora_rank}{base}"
+
+
 def estimate_memory(config: "TrainingConfig", batch_size: int | None = None, *, device_kind: str = "cuda") -> MemoryBreakdown:
     """The peak memory of training ``config`` on one device, estimated without a GPU.
 
@@ -406,6 +404,13 @@ def estimate_memory(config: "TrainingConfig", batch_size: int | None = None, *, 
     if not trainable:
         raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
     weights = sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
+    if config.training_type == "lora":
+        from simpletuner.training.quantize import quantized_size
+
+        # Quantisation needs real weights, so the meta model keeps them unquantised: count the
+        # Linear weights base_model_precision would quantise at 8 bits (plus their row scales).
+        unquantized, quantized = quantized_size(model, config.base_model_precision)
+        weights += quantized - unquantized
     gradients = sum(p.nbytes for p in trainable)  # one per trainable element, in its dtype
     optimizer_state, optimizer_transient = optimizer_bytes(config, trainable, device_kind)
     latents, conditioning = batch_shapes(config, batch_size)
@@ -441,7 +446,7 @@ def estimate_memory(config: "TrainingConfig", batch_size: int | None = None, *, 
         micro_batch_size=batch_size,
         resolution=config.resolution,
         latent_shape=tuple(latents.shape[1:]),
-        adapter=f"lora r{config.lora_rank}" if config.training_type == "lora" else "full",
+        adapter=_adapter_name(config),
         optimizer=config.optimizer,
         gradient_checkpointing=config.gradient_checkpointing,
         mixed_precision=config.mixed_precision,
@@ -477,20 +482,19 @@ def measure_cpu_step(config: "TrainingConfig", batch_size: int | None = None, se
     from torch.profiler import ProfilerActivity, profile
 
     from simpletuner.models import get_model_spec
-    from simpletuner.training.lora import prepare_for_training
-    from simpletuner.training.trainer import _reset_accelerate_state
+    from simpletuner.training.launch import reset_accelerate_state
 
     batch_size = batch_size or config.train_batch_size
     spec = get_model_spec(config)
     weight_dtype = _DTYPES[config.mixed_precision]
     model = spec.load_denoiser(weight_dtype if config.training_type == "lora" else torch.float32)
-    model = prepare_for_training(model, spec.lora_targets, config, weight_dtype)
+    model = spec.prepare_denoiser(model, weight_dtype)
     generator = torch.Generator().manual_seed(seed)
     latent_shape, cond_shapes = batch_shapes(config, batch_size)
     latents = torch.randn(latent_shape.shape, generator=generator).to(latent_shape.dtype)
     conditioning = {k: torch.randn(s.shape, generator=generator).to(s.dtype) for k, s in cond_shapes.items()}
     spec.load_noise_scheduler()
-    _reset_accelerate_state()
+    reset_accelerate_state()
     try:
         accelerator = Accelerator(cpu=True, mixed_precision=config.mixed_precision)
         prepared = accelerator.prepare(model)
@@ -498,7 +502,7 @@ def measure_cpu_step(config: "TrainingConfig", batch_size: int | None = None, se
             per_sample = spec.training_loss(prepared, latents, conditioning, generator)
             accelerator.backward(per_sample.sum() / batch_size)
     finally:
-        _reset_accelerate_state()
+        reset_accelerate_state()
 
     events = []  # (time, ptr, signed bytes, allocator total after the event)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

@@ -19,12 +19,12 @@ MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl":
 
 
 def get_model_spec(config: "TrainingConfig") -> ModelSpec:
-    """The ModelSpec for ``config.model_family``."""
+    """The ModelSpec for ``config.model_family`` (and the folder: a Wan 2.2 folder gets the two-expert spec)."""
     try:
         cls = MODEL_FAMILIES[config.model_family]
     except KeyError:
         raise ValueError(f"model_family {config.model_family!r} is not one of {', '.join(sorted(MODEL_FAMILIES))}") from None
-    return cls(config)
+    return cls.variant_for(config)(config)
 
 
 __all__ = ["MODEL_FAMILIES", "FluxSpec", "ModelSpec", "StableDiffusion3Spec", "StableDiffusionSpec", "StableDiffusionXLSpec", "WanSpec", "get_model_spec"]

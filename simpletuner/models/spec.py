@@ -107,6 +107,11 @@ class ModelSpec(abc.ABC):
     #: builds its training scheduler from the folder's config, hence a pattern for it).
     components: ClassVar[dict[str, tuple[ComponentKind, str, frozenset[str] | re.Pattern]]]
 
+    @classmethod
+    def variant_for(cls, config: "TrainingConfig") -> type["ModelSpec"]:
+        """The class to use for this config's model folder (a family may have variants, e.g. Wan 2.1 / 2.2)."""
+        return cls
+
     def __init__(self, config: "TrainingConfig"):
         self.config = config
         self.model_path = config.pretrained_model_name_or_path
@@ -260,8 +265,61 @@ class ModelSpec(abc.ABC):
     def lora_targets(self) -> list[str]:
         return list(self.config.lora_target_modules or self.default_lora_targets)
 
+    # --- set-up the trainer and the estimator share -------------------------------------
+    #: True for a model with several denoisers (Wan 2.2's experts), each with its own adapter.
+    has_experts: ClassVar[bool] = False
 
-def save_transformer_lora(pipeline_cls, output_dir, denoiser) -> Path:
+    def denoiser_from_config(self) -> nn.Module:
+        """The denoiser built from its config alone, without weights (the caller picks the device,
+        e.g. ``meta`` for the memory estimate). Classes come from ``model_index.json`` through
+        :func:`resolve_component_class`."""
+        root = self.local_root
+        if root is None or not (root / "model_index.json").is_file():
+            raise ValueError(f"{self.model_path} is not a local diffusers folder with a model_index.json (configs are enough)")
+        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
+        entry = index.get(self.denoiser_name)
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise ValueError(f"{root}/model_index.json names no [library, class] for {self.denoiser_name!r}")
+        if entry[0] != "diffusers":
+            raise ValueError(f"{self.denoiser_name} is {entry[0]}.{entry[1]}; only diffusers denoisers are built from configs")
+        cls = resolve_component_class(*entry, "model")
+        return cls.from_config(cls.load_config(str(root), subfolder=self.denoiser_name))
+
+    def prepare_denoiser(self, denoiser: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
+        """The trainer's set-up of a loaded denoiser (adapter or full training, precision,
+        gradient checkpointing); the memory estimator runs the same on ``meta``."""
+        from simpletuner.training.lora import prepare_for_training
+
+        return prepare_for_training(denoiser, self.lora_targets, self.config, weight_dtype)
+
+    def named_parameter_groups(self, denoiser: nn.Module) -> dict[str, list[nn.Parameter]]:
+        """Trainable parameters by optimizer group name (one group, ``default``, unless the family
+        trains several parts with their own rates, like Wan 2.2's ``high_noise`` / ``low_noise``)."""
+        return {"default": [p for p in denoiser.parameters() if p.requires_grad]}
+
+    def apply_low_vram(self, denoiser: nn.Module) -> None:
+        """``low_vram``: move parts of the denoiser that training never runs to CPU RAM (none by default)."""
+
+    def idle_modules(self, denoiser: nn.Module) -> list[nn.Module]:
+        """The modules :meth:`apply_low_vram` moved to CPU RAM (validation brings them to the GPU for a while)."""
+        return []
+
+    @property
+    def needs_unused_parameter_detection(self) -> bool:
+        """Whether a step may leave some trainable parameters without a gradient (DDP must be told)."""
+        return False
+
+    def save_adapter(self, output_dir: Path, denoiser: nn.Module) -> Path:
+        """Write the trained adapter: diffusers format for ``lora_type: standard``
+        (:meth:`save_lora`), LyCORIS' own format for ``lycoris``."""
+        if getattr(self.config, "lora_type", "standard") == "lycoris":
+            from simpletuner.training.lycoris_adapter import save_lycoris
+
+            return save_lycoris(denoiser, Path(output_dir) / "pytorch_lora_weights.safetensors", self.config)
+        return self.save_lora(output_dir, denoiser)
+
+
+def save_transformer_lora(pipeline_cls, output_dir, denoiser, weight_name: str = "pytorch_lora_weights.safetensors") -> Path:
     """Save a transformer LoRA through ``pipeline_cls.save_lora_weights`` with its adapter metadata.
 
     PEFT keys are kept as they are (``lora_A`` / ``lora_B``), as diffusers' own transformer LoRA
@@ -274,6 +332,7 @@ def save_transformer_lora(pipeline_cls, output_dir, denoiser) -> Path:
         save_directory=str(output_dir),
         transformer_lora_layers=get_peft_model_state_dict(denoiser),
         transformer_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
+        weight_name=weight_name,
         safe_serialization=True,
     )
-    return Path(output_dir) / "pytorch_lora_weights.safetensors"
+    return Path(output_dir) / weight_name

@@ -16,11 +16,8 @@ Training is rectified flow matching exactly as ``sd3`` (``StableDiffusion3Spec.t
 (``flow_shift`` of a UniPCMultistepScheduler as Wan ships, or ``shift`` of a
 FlowMatchEulerDiscreteScheduler), else 1.0.
 
-Wan 2.2 (not built): a second expert ``transformer_2`` for low noise, switched at
-``boundary_ratio * 1000`` (``model_index.json``). The folder check already accepts a
-``transformer_2`` entry (null for 2.1); a 2.2 spec would subclass this one, load both experts,
-route ``predict`` by timestep against the boundary (or train one expert, restricting sampled
-sigmas to its side) and save LoRAs with ``transformer_2_lora_layers``... keyed per expert.
+Wan 2.2 (a folder whose ``model_index.json`` names a ``transformer_2`` and a ``boundary_ratio``)
+gets :class:`simpletuner.models.wan22.Wan22Spec`, which subclasses this one.
 """
 
 from __future__ import annotations
@@ -57,6 +54,21 @@ class WanSpec(StableDiffusion3Spec):
         "tokenizer": ("tokenizer", "transformers", _T5_TOKENIZERS),
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
+
+    @classmethod
+    def variant_for(cls, config):
+        from simpletuner.models.wan22 import Wan22Spec, read_boundary_ratio
+
+        return Wan22Spec if read_boundary_ratio(config.pretrained_model_name_or_path) is not None else cls
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.train_stages != "both" and not self.has_experts:
+            raise ValueError(
+                f"train_stages {config.train_stages!r} picks one expert of Wan 2.2, but {self.model_path} is a one-transformer "
+                "(Wan 2.1) folder: remove train_stages, or point pretrained_model_name_or_path at a Wan 2.2 folder "
+                "(transformer and transformer_2)"
+            )
 
     def _check_index_entry(self, index_file, name, entry, library, allowed):
         if name == "transformer_2" and entry in (None, [None, None]):
@@ -185,8 +197,11 @@ class WanSpec(StableDiffusion3Spec):
         return (batch_size, int(vae.get("z_dim", 16)), (frames - 1) // temporal + 1, side, side)
 
     def batch_shapes(self, batch_size):
+        """At the longest clip of the config's video datasets (1 frame for images)."""
         text = self._required_config("text_encoder")
-        return self.latent_shape(batch_size), {"prompt_embeds": (batch_size, self.max_sequence_length, int(text["d_model"]))}
+        frames = max((d.num_frames for d in self.config.datasets or [] if d.dataset_type == "video"), default=1)
+        return (self.latent_shape(batch_size, frames),
+                {"prompt_embeds": (batch_size, self.max_sequence_length, int(text["d_model"]))})
 
     # --- output --------------------------------------------------------------------------
     def save_lora(self, output_dir, denoiser):

@@ -267,11 +267,14 @@ TINY_WAN_T5_WIDTH = 32
 TINY_WAN_LATENT_CHANNELS = 4
 
 
-def write_tiny_wan(out_dir: str | Path, seed: int = 0) -> Path:
+def write_tiny_wan(out_dir: str | Path, seed: int = 0, boundary_ratio: float | None = None) -> Path:
     """Write a tiny Wan 2.1-style pipeline: a one-block WanTransformer3DModel, an AutoencoderKLWan
     with Wan's /8 spatial and /4 temporal factors and 4 latent channels (with their own
     latents_mean / latents_std), a UMT5 encoder with the tiny T5 tokenizer, and the
     UniPCMultistepScheduler (flow prediction, flow_shift 3.0) the Wan checkpoints ship.
+
+    With ``boundary_ratio`` it is a Wan 2.2 A14B-style pipeline: a second expert ``transformer_2``
+    (same architecture, its own random weights) for timesteps below ``boundary_ratio * 1000``.
     """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -284,11 +287,14 @@ def write_tiny_wan(out_dir: str | Path, seed: int = 0) -> Path:
         num_heads=4, relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
     ))
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,  # rope splits 12 as t4 h4 w4
-        in_channels=TINY_WAN_LATENT_CHANNELS, out_channels=TINY_WAN_LATENT_CHANNELS, text_dim=TINY_WAN_T5_WIDTH,
-        freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
-    )
+    def expert():
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,  # rope splits 12 as t4 h4 w4
+            in_channels=TINY_WAN_LATENT_CHANNELS, out_channels=TINY_WAN_LATENT_CHANNELS, text_dim=TINY_WAN_T5_WIDTH,
+            freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+        )
+
+    transformer = expert()
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=TINY_WAN_LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
         temperal_downsample=[False, True, True],
@@ -296,10 +302,21 @@ def write_tiny_wan(out_dir: str | Path, seed: int = 0) -> Path:
     )
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         num_train_timesteps=1000, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
+    experts = {} if boundary_ratio is None else {"transformer_2": expert(), "boundary_ratio": boundary_ratio}
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer,
+                       **experts)
     pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny wan pipeline to %s", out)
+    logger.info("wrote tiny wan%s pipeline to %s", "" if boundary_ratio is None else " 2.2", out)
     return out
+
+
+#: The Wan 2.2 A14B text-to-video boundary: timesteps >= 875 go to the high-noise expert.
+WAN22_T2V_BOUNDARY_RATIO = 0.875
+
+
+def write_tiny_wan22(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.2-style two-expert pipeline (``model_family: wan``); see :func:`write_tiny_wan`."""
+    return write_tiny_wan(out_dir, seed=seed, boundary_ratio=WAN22_T2V_BOUNDARY_RATIO)
 
 
 #: Tiny Flux widths: CLIP-L-like hidden size (its pooled output is the pooled projection) and T5 width.
@@ -364,11 +381,12 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
     return out
 
 
-TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3, "flux": write_tiny_flux, "wan": write_tiny_wan}
+TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3, "flux": write_tiny_flux, "wan": write_tiny_wan,
+               "wan22": write_tiny_wan22}
 
 
 def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:
-    """Write the tiny model of ``family`` into ``out_dir``."""
+    """Write the tiny model ``family`` (a model family, or ``wan22``: Wan 2.2's two experts) into ``out_dir``."""
     try:
         writer = TINY_MODELS[family]
     except KeyError:

@@ -195,11 +195,25 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
+#: What a checkpoint written before these identity keys existed trained with.
+_IDENTITY_DEFAULTS = {"lora_type": "standard", "lycoris_algo": None, "base_model_precision": "no_change",
+                      "train_stages": "both"}
+
+
+def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
+    if key in saved_identity:
+        return saved_identity[key]
+    if key == "lora_type":
+        return "standard" if saved_identity.get("training_type") == "lora" else None
+    return _IDENTITY_DEFAULTS.get(key)
+
+
 def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:
     """Raise a ValueError naming every way the checkpoint does not fit this run."""
     problems = []
+    saved_identity = state.get("identity", {})
     for key, value in identity.items():
-        saved = state.get("identity", {}).get(key)
+        saved = _saved_identity_value(saved_identity, key)
         if saved != value:
             problems.append(f"{key}: checkpoint has {saved!r}, config has {value!r}")
     if state.get("world_size") != world_size:

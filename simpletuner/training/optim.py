@@ -2,17 +2,54 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from simpletuner.configuration import TrainingConfig
 
+#: Per-stage config keys (``{group}_{key}``) -> the optimizer group key they set.
+_STAGE_KEYS = {"learning_rate": "lr", "lr_bump": "lr_bump", "min_lr": "min_lr", "max_lr": "max_lr"}
 
-def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer named by ``config.optimizer`` over ``params``."""
-    params = [p for p in params if p.requires_grad]
-    if not params:
+
+def stage_bounds(config: TrainingConfig) -> dict[str, Any]:
+    """The config's learning-rate settings under the names Automagic's groups use: ``lr``,
+    ``lr_bump``, ``min_lr``, ``max_lr`` and their ``high_noise_*`` / ``low_noise_*`` overrides."""
+    bounds: dict[str, Any] = {}
+    for key, group_key in _STAGE_KEYS.items():
+        bounds[group_key] = getattr(config, key)
+        for stage in ("high_noise", "low_noise"):
+            bounds[f"{stage}_{group_key}"] = getattr(config, f"{stage}_{key}")
+    return bounds
+
+
+def _param_groups(config: TrainingConfig, named: Mapping[str, Iterable[torch.nn.Parameter]]):
+    """Plain parameters for one ``default`` group; else one named group per entry with its own ``lr``
+    (and Automagic bounds) from the per-stage keys."""
+    named = {name: [p for p in params if p.requires_grad] for name, params in named.items()}
+    if list(named) == ["default"]:
+        return named["default"]
+    from simpletuner.training.optimizers.automagic import automagic_param_groups
+
+    groups = automagic_param_groups(named, stage_bounds(config))
+    if config.optimizer != "automagic":
+        for group in groups:
+            group.pop("lr_bump", None), group.pop("min_lr", None), group.pop("max_lr", None)
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter] | Mapping[str, Iterable[torch.nn.Parameter]]
+                    ) -> torch.optim.Optimizer:
+    """The optimizer named by ``config.optimizer`` over ``params``: an iterable of parameters, or
+    named groups (``ModelSpec.named_parameter_groups``), each group with its own learning rate
+    (``high_noise_learning_rate`` ...) and Automagic bounds."""
+    if isinstance(params, Mapping):
+        params = _param_groups(config, params)
+        num_params = sum(len(g["params"]) if isinstance(g, dict) else 1 for g in params)
+    else:
+        params = [p for p in params if p.requires_grad]
+        num_params = len(params)
+    if not num_params:
         raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
     adam = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(config.optimizer)
     if adam is not None:

@@ -80,6 +80,10 @@ def maybe_compile(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     if not enabled:
         return model
     logger.info("compiling the denoiser with torch.compile: the first steps (and each new bucket shape) are slow")
+    compile_parts = getattr(model, "compile_parts", None)
+    if compile_parts is not None:  # a container that routes in Python (Wan 2.2's experts): compile each part
+        compile_parts()
+        return model
     return torch.compile(model)
 
 
@@ -153,3 +157,39 @@ def uvm_memory_figures(pool_stats: Mapping[str, int] | None) -> dict[str, float]
     if not pool_stats:
         return {}
     return {"managed_pool_gib": pool_stats.get("reserved_bytes", 0) / 2**30}
+
+
+def managed_pool_stats() -> dict | None:
+    """The unified-memory pool's figures once it holds memory (caches in `unified_memory`)."""
+    from simpletuner.gh200.runtime import get_runtime
+
+    stats = getattr(get_runtime(), "pool_stats", None)
+    return stats() if stats is not None else None
+
+
+def progress_postfix(logs: dict) -> dict[str, str]:
+    """The progress bar's figures: loss, lr, samples/s, step time, and MFU / eval loss when known."""
+    shown = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['lr']:.2e}", "samples_s": f"{logs['samples_per_s']:.1f}",
+             "step_s": f"{logs['step_time_s']:.3f}", "wait": f"{logs['data_wait_share']:.0%}"}
+    if "mfu" in logs:
+        shown["mfu"] = f"{logs['mfu']:.1%}"
+    if "eval_loss" in logs:
+        shown["eval"] = f"{logs['eval_loss']:.4f}"
+    return shown
+
+
+def log_line(logs: dict) -> str:
+    """The log line of a logging window's figures (those present)."""
+    parts = [f"loss {logs['loss']:.4f}", f"lr {logs['lr']:.2e}", f"{logs['samples_per_s']:.1f} samples/s",
+             f"step {logs['step_time_s']:.3f}s", f"data wait {logs['data_wait_share']:.0%}"]
+    if "tflops" in logs:
+        parts.append(f"{logs['tflops']:.2f} TFLOPS")
+    if "mfu" in logs:
+        parts.append(f"MFU {logs['mfu']:.1%}")
+    if "peak_memory_gib" in logs:
+        parts.append(f"peak {logs['peak_memory_gib']:.2f} GiB")
+    if "managed_pool_gib" in logs:
+        parts.append(f"managed pool {logs['managed_pool_gib']:.2f} GiB")
+    if "eval_loss" in logs:
+        parts.append(f"eval_loss {logs['eval_loss']:.4f}")
+    return ", ".join(parts)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,10 @@ from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempt
 from simpletuner.gh200.ramp import count_steps
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.training.accumulation import AccumulationPolicy
+from simpletuner.training.launch import PhaseClock, check_launch_matches, reset_accelerate_state
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
-from simpletuner.training.lora import prepare_for_training, trainable_state
+from simpletuner.training import offload
+from simpletuner.training.lora import trainable_state
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.validation import generate_validation_images
 
@@ -77,8 +78,14 @@ class Trainer:
         if self.mixed_precision == "fp16" and not has_cuda:
             raise ValueError("mixed_precision 'fp16' needs a CUDA GPU; use 'bf16' or 'no' on this machine")
         log_with = None if cfg.report_to == "none" else cfg.report_to
+        handlers = []
+        if self.spec.needs_unused_parameter_detection:  # e.g. a micro-batch that only reaches one Wan 2.2 expert
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
         return Accelerator(
             cpu=not has_cuda,
+            kwargs_handlers=handlers,
             mixed_precision=self.mixed_precision,
             log_with=log_with,
             project_config=ProjectConfiguration(project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")),
@@ -93,11 +100,12 @@ class Trainer:
         from accelerate.utils import set_seed
 
         cfg = self.config
-        clock = _PhaseClock()
+        clock = PhaseClock()
         perf.apply_cuda_allocator(cfg.cuda_allocator)  # before anything touches CUDA
         self.mixed_precision = perf.resolve_mixed_precision(cfg.mixed_precision)
         perf.apply_tf32(cfg.enable_tf32)
-        _reset_accelerate_state()
+        reset_accelerate_state()
+        self.spec = spec = get_model_spec(cfg)  # reads the folder's JSON only
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
         set_seed(cfg.seed)
@@ -107,7 +115,6 @@ class Trainer:
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_bytes(orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2))
-        self.spec = spec = get_model_spec(cfg)
         self.weight_dtype = perf.PRECISION_DTYPES[self.mixed_precision]
 
         clock.mark("accelerator")
@@ -118,18 +125,26 @@ class Trainer:
                 spec, datasets, Path(cfg.cache_config.cache_dir).expanduser(), acc.device, self.weight_dtype, self.state
             )
         self._keep_for_validation = None
+        self._offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
         if cfg.validation_prompt and acc.is_main_process:
             self._keep_for_validation = (encoders.get_vae(), encoders.get_text())
+            if cfg.low_vram:  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
+                reencodes = cfg.augmentations.is_enabled and cfg.augmentations_cache_mode != "static"
+                self._offloaded = self._keep_for_validation[1:] if reencodes else self._keep_for_validation
+                offload.to_device(self._offloaded, torch.device("cpu"))
         del encoders
         free_memory()
         clock.mark("caches")
 
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
-        denoiser = perf.maybe_compile(prepare_for_training(denoiser, spec.lora_targets, cfg, self.weight_dtype), cfg.enable_compile)
+        denoiser = spec.prepare_denoiser(denoiser, self.weight_dtype)
+        if cfg.low_vram:
+            spec.apply_low_vram(denoiser)
+        denoiser = perf.maybe_compile(denoiser, cfg.enable_compile)
         self._denoiser_fingerprint = _config_fingerprint(denoiser)
         clock.mark("model")
-        optimizer = build_optimizer(cfg, denoiser.parameters())
+        optimizer = build_optimizer(cfg, spec.named_parameter_groups(denoiser))
         samples = [s for ds in datasets for s in ds.samples]
         self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
         self.eval_samples = samples
@@ -137,6 +152,7 @@ class Trainer:
         self.total_steps = self._total_steps()
         self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps)
         # The schedule is not prepared: Accelerate would step it once per process per step.
+        self.flops_per_sample = self._flops_per_sample(denoiser)  # before DDP wraps it (see there)
         self.model, self.optimizer = acc.prepare(denoiser, optimizer)
         if cfg.report_to != "none":
             acc.init_trackers(cfg.tracker_project_name, config=_scalar_config(self.state.raw_config))
@@ -176,12 +192,15 @@ class Trainer:
         local = torch.stack(losses).mean().reshape(1).to(acc.device)
         return acc.gather(local).mean().item()
 
-    def _flops_per_sample(self) -> float | None:
+    def _flops_per_sample(self, model: torch.nn.Module) -> float | None:
         """Forward + backward FLOPs per sample, counted once on a throwaway micro-batch.
 
         Counting a real step would perturb it (the counter changes how some backward kernels
-        run), so this runs one extra forward and backward with the RNG forked and without
-        gradient sync, then drops the gradients: training is bit-identical with or without it.
+        run), so this runs one extra forward and backward with the RNG forked, then drops the
+        gradients: training is bit-identical with or without it. It runs before DDP wraps the
+        model: a backward DDP sees (even under no_sync) marks the parameters it reached as used
+        for the first real all-reduce, which with find_unused_parameters fails on a Wan 2.2
+        expert that step does not reach (its gradient was dropped).
         Skipped under torch.compile, which the counter would disturb.
         """
         cfg, acc = self.config, self.accelerator
@@ -191,10 +210,11 @@ class Trainer:
         batch = self.data.batch(next(iter(sampler)), acc.device)
         count = perf.FlopCount()
         devices = [acc.device.index or 0] if acc.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), acc.no_sync(self.model), perf.count_flops(count):
+        model.to(acc.device)  # where prepare() would put it
+        with torch.random.fork_rng(devices=devices), acc.autocast(), perf.count_flops(count):
             generator = torch.Generator().manual_seed(0)
-            self.spec.training_loss(self.model, batch.latents, batch.conditioning, generator).mean().backward()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.spec.training_loss(model, batch.latents, batch.conditioning, generator).mean().backward()
+        model.zero_grad(set_to_none=True)
         per_sample = count.total / batch.num_samples
         logger.info("%.3g FLOPs per sample (forward + backward)", per_sample)
         return per_sample
@@ -221,6 +241,10 @@ class Trainer:
             "lora_targets": self.spec.lora_targets if cfg.training_type == "lora" else None,
             "train_batch_size": cfg.train_batch_size,
             "denoiser_config": self._denoiser_fingerprint,
+            "lora_type": cfg.lora_type if cfg.training_type == "lora" else None,
+            "lycoris_algo": cfg.lycoris.algo if cfg.training_type == "lora" and cfg.lora_type == "lycoris" else None,
+            "base_model_precision": cfg.base_model_precision,
+            "train_stages": cfg.train_stages,
         }
 
     # --- checkpoints ---------------------------------------------------------------------
@@ -365,9 +389,12 @@ class Trainer:
         if not (self.config.validation_prompt and self.accelerator.is_main_process):
             return
         vae, text = self._keep_for_validation
-        with self.accelerator.autocast():
+        model = self.accelerator.unwrap_model(self.model)
+        device = self.accelerator.device
+        with offload.on_device_while(self.config.low_vram, device, self._offloaded, self.spec.idle_modules(model)), \
+                self.accelerator.autocast():
             self.validation_images += generate_validation_images(
-                self.spec, self.accelerator.unwrap_model(self.model), vae, text, self.config,
+                self.spec, model, vae, text, self.config,
                 self.progress.global_step, self.output_dir / "validation", self.accelerator.trackers,
             )
 
@@ -380,7 +407,7 @@ class Trainer:
         batches = self.data.iterate(self.sampler, acc.device)
         bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
                    disable=not acc.is_local_main_process, dynamic_ncols=True)
-        meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self._flops_per_sample(),
+        meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self.flops_per_sample,
                                       cuda=torch.cuda)
         try:
             with PreemptionFlag() as self._preempt:
@@ -388,6 +415,7 @@ class Trainer:
         finally:
             self._preempt = None
             bar.close()
+        self.data.close()  # the persistent decoding threads, if any
         output = self._save_final()
         if cfg.validation_prompt and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
             self._validate()
@@ -421,13 +449,13 @@ class Trainer:
                 self.losses += values
                 logs = {"loss": sum(values) / len(values), "lr": self.lr_scheduler.get_last_lr()[0], **meter.report()}
                 logs["samples_per_s"] *= acc.num_processes
-                logs.update(perf.uvm_memory_figures(_managed_pool_stats()))
+                logs.update(perf.uvm_memory_figures(perf.managed_pool_stats()))
                 if cfg.eval_steps and step % cfg.eval_steps == 0:
                     logs["eval_loss"] = self.eval_loss()
                 self.last_logs = logs
-                bar.set_postfix(_postfix(logs))
+                bar.set_postfix(perf.progress_postfix(logs))
                 acc.log(logs, step=step)
-                logger.info("step %d/%d %s", step, self.total_steps, _log_line(logs))
+                logger.info("step %d/%d %s", step, self.total_steps, perf.log_line(logs))
                 pending = []
             if cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0:
                 self.save_checkpoint()
@@ -451,7 +479,7 @@ class Trainer:
         if acc.is_main_process:
             model = acc.unwrap_model(self.model)
             if self.config.training_type == "lora":
-                path = self.spec.save_lora(self.output_dir, model)
+                path = self.spec.save_adapter(self.output_dir, model)
             else:
                 path = self.spec.save_full(self.output_dir, model)
             logger.info("saved %s", path)
@@ -465,89 +493,6 @@ def _config_fingerprint(model: torch.nn.Module) -> str:
 
     config = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
     return hashlib.sha256(orjson.dumps(config, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
-
-
-def _managed_pool_stats() -> dict | None:
-    """The unified-memory pool's figures once it holds memory (caches in `unified_memory`)."""
-    from simpletuner.gh200.runtime import get_runtime
-
-    stats = getattr(get_runtime(), "pool_stats", None)
-    return stats() if stats is not None else None
-
-
-def _postfix(logs: dict) -> dict[str, str]:
-    """The progress bar's figures: loss, lr, samples/s, step time, and MFU / eval loss when known."""
-    shown = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['lr']:.2e}", "samples_s": f"{logs['samples_per_s']:.1f}",
-             "step_s": f"{logs['step_time_s']:.3f}", "wait": f"{logs['data_wait_share']:.0%}"}
-    if "mfu" in logs:
-        shown["mfu"] = f"{logs['mfu']:.1%}"
-    if "eval_loss" in logs:
-        shown["eval"] = f"{logs['eval_loss']:.4f}"
-    return shown
-
-
-def _log_line(logs: dict) -> str:
-    parts = [f"loss {logs['loss']:.4f}", f"lr {logs['lr']:.2e}", f"{logs['samples_per_s']:.1f} samples/s",
-             f"step {logs['step_time_s']:.3f}s", f"data wait {logs['data_wait_share']:.0%}"]
-    if "tflops" in logs:
-        parts.append(f"{logs['tflops']:.2f} TFLOPS")
-    if "mfu" in logs:
-        parts.append(f"MFU {logs['mfu']:.1%}")
-    if "peak_memory_gib" in logs:
-        parts.append(f"peak {logs['peak_memory_gib']:.2f} GiB")
-    if "managed_pool_gib" in logs:
-        parts.append(f"managed pool {logs['managed_pool_gib']:.2f} GiB")
-    if "eval_loss" in logs:
-        parts.append(f"eval_loss {logs['eval_loss']:.4f}")
-    return ", ".join(parts)
-
-
-class LaunchError(RuntimeError):
-    """The launch does not match the processes Accelerate joined."""
-
-
-_CPU_FIX = (
-    "On CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N --num_machines 1 "
-    "--mixed_precision no --dynamo_backend no simpletuner/train.py ...`."
-)
-
-
-def check_launch_matches(num_processes: int, env) -> None:
-    """Raise when the launch environment promises more processes than Accelerate has joined:
-    each process would otherwise train the whole run on its own (or one would do all the work)."""
-    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if env.get(var) and int(env[var]) != num_processes:
-            raise LaunchError(
-                f"the launcher set {var}={env[var]} but Accelerate joined {num_processes} process(es): each process "
-                f"would train the whole run on its own. {_CPU_FIX}"
-            )
-    if num_processes == 1 and "WORLD_SIZE" not in env and env.get("MASTER_ADDR") and env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true"):
-        raise LaunchError(
-            "`accelerate launch --cpu --num_processes N` starts ONE process unless MPI is set up (MASTER_ADDR is set "
-            f"but no WORLD_SIZE), so the run would not be distributed. {_CPU_FIX} For one process drop --num_processes."
-        )
-
-
-def _reset_accelerate_state() -> None:
-    """Accelerate keeps precision choices in process-wide state; clear them when a run starts so
-    each run in a process (tests, notebooks) chooses its own. The process group stays up."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-
-
-class _PhaseClock:
-    """Seconds spent in each named phase of start-up."""
-
-    def __init__(self):
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = now - self._last
-        self._last = now
 
 
 def _scalar_config(raw: dict) -> dict:

@@ -1,0 +1,374 @@
+"""Wan 2.2 two-expert training: a high-noise and a low-noise transformer, one adapter each.
+
+A Wan 2.2 A14B pipeline folder holds ``transformer`` (the high-noise expert) and
+``transformer_2`` (the low-noise expert) and a ``boundary_ratio`` in ``model_index.json``;
+``WanPipeline`` denoises with ``transformer`` while ``t >= boundary_ratio * 1000`` and with
+``transformer_2`` below. Training follows the same rule per sample: every sample's timestep
+is drawn as for Wan 2.1 and the sample goes to the expert that owns it, so one run trains both
+experts on exactly the split they serve at inference (``train_stages: both``). ``high`` / ``low``
+train one expert and draw timesteps on its side of the boundary only (the same distribution,
+conditioned on the side).
+
+The two experts live in one :class:`WanExperts` module so the trainer, Accelerate/DDP,
+checkpoints and the optimizer see one model; each expert has its own adapter, its own optimizer
+parameter group (``high_noise`` / ``low_noise``, with ``high_noise_*`` / ``low_noise_*`` rates
+and Automagic bounds) and its own saved file, loadable with
+``WanPipeline.load_lora_weights(folder, weight_name=...)`` (``load_into_transformer_2=True``
+for the low-noise file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from simpletuner.models.spec import save_transformer_lora
+from simpletuner.models.wan import WanImageSampler, WanSpec
+
+logger = logging.getLogger(__name__)
+
+#: Stages (``train_stages`` values) and the pipeline component each trains.
+EXPERTS = {"high": "transformer", "low": "transformer_2"}
+#: Optimizer parameter-group names, also the prefixes of the per-stage config keys.
+GROUP_NAMES = {"high": "high_noise", "low": "low_noise"}
+#: The saved adapter of each stage, in the output folder.
+LORA_FILES = {"high": "pytorch_lora_weights_high_noise.safetensors", "low": "pytorch_lora_weights_low_noise.safetensors"}
+
+
+def read_boundary_ratio(model_path: str | Path) -> float | None:
+    """``boundary_ratio`` of a local Wan pipeline folder when it has a second expert; None for Wan 2.1."""
+    index_file = Path(model_path).expanduser() / "model_index.json"
+    if not index_file.is_file():
+        return None
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # the folder check reports it
+    if not isinstance(index, dict) or index.get("transformer_2") in (None, [None, None]):
+        return None
+    ratio = index.get("boundary_ratio")
+    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        raise ValueError(
+            f"{index_file} has a second expert (transformer_2) but boundary_ratio is {ratio!r}, not a number in (0, 1): "
+            "a Wan 2.2 folder says where the high-noise expert hands over (0.875 for T2V-A14B)"
+        )
+    return float(ratio)
+
+
+class WanExperts(nn.Module):
+    """Both Wan 2.2 experts behind one forward: each sample runs through the expert its timestep
+    belongs to (``t >= boundary_timestep``: ``transformer``, else ``transformer_2``).
+
+    ``route`` (a tuple of bools, True = high-noise expert) lets the caller pass the decision it
+    already made on the CPU, so routing costs no device sync; a plain tuple also passes through
+    DDP untouched. Without it the mask is read from ``timestep`` (one sync).
+    """
+
+    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_timestep: float):
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        self.boundary_timestep = float(boundary_timestep)
+        #: Experts taken out of the module tree by :meth:`park` (plain dict: not registered, so
+        #: ``.to()``, DDP and ``parameters()`` leave them where they are).
+        self.parked: dict[str, nn.Module] = {}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """Both experts' configs and the boundary (what a checkpoint's identity records)."""
+        return {name: dict(self.expert(stage).config) for stage, name in EXPERTS.items()} | {
+            "boundary_timestep": self.boundary_timestep}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.expert("high").dtype
+
+    def expert(self, stage: str) -> nn.Module:
+        name = EXPERTS[stage]
+        return self.parked[name] if name in self.parked else self._modules[name]
+
+    def compile_parts(self) -> None:
+        """``torch.compile`` each expert on the module tree in place. Compiling this module instead
+        would guard on the route (a new graph for every pattern of experts in a batch)."""
+        for expert in self._modules.values():
+            expert.compile()
+
+    def park(self, stage: str) -> nn.Module:
+        """Move a frozen expert to CPU RAM, outside the module tree; returns it."""
+        name = EXPERTS[stage]
+        expert = self._modules.pop(name)
+        if any(p.requires_grad for p in expert.parameters()):
+            self._modules[name] = expert
+            raise ValueError(f"the {stage}-noise expert is being trained; only an idle expert can be parked")
+        if not any(p.is_meta for p in expert.parameters()):  # the estimator's meta model stays where it is
+            expert.to("cpu")
+        self.parked[name] = expert
+        return expert
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, route: tuple[bool, ...] | None = None,
+                return_dict: bool = False, **kwargs):
+        if route is None:
+            route = tuple(bool(x) for x in (timestep >= self.boundary_timestep).tolist())
+        high = [i for i, r in enumerate(route) if r]
+        low = [i for i, r in enumerate(route) if not r]
+
+        def run(expert, idx):
+            if len(idx) == len(route):  # the whole batch: no gather
+                return expert(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                              return_dict=False, **kwargs)[0]
+            sel = torch.tensor(idx, device=hidden_states.device)
+            return expert(hidden_states=hidden_states.index_select(0, sel), timestep=timestep.index_select(0, sel),
+                          encoder_hidden_states=encoder_hidden_states.index_select(0, sel), return_dict=False, **kwargs)[0]
+
+        parts = []
+        if high:
+            parts.append(run(self.expert("high"), high))
+        if low:
+            parts.append(run(self.expert("low"), low))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) > 1:  # back to the batch order
+            order = torch.tensor(high + low, device=out.device).argsort()
+            out = out.index_select(0, order)
+        return (out,)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+class Wan22Spec(WanSpec):
+    """Wan 2.2 T2V A14B: two experts split at ``boundary_ratio``; ``train_stages`` picks which train."""
+
+    has_experts = True
+
+    def __init__(self, config):
+        super().__init__(config)
+        ratio = read_boundary_ratio(self.model_path)
+        if ratio is None:
+            raise ValueError(f"{self.model_path} is not a two-expert Wan 2.2 folder (no transformer_2 / boundary_ratio)")
+        self.boundary_ratio = ratio
+        self.stages = ("high", "low") if config.train_stages == "both" else (config.train_stages,)
+
+    @property
+    def boundary_timestep(self) -> float:
+        return self.boundary_ratio * self.load_noise_scheduler().config.num_train_timesteps
+
+    # --- loading -------------------------------------------------------------------------
+    def load_denoiser(self, dtype=torch.float32):
+        from diffusers import WanTransformer3DModel
+
+        experts = [WanTransformer3DModel.from_pretrained(self.model_path, subfolder=name, torch_dtype=dtype,
+                                                         use_safetensors=True, **self._kwargs())
+                   for name in EXPERTS.values()]
+        return WanExperts(*experts, self.boundary_timestep)
+
+    def denoiser_from_config(self) -> nn.Module:
+        from diffusers import WanTransformer3DModel
+
+        experts = [WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(self.model_path, subfolder=name))
+                   for name in EXPERTS.values()]
+        return WanExperts(*experts, self.boundary_timestep)
+
+    def prepare_denoiser(self, denoiser: WanExperts, weight_dtype: torch.dtype) -> nn.Module:
+        """An adapter (or full training) on each expert in ``train_stages``; the other one frozen in
+        ``weight_dtype``."""
+        from simpletuner.training.lora import prepare_for_training
+
+        for stage in EXPERTS:
+            expert = denoiser.expert(stage)
+            if stage in self.stages:
+                setattr(denoiser, EXPERTS[stage], prepare_for_training(expert, self.lora_targets, self.config, weight_dtype))
+            else:  # frozen, stored as the trained expert's base is
+                expert.requires_grad_(False).to(dtype=weight_dtype).eval()
+                if self.config.training_type == "lora":
+                    from simpletuner.training.quantize import quantize_base
+
+                    quantize_base(expert, self.config.base_model_precision)
+        return denoiser
+
+    def named_parameter_groups(self, denoiser: WanExperts) -> dict[str, list[nn.Parameter]]:
+        return {GROUP_NAMES[stage]: [p for p in denoiser.expert(stage).parameters() if p.requires_grad]
+                for stage in self.stages}
+
+    def apply_low_vram(self, denoiser: WanExperts) -> None:
+        """With one ``train_stages`` expert, the frozen other one waits in CPU RAM (validation only)."""
+        for stage in EXPERTS:
+            if stage not in self.stages:
+                denoiser.park(stage)
+                logger.info("low_vram: the %s-noise expert (frozen) waits in CPU RAM", stage)
+        if len(self.stages) > 1:
+            logger.warning("low_vram: with train_stages 'both' both experts train and stay on the GPU; for less GPU "
+                           "memory train them in two runs (train_stages 'high', then 'low')")
+
+    def idle_modules(self, denoiser: WanExperts) -> list[nn.Module]:
+        return list(denoiser.parked.values())
+
+    @property
+    def needs_unused_parameter_detection(self) -> bool:
+        # A micro-batch whose samples all fall on one side leaves the other expert without gradients.
+        return len(self.stages) > 1
+
+    # --- training ------------------------------------------------------------------------
+    def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        """As Wan 2.1, restricted to the trained expert's side of the boundary when one stage trains:
+        draws are repeated (from the same generator) until ``batch_size`` land on that side, which is
+        the Wan 2.1 distribution conditioned on the side. Also decides, on the CPU, which expert each
+        sample goes to (handed to the next :meth:`predict`)."""
+        sigmas = super().sample_sigmas(batch_size, generator)
+        if _is_fake(sigmas):  # the memory estimator: shapes only, every sample through one expert
+            self._route = (True,) * batch_size
+            return sigmas
+        if len(self.stages) == 1:
+            sigmas = self._one_side(sigmas, batch_size, generator)
+        # The same float32 product the loss moves to the device as the timestep.
+        timesteps = sigmas * self.load_noise_scheduler().config.num_train_timesteps
+        self._route = tuple(bool(x) for x in (timesteps >= self.boundary_timestep).tolist())
+        return sigmas
+
+    def _one_side(self, sigmas: torch.Tensor, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        boundary = self.boundary_timestep / self.load_noise_scheduler().config.num_train_timesteps
+        want_high = self.stages[0] == "high"
+        kept, num_kept = [], 0
+        for _ in range(10_000):
+            chosen = sigmas[(sigmas >= boundary) if want_high else (sigmas < boundary)]
+            kept.append(chosen)
+            num_kept += chosen.numel()
+            if num_kept >= batch_size:
+                return torch.cat(kept)[:batch_size]
+            sigmas = super().sample_sigmas(batch_size, generator)
+        raise ValueError(
+            f"timestep sampling almost never reaches the {self.stages[0]}-noise side of the boundary "
+            f"({boundary}): check timestep_sampling / logit_mean / flow_shift for train_stages {self.stages[0]!r}"
+        )
+
+    def predict(self, denoiser, noisy, timesteps, conditioning):
+        route, self._route = getattr(self, "_route", None), None
+        if route is not None and len(route) != noisy.shape[0]:
+            route = None  # not from this batch: let the module read the timesteps
+        return denoiser(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=conditioning["prompt_embeds"],
+                        route=route, return_dict=False)[0]
+
+    # --- output --------------------------------------------------------------------------
+    def save_adapter(self, output_dir, denoiser):
+        """One file per trained expert (``LORA_FILES``): diffusers format, or LyCORIS' own with
+        ``lora_type: lycoris``; returns the first."""
+        if self.config.lora_type != "lycoris":
+            return self.save_lora(output_dir, denoiser)
+        from simpletuner.training.lycoris_adapter import save_lycoris
+
+        paths = [save_lycoris(denoiser.expert(stage), Path(output_dir) / LORA_FILES[stage], self.config)
+                 for stage in self.stages]
+        return paths[0]
+
+    def save_lora(self, output_dir, denoiser):
+        """One diffusers-loadable file per trained expert (``LORA_FILES``); returns the first."""
+        from diffusers import WanPipeline
+
+        paths = []
+        for stage in self.stages:
+            path = save_transformer_lora(WanPipeline, output_dir, denoiser.expert(stage), weight_name=LORA_FILES[stage])
+            logger.info("saved the %s-noise expert's adapter to %s", stage, path)
+            paths.append(path)
+        return paths[0]
+
+    def save_full(self, output_dir, denoiser):
+        """Both experts as ``transformer`` / ``transformer_2`` folders of a Wan 2.2 pipeline."""
+        for stage, name in EXPERTS.items():
+            denoiser.expert(stage).save_pretrained(Path(output_dir) / name, safe_serialization=True)
+        return Path(output_dir)
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        """A 1-frame WanPipeline sampler with both experts and the folder's boundary."""
+        sampler = super().build_pipeline(denoiser.expert("high"), vae, text_encoders)
+        pipe = sampler.pipe
+        pipe.register_modules(transformer_2=denoiser.expert("low"))
+        pipe.register_to_config(boundary_ratio=self.boundary_ratio)
+        return WanImageSampler(pipe, self.max_sequence_length)
+
+
+# --- adapter files: which keys belong to which expert ------------------------------------------
+#: Prefixes that name an expert outright. ``transformer.`` is not one of them: it is the diffusers
+#: component prefix of every single-expert file (the low-noise file included, as
+#: ``load_lora_weights(..., load_into_transformer_2=True)`` wants it), and means the high-noise
+#: expert only beside ``transformer_2.`` keys in one combined file.
+_EXPLICIT_PREFIXES = (
+    ("transformer_2.", "low"), ("transformer_1.", "high"), ("low_noise_model.", "low"), ("high_noise_model.", "high"),
+)
+_LYCORIS = re.compile(r"^lycoris_(?:(transformer_2|transformer_1|transformer|low_noise_model|high_noise_model)_)?(.+)$")
+_LYCORIS_STAGES = {"transformer_2": "low", "low_noise_model": "low", "transformer_1": "high", "high_noise_model": "high",
+                   "transformer": None}
+
+
+def expert_of_key(key: str) -> tuple[str | None, str]:
+    """``(stage, key as a single-expert file names it)`` for one adapter key; stage None when the
+    key alone does not say (``transformer.``, plain ``lycoris_``, ``diffusion_model.``).
+
+    Explicit schemes: numbered (``transformer_1.`` high / ``transformer_2.`` low), Wan 2.2's folder
+    names (``high_noise_model.`` / ``low_noise_model.``) and their LyCORIS forms
+    (``lycoris_transformer_2_…``, ``lycoris_transformer_1_…``, ``lycoris_low_noise_model_…``).
+    Diffusers-style keys come back under ``transformer.``, LyCORIS keys under ``lycoris_``, so
+    each half loads onto one expert.
+    """
+    for prefix, stage in _EXPLICIT_PREFIXES:
+        if key.startswith(prefix):
+            return stage, "transformer." + key[len(prefix):]
+    match = _LYCORIS.match(key)
+    if match:
+        marker, rest = match.groups()
+        # A module path never starts with a digit, so "lycoris_transformer_2_blocks..." is unambiguous.
+        return (_LYCORIS_STAGES[marker] if marker else None), "lycoris_" + rest
+    return None, key
+
+
+def split_expert_state_dict(state_dict: Mapping[str, Any], default_stage: str | None = None) -> dict[str, dict[str, Any]]:
+    """Sort an adapter state dict's keys into ``{"high": {...}, "low": {...}}`` (see
+    :func:`expert_of_key`). Keys that name no expert go to ``default_stage`` (e.g. from the file
+    name, :func:`stage_from_filename`); without one, they are the high-noise expert's when the
+    same dict holds low-noise keys (a combined ``transformer.`` / ``transformer_2.`` file). Stages
+    without keys are left out.
+
+    Raises:
+        ValueError: keys name no expert and nothing else tells, or two keys map to the same key
+            of one expert.
+    """
+    if default_stage not in (None, *EXPERTS):
+        raise ValueError(f"default_stage {default_stage!r} is not one of {', '.join(EXPERTS)}")
+    sorted_keys = [(key, *expert_of_key(key)) for key in state_dict]
+    if default_stage is None and any(stage == "low" for _, stage, _ in sorted_keys):
+        default_stage = "high"
+    out: dict[str, dict[str, Any]] = {}
+    unknown = []
+    for key, stage, local in sorted_keys:
+        stage = stage or default_stage
+        if stage is None:
+            unknown.append(key)
+            continue
+        bucket = out.setdefault(stage, {})
+        if local in bucket:
+            raise ValueError(f"{key!r} and another key both name {local!r} of the {stage}-noise expert")
+        bucket[local] = state_dict[key]
+    if unknown:
+        raise ValueError(
+            f"{len(unknown)} adapter keys say neither high- nor low-noise expert (e.g. {', '.join(unknown[:3])}); "
+            "pass the stage the file belongs to (default_stage 'high' or 'low', or name the file *_high_noise / *_low_noise)"
+        )
+    return out
+
+
+def stage_from_filename(name: str) -> str | None:
+    """``high`` / ``low`` when a file name says which expert it is for (``high_noise``, ``low_noise``,
+    ``_high``, ``_low``, ``HN`` / ``LN`` as a word), else None."""
+    stem = Path(name).name.lower()
+    if re.search(r"(^|[^a-z])(high[_\-]?noise|high|hn)([^a-z]|$)", stem):
+        return "high"
+    if re.search(r"(^|[^a-z])(low[_\-]?noise|low|ln)([^a-z]|$)", stem):
+        return "low"
+    return None

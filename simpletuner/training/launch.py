@@ -1,0 +1,54 @@
+"""Launch checks and start-up helpers of a run: the process count Accelerate joined against what
+the launcher promised, Accelerate's process-wide state, and a clock for the start-up phases."""
+
+from __future__ import annotations
+
+import time
+
+
+class LaunchError(RuntimeError):
+    """The launch does not match the processes Accelerate joined."""
+
+
+_CPU_FIX = (
+    "On CPU launch with `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N --num_machines 1 "
+    "--mixed_precision no --dynamo_backend no simpletuner/train.py ...`."
+)
+
+
+def check_launch_matches(num_processes: int, env) -> None:
+    """Raise when the launch environment promises more processes than Accelerate has joined:
+    each process would otherwise train the whole run on its own (or one would do all the work)."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if env.get(var) and int(env[var]) != num_processes:
+            raise LaunchError(
+                f"the launcher set {var}={env[var]} but Accelerate joined {num_processes} process(es): each process "
+                f"would train the whole run on its own. {_CPU_FIX}"
+            )
+    if num_processes == 1 and "WORLD_SIZE" not in env and env.get("MASTER_ADDR") and env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true"):
+        raise LaunchError(
+            "`accelerate launch --cpu --num_processes N` starts ONE process unless MPI is set up (MASTER_ADDR is set "
+            f"but no WORLD_SIZE), so the run would not be distributed. {_CPU_FIX} For one process drop --num_processes."
+        )
+
+
+def reset_accelerate_state() -> None:
+    """Accelerate keeps precision choices in process-wide state; clear them when a run starts so
+    each run in a process (tests, notebooks) chooses its own. The process group stays up."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+class PhaseClock:
+    """Seconds spent in each named phase of start-up."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._last
+        self._last = now

@@ -1,0 +1,185 @@
+"""Quantised frozen base weights (``base_model_precision``): 8-bit Linear weights under an fp32 adapter.
+
+Two libraries, both weight-only (activations and the adapter keep their precision):
+
+* optimum-quanto (``qint8``, ``qfloat8``): each frozen ``nn.Linear`` becomes a ``QLinear`` whose weight
+  is a ``WeightQBytesTensor`` (int8 / float8_e4m3fn data, one scale per output row).
+* torchao (``int8_torchao``, ``fp8_torchao``): ``quantize_`` with ``Int8WeightOnlyConfig`` /
+  ``Float8WeightOnlyConfig`` swaps each frozen ``nn.Linear``'s weight for an ``Int8Tensor`` /
+  ``Float8Tensor``; the module stays an ``nn.Linear``.
+
+Only Linear layers are quantised (convolutions, norms and embeddings keep the base dtype), and not
+those under a model's ``_keep_in_fp32_modules``. peft's LoRA wraps both kinds (a ``QLinear`` is an
+``nn.Linear``; torchao weights dispatch to peft's ``TorchaoLoraLinear``) and LyCORIS runs them in
+bypass mode (``y = base(x) + adapter(x)``), so the adapter is added on top, after quantisation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: base_model_precision -> (library, its extra)
+QUANTO_KINDS = ("qint8", "qfloat8")
+TORCHAO_KINDS = ("int8_torchao", "fp8_torchao")
+#: Bytes per output row besides the 8-bit data: the scale (and torchao int8's zero point).
+_ROW_BYTES = {"qint8": None, "qfloat8": None, "int8_torchao": 4 + 1, "fp8_torchao": 4}
+
+
+def is_quantized_precision(precision: str) -> bool:
+    """Whether ``base_model_precision`` asks for 8-bit base weights (anything but ``no_change``)."""
+    if precision == "no_change":
+        return False
+    if precision not in QUANTO_KINDS + TORCHAO_KINDS:
+        raise ValueError(
+            f"base_model_precision {precision!r} is not one of no_change, {', '.join(QUANTO_KINDS + TORCHAO_KINDS)}"
+        )
+    return True
+
+
+def check_adapter_support(precision: str, lora_type: str, use_dora: bool) -> None:
+    """Refuse, before anything is quantised, a base precision the configured adapter cannot train on.
+
+    Raises:
+        ValueError: peft's DoRA on an optimum-quanto base (DoRA reads the base weight's norm and
+            cannot dequantise quanto weights), with what to use instead.
+    """
+    if is_quantized_precision(precision) and precision in QUANTO_KINDS and lora_type == "standard" and use_dora:
+        raise ValueError(
+            f"lora_use_dora with base_model_precision {precision!r}: peft's DoRA cannot read optimum-quanto "
+            "weights; use base_model_precision 'int8_torchao' or 'fp8_torchao' with DoRA, or set lora_use_dora false"
+        )
+
+
+def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The frozen ``nn.Linear`` layers quantisation replaces, by module name.
+
+    Layers that train (an adapter's own Linear layers), that are quantised already, or that sit
+    under one of the model's ``_keep_in_fp32_modules`` (precision-sensitive by the model's own
+    account) are left out.
+    """
+    keep: set[str] = set()
+    for module in model.modules():
+        keep.update(getattr(module, "_keep_in_fp32_modules", None) or [])
+    found = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or keep.intersection(name.split(".")):
+            continue
+        weight = module.weight
+        if weight is None or weight.requires_grad or not _is_plain(weight) or not weight.is_floating_point():
+            continue
+        found[name] = module
+    return found
+
+
+def _is_plain(tensor: torch.Tensor) -> bool:
+    return type(tensor) in (torch.Tensor, nn.Parameter)
+
+
+def quantize_base(model: nn.Module, precision: str, device: torch.device | None = None) -> int:
+    """Quantise the frozen base's Linear weights of ``model`` in place; returns how many layers.
+
+    Call it after freezing and casting the base, before adding an adapter. ``device``: move each
+    layer there before quantising it (e.g. the GPU, so quantising a large model is fast and its
+    full-precision weights never all sit on the GPU at once); None leaves layers where they are.
+    A model on the ``meta`` device (the memory estimator) is left unquantised: the libraries need
+    real weights, and the estimator counts the 8-bit bytes itself (``quantized_size``).
+
+    Raises:
+        ValueError: an unknown ``precision``, or its library is not installed (with the pip command).
+    """
+    if not is_quantized_precision(precision):
+        return 0
+    layers = quantizable_linears(model)
+    if any(layer.weight.is_meta for layer in layers.values()):
+        return 0
+    if precision in QUANTO_KINDS:
+        _quantize_quanto(model, layers, precision, device)
+    else:
+        _quantize_torchao(layers, precision, device)
+    logger.info("base_model_precision %s: quantised %d Linear layers", precision, len(layers))
+    return len(layers)
+
+
+def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: str, device) -> None:
+    try:
+        from optimum.quanto import qfloat8, qint8
+        from optimum.quanto.nn import quantize_module
+    except ImportError as exc:
+        raise ValueError(
+            f"base_model_precision {precision!r} needs optimum-quanto: pip install 'simpletuner[quanto]' "
+            f"(or use base_model_precision 'no_change')"
+        ) from exc
+    weights = {"qint8": qint8, "qfloat8": qfloat8}[precision]
+    for name, layer in layers.items():
+        if device is not None:
+            layer.to(device)
+        qlayer = quantize_module(layer, weights=weights)
+        qlayer.freeze()  # float weight -> 8-bit WeightQBytesTensor, one layer at a time
+        qlayer.requires_grad_(False)  # freeze() makes a new Parameter, which would train
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, qlayer)
+
+
+def _quantize_torchao(layers: dict[str, nn.Linear], precision: str, device) -> None:
+    try:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise ValueError(
+            f"base_model_precision {precision!r} needs torchao: pip install 'simpletuner[torchao]' "
+            f"(or use base_model_precision 'no_change')"
+        ) from exc
+    config = Int8WeightOnlyConfig() if precision == "int8_torchao" else Float8WeightOnlyConfig()
+    for layer in layers.values():
+        if device is not None:
+            layer.to(device)
+        quantize_(layer, config)  # the layer itself matches torchao's Linear filter
+        layer.requires_grad_(False)
+        # torchao's weights handle F.linear before autocast sees it: an int8 layer would return
+        # fp32 for an fp32 input where an unquantised one under bf16 autocast returns bf16 (and
+        # the next GroupNorm then meets mixed dtypes). Cast the input as autocast would.
+        layer.register_forward_pre_hook(_autocast_input)
+
+
+def _autocast_input(module: nn.Module, args: tuple):
+    x = args[0] if args else None
+    if torch.is_tensor(x) and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if x.dtype != dtype:
+            return (x.to(dtype), *args[1:])
+    return None
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor's storage takes, looking inside quantised tensor subclasses (8-bit data + scales)."""
+    if not _is_plain(tensor) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(tensor, n)) for n in names)
+    return tensor.nbytes
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter of ``model``, quantised ones at their real (8-bit plus scale) size."""
+    return sum(tensor_bytes(p) for p in model.parameters())
+
+
+def quantized_size(model: nn.Module, precision: str) -> tuple[int, int]:
+    """``(bytes now, bytes once quantised)`` of the Linear weights ``quantize_base`` would replace.
+
+    What the memory estimator uses on its meta-device model, where nothing is really quantised:
+    one byte per weight element plus each output row's scale (quanto: one scale in the weight's
+    dtype; torchao int8: an fp32 scale and an int8 zero point; torchao fp8: an fp32 scale).
+    """
+    if not is_quantized_precision(precision):
+        return 0, 0
+    before = after = 0
+    for layer in quantizable_linears(model).values():
+        weight = layer.weight
+        row_bytes = _ROW_BYTES[precision] or weight.element_size()
+        before += weight.nbytes
+        after += weight.numel() + weight.shape[0] * row_bytes
+    return before, after

@@ -191,6 +191,14 @@ def test_extras_validation_models_and_ddp_buckets(config):
     assert plan.estimate.total == plan.estimate.breakdown.total + validation + 64 * MiB
     assert plan.micro_batch_size * plan.gradient_accumulation_steps * 2 == 4
     assert any("validation_prompt is set" in note for note in plan.notes)
+    # low_vram: they visit the GPU only while sampling, in place of the training activations.
+    from simpletuner.memory.autoconfig import extra_bytes
+
+    low = config(validation_prompt="a red square", mixed_precision="bf16", low_vram=True)
+    breakdown = plan.estimate.breakdown
+    assert extra_bytes(low, breakdown, validation_bytes=validation).get(VALIDATION_MODELS, 0) == max(
+        0, validation - breakdown.activations)
+    assert extra_bytes(low, breakdown, validation_bytes=breakdown.activations + 5) == {VALIDATION_MODELS: 5}
 
 
 def test_bad_margins_and_memory(config):

@@ -89,13 +89,17 @@ def extra_bytes(config: "TrainingConfig", breakdown: MemoryBreakdown, num_proces
                 validation_bytes: int | None = None) -> dict[str, int]:
     """What the run keeps on each GPU beside the denoiser's breakdown, by name (zero rows left out).
 
-    ``validation models``: see :func:`validation_model_bytes` (pass it to avoid rebuilding).
+    ``validation models``: see :func:`validation_model_bytes` (pass it to avoid rebuilding); with
+    ``low_vram`` only what exceeds the activations they replace on the GPU while sampling.
     ``DDP gradient buckets``: with several processes, DistributedDataParallel copies gradients
     into buckets for the all-reduce (Accelerate's default ``gradient_as_bucket_view=False``):
     one more copy of the gradients.
     """
     extras = {}
     validation = validation_model_bytes(config) if validation_bytes is None else validation_bytes
+    if validation and config.low_vram:
+        # They visit the GPU only while sampling, when no training activations are held.
+        validation = max(0, validation - breakdown.activations)
     if validation:
         extras[VALIDATION_MODELS] = validation
     if num_processes > 1:

@@ -122,7 +122,7 @@ class WanExperts(nn.Module):
             if len(idx) == len(route):  # the whole batch: no gather
                 return expert(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
                               return_dict=False, **kwargs)[0]
-            sel = torch.tensor(idx, device=hidden_states.device)
+            sel = _device_index(idx, hidden_states.device)
             return expert(hidden_states=hidden_states.index_select(0, sel), timestep=timestep.index_select(0, sel),
                           encoder_hidden_states=encoder_hidden_states.index_select(0, sel), return_dict=False, **kwargs)[0]
 
@@ -133,9 +133,18 @@ class WanExperts(nn.Module):
             parts.append(run(self.expert("low"), low))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         if len(parts) > 1:  # back to the batch order
-            order = torch.tensor(high + low, device=out.device).argsort()
+            order = _device_index(torch.tensor(high + low).argsort().tolist(), out.device)
             out = out.index_select(0, order)
         return (out,)
+
+
+def _device_index(idx: list[int], device: torch.device) -> torch.Tensor:
+    """An index tensor on ``device`` without a host sync: ``torch.tensor(..., device=cuda)`` copies
+    from pageable memory, which waits for the GPU; a pinned copy is queued instead."""
+    index = torch.tensor(idx, dtype=torch.long)
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -28,7 +28,6 @@ import functools
 import logging
 import os
 import platform
-import random
 import statistics
 import subprocess
 import tempfile

@@ -9,15 +9,12 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusion3Spec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd3 import T5_MAX_LENGTH
 from simpletuner.models.zoo import TINY_SD3_CLIP_PROJECTION, TINY_SD3_T5_WIDTH
-from simpletuner.state import StateTracker
-from simpletuner.training.trainer import Trainer
 from training_helpers import fixed_loss, train
 
 POOLED = sum(TINY_SD3_CLIP_PROJECTION)

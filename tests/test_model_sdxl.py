@@ -12,8 +12,6 @@ import torch
 from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusionXLSpec, get_model_spec
 from simpletuner.models.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
-from simpletuner.state import StateTracker
-from simpletuner.training.trainer import Trainer
 from training_helpers import fixed_loss, train
 
 

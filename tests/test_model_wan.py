@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import WanSpec, get_model_spec

@@ -6,10 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from simpletuner.configuration import validate_config
-from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training.trainer import Trainer
 from training_helpers import fixed_loss, train
 
 

@@ -48,7 +48,6 @@ from simpletuner.caching.integrity import (
     CheckedRead,
     CompactReport,
     VerifyReport,
-    checksum,
     group_tensor_names,
     read_header,
     tensor_checksum,

@@ -237,17 +237,20 @@ class Wan22Spec(WanSpec):
             return sigmas
         if len(self.stages) == 1:
             sigmas = self._one_side(sigmas, batch_size, generator)
-        # The same float32 product the loss moves to the device as the timestep.
-        timesteps = sigmas * self.load_noise_scheduler().config.num_train_timesteps
-        self._route = tuple(bool(x) for x in (timesteps >= self.boundary_timestep).tolist())
+        self._route = tuple(bool(x) for x in self._is_high(sigmas).tolist())
         return sigmas
 
+    def _is_high(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Which sigmas the high-noise expert owns: the same float32 product the loss moves to the
+        device as the timestep, against the boundary (so the side chosen and the route agree)."""
+        return sigmas * self.load_noise_scheduler().config.num_train_timesteps >= self.boundary_timestep
+
     def _one_side(self, sigmas: torch.Tensor, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        boundary = self.boundary_timestep / self.load_noise_scheduler().config.num_train_timesteps
         want_high = self.stages[0] == "high"
         kept, num_kept = [], 0
         for _ in range(10_000):
-            chosen = sigmas[(sigmas >= boundary) if want_high else (sigmas < boundary)]
+            high = self._is_high(sigmas)
+            chosen = sigmas[high if want_high else ~high]
             kept.append(chosen)
             num_kept += chosen.numel()
             if num_kept >= batch_size:
@@ -255,7 +258,7 @@ class Wan22Spec(WanSpec):
             sigmas = super().sample_sigmas(batch_size, generator)
         raise ValueError(
             f"timestep sampling almost never reaches the {self.stages[0]}-noise side of the boundary "
-            f"({boundary}): check timestep_sampling / logit_mean / flow_shift for train_stages {self.stages[0]!r}"
+            f"({self.boundary_ratio}): check timestep_sampling / logit_mean / flow_shift for train_stages {self.stages[0]!r}"
         )
 
     def predict(self, denoiser, noisy, timesteps, conditioning):

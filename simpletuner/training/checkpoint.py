@@ -196,14 +196,13 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 #: What a checkpoint written before these identity keys existed trained with.
-_IDENTITY_DEFAULTS = {"lora_type": "standard", "lycoris_algo": None, "base_model_precision": "no_change",
-                      "train_stages": "both"}
+_IDENTITY_DEFAULTS = {"lycoris_algo": None, "base_model_precision": "no_change", "train_stages": "both"}
 
 
 def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
     if key in saved_identity:
         return saved_identity[key]
-    if key == "lora_type":
+    if key == "lora_type":  # the only adapter there was, for LoRA runs
         return "standard" if saved_identity.get("training_type") == "lora" else None
     return _IDENTITY_DEFAULTS.get(key)
 

@@ -9,7 +9,7 @@ reads CPU RAM directly, so the copies buy little there: try ``low_vram`` off fir
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -48,8 +48,3 @@ def on_device_while(enabled: bool, device: torch.device, *groups: Any):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-
-def num_bytes(objs: Iterable[Any]) -> int:
-    """Bytes of the parameters and buffers of the modules in ``objs``."""
-    return sum(t.numel() * t.element_size() for m in _modules(list(objs))
-               for t in list(m.parameters()) + list(m.buffers()))

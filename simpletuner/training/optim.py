@@ -32,9 +32,8 @@ def _param_groups(config: TrainingConfig, named: Mapping[str, Iterable[torch.nn.
     from simpletuner.training.optimizers.automagic import automagic_param_groups
 
     groups = automagic_param_groups(named, stage_bounds(config))
-    if config.optimizer != "automagic":
-        for group in groups:
-            group.pop("lr_bump", None), group.pop("min_lr", None), group.pop("max_lr", None)
+    if config.optimizer != "automagic":  # only the learning rate applies to other optimizers
+        groups = [{k: v for k, v in g.items() if k not in ("lr_bump", "min_lr", "max_lr")} for g in groups]
     return [g for g in groups if g["params"]]
 
 

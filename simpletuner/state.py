@@ -25,6 +25,8 @@ class StateTracker:
         self.config = config
         self.raw_config: dict[str, Any] = dict(raw_config or {})
         self.gh200_runtime_config: dict[str, Any] = {}
+        #: key -> where its value came from, for keys the launcher can also set ("from cfg.json", ...)
+        self.setting_sources: dict[str, str] = {}
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
 

@@ -16,15 +16,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def prepare_config(config_path: str, overrides=(), environ=None, launch_command="auto"):
+    """The run's validated config and where each launcher-settable key's value came from.
+
+    Merges what ``accelerate launch`` was asked for (configuration/launcher.py), checks the
+    environment's PYTORCH_CUDA_ALLOC_CONF, and reports every problem at once before any model
+    loads. ``launch_command``: "auto" reads the launcher above this process; tests pass one.
+    """
+    import os
+    from pathlib import Path
+
+    from simpletuner.configuration import ConfigError, LoadedConfig, validate_config
+    from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
+    from simpletuner.configuration.launcher import launcher_command_from_environment, resolve_launcher_settings
+    from simpletuner.configuration.loader import apply_overrides, read_raw_config
+
+    environ = os.environ if environ is None else environ
+    path = Path(config_path)
+    raw = read_raw_config(path, overrides)
+    command = launcher_command_from_environment(environ) if launch_command == "auto" else launch_command
+    problems: list[str] = []
+    sources: dict[str, str] = {}
+    try:
+        launch = resolve_launcher_settings(raw, environ, command, config_source=str(path))
+    except ConfigError as exc:
+        problems += exc.problems
+    else:
+        raw = apply_overrides(raw, launch.overrides)
+        sources = {key: setting.source for key, setting in launch.settings.items()}
+    alloc = check_alloc_conf(environ.get(ALLOC_CONF_VAR))
+    problems += alloc.errors()
+    for warning in alloc.warnings():
+        logging.getLogger("simpletuner.train").warning(warning)
+    try:
+        config = validate_config(raw, base_dir=path.parent, source=str(path))
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems, str(path))
+    return LoadedConfig(config=config, raw=raw, path=path), sources
+
+
 def run(config_path: str, overrides=(), log_level: str = "INFO"):
     """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
-    from simpletuner.configuration import load_config
     from simpletuner.state import StateTracker
     from simpletuner.training.trainer import Trainer
 
     logging.basicConfig(level=getattr(logging, log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_config(config_path, overrides)
+    loaded, sources = prepare_config(config_path, overrides)
     state = StateTracker(loaded.config, loaded.raw)
+    state.setting_sources = sources
     return Trainer(state).train()
 
 
@@ -44,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: never exit with a code that means something else
+        from simpletuner.exit_codes import report_internal_error
+
+        return report_internal_error(exc, "train")
     return 0
 
 

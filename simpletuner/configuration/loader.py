@@ -134,12 +134,18 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
     return config
 
 
-def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), check_files: bool = True) -> LoadedConfig:
-    """Load and validate ``path``; raises ConfigError with every problem found."""
+def read_raw_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """The config file's JSON object with ``--set`` overrides applied, not validated yet."""
     p = Path(path)
     raw = _read_json(p, "config file")
     if not isinstance(raw, dict):
         raise ConfigError(["the config must be a JSON object ({...})"], str(p))
-    raw = apply_overrides(raw, overrides)
+    return apply_overrides(raw, overrides)
+
+
+def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), check_files: bool = True) -> LoadedConfig:
+    """Load and validate ``path``; raises ConfigError with every problem found."""
+    p = Path(path)
+    raw = read_raw_config(p, overrides)
     config = validate_config(raw, base_dir=p.parent, source=str(p), check_files=check_files)
     return LoadedConfig(config=config, raw=raw, path=p)

@@ -10,22 +10,12 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from simpletuner.configuration.alloc_conf import CUDA_ALLOC_CONF_KEYS
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-#: Keys a stock PyTorch CUDA build accepts in PYTORCH_CUDA_ALLOC_CONF (it refuses to start on others).
-CUDA_ALLOC_CONF_KEYS: tuple[str, ...] = (
-    "expandable_segments",
-    "garbage_collection_threshold",
-    "max_split_size_mb",
-    "pinned_num_register_threads",
-    "pinned_use_background_threads",
-    "pinned_use_cuda_host_register",
-    "release_lock_on_cudamalloc",
-    "roundup_power2_divisions",
-)
 
 CaptionStrategy = Literal["textfile", "filename", "instance_prompt"]
 
@@ -267,7 +257,13 @@ class TrainingConfig(_Strict):
 
     # --- schedule ---
     train_batch_size: int = Field(1, ge=1, description="Micro-batch size per process.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    gradient_accumulation_steps: int = Field(
+        1, ge=1,
+        description=(
+            "Micro-batches per optimizer step. Unset: `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` when the launch sets it "
+            "(DeepSpeed launches), else 1; both set and different: the run stops, naming both."
+        ),
+    )
     max_train_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`.")
     num_train_epochs: Optional[int] = Field(None, ge=1, description="Epochs to train when `max_train_steps` is not set.")
     seed: int = Field(42, description="Seed for initialisation, data order, noise and timesteps.")
@@ -330,7 +326,15 @@ class TrainingConfig(_Strict):
         ),
     )
     snr_gamma: float = Field(5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")
-    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="Autocast precision for the forward pass.")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field(
+        "no",
+        description=(
+            "Autocast precision for the forward pass. Unset: what `accelerate launch` was asked for (`--mixed_precision`, "
+            "its `--config_file` or default config file, or `ACCELERATE_MIXED_PRECISION`), else `no`. Set here and in "
+            "the launch to different values: the run stops before loading anything, naming both. The precision in "
+            "force and its source are logged at start."
+        ),
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
 
     # --- adapter ---
@@ -384,7 +388,9 @@ class TrainingConfig(_Strict):
         False,
         description=(
             "`torch.compile` the denoiser: faster steps after a compile that takes tens of seconds to minutes "
-            "at start-up and again for each new bucket shape; needs a C compiler on the machine."
+            "at start-up and again for each new bucket shape; needs a C compiler on the machine. Unset: on when the launch asks "
+            "for the inductor dynamo backend (`--dynamo_backend inductor`); another backend, or a launch that "
+            "disagrees with this key, stops the run."
         ),
     )
     dataloader_num_workers: int = Field(

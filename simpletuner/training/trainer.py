@@ -83,10 +83,18 @@ class Trainer:
             from accelerate.utils import DistributedDataParallelKwargs
 
             handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+        from accelerate.utils import GradientAccumulationPlugin
+
+        # Every setting the launcher could also make is passed explicitly: the config already
+        # holds the launcher's value or stopped on a conflict (configuration/launcher.py). The
+        # trainer owns accumulation (an Accelerate count > 1 would divide every loss) and
+        # compiling (enable_compile), so Accelerate's are pinned off.
         return Accelerator(
             cpu=not has_cuda,
             kwargs_handlers=handlers,
             mixed_precision=self.mixed_precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
+            dynamo_backend="no",
             log_with=log_with,
             project_config=ProjectConfiguration(project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")),
         )
@@ -108,6 +116,7 @@ class Trainer:
         self.spec = spec = get_model_spec(cfg)  # reads the folder's JSON only
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
+        self._log_settings_in_force()
         set_seed(cfg.seed)
         self.accumulation = self._configure_gh200_runtime()
         # Noise and timesteps: one CPU generator per rank, saved and restored with checkpoints.
@@ -164,6 +173,17 @@ class Trainer:
             clock.mark("resume")
         self.startup_seconds = clock.phases
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
+
+    def _log_settings_in_force(self) -> None:
+        """Say once, at start, the precision in force and where each launcher-settable key came from."""
+        sources = self.state.setting_sources
+        precision = sources.get("mixed_precision", "the default: neither the config nor the launcher set it")
+        changed = "" if self.mixed_precision == self.config.mixed_precision else \
+            f" (asked for {self.config.mixed_precision!r}; this GPU has no bf16)"
+        logger.info("mixed precision %s in force%s, %s", self.accelerator.mixed_precision, changed, precision)
+        for key in ("gradient_accumulation_steps", "enable_compile"):
+            if key in sources:
+                logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
 
     def _configure_gh200_runtime(self) -> AccumulationPolicy:
         """Apply ``cache_config`` / ``gh200_optimizations``: hint override, accumulation policy,

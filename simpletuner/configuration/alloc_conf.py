@@ -1,0 +1,97 @@
+"""PYTORCH_CUDA_ALLOC_CONF: which keys stock PyTorch accepts, and what to say about the rest.
+
+A CUDA build of PyTorch parses the variable when CUDA starts and refuses to run on a key it
+does not know. The GH200 fork of ai-toolkit (seed 001) exports keys of a patched PyTorch
+(``use_uvm``, ``uvm_oversubscription_ratio``, ``uvm_access_pattern``) that no released build
+has; a run would die at its first CUDA allocation, after minutes of start-up. The trainer,
+``simpletuner estimate``, ``gh200_diagnostic.py`` and ``scripts/setup_gh200_env.sh`` all check
+with the functions here, so each says the same thing before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+
+#: Keys a stock PyTorch CUDA build (2.4 ... 2.13) accepts in PYTORCH_CUDA_ALLOC_CONF.
+CUDA_ALLOC_CONF_KEYS: tuple[str, ...] = (
+    "backend",
+    "expandable_segments",
+    "garbage_collection_threshold",
+    "large_segment_size_mb",
+    "max_non_split_rounding_mb",
+    "max_split_size_mb",
+    "pinned_max_cached_size_mb",
+    "pinned_max_round_threshold_mb",
+    "pinned_num_register_threads",
+    "pinned_reserve_segment_size_mb",
+    "pinned_use_background_threads",
+    "pinned_use_cuda_host_register",
+    "release_lock_on_cudamalloc",
+    "roundup_power2_divisions",
+)
+
+#: Keys of the patched PyTorch behind seed 001, and what this project offers instead.
+FORK_ONLY_KEYS: dict[str, str] = {
+    "use_uvm": (
+        "unified memory on stock PyTorch comes from simpletuner's managed-memory pool: set "
+        "cache_config.vae_cache_type / text_cache_type to \"unified_memory\" (needs the gh200 extra)"
+    ),
+    "uvm_oversubscription_ratio": (
+        "stock PyTorch has no oversubscription setting; `python gh200_diagnostic.py --oversubscription-scale 1.5` "
+        "measures what this machine's managed memory can take"
+    ),
+    "uvm_access_pattern": (
+        "placement is decided per tensor by simpletuner's hints (gh200_optimizations.enable_uvm_hints): latents "
+        "prefer CPU memory, text embeddings GPU memory"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class AllocConfCheck:
+    """What is wrong with one PYTORCH_CUDA_ALLOC_CONF value."""
+
+    value: str
+    fork_keys: tuple[str, ...]  # keys only the patched PyTorch of seed 001 knows: CUDA would refuse them
+    unknown_keys: tuple[str, ...]  # other keys this project does not know PyTorch to accept
+
+    @property
+    def is_ok(self) -> bool:
+        return not self.fork_keys and not self.unknown_keys
+
+    def errors(self) -> list[str]:
+        """One line per fork-only key: PyTorch would refuse to start CUDA with it."""
+        kept = [item for item in _items(self.value) if _key(item) not in FORK_ONLY_KEYS]
+        fix = (f"export {ALLOC_CONF_VAR}=\"{','.join(kept)}\"" if kept else f"unset {ALLOC_CONF_VAR}")
+        return [
+            f"{ALLOC_CONF_VAR} sets `{key}`, a key of a patched PyTorch build (the ai-toolkit GH200 fork) that stock "
+            f"PyTorch rejects when CUDA starts; {FORK_ONLY_KEYS[key]}. Fix: {fix}"
+            for key in self.fork_keys
+        ]
+
+    def warnings(self) -> list[str]:
+        if not self.unknown_keys:
+            return []
+        return [
+            f"{ALLOC_CONF_VAR} sets {', '.join(f'`{k}`' for k in self.unknown_keys)}, not among the keys stock PyTorch "
+            f"is known to accept ({', '.join(CUDA_ALLOC_CONF_KEYS)}); if your PyTorch does not know it either, CUDA "
+            "will refuse to start"
+        ]
+
+
+def _items(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _key(item: str) -> str:
+    return item.partition(":")[0].strip()
+
+
+def check_alloc_conf(value: str | None) -> AllocConfCheck:
+    """Sort the keys of a PYTORCH_CUDA_ALLOC_CONF value into fork-only and unknown ones."""
+    keys = [_key(item) for item in _items(value or "")]
+    fork = tuple(k for k in keys if k in FORK_ONLY_KEYS)
+    unknown = tuple(k for k in keys if k not in FORK_ONLY_KEYS and k not in CUDA_ALLOC_CONF_KEYS)
+    return AllocConfCheck(value or "", fork, unknown)

@@ -1,0 +1,48 @@
+"""Exit codes every ``simpletuner`` command shares, and the one way an unexpected error ends.
+
+Each code has one meaning across commands, so scripts can branch on it:
+
+==== ===============================================================================
+0    done
+1    ``estimate``: the config does not fit the GPU; ``train``: stopped early on purpose
+2    bad input: config, flags, files (the message says what to fix)
+3    ``train``: non-finite loss or gradient (the last good state is saved)
+4    ``train``: out of memory (the message says what would fit)
+70   internal error: a bug in simpletuner, not in the input (EX_SOFTWARE of sysexits.h)
+130  ``train``: stopped by SIGINT (Ctrl-C) after saving
+143  ``train``: stopped by SIGTERM after saving
+==== ===============================================================================
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+OK = 0
+DOES_NOT_FIT = 1
+BAD_INPUT = 2
+NON_FINITE = 3
+OUT_OF_MEMORY = 4
+INTERNAL_ERROR = 70
+
+REPORT_HINT = (
+    "Please report it with the traceback above, the command line, the config (paths may be redacted) and the "
+    "output of `simpletuner diagnose`."
+)
+
+
+def report_internal_error(exc: BaseException, command: str, stream=None) -> int:
+    """Print the traceback of an unexpected exception and what to report; returns INTERNAL_ERROR.
+
+    An unexpected error must never exit with a code that means something documented (1 would
+    read as "does not fit" for ``estimate``), so every command funnels its last-resort handler here.
+    """
+    stream = stream if stream is not None else sys.stderr
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
+    print(
+        f"internal error in `simpletuner {command}` ({type(exc).__name__}: {exc}): this is a bug in simpletuner, "
+        f"not a problem with your input. {REPORT_HINT} Exit code {INTERNAL_ERROR}.",
+        file=stream,
+    )
+    return INTERNAL_ERROR

@@ -10,6 +10,7 @@ Each code has one meaning across commands, so scripts can branch on it:
 4    ``train``: out of memory (the message says what would fit)
 70   internal error: a bug in simpletuner, not in the input (EX_SOFTWARE of sysexits.h)
 130  ``train``: stopped by SIGINT (Ctrl-C) after saving
+141  the output was piped into a reader that stopped early (``... | head``), as a shell reports it
 143  ``train``: stopped by SIGTERM after saving
 ==== ===============================================================================
 """
@@ -25,6 +26,7 @@ BAD_INPUT = 2
 NON_FINITE = 3
 OUT_OF_MEMORY = 4
 INTERNAL_ERROR = 70
+BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE
 
 REPORT_HINT = (
     "Please report it with the traceback above, the command line, the config (paths may be redacted) and the "
@@ -38,6 +40,9 @@ def report_internal_error(exc: BaseException, command: str, stream=None) -> int:
     An unexpected error must never exit with a code that means something documented (1 would
     read as "does not fit" for ``estimate``), so every command funnels its last-resort handler here.
     """
+    if isinstance(exc, BrokenPipeError):  # the reader went away (`... | head`): not a bug, nothing to say
+        _silence_stdout()
+        return BROKEN_PIPE
     stream = stream if stream is not None else sys.stderr
     traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     print(
@@ -46,3 +51,14 @@ def report_internal_error(exc: BaseException, command: str, stream=None) -> int:
         file=stream,
     )
     return INTERNAL_ERROR
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

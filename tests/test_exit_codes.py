@@ -26,3 +26,17 @@ def test_codes_are_distinct():
     codes = [exit_codes.OK, exit_codes.DOES_NOT_FIT, exit_codes.BAD_INPUT, exit_codes.NON_FINITE,
              exit_codes.OUT_OF_MEMORY, exit_codes.INTERNAL_ERROR]
     assert len(set(codes)) == len(codes)
+
+
+def test_piping_into_head_is_not_an_internal_error(tmp_path):
+    """`simpletuner estimate --preset gh200 | head -1` ends quietly, not with a bug report."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom simpletuner.exit_codes import report_internal_error\n"
+            "try:\n    [print('line', i) for i in range(200000)]\n"
+            "except BaseException as exc:\n    sys.exit(report_internal_error(exc, 'estimate'))\n")
+    proc = subprocess.run(f"{sys.executable} -c \"{code}\" | head -1", shell=True, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout == "line 0\n"
+    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr

@@ -95,3 +95,97 @@ def check_alloc_conf(value: str | None) -> AllocConfCheck:
     fork = tuple(k for k in keys if k in FORK_ONLY_KEYS)
     unknown = tuple(k for k in keys if k not in FORK_ONLY_KEYS and k not in CUDA_ALLOC_CONF_KEYS)
     return AllocConfCheck(value or "", fork, unknown)
+
+
+# --- the `cuda_allocator` table of a training config -----------------------------------------
+# What each key's value must be, as PyTorch's parser (c10 AllocatorConfig / CUDAAllocatorConfig)
+# reads it from the variable. Booleans are written there as True/False, everything else as is.
+_BOOL_KEYS = frozenset({
+    "expandable_segments", "pinned_use_background_threads", "pinned_use_cuda_host_register", "release_lock_on_cudamalloc",
+})
+_MB_KEYS = {  # key -> smallest value PyTorch accepts
+    "large_segment_size_mb": 1, "max_non_split_rounding_mb": 20, "max_split_size_mb": 20,
+    "pinned_max_cached_size_mb": 1, "pinned_max_round_threshold_mb": 1, "pinned_reserve_segment_size_mb": 1,
+}
+_BACKENDS = ("native", "cudaMallocAsync")
+_MAX_REGISTER_THREADS = 128
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_power_of_2(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _value_problem(key: str, value: object) -> str | None:
+    """Why PyTorch would refuse ``key: value``, or None when it accepts it."""
+    if key in _BOOL_KEYS:
+        return None if isinstance(value, bool) else f"takes true or false (a JSON boolean), got {value!r}"
+    if key in _MB_KEYS:
+        low = _MB_KEYS[key]
+        if _is_int(value) and value >= low:
+            return None
+        return f"takes a whole number of MB >= {low}, got {value!r}"
+    if key == "backend":
+        return None if value in _BACKENDS else f"takes \"native\" or \"cudaMallocAsync\", got {value!r}"
+    if key == "garbage_collection_threshold":
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
+            return None
+        return f"takes a number between 0 and 1 (exclusive), got {value!r}"
+    if key == "pinned_num_register_threads":
+        if _is_int(value) and _is_power_of_2(value) and value <= _MAX_REGISTER_THREADS:
+            return None
+        return f"takes a power of 2 up to {_MAX_REGISTER_THREADS}, got {value!r}"
+    if key == "roundup_power2_divisions":
+        if _is_int(value) and _is_power_of_2(value):
+            return None
+        if isinstance(value, str) and _is_division_list(value):
+            return None
+        return f"takes a power of 2 or a list such as \"[256:1,512:2,>:4]\", got {value!r}"
+    return None
+
+
+def _is_division_list(value: str) -> bool:
+    """``[256:1,512:2,>:4]``: size in MB (a power of 2, or ``>`` for the rest) : divisions (0 or a power of 2)."""
+    if not (value.startswith("[") and value.endswith("]")) or len(value) < 3:
+        return False
+    for item in value[1:-1].split(","):
+        size, sep, divisions = item.strip().partition(":")
+        if not sep or not divisions.strip().isdigit():
+            return False
+        count = int(divisions)
+        if count and not _is_power_of_2(count):
+            return False
+        if size.strip() != ">" and not (size.strip().isdigit() and _is_power_of_2(int(size))):
+            return False
+    return True
+
+
+def allocator_settings_problems(settings: dict) -> list[str]:
+    """One line per key of the config's ``cuda_allocator`` table that PyTorch would refuse.
+
+    Fork-only keys (``use_uvm``, ``uvm_*``) get the replacement advice; other unknown keys the
+    list of accepted ones; known keys a wrong value, whatever its type.
+    """
+    problems = []
+    accepted = ", ".join(CUDA_ALLOC_CONF_KEYS)
+    for key, value in settings.items():
+        if key in FORK_ONLY_KEYS or key.startswith("uvm_"):
+            advice = FORK_ONLY_KEYS.get(key, FORK_ONLY_KEYS["use_uvm"])
+            problems.append(
+                f"{key} not accepted by PyTorch's CUDA allocator: it is a key of a patched PyTorch build (the "
+                f"ai-toolkit GH200 fork) and stock PyTorch refuses to start CUDA with it; {advice}. Remove it "
+                f"(accepted keys: {accepted})"
+            )
+        elif key not in CUDA_ALLOC_CONF_KEYS:
+            problems.append(
+                f"{key} not accepted by PyTorch's CUDA allocator (CUDA would refuse to start): remove it or use one "
+                f"of the accepted keys: {accepted}"
+            )
+        else:
+            problem = _value_problem(key, value)
+            if problem:
+                problems.append(f"{key} {problem}")
+    return problems

@@ -12,6 +12,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
     CacheConfig,
     GH200Optimizations,
@@ -29,8 +30,38 @@ every problem is reported at once, with its path and the fix, before any model l
 Any key can be overridden on the command line: `--set max_train_steps=100`,
 `--set cache_config.cache_dir=/scratch/cache` (values are parsed as JSON when they can be).
 
-This file is generated from `simpletuner/configuration/schema.py` by
-`python -m simpletuner.configuration.docs`; a test fails when they differ.
+This file is generated from `simpletuner/configuration/schema.py` and
+`simpletuner/configuration/foreign_keys.py` by `python -m simpletuner.configuration.docs`;
+a test fails when they differ.
+"""
+
+ERRORS = """## How problems are reported
+
+The config is checked as a whole before anything loads, and one run reports every problem it
+finds, one line each with the key's path and the fix: unknown keys, wrong types and values,
+rules between keys (`validation_steps` without `validation_prompt`, a `resolution` that is not
+a multiple of `aspect_bucket_alignment`, ...) and paths that do not exist. A rule whose own
+input is wrong is checked once that input is fixed, so no line is a consequence of another.
+
+```
+4 problem(s) in cfg.json:
+  - train_batch_size: expected a whole number, got 'four'
+  - learning_rat: unknown key 'learning_rat'; did you mean 'learning_rate'? (remove it or fix the spelling)
+  - validation_resolution: `validation_resolution` is a SimpleTuner key that this trainer does not support yet: validation images use `resolution`; remove it
+  - (top level): `validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps
+```
+
+- **Did you mean**: offered only when the unknown key reads as a typo of one of ours (a letter
+  missing, added, swapped or changed, or underscores moved: `train_batchsize`); a key that only
+  looks alike (`loss_type` beside `lora_type`) gets no guess.
+- **Keys of other tools**: keys of SimpleTuner, kohya sd-scripts and ai-toolkit configs that
+  are not ours are named as such, with the key that does the same job here or a note on what
+  happens instead (table below); a few of their values of keys we share are recognised too
+  (`base_model_precision: "int8-quanto"` is our `qint8`). SimpleTuner's `--key` spelling is
+  pointed out. Nothing is translated: the message says what to write.
+- **`cuda_allocator`**: one line per key PyTorch would refuse, whatever the value's type:
+  `use_uvm` and other keys of patched builds with what to use instead, other unknown keys with
+  the list PyTorch accepts, known keys with the values they take.
 """
 
 
@@ -69,9 +100,36 @@ def model_table(model: type[BaseModel]) -> str:
     return "\n".join(rows)
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def foreign_tables() -> str:
+    """The keys and values of other tools' configs that errors recognise (foreign_keys.py)."""
+    rows = [
+        "## Keys from other tools\n",
+        "What an error says for a key of another trainer's config. `same`: our key means the same, use it "
+        "instead; `approximated`: the nearest setting here, the note says what differs; `unsupported`: nothing "
+        "here does it yet; `ignored`: irrelevant here.\n",
+        "| key | tool | where | here | kind | note |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for e in FOREIGN_KEYS:
+        where = "top level" if e.section == "top" else "dataset entry"
+        ours = f"`{e.ours}`" if e.ours else "—"
+        rows.append(f"| `{e.key}` | {e.tool} | {where} | {ours} | {e.kind} | {_cell(e.note)} |")
+    rows += ["", "Values of keys we share, spelled differently there:\n",
+             "| key | value | tool | here | note |", "| --- | --- | --- | --- | --- |"]
+    for v in FOREIGN_VALUES:
+        ours = f"`{v.ours}`" if v.ours else "—"
+        rows.append(f"| `{v.key}` | `{v.value}` | {v.tool} | {ours} | {_cell(v.note)} |")
+    return "\n".join(rows)
+
+
 def render() -> str:
     parts = [
         HEADER,
+        ERRORS,
         "## Top-level keys\n",
         model_table(TrainingConfig),
         "\n## `cache_config`\n",
@@ -87,6 +145,8 @@ def render() -> str:
         model_table(InMemoryDatasetConfig),
         "\n#### `in_memory`\n",
         model_table(InMemoryOptions),
+        "",
+        foreign_tables(),
         "",
     ]
     return "\n".join(parts)

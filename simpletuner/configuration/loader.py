@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import orjson
 from pydantic import ValidationError
 
 from simpletuner.configuration.errors import ConfigError, format_validation_error
+from simpletuner.configuration.partial import InvalidInput, PartialModel, partial_config, run_rules
 from simpletuner.configuration.schema import TrainingConfig
 
 
@@ -72,43 +73,64 @@ def looks_local(name: str) -> bool:
     return name.count("/") != 1
 
 
-def check_paths(config: TrainingConfig) -> list[str]:
-    """Problems with paths the run needs; empty when all is well."""
-    problems = []
+def _model_folder(config) -> Iterator[str]:
     model = config.pretrained_model_name_or_path
-    if looks_local(model):
-        p = Path(model).expanduser()
-        if not p.exists():
-            problems.append(f"pretrained_model_name_or_path: {p} does not exist (give a local diffusers-format folder, or create a tiny one with `simpletuner zoo --family sd --out DIR`)")
-        elif not p.is_dir():
-            problems.append(f"pretrained_model_name_or_path: {p} is a file; it must be a diffusers-format folder")
-        elif not (p / "model_index.json").exists():
-            problems.append(f"pretrained_model_name_or_path: {p} has no model_index.json; is it a diffusers-format pipeline folder?")
-        elif not os.access(p, os.R_OK | os.X_OK):
-            problems.append(f"pretrained_model_name_or_path: {p} is not readable")
+    if not looks_local(model):
+        return
+    p = Path(model).expanduser()
+    if not p.exists():
+        yield f"pretrained_model_name_or_path: {p} does not exist (give a local diffusers-format folder, or create a tiny one with `simpletuner zoo --family sd --out DIR`)"
+    elif not p.is_dir():
+        yield f"pretrained_model_name_or_path: {p} is a file; it must be a diffusers-format folder"
+    elif not (p / "model_index.json").exists():
+        yield f"pretrained_model_name_or_path: {p} has no model_index.json; is it a diffusers-format pipeline folder?"
+    elif not os.access(p, os.R_OK | os.X_OK):
+        yield f"pretrained_model_name_or_path: {p} is not readable"
+
+
+def _output_dir(config) -> Iterator[str]:
     out = Path(config.output_dir).expanduser()
     if out.exists() and not out.is_dir():
-        problems.append(f"output_dir: {out} is a file; choose a folder")
+        yield f"output_dir: {out} is a file; choose a folder"
+
+
+def _cache_dir(config) -> Iterator[str]:
     cache = Path(config.cache_config.cache_dir).expanduser()
     if cache.exists() and not cache.is_dir():
-        problems.append(f"cache_config.cache_dir: {cache} is a file; choose a folder")
+        yield f"cache_config.cache_dir: {cache} is a file; choose a folder"
+
+
+def _dataset_dirs(config) -> Iterator[str]:
     for i, ds in enumerate(config.datasets or []):
-        d = Path(ds.instance_data_dir).expanduser()
+        try:
+            d = Path(ds.instance_data_dir).expanduser()
+        except InvalidInput:  # this entry failed validation: its own errors say why
+            continue
         if not d.is_dir():
-            problems.append(f"datasets[{i}].instance_data_dir: {d} is not a folder")
+            yield f"datasets[{i}].instance_data_dir: {d} is not a folder"
+
+
+def _resume_dir(config) -> Iterator[str]:
     if config.resume_from_checkpoint not in (None, "latest"):
         ck = Path(config.resume_from_checkpoint).expanduser()
         if not ck.is_dir():
-            problems.append(f"resume_from_checkpoint: {ck} is not a folder (use 'latest' or a checkpoint-N folder)")
-    return problems
+            yield f"resume_from_checkpoint: {ck} is not a folder (use 'latest' or a checkpoint-N folder)"
 
 
-def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None, check_files: bool = True) -> TrainingConfig:
-    """Validate a raw dict into a TrainingConfig or raise ConfigError listing every problem."""
-    if not isinstance(raw, dict):
-        raise ConfigError(["the config must be a JSON object ({...})"], source)
+_PATH_CHECKS = (_model_folder, _output_dir, _cache_dir, _dataset_dirs, _resume_dir)
+
+
+def check_paths(config: TrainingConfig | PartialModel) -> list[str]:
+    """Problems with paths the run needs; empty when all is well.
+
+    Works on a config that failed validation too: a check whose field is itself invalid is skipped.
+    """
+    return run_rules(_PATH_CHECKS, config)
+
+
+def _resolve_datasets(raw: dict[str, Any], base_dir: Path | None, problems: list[str]) -> dict[str, Any]:
+    """``data_backend_config`` read into ``datasets`` (the file's problems go to ``problems``)."""
     resolved = dict(raw)
-    problems: list[str] = []
     if isinstance(resolved.get("data_backend_config"), str) and "datasets" not in resolved:
         dpath = Path(resolved["data_backend_config"]).expanduser()
         if not dpath.is_absolute() and base_dir is not None:
@@ -123,14 +145,30 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
             else:
                 resolved.pop("data_backend_config")
                 resolved["datasets"] = datasets
+    return resolved
+
+
+def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None, check_files: bool = True) -> TrainingConfig:
+    """Validate a raw dict into a TrainingConfig or raise ConfigError listing every problem.
+
+    One pass: unknown keys, wrong types and values, cross-field rules (those whose inputs are
+    valid) and missing paths are all reported together.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a JSON object ({...})"], source)
+    problems: list[str] = []
+    resolved = _resolve_datasets(raw, base_dir, problems)
     try:
-        config = TrainingConfig.model_validate(resolved)
+        config: TrainingConfig | PartialModel = TrainingConfig.model_validate(resolved)
     except ValidationError as exc:
-        raise ConfigError(problems + format_validation_error(exc, TrainingConfig), source) from None
+        problems.extend(format_validation_error(exc, TrainingConfig))
+        config, rule_problems = partial_config(TrainingConfig, resolved, exc)
+        problems.extend(rule_problems)
     if check_files:
         problems.extend(check_paths(config))
     if problems:
         raise ConfigError(problems, source)
+    assert isinstance(config, TrainingConfig)  # a failed validation always leaves at least one line
     return config
 
 

@@ -6,11 +6,12 @@ models (``python -m simpletuner.configuration.docs``) and a test keeps the two i
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from simpletuner.configuration.alloc_conf import CUDA_ALLOC_CONF_KEYS
+from simpletuner.configuration.alloc_conf import allocator_settings_problems
+from simpletuner.configuration.rules import DATASET_RULES, RAMP_RULES, TRAINING_RULES, Rule
 
 
 class _Strict(BaseModel):
@@ -64,18 +65,7 @@ class _FolderDatasetConfig(_Strict):
 
     @model_validator(mode="after")
     def _prompt_needed(self):
-        if self.caption_strategy == "instance_prompt" and not self.instance_prompt:
-            raise ValueError("caption_strategy 'instance_prompt' needs `instance_prompt`: add the caption every image should get")
-        if self.dataset_type == "video":
-            if self.num_frames is None:
-                raise ValueError("dataset_type 'video' needs `num_frames` (4k+1: 1, 5, 9, 13, ..., 81)")
-            if self.num_frames % 4 != 1:
-                lower, upper = self.num_frames - (self.num_frames - 1) % 4, self.num_frames + (5 - self.num_frames % 4) % 4
-                raise ValueError(f"num_frames {self.num_frames} is not of the form 4k+1 (the video VAE packs 4 frames per "
-                                 f"latent frame after the first): use {lower} or {upper}")
-        elif self.num_frames is not None or self.frame_stride != 1:
-            raise ValueError("`num_frames` / `frame_stride` apply to dataset_type 'video' only")
-        return self
+        return _check_rules(self)
 
 
 class LocalDatasetConfig(_FolderDatasetConfig):
@@ -124,8 +114,9 @@ class CacheConfig(_Strict):
         "disk",
         description=(
             "`disk`: read from disk each batch; `memory`: held in CPU RAM; `unified_memory`: held in CUDA managed "
-            "memory advised to stay in CPU RAM and prefetched to the GPU before use (pinned CPU memory where managed "
-            "memory is unavailable)."
+            "memory advised to stay in CPU RAM and prefetched to the GPU before use, each batch stacked in managed "
+            "memory too and placed by role (pinned CPU memory where managed memory is unavailable; a CPU `memory` "
+            "cache, said at start, when `gh200_optimizations.enable_uvm_hints` or the environment turns hints off)."
         ),
     )
     text_cache_type: CacheType = Field(
@@ -142,8 +133,11 @@ class GH200Optimizations(_Strict):
     enable_uvm_hints: Optional[bool] = Field(
         None,
         description=(
-            "Force unified-memory placement hints on or off. Default: on when a cache is `unified_memory`, else "
-            "the environment variable SIMPLETUNER_GH200_UVM_HINTS (1/0), else off."
+            "Force unified-memory placement hints on or off. Unset: the environment variable "
+            "SIMPLETUNER_GH200_UVM_HINTS (1/0; its alias SIMPLETUNER_GH200_ENABLE_UVM_HINTS, the ai-toolkit fork's "
+            "name, also works, and both set to different values stop the run), else on when a cache is "
+            "`unified_memory`, else off. Off (here or in the environment) returns `unified_memory` caches to "
+            "standard CPU-backed `memory` caches, logged once at start."
         ),
     )
     enable_batch_size_rampup: bool = Field(False, description="Ramp the effective batch from `initial_effective_batch_size` to `target_effective_batch_size`.")
@@ -153,16 +147,7 @@ class GH200Optimizations(_Strict):
 
     @model_validator(mode="after")
     def _ramp_complete(self) -> "GH200Optimizations":
-        if self.enable_batch_size_rampup:
-            missing = [k for k in ("initial_effective_batch_size", "target_effective_batch_size") if getattr(self, k) is None]
-            if missing:
-                raise ValueError(f"enable_batch_size_rampup needs {' and '.join(missing)}")
-            if self.initial_effective_batch_size > self.target_effective_batch_size:
-                raise ValueError(
-                    f"initial_effective_batch_size {self.initial_effective_batch_size} is larger than "
-                    f"target_effective_batch_size {self.target_effective_batch_size}: the ramp only grows"
-                )
-        return self
+        return _check_rules(self)
 
 
 class Augmentations(_Strict):
@@ -194,10 +179,6 @@ class LycorisOptions(_Strict):
     )
     factor: int = Field(-1, description="LoKr: the size of the smaller Kronecker factor of each weight dimension (-1: as square a split as possible).")
     full_matrix: bool = Field(False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair.")
-
-
-#: Model families trained with flow matching (sigma in (0, 1)) rather than a DDPM schedule.
-FLOW_MATCHING_FAMILIES = frozenset({"wan", "sd3", "flux"})
 
 
 class TrainingConfig(_Strict):
@@ -425,13 +406,15 @@ class TrainingConfig(_Strict):
     dataloader_pin_memory: bool = Field(
         False, description="Pin decoded image batches (CUDA only) so their copy to the GPU is faster; costs page-locked RAM."
     )
-    cuda_allocator: dict[str, Union[bool, int, float]] = Field(
+    cuda_allocator: dict[str, Any] = Field(
         default_factory=dict,
         description=(
             "PyTorch CUDA caching-allocator settings, written to PYTORCH_CUDA_ALLOC_CONF before CUDA starts "
             "(keys given here win over the environment's). Only keys a stock PyTorch accepts: "
             "`expandable_segments` (less fragmentation with changing shapes), `max_split_size_mb`, "
-            "`garbage_collection_threshold`, `roundup_power2_divisions`, ..."
+            "`garbage_collection_threshold`, `roundup_power2_divisions`, `backend`, ...; each value as PyTorch reads it "
+            "(true/false, whole MB, a threshold between 0 and 1, `backend` \"native\" or \"cudaMallocAsync\"). Keys of "
+            "patched builds (`use_uvm`, `uvm_*`) are refused with what to use instead."
         ),
     )
 
@@ -451,85 +434,41 @@ class TrainingConfig(_Strict):
     @field_validator("cuda_allocator")
     @classmethod
     def _allocator_keys(cls, value: dict) -> dict:
-        unknown = sorted(set(value) - set(CUDA_ALLOC_CONF_KEYS))
-        if unknown:
-            raise ValueError(
-                f"{', '.join(unknown)} not accepted by PyTorch's CUDA allocator (it would refuse to start). "
-                f"Known keys: {', '.join(CUDA_ALLOC_CONF_KEYS)}"
-            )
+        problems = allocator_settings_problems(value)
+        if problems:
+            raise ValueError("\n".join(problems))
         return value
 
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainingConfig":
-        problems = []
-        if self.max_train_steps is None and self.num_train_epochs is None:
-            problems.append("set `max_train_steps` or `num_train_epochs` so the run knows when to stop")
-        if (self.datasets is None) == (self.data_backend_config is None):
-            problems.append("give exactly one of `datasets` (a list) or `data_backend_config` (a JSON file of them)")
-        if self.datasets is not None:
-            if not self.datasets:
-                problems.append("`datasets` is empty: add at least one dataset entry")
-            ids = [d.id for d in self.datasets]
-            dupes = sorted({i for i in ids if ids.count(i) > 1})
-            if dupes:
-                problems.append(f"dataset ids must be unique; repeated: {', '.join(dupes)}")
-        if self.resolution % self.aspect_bucket_alignment:
-            problems.append(
-                f"`resolution` {self.resolution} is not a multiple of `aspect_bucket_alignment` {self.aspect_bucket_alignment}"
-            )
-        ramp = self.gh200_optimizations
-        if ramp.enable_batch_size_rampup:
-            for key in ("initial_effective_batch_size", "target_effective_batch_size"):
-                value = getattr(ramp, key)
-                if value is not None and value % self.train_batch_size:
-                    problems.append(
-                        f"gh200_optimizations.{key} {value} is not a multiple of train_batch_size {self.train_batch_size}"
-                    )
-        if self.optimizer == "automagic":
-            if self.min_lr > self.max_lr:
-                problems.append(f"min_lr {self.min_lr} is greater than max_lr {self.max_lr}: set min_lr <= max_lr")
-            elif not self.min_lr <= self.learning_rate <= self.max_lr:
-                problems.append(
-                    f"learning_rate {self.learning_rate} is outside [min_lr {self.min_lr}, max_lr {self.max_lr}]: with "
-                    "optimizer automagic it is each element's starting learning rate"
-                )
-        if self.train_stages != "both" and self.model_family != "wan":
-            problems.append(
-                f"train_stages {self.train_stages!r} picks one expert of a two-expert model (Wan 2.2), but model_family "
-                f"{self.model_family!r} has one denoiser: remove train_stages"
-            )
-        if self.optimizer == "automagic":
-            for stage in ("high_noise", "low_noise"):
-                lo = getattr(self, f"{stage}_min_lr") or self.min_lr
-                hi = getattr(self, f"{stage}_max_lr") or self.max_lr
-                if lo > hi:
-                    problems.append(f"{stage}_min_lr {lo} is greater than {stage}_max_lr {hi}: set min <= max")
-        if self.training_type == "full" and self.base_model_precision != "no_change":
-            problems.append(
-                f"base_model_precision {self.base_model_precision!r} quantises frozen base weights, but training_type "
-                "'full' trains every weight: use training_type 'lora' or base_model_precision 'no_change'"
-            )
-        if self.model_family != "wan" and any(
-            d.dataset_type == "video" for d in (self.datasets or [])
-        ):
-            problems.append(f"video datasets need a video model family (wan), not {self.model_family!r}")
-        flow_family = self.model_family in FLOW_MATCHING_FAMILIES
-        if flow_family and self.loss_weighting == "min_snr":
-            problems.append(
-                f"loss_weighting min_snr is for DDPM schedules, but model_family {self.model_family!r} trains with "
-                "flow matching: use none, sigma_sqrt or cosmap"
-            )
-        if not flow_family and self.loss_weighting in ("sigma_sqrt", "cosmap"):
-            problems.append(
-                f"loss_weighting {self.loss_weighting} is a flow-matching weighting, but model_family "
-                f"{self.model_family!r} uses a DDPM schedule: use none or min_snr"
-            )
-        if self.validation_steps is not None and not self.validation_prompt:
-            problems.append("`validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
+        return _check_rules(self)
 
     @property
     def effective_lora_alpha(self) -> float:
         return float(self.lora_alpha if self.lora_alpha is not None else self.lora_rank)
+
+
+# --- cross-field rules (rules.py) ------------------------------------------------------------
+
+#: The rules of each model (subclasses inherit their base's).
+CROSS_FIELD_RULES: dict[type, tuple[Rule, ...]] = {
+    _FolderDatasetConfig: DATASET_RULES,
+    GH200Optimizations: RAMP_RULES,
+    TrainingConfig: TRAINING_RULES,
+}
+
+
+def rules_for(model: type) -> tuple[Rule, ...]:
+    """The cross-field rules of ``model`` (found through its base classes)."""
+    for cls in model.__mro__:
+        if cls in CROSS_FIELD_RULES:
+            return CROSS_FIELD_RULES[cls]
+    return ()
+
+
+def _check_rules(obj):
+    """Model-validator body: raise one ValueError with a line per problem, or return ``obj``."""
+    problems = [message for rule in rules_for(type(obj)) for message in rule(obj)]
+    if problems:
+        raise ValueError("\n".join(problems))
+    return obj

@@ -204,3 +204,40 @@ def test_machine_detected_named_generic_and_shared():
     assert resolve_machine("a100", 80).usable_bytes == 80 * hardware.GIB
     with pytest.raises(ValueError, match="positive"):
         resolve_machine("auto", 0)
+
+
+def test_an_internal_error_exits_70_with_the_traceback_and_what_to_report(cfg_file, capsys, monkeypatch):
+    """A bug (here the estimator raising AttributeError, as the Flux crash did) must not exit 1, which
+    reads as "does not fit", nor 2 ("bad input")."""
+    from simpletuner.exit_codes import INTERNAL_ERROR
+    from simpletuner.memory import autoconfig
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'_AutocastForward' object has no attribute 'config'")
+
+    monkeypatch.setattr(autoconfig, "estimate_memory", broken)
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100"]) == INTERNAL_ERROR == 70
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert "internal error in `simpletuner estimate` (AttributeError:" in err
+    assert "this is a bug in simpletuner" in err and "Please report it" in err and "Exit code 70" in err
+
+
+def test_fork_only_alloc_conf_keys_stop_the_estimate(cfg_file, capsys, monkeypatch):
+    from simpletuner.memory import autoconfig
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "use_uvm:True,uvm_oversubscription_ratio:1.5,expandable_segments:True")
+    monkeypatch.setattr(autoconfig, "estimate_memory", lambda *a, **k: pytest.fail("estimated despite the bad variable"))
+    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 2 and "`use_uvm`" in errors[0] and "`uvm_oversubscription_ratio`" in errors[1]
+    assert all('Fix: export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"' in line for line in errors)
+
+
+def test_unknown_alloc_conf_keys_warn_and_the_estimate_goes_on(cfg_file, capsys, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,fancy_new_knob:4")
+    assert main(["estimate", "--preset", "discrete_24gb", "--config", str(cfg_file)]) == 0  # checked with any --config
+    out, err = capsys.readouterr()
+    assert "train_batch_size: config 2, preset 4" in out
+    assert "warning: PYTORCH_CUDA_ALLOC_CONF sets `fancy_new_knob`" in err and "error" not in err

@@ -5,7 +5,8 @@
 - :mod:`.autoconfig`: ``plan_batch`` (largest micro-batch that fits, accumulation for the
   effective batch), ``EstimateCache``, ``Plan``, ``DoesNotFit``.
 - :mod:`.advice`: what dominates a config that does not fit, and the switches that would help.
-- :mod:`.presets`: ``load_preset`` / ``load_presets`` (``config/presets/*.json``), ``Preset``.
+- :mod:`.presets`: ``load_preset`` / ``load_presets`` (``config/presets/*.json``), ``Preset``,
+  ``apply_preset`` (merge one into a raw config: the config's keys win).
 - :mod:`.apply`: ``apply_updates`` (write keys into a JSON config: backup, atomic, diff).
 - :mod:`.profile`: ``profile_training`` (real steps on a GPU vs the estimate).
 """
@@ -27,7 +28,7 @@ from simpletuner.memory.hardware import (
 
 from simpletuner.memory.apply import ApplyError, apply_updates
 from simpletuner.memory.autoconfig import DoesNotFit, EstimateCache, Plan, plan_batch
-from simpletuner.memory.presets import Preset, load_preset, load_presets
+from simpletuner.memory.presets import Preset, apply_preset, load_preset, load_presets
 
 __all__ = [
     "ApplyError",
@@ -39,6 +40,7 @@ __all__ = [
     "Plan",
     "Preset",
     "achieved_tflops",
+    "apply_preset",
     "apply_updates",
     "detect_hardware",
     "hardware_for_gpu",

@@ -28,9 +28,10 @@ attention matrix.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -246,18 +247,34 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
 
 
 # --- the fake step ---------------------------------------------------------------------------
-class _AutocastForward(nn.Module):
-    """The forward under autocast with fp32 outputs: what ``Accelerator.prepare`` makes of the
-    model for mixed precision (the loss around it runs outside autocast)."""
+@contextmanager
+def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> Iterator[nn.Module]:
+    """``model`` itself with its forward run under autocast and fp16/bf16 outputs cast to fp32,
+    for the duration of the block: what ``Accelerator.prepare`` does for mixed precision.
 
-    def __init__(self, inner: nn.Module, device_type: str, dtype: torch.dtype):
-        super().__init__()
-        self.inner, self.device_type, self.dtype = inner, device_type, dtype
+    Like Accelerate, this replaces ``forward`` on the instance rather than wrapping the module,
+    so the model specs see the model they would see in training (its ``config``, ``dtype``,
+    submodules): a wrapper module hides them. The class's own forward is restored on exit.
+    """
+    from accelerate.utils import convert_to_fp32
 
-    def forward(self, *args, **kwargs):
-        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
-            out = self.inner(*args, **kwargs)
-        return tuple(o.float() if torch.is_tensor(o) and o.dtype in (torch.float16, torch.bfloat16) else o for o in out)
+    had_own_forward = "forward" in vars(model)
+    own_forward = vars(model).get("forward")
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            out = inner(*args, **kwargs)
+        return convert_to_fp32(out)  # the loss around the model runs outside autocast, in fp32
+
+    model.forward = forward
+    try:
+        yield model
+    finally:
+        if had_own_forward:
+            model.forward = own_forward
+        else:
+            del model.forward
 
 
 def run_fake_step(config: "TrainingConfig", batch_size: int, model: nn.Module, make_mode: Callable[[nn.Module, list], Any]):
@@ -276,13 +293,21 @@ def run_fake_step(config: "TrainingConfig", batch_size: int, model: nn.Module, m
         _materialize_fake(model, device)
         latents = torch.empty(latent_shape.shape, dtype=latent_shape.dtype, device=device)
         conditioning = {k: torch.empty(s.shape, dtype=s.dtype, device=device) for k, s in cond_shapes.items()}
-        denoiser = model
-        if config.mixed_precision != "no":
-            denoiser = _AutocastForward(model, device.type, _DTYPES[config.mixed_precision])
         mode = make_mode(model, [latents, *conditioning.values()])
-        with mode:
-            per_sample = spec.training_loss(denoiser, latents, conditioning, torch.Generator().manual_seed(0))
-            (per_sample.sum() / batch_size).backward()  # the trainer's normalisation
+        precision = (autocast_forward(model, device.type, _DTYPES[config.mixed_precision])
+                     if config.mixed_precision != "no" else nullcontext(model))
+        try:
+            with precision as denoiser, mode:
+                per_sample = spec.training_loss(denoiser, latents, conditioning, torch.Generator().manual_seed(0))
+                (per_sample.sum() / batch_size).backward()  # the trainer's normalisation
+        except ValueError as exc:  # the model's own input checks (diffusers raises ValueError for those)
+            raise ValueError(
+                f"the {config.model_family} denoiser in {config.pretrained_model_name_or_path} refused a training step "
+                f"of micro-batch {batch_size} at {config.resolution} px (latents {'x'.join(map(str, latent_shape.shape))}): "
+                f"{exc} The config asks for something this model does not support (for example a resolution beyond "
+                "what its position embedding covers): change the config (resolution, ...) or use the model it was "
+                "written for; if both are right, this is a bug in simpletuner, please report it"
+            ) from exc
     return mode
 
 

@@ -3,12 +3,15 @@
 A preset is one JSON file in ``config/presets/``::
 
     {"name": "gb10_conservative", "hardware": "GB10 / DGX Spark (128 GB shared LPDDR5X)",
+     "model_family": "wan", "workload": "Wan 2.2 T2V A14B LoRA (...)",
      "gpu": "gb10", "gpu_memory_gb": null, "description": "...",
-     "settings": {"train_batch_size": 2, "cache_config": {"vae_cache_type": "memory"}, ...},
+     "settings": {"train_batch_size": 1, "cache_config": {"vae_cache_type": "disk"}, ...},
      "why": {"train_batch_size": "...", "cache_config.vae_cache_type": "...", ...}}
 
 ``settings`` holds real ``TrainingConfig`` keys (nested sections such as ``cache_config`` as
-objects); ``why`` gives one reason per setting, keyed by its dotted path. ``gpu`` (a name
+objects); ``why`` gives one reason per setting, keyed by its dotted path. ``model_family`` and
+``workload`` say what the values were chosen for: a preset tuned for one model does not carry
+over to another, so :func:`apply_preset` refuses a config of another family. ``gpu`` (a name
 :func:`~simpletuner.memory.hardware.resolve_gpu_name` knows) and ``gpu_memory_gb`` say which
 machine ``simpletuner estimate`` plans for with the preset. :func:`load_preset` checks the
 file's shape; a test merges every preset into a minimal config and validates it.
@@ -23,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Where the presets live in a source checkout.
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "config" / "presets"
+from simpletuner.resources import presets_dir
 
-_REQUIRED = ("name", "hardware", "description", "settings", "why")
+#: Where the presets live: config/presets/ in a checkout, simpletuner/_bundled/presets/ in a wheel.
+PRESETS_DIR = presets_dir()
+
+_REQUIRED = ("name", "hardware", "model_family", "workload", "description", "settings", "why")
 _OPTIONAL = ("gpu", "gpu_memory_gb")
 
 
@@ -36,6 +41,8 @@ class Preset:
 
     name: str
     hardware: str
+    model_family: str  # the config's model_family the values were chosen for
+    workload: str  # what was trained with them, in words ("Wan 2.2 T2V A14B LoRA, ...")
     description: str
     settings: dict[str, Any]
     why: dict[str, str]
@@ -85,6 +92,15 @@ def merge_settings(raw: dict[str, Any], settings: dict[str, Any]) -> dict[str, A
     return out
 
 
+def model_families() -> tuple[str, ...]:
+    """The ``model_family`` values the config schema accepts."""
+    from typing import get_args
+
+    from simpletuner.configuration.schema import TrainingConfig
+
+    return get_args(TrainingConfig.model_fields["model_family"].annotation)
+
+
 def preset_names(directory: Path = PRESETS_DIR) -> list[str]:
     """Names of the presets in ``directory`` (file stems), sorted."""
     return sorted(p.stem for p in Path(directory).glob("*.json"))
@@ -98,6 +114,7 @@ def load_preset(name: str, directory: Path = PRESETS_DIR) -> Preset:
         known = preset_names(directory)
         raise ValueError(
             f"unknown preset {name!r}: known presets are {', '.join(known) or '(none found in ' + str(directory) + ')'}"
+            "; `simpletuner estimate --list-presets` shows the machine and workload each was made for"
         )
     try:
         data = json.loads(path.read_text())
@@ -109,14 +126,18 @@ def load_preset(name: str, directory: Path = PRESETS_DIR) -> Preset:
     if not problems:
         if data["name"] != name:
             problems.append(f"name {data['name']!r} differs from the file name {name!r}")
+        families = model_families()
+        if data["model_family"] not in families:
+            problems.append(f"model_family {data['model_family']!r} is not one of {', '.join(families)}")
         flat = flatten_settings(data["settings"])
         problems += [f"setting {k!r} has no reason in 'why'" for k in flat if k not in data["why"]]
         problems += [f"'why' explains {k!r}, which is not a setting" for k in data["why"] if k not in flat]
     if problems:
         raise ValueError(f"preset {path}: {'; '.join(problems)}")
     return Preset(
-        name=data["name"], hardware=data["hardware"], description=data["description"], settings=data["settings"],
-        why=data["why"], gpu=data.get("gpu"), gpu_memory_gb=data.get("gpu_memory_gb"), path=path,
+        name=data["name"], hardware=data["hardware"], model_family=data["model_family"], workload=data["workload"],
+        description=data["description"], settings=data["settings"], why=data["why"], gpu=data.get("gpu"),
+        gpu_memory_gb=data.get("gpu_memory_gb"), path=path,
     )
 
 
@@ -137,7 +158,9 @@ def _wrap(text: str, indent: str, width: int = 100) -> list[str]:
 
 def explain_preset(preset: Preset) -> list[str]:
     """Human lines: what the preset is for, then each setting with its reason."""
-    lines = [f"preset {preset.name}: {preset.hardware}", *_wrap(preset.description, "  "), ""]
+    lines = [f"preset {preset.name}: {preset.hardware}",
+             *_wrap(f"made for: {preset.workload} (model_family {preset.model_family!r})", "  "),
+             *_wrap(preset.description, "  "), ""]
     for key, value in preset.flat_settings().items():
         lines.append(f"  {key} = {_show(value)}")
         lines += _wrap(preset.why[key], "      ")
@@ -145,6 +168,8 @@ def explain_preset(preset: Preset) -> list[str]:
         "",
         f"  plan for this machine: simpletuner estimate --config cfg.json {_machine_flags(preset)} --target-effective-batch N",
         f"  compare a config with it: simpletuner estimate --preset {preset.name} --config cfg.json",
+        f"  write it into a config (keys the config sets are kept): simpletuner estimate --preset {preset.name} "
+        "--config cfg.json --apply",
     ]
     return lines
 
@@ -218,3 +243,85 @@ def describe_comparison(preset: Preset, differences: list[SettingDifference], co
             f"    simpletuner estimate --config {shlex.quote(str(config_path))} {sets}",
         ]
     return lines
+
+
+# --- applying a preset -----------------------------------------------------------------------------
+def _default_model_family() -> str:
+    from simpletuner.configuration.schema import TrainingConfig
+
+    return TrainingConfig.model_fields["model_family"].default
+
+
+def _get(raw: dict[str, Any], dotted: str) -> Any:
+    node: Any = raw
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"cache_config.vae_cache_type": "disk"}`` -> ``{"cache_config": {"vae_cache_type": "disk"}}``."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        section, dot, inner = key.partition(".")
+        if dot:
+            out.setdefault(section, {})[inner] = value
+        else:
+            out[key] = value
+    return out
+
+
+def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
+    """ValueError naming both when ``preset`` was made for another ``model_family`` than the raw config's."""
+    is_set = "model_family" in raw
+    family = raw["model_family"] if is_set else _default_model_family()
+    if family == preset.model_family:
+        return
+    try:
+        fitting = [p.name for p in load_presets(preset.path.parent) if p.model_family == family]
+    except ValueError:
+        fitting = []
+    other = (f"use a preset made for {family!r} ({', '.join(fitting)})" if fitting
+             else f"no preset here is made for {family!r}")
+    raise ValueError(
+        f"preset {preset.name!r} was made for {preset.workload} (model_family {preset.model_family!r}), but the config "
+        f"trains model_family {family!r}{'' if is_set else ' (the default: the config does not set it)'}; its "
+        f"micro-batch and memory settings would not carry over. Fix: {other}, or plan for this model with "
+        "`simpletuner estimate --config cfg.json --gpu NAME --target-effective-batch N` (--apply writes the plan)"
+    )
+
+
+def apply_preset(raw: dict[str, Any], preset: Preset | str, directory: Path | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Merge a preset into a raw config (its JSON object, before validation); what the config sets wins.
+
+    Args:
+        raw: the config's JSON object (not changed).
+        preset: a :class:`Preset`, or a preset name looked up in ``directory`` (default :data:`PRESETS_DIR`).
+
+    Returns:
+        ``(merged, lines)``: a deep copy of ``raw`` with every preset setting the config does not set
+        (nested sections such as ``cache_config`` merged key by key; other values, ``cuda_allocator``'s
+        object too, taken whole), and one human line per preset setting saying its effective value and
+        whether it came from the preset or the config, after a heading line.
+
+    Raises:
+        ValueError: an unknown preset name (the message lists the known presets), a preset file that
+            is malformed, or a preset made for another ``model_family`` than the config's (the message
+            names both and the presets that would fit).
+    """
+    if not isinstance(preset, Preset):
+        preset = load_preset(preset, PRESETS_DIR if directory is None else directory)
+    check_preset_fits(preset, raw)
+    flat = preset.flat_settings()
+    from_preset = {k: v for k, v in flat.items() if not _is_set(raw, k)}
+    merged = merge_settings(raw, _unflatten(from_preset))
+    lines = [f"preset {preset.name} ({preset.hardware}; made for {preset.workload}): {len(from_preset)} of "
+             f"{len(flat)} settings from the preset, {len(flat) - len(from_preset)} kept as the config sets them"]
+    for key, value in flat.items():
+        if key in from_preset:
+            lines.append(f"  {key} = {_show(value)}  (preset {preset.name})")
+        else:
+            current = _get(raw, key)
+            note = "the same as the preset" if current == value else f"the preset's {_show(value)} not used"
+            lines.append(f"  {key} = {_show(current)}  (config; {note})")
+    return merged, lines

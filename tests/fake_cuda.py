@@ -2,7 +2,10 @@
 
 CUDA cannot exist on the test machine, so the unified-memory layer is exercised against this
 fake: "managed" tensors are CPU tensors the fake remembers by storage pointer, and every
-advice, prefetch, pin and allocation is appended to ``calls`` with its sizes and locations.
+advice, prefetch, pin and allocation is appended to ``calls`` with its sizes and locations (and,
+for managed memory, the allocation's address, so a test can tell two ranges of one size apart).
+The fake keeps every managed allocation alive, like the process-lifetime pool it stands for, so
+a freed tensor's address is never handed to a plain tensor that would then look managed.
 Presets model the machines we care about by their attributes (not their names).
 """
 
@@ -35,6 +38,7 @@ class Call:
     nbytes: int = 0
     location: object = None
     detail: object = None
+    ptr: int = 0  # the managed allocation's start (0 where not recorded)
 
 
 @dataclass
@@ -47,6 +51,7 @@ class FakeRuntime:
     free_bytes: int | None = None
     calls: list[Call] = field(default_factory=list)
     _managed: set[int] = field(default_factory=set)
+    _held: list = field(default_factory=list)  # every managed storage: addresses are never reused
     synchronized: int = 0
 
     def unavailable_reason(self):
@@ -65,8 +70,10 @@ class FakeRuntime:
         if self.reason is not None:
             raise RuntimeError(self.reason)
         t = torch.empty(shape, dtype=dtype)
-        self._managed.add(t.untyped_storage().data_ptr())
-        self.calls.append(Call("managed_alloc", t.untyped_storage().nbytes(), detail=tuple(shape)))
+        storage = t.untyped_storage()
+        self._managed.add(storage.data_ptr())
+        self._held.append(storage)
+        self.calls.append(Call("managed_alloc", storage.nbytes(), detail=tuple(shape), ptr=storage.data_ptr()))
         return t
 
     def is_managed(self, tensor):
@@ -80,11 +87,13 @@ class FakeRuntime:
 
     def advise(self, tensor, advice, location):
         assert self.is_managed(tensor), "advice on a pointer that is not managed"
-        self.calls.append(Call("advise", tensor.untyped_storage().nbytes(), location, advice))
+        storage = tensor.untyped_storage()
+        self.calls.append(Call("advise", storage.nbytes(), location, advice, storage.data_ptr()))
 
     def prefetch(self, tensor, location, stream=None):
         assert self.is_managed(tensor), "prefetch of a pointer that is not managed"
-        self.calls.append(Call("prefetch", tensor.untyped_storage().nbytes(), location, stream))
+        storage = tensor.untyped_storage()
+        self.calls.append(Call("prefetch", storage.nbytes(), location, stream, storage.data_ptr()))
 
     def synchronize(self):
         self.synchronized += 1

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup_gh200_env.sh"
 MIB = 1024**2
 SETUP_VARS = ("SIMPLETUNER_GH200_UVM_HINTS", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+#: Read by the script but never set by it: cleared from the environment of its test shells too.
+CLEARED_VARS = ("SIMPLETUNER_GH200_ENABLE_UVM_HINTS",)
 
 
 def run_json(capsys, argv=("--json",)):
@@ -198,7 +200,7 @@ def test_top_level_script_prints_json(tmp_path):
 
 
 def bash(script: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in SETUP_VARS}
+    clean = {k: v for k, v in os.environ.items() if k not in SETUP_VARS + CLEARED_VARS}
     return subprocess.run(["bash", "-c", script], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60)
 
 
@@ -248,3 +250,99 @@ def test_real_runtime_reports_the_device(capsys):
     assert code == 0
     assert summary["device"] is not None and summary["device"]["total_bytes"] > 0
     assert summary["versions"]["cuda_build"] is not None
+
+
+# --- allocator keys of the GH200 fork's patched PyTorch (seed 001), and the hint variable's alias ---
+
+FORK_VALUE = "use_uvm:True,uvm_oversubscription_ratio:5.0, uvm_access_pattern:gpu_first,expandable_segments:True"
+
+
+@pytest.mark.parametrize("exported", [True, False], ids=["exported", "shell-variable"])
+def test_setup_script_catches_fork_allocator_keys_and_prints_the_fix(exported):
+    from simpletuner.configuration.alloc_conf import FORK_ONLY_KEYS, check_alloc_conf
+
+    assign = f'export PYTORCH_CUDA_ALLOC_CONF="{FORK_VALUE}"' if exported else f'PYTORCH_CUDA_ALLOC_CONF="{FORK_VALUE}"'
+    result = bash(f'{assign}; source "{SETUP}"; echo "rc=$?"; echo "now=$PYTORCH_CUDA_ALLOC_CONF"')
+    assert "rc=1" in result.stdout  # a `source ... && accelerate launch ...` chain stops here
+    assert f"kept  PYTORCH_CUDA_ALLOC_CONF={FORK_VALUE}" in result.stdout and f"now={FORK_VALUE}" in result.stdout
+    assert "refuses to start CUDA with this value" in result.stderr
+    lines = result.stderr.splitlines()
+    for error in check_alloc_conf(FORK_VALUE).errors():  # the same words as the trainer and estimate
+        assert f"  {error}" in lines
+    for key, advice in FORK_ONLY_KEYS.items():
+        assert f"`{key}`" in result.stderr and advice in result.stderr
+    assert '  Run: export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"' in lines
+
+
+def test_setup_script_fix_is_unset_when_nothing_else_remains():
+    result = bash(f'source "{SETUP}"; echo "rc=$?"', PYTORCH_CUDA_ALLOC_CONF="use_uvm:True")
+    assert "rc=1" in result.stdout
+    assert "  Run: unset PYTORCH_CUDA_ALLOC_CONF" in result.stderr.splitlines()
+
+
+@pytest.mark.parametrize("value", ["expandable_segments:True", "", "max_split_size_mb:128, garbage_collection_threshold:0.8"])
+def test_setup_script_is_quiet_about_accepted_allocator_keys(value):
+    result = bash(f'source "{SETUP}"; echo "rc=$?"', PYTORCH_CUDA_ALLOC_CONF=value)
+    assert "rc=0" in result.stdout and result.stderr == ""
+
+
+def test_setup_script_accepts_exactly_the_keys_python_accepts():
+    from simpletuner.configuration.alloc_conf import CUDA_ALLOC_CONF_KEYS, check_alloc_conf
+
+    accepted = ",".join(f"{key}:1" for key in CUDA_ALLOC_CONF_KEYS)
+    assert bash(f'source "{SETUP}"', PYTORCH_CUDA_ALLOC_CONF=accepted).stderr == ""
+    unknown = "foo:1,expandable_segments:True,bar_mb:2"
+    result = bash(f'source "{SETUP}"; echo "rc=$?"', PYTORCH_CUDA_ALLOC_CONF=unknown)
+    assert "rc=0" in result.stdout  # unknown to us is not known to be refused: a warning
+    [warning] = check_alloc_conf(unknown).warnings()
+    assert result.stderr.splitlines() == [f"WARNING {warning}"]
+
+
+def test_setup_script_keeps_the_forks_hint_variable_instead_of_adding_the_other_name():
+    result = bash(f'source "{SETUP}"; echo "rc=$?"; echo "canonical=${{SIMPLETUNER_GH200_UVM_HINTS-unset}}"',
+                  SIMPLETUNER_GH200_ENABLE_UVM_HINTS="0")
+    assert "rc=0" in result.stdout and "canonical=unset" in result.stdout
+    assert "kept  SIMPLETUNER_GH200_ENABLE_UVM_HINTS=0" in result.stdout
+
+
+def test_setup_script_flags_disagreeing_hint_variables():
+    result = bash(f'source "{SETUP}"; echo "rc=$?"', SIMPLETUNER_GH200_UVM_HINTS="1", SIMPLETUNER_GH200_ENABLE_UVM_HINTS="off")
+    assert "rc=1" in result.stdout
+    assert "SIMPLETUNER_GH200_UVM_HINTS=1 and SIMPLETUNER_GH200_ENABLE_UVM_HINTS=off disagree" in result.stderr
+    agreeing = bash(f'source "{SETUP}"; echo "rc=$?"', SIMPLETUNER_GH200_UVM_HINTS="1", SIMPLETUNER_GH200_ENABLE_UVM_HINTS="true")
+    assert "rc=0" in agreeing.stdout and agreeing.stderr == ""
+
+
+def test_diagnostic_says_what_replaces_each_fork_key(capsys, monkeypatch):
+    from simpletuner.configuration.alloc_conf import FORK_ONLY_KEYS
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", FORK_VALUE)
+    with use_runtime(FakeRuntime()):
+        _, summary = run_json(capsys)
+    env = summary["environment"]
+    assert env["unsupported_alloc_conf_keys"] == ["use_uvm", "uvm_oversubscription_ratio", "uvm_access_pattern"]
+    [warning] = env["warnings"]
+    assert all(f"`{key}`: {advice}" in warning for key, advice in FORK_ONLY_KEYS.items())
+    assert 'export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"' in warning
+    [verdict] = [v for v in summary["verdicts"] if "PYTORCH_CUDA_ALLOC_CONF" in v["what"]]
+    assert not verdict["ready"] and verdict["fix"].startswith('export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"')
+
+
+def test_diagnostic_reports_the_hint_alias_and_a_conflict(capsys, monkeypatch):
+    monkeypatch.delenv("SIMPLETUNER_GH200_UVM_HINTS", raising=False)
+    monkeypatch.setenv("SIMPLETUNER_GH200_ENABLE_UVM_HINTS", "1")
+    with use_runtime(FakeRuntime()):
+        _, summary = run_json(capsys)
+        assert summary["environment"]["variables"]["SIMPLETUNER_GH200_ENABLE_UVM_HINTS"] == "1"
+        assert summary["environment"]["uvm_hints"] == {"requested": True, "source": "SIMPLETUNER_GH200_ENABLE_UVM_HINTS=1",
+                                                       "error": None}
+        assert any(v["ready"] and v["what"].startswith("SIMPLETUNER_GH200_ENABLE_UVM_HINTS=1") for v in summary["verdicts"])
+
+        monkeypatch.setenv("SIMPLETUNER_GH200_UVM_HINTS", "0")
+        code, summary = run_json(capsys)
+    assert code == 0  # the report is still written
+    hints = summary["environment"]["uvm_hints"]
+    assert hints["requested"] is None and "disagree" in hints["error"]
+    assert hints["error"] in summary["environment"]["warnings"]
+    [verdict] = [v for v in summary["verdicts"] if "disagree" in v["what"]]
+    assert verdict["ready"] is False and verdict["fix"] == "unset SIMPLETUNER_GH200_ENABLE_UVM_HINTS"

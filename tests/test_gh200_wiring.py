@@ -50,15 +50,27 @@ def test_json_config_drives_unified_caches_hints_and_ramp(fake_runtime, make_con
     # Every cached tensor went into managed memory, advised to its side.
     reports = trainer.data.fill_reports
     stored = reports["latents"].num_computed + reports["text"].num_computed
-    cpu_advice = [c for c in fake_runtime.ops("advise") if c.detail == "preferred_location" and c.location == "cpu"]
-    gpu_advice = [c for c in fake_runtime.ops("advise") if c.detail == "preferred_location" and c.location == 0]
-    assert reports["latents"].num_computed == len(cpu_advice) > 0
-    assert len(gpu_advice) >= reports["text"].num_computed > 0
-    assert len(fake_runtime.ops("managed_alloc")) >= stored
-    # Each sample of each micro-batch was prefetched to the GPU before the batch was stacked.
-    to_gpu = [c for c in fake_runtime.ops("prefetch") if c.location == 0]
+    entries = {t.untyped_storage().data_ptr() for cache in (trainer.data.vae_cache, trainer.data.text_cache)
+               for entry in cache.store._entries.values() for t in entry.values()}
+    assert len(entries) == stored
+    entry_advice = [c for c in fake_runtime.ops("advise") if c.ptr in entries and c.detail == "preferred_location"]
+    assert sum(c.location == "cpu" for c in entry_advice) == reports["latents"].num_computed > 0
+    assert sum(c.location == 0 for c in entry_advice) == reports["text"].num_computed > 0
+    # Each prepared batch (the FLOP-counting one, then every micro-batch) was stacked into managed memory
+    # and went through the batch hook once: latents and prompt embeddings, placed and prefetched.
     micro = trainer.progress.micro_batches_seen
-    assert len(to_gpu) >= micro * raw["train_batch_size"] * 2  # latents + text embeddings per sample
+    stacked = [c for c in fake_runtime.ops("managed_alloc") if c.ptr not in entries]
+    assert len(stacked) == 2 * (micro + 1)
+    for alloc in stacked:
+        hook = [(c.op, c.detail, c.location) for c in fake_runtime.calls if c.ptr == alloc.ptr and c.op != "managed_alloc"]
+        role = [("advise", "preferred_location", "cpu"), ("advise", "accessed_by", 0)] if len(alloc.detail) == 4 else \
+            [("advise", "preferred_location", 0)]
+        assert hook == role + [("prefetch", None, "cpu")]  # to the training device (the CPU in this test)
+    # Before stacking, each entry a micro-batch reads was prefetched to the GPU, once per batch.
+    to_gpu = [c for c in fake_runtime.ops("prefetch") if c.location == 0]
+    assert all(c.ptr in entries for c in to_gpu)
+    assert len(to_gpu) >= micro * (raw["train_batch_size"] + 1)  # its latents, and at least one caption
+    assert fake_runtime.synchronized == 0
     assert result.global_step == 3
     pool = fake_runtime.pool_stats()
     assert trainer.last_logs["managed_pool_gib"] == pytest.approx(pool["reserved_bytes"] / 2**30)

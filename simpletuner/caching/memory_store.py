@@ -23,6 +23,7 @@ from simpletuner.caching.store import ShardedTensorStore
 logger = logging.getLogger(__name__)
 
 Placement = Callable[[torch.Tensor], torch.Tensor]
+Stack = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,9 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 class MemoryTensorStore:
     """Entries in a dict, each tensor passed through ``place`` when stored (e.g. into managed
     memory with a residency hint) and through ``prefetch`` when read (e.g. migrate to the GPU
-    before the batch is stacked, instead of faulting page by page)."""
+    before the batch is stacked, instead of faulting page by page; once per distinct entry of a
+    read). ``stack`` builds a batch from entries (:meth:`TensorCache.get_batch`): into managed
+    memory for a unified-memory cache, so the batch itself can be placed and prefetched."""
 
     def __init__(
         self,
@@ -40,10 +43,12 @@ class MemoryTensorStore:
         place: Placement = _keep,
         prefetch: Placement = _keep,
         backing: ShardedTensorStore | None = None,
+        stack: Stack = torch.stack,
     ):
         self.name = name
         self._place = place
         self._prefetch = prefetch
+        self.stack = stack
         self.backing = backing
         self.root: Path | str = backing.root if backing is not None else f"<memory:{name}>"
         self._entries: dict[str, dict[str, torch.Tensor]] = {}
@@ -87,14 +92,28 @@ class MemoryTensorStore:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+        """The entries for ``keys``, in order; each distinct entry is prefetched once (a batch often
+        repeats a caption, and a dataset's repeats can put one sample twice in a batch)."""
+        if self._prefetch is _keep:
+            try:
+                return [dict(self._entries[key]) for key in keys]  # a copy: callers may change theirs
+            except KeyError as error:
+                raise self._missing(error.args[0]) from None
+        read: dict[str, dict[str, torch.Tensor]] = {}
         out = []
         for key in keys:
-            try:
-                entry = self._entries[key]
-            except KeyError:
-                raise KeyError(f"{key!r} is not in the {self.name} cache ({self.root})") from None
-            out.append({n: self._prefetch(t) for n, t in entry.items()})
+            entry = read.get(key)
+            if entry is None:
+                try:
+                    stored = self._entries[key]
+                except KeyError:
+                    raise self._missing(key) from None
+                entry = read[key] = {n: self._prefetch(t) for n, t in stored.items()}
+            out.append(entry)
         return out
+
+    def _missing(self, key: str) -> KeyError:
+        return KeyError(f"{key!r} is not in the {self.name} cache ({self.root})")
 
     def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]]) -> Path | None:
         """Store in memory (placed) and, when persistent, on disk too; returns the shard written."""

@@ -290,7 +290,8 @@ class TensorCache:
                         f"{self.name} cache: {name!r} of {first_key!r} is {tuple(ref.shape)} {ref.dtype} but "
                         f"of {key!r} is {tuple(tensor.shape)} {tensor.dtype}; batch keys must share a bucket"
                     )
-        return {name: torch.stack([entry[name] for entry in entries]) for name in first}
+        stack = getattr(self.store, "stack", torch.stack)  # a unified-memory store stacks into managed memory
+        return {name: stack([entry[name] for entry in entries]) for name in first}
 
     def __repr__(self) -> str:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
@@ -299,24 +300,38 @@ class TensorCache:
 CACHE_TYPES = ("disk", "memory", "unified_memory")
 
 
+def cache_type_in_use(kind: str) -> str:
+    """The cache type a configured ``kind`` is opened as: ``unified_memory`` is a CPU-backed
+    ``memory`` cache while unified-memory hints are forced off (config or environment; the log
+    says so once); every other type is itself."""
+    if kind != "unified_memory":
+        return kind
+    from simpletuner.gh200.uvm import unified_caches_fall_back_to_cpu
+
+    return "memory" if unified_caches_fall_back_to_cpu() else kind
+
+
 def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> ShardedTensorStore | MemoryTensorStore:
     """A disk store, or a memory store (optionally backed by disk) placed per ``kind``."""
+    kind = cache_type_in_use(kind)
     if kind == "disk":
         return ShardedTensorStore(folder)
     backing = ShardedTensorStore(folder) if persistent else None
     if kind == "memory":
         return MemoryTensorStore(name, backing=backing)
     if kind == "unified_memory":
-        from simpletuner.gh200.uvm import prefetch_to_device, to_unified
+        from simpletuner.gh200.uvm import prefetch_to_device, stack_unified, to_unified
 
-        return MemoryTensorStore(name, place=lambda t: to_unified(t, prefer), prefetch=prefetch_to_device, backing=backing)
+        return MemoryTensorStore(name, place=lambda t: to_unified(t, prefer), prefetch=prefetch_to_device,
+                                 backing=backing, stack=stack_unified)
     raise ValueError(f"cache type {kind!r} is not one of disk, memory, unified_memory")
 
 
 def open_tensor_cache(folder: str | os.PathLike[str], kind: str, name: str, persistent: bool = True,
                       prefer: str = "cpu", verify: bool = True) -> TensorCache:
     """One :class:`TensorCache` in ``folder`` of cache type ``kind`` (`disk`, `memory`,
-    `unified_memory`; memory ones written through to ``folder`` when ``persistent``).
+    `unified_memory`; memory ones written through to ``folder`` when ``persistent``). A
+    `unified_memory` cache is a `memory` one while hints are forced off (:func:`cache_type_in_use`).
 
     Raises:
         ValueError: an unknown cache type.
@@ -340,8 +355,10 @@ def open_caches(
     The stores live in ``cache_dir/model_tag/vae`` and ``cache_dir/model_tag/text``; both
     folders are registered with ``state.register_cache_dir`` when a state is given, so
     ``state.delete_cache_files()`` removes them. ``vae_type`` / ``text_type`` choose
-    `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU);
-    memory stores are written through to disk when ``persistent``. ``verify`` is passed to
+    `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU;
+    a CPU-backed `memory` cache while unified-memory hints are forced off, see
+    :func:`cache_type_in_use`); memory stores are written through to disk when ``persistent``
+    (both kinds share the disk format, so either reloads the other's entries). ``verify`` is passed to
     :class:`TensorCache` (check each needed entry's checksum when filling).
 
     Raises:

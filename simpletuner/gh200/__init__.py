@@ -1,7 +1,8 @@
 """GH200 / GB10 layer: unified-memory hints, in-memory datasets, the accumulation ramp.
 
 - :mod:`.uvm`: ``gh200_uvm_enabled``, ``prefer_cpu_residency``, ``prefer_gpu_residency``,
-  ``prefetch_to_device``, ``optimize_batch_for_gh200``, ``set_uvm_hint_override``, ``to_unified``.
+  ``prefetch_to_device``, ``optimize_batch_for_gh200`` (called once per prepared batch by the
+  trainer's data path), ``stack_unified``, ``set_uvm_hint_override``, ``to_unified``.
 - :mod:`.runtime`: the CUDA runtime behind them (managed pool via cuda-bindings), injectable.
 - :mod:`.in_memory_backend`: ``GH200InMemoryBackend`` (dataset ``type: "in_memory"``); :mod:`.codecs`.
 - :mod:`.ramp`: ``GH200GradientRamp``; :mod:`.wiring`: ``Trainer._configure_gh200_runtime``'s logic.
@@ -22,6 +23,7 @@ _EXPORTS = {
     "prefetch_to_device": "uvm",
     "optimize_batch_for_gh200": "uvm",
     "set_uvm_hint_override": "uvm",
+    "stack_unified": "uvm",
     "to_unified": "uvm",
     "unified_memory_status": "uvm",
     "GH200GradientRamp": "ramp",

@@ -1,4 +1,5 @@
-"""``python gh200_diagnostic.py``: what this machine offers for unified-memory training, and what is missing.
+"""``simpletuner diagnose`` (or ``python gh200_diagnostic.py`` in a checkout): what this machine offers for
+unified-memory training, and what is missing.
 
 Every CUDA fact comes from :func:`simpletuner.gh200.runtime.get_runtime`, so the whole report
 (and the oversubscription test) runs on CPU against a fake runtime. The helpers return plain
@@ -18,19 +19,20 @@ import time
 
 import torch
 
-from simpletuner.configuration.schema import CUDA_ALLOC_CONF_KEYS
+from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, FORK_ONLY_KEYS, check_alloc_conf
 from simpletuner.gh200.runtime import INSTALL_HINT, DeviceMemoryInfo, get_runtime
+from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR, env_hint_request
 
 GIB = 1024**3
 MEMINFO_PATH = "/proc/meminfo"
 ENV_VARS = (
-    "SIMPLETUNER_GH200_UVM_HINTS",
-    "PYTORCH_CUDA_ALLOC_CONF",
+    ENV_VAR,
+    ENV_ALIAS,  # the ai-toolkit GH200 fork's name for the same switch
+    ALLOC_CONF_VAR,
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES",
 )
-ALLOC_CONF_KEYS = frozenset(CUDA_ALLOC_CONF_KEYS)
 TORCH_CUDA_FIX = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
 DEVICE_FIX = "check `nvidia-smi`, the NVIDIA driver and CUDA_VISIBLE_DEVICES"
 ENV_FIX = "source scripts/setup_gh200_env.sh"
@@ -88,11 +90,15 @@ def collect_host(meminfo_path: str | None = None) -> dict:
 
 
 def alloc_conf_problems(value: str | None) -> list[str]:
-    """Keys of a PYTORCH_CUDA_ALLOC_CONF value that a stock PyTorch rejects."""
-    if not value:
-        return []
-    keys = [item.partition(":")[0].strip() for item in value.split(",") if item.strip()]
-    return [key for key in keys if key not in ALLOC_CONF_KEYS]
+    """Keys of a PYTORCH_CUDA_ALLOC_CONF value that a stock PyTorch rejects: the GH200 fork's keys,
+    then any other key stock PyTorch is not known to accept (see :mod:`simpletuner.configuration.alloc_conf`)."""
+    check = check_alloc_conf(value)
+    return [*check.fork_keys, *check.unknown_keys]
+
+
+def _alloc_conf_fix(value: str, bad: list[str]) -> str:
+    kept = [item.strip() for item in value.split(",") if item.strip() and item.partition(":")[0].strip() not in bad]
+    return f"export {ALLOC_CONF_VAR}=\"{','.join(kept)}\"" if kept else f"unset {ALLOC_CONF_VAR}"
 
 
 def collect_environment(environ=None) -> dict:
@@ -100,14 +106,28 @@ def collect_environment(environ=None) -> dict:
     environ = os.environ if environ is None else environ
     values = {name: environ.get(name) for name in ENV_VARS}
     warnings = []
-    bad = alloc_conf_problems(values["PYTORCH_CUDA_ALLOC_CONF"])
-    if bad:
+    check = check_alloc_conf(values[ALLOC_CONF_VAR])
+    bad = [*check.fork_keys, *check.unknown_keys]
+    if check.fork_keys:  # keys of the ai-toolkit GH200 fork's patched PyTorch: say what replaces each
+        instead = "; ".join(f"`{key}`: {FORK_ONLY_KEYS[key]}" for key in dict.fromkeys(check.fork_keys))
         warnings.append(
-            f"PYTORCH_CUDA_ALLOC_CONF has key(s) {', '.join(bad)} that a stock PyTorch rejects at the first CUDA "
-            f"allocation: remove them (accepted: {', '.join(sorted(ALLOC_CONF_KEYS))}); "
-            "unified memory comes from the managed pool, not from this variable"
+            f"{ALLOC_CONF_VAR} has key(s) {', '.join(check.fork_keys)} that a stock PyTorch rejects at the first "
+            f"CUDA allocation (they belong to the ai-toolkit GH200 fork's patched PyTorch): remove them "
+            f"({_alloc_conf_fix(check.value, bad)}). Instead: {instead}"
         )
-    return {"variables": values, "unsupported_alloc_conf_keys": bad, "warnings": warnings}
+    warnings += check.warnings()
+    try:
+        hints, hints_source = env_hint_request(environ)
+        hints_error = None
+    except ValueError as error:  # both names set, disagreeing: a run would stop at start
+        hints, hints_source, hints_error = None, "", str(error)
+        warnings.append(hints_error)
+    return {
+        "variables": values,
+        "unsupported_alloc_conf_keys": bad,
+        "uvm_hints": {"requested": hints, "source": hints_source or None, "error": hints_error},
+        "warnings": warnings,
+    }
 
 
 def collect_pool(runtime) -> dict:
@@ -143,17 +163,23 @@ def verdicts(summary: dict) -> list[dict]:
             "nothing to fix: on a discrete GPU unified-memory hints stay off and oversubscription is refused",
         )
         if device["unified"]:
-            hints = env["variables"]["SIMPLETUNER_GH200_UVM_HINTS"]
-            add(
-                (hints or "").strip().lower() in ("1", "true", "yes", "on"),
-                f"SIMPLETUNER_GH200_UVM_HINTS={hints or 'unset'} (placement hints for managed tensors)",
-                f"{ENV_FIX} (or set gh200_optimizations.enable_uvm_hints in the config)",
-            )
-    if env["unsupported_alloc_conf_keys"]:
+            hints = env["uvm_hints"]
+            if hints["error"] is not None:
+                add(False, f"{ENV_VAR} / {ENV_ALIAS}: {hints['error']}", f"unset {ENV_ALIAS}")
+            else:
+                add(
+                    hints["requested"] is True,
+                    f"{hints['source'] or f'{ENV_VAR}=unset'} (placement hints for managed tensors)",
+                    f"{ENV_FIX} (or set gh200_optimizations.enable_uvm_hints in the config)",
+                )
+    bad = env["unsupported_alloc_conf_keys"]
+    if bad:
+        value = env["variables"][ALLOC_CONF_VAR] or ""
         add(
             False,
-            f"PYTORCH_CUDA_ALLOC_CONF has keys stock PyTorch rejects: {', '.join(env['unsupported_alloc_conf_keys'])}",
-            f"remove them ({ENV_FIX} sets expandable_segments:True when the variable is unset)",
+            f"{ALLOC_CONF_VAR} has keys stock PyTorch rejects: {', '.join(bad)}",
+            f"{_alloc_conf_fix(value, bad)} (remove them; {ENV_FIX} sets expandable_segments:True when the variable "
+            "is unset)",
         )
     return out
 
@@ -308,9 +334,9 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "gh200_diagnostic.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gh200_diagnostic.py",
+        prog=prog,
         description="What this machine offers for GH200 / GB10 unified-memory training, and what is missing.",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object only")
@@ -324,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "gh200_diagnostic.py") -> int:
+    """The diagnostic behind both ``python gh200_diagnostic.py`` and ``simpletuner diagnose`` (``prog`` names it)."""
+    args = build_parser(prog).parse_args(argv)
     runtime = get_runtime()
     code = 0
     over = None

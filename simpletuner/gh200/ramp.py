@@ -12,8 +12,36 @@ window), so no window is ever mis-scaled and a resumed run continues the same se
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
+
+
+class AccumulationPolicy(Protocol):
+    """Pure function of progress: the window length for the window that starts now."""
+
+    def window_for(self, micro_batches_seen: int) -> int: ...
+
+    def state_dict(self) -> dict: ...
+
+
+class FixedAccumulation:
+    """``gradient_accumulation_steps`` micro-batches per optimizer step, always.
+
+    Defined here, beside the ramp, so the GH200 layer builds either policy without importing
+    the training layer (which sits above it).
+    """
+
+    def __init__(self, steps: int):
+        if steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
+        self.steps = steps
+
+    def window_for(self, micro_batches_seen: int) -> int:
+        return self.steps
+
+    def state_dict(self) -> dict:
+        return {"kind": "fixed", "steps": self.steps}
 
 
 class GH200GradientRamp:

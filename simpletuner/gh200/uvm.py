@@ -11,7 +11,11 @@ there is no CUDA or no managed-memory support, or when the tensor is not in mana
 (advice is only legal on managed pointers). Why hints are off is said once, at INFO.
 
 Whether hints are on: :func:`set_uvm_hint_override` (from the config) beats the environment
-variable ``SIMPLETUNER_GH200_UVM_HINTS`` (1/0), which beats the default (off).
+variable ``SIMPLETUNER_GH200_UVM_HINTS`` (1/0; ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``, the name
+the ai-toolkit GH200 fork exports, is read as an alias: both set to values that disagree is an
+error), which beats the default (off). Hints *forced* off, by the config or the environment,
+also turn ``unified_memory`` caches into CPU-backed ``memory`` caches
+(:func:`unified_caches_fall_back_to_cpu`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import torch
 
@@ -28,10 +32,13 @@ from simpletuner.gh200.runtime import Location, get_runtime
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SIMPLETUNER_GH200_UVM_HINTS"
+#: The ai-toolkit GH200 fork's name for ENV_VAR (its setup script exports it); read as an alias.
+ENV_ALIAS = "SIMPLETUNER_GH200_ENABLE_UVM_HINTS"
+ENV_VARS = (ENV_VAR, ENV_ALIAS)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
-_override: bool | None = None
+_override: tuple[bool, str] | None = None  # (hints on?, the setting that said so)
 _said: set[str] = set()
 _said_lock = threading.Lock()
 
@@ -45,40 +52,98 @@ def _say_once(level: int, message: str, *args: Any) -> None:
     logger.log(level, text)
 
 
-def set_uvm_hint_override(value: bool | None) -> None:
-    """Force hints on (True) or off (False); None hands the choice back to the environment."""
+def set_uvm_hint_override(value: bool | None, source: str | None = None) -> None:
+    """Force hints on (True) or off (False); None hands the choice back to the environment.
+
+    ``source`` names the setting that decided it (e.g. ``"gh200_optimizations.enable_uvm_hints=false"``),
+    for the log lines that say why hints are on or off.
+    """
     global _override
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"set_uvm_hint_override takes True, False or None, not {value!r}")
-    _override = value
+    _override = None if value is None else (value, source or f"the config set them {'on' if value else 'off'}")
 
 
-def _requested() -> tuple[bool, str]:
-    """Whether hints are asked for, and by whom."""
-    if _override is not None:
-        return _override, f"gh200_optimizations / cache_config set them {'on' if _override else 'off'}"
-    raw = os.environ.get(ENV_VAR)
-    if raw is not None:
+def env_hint_request(environ: Mapping[str, str] | None = None) -> tuple[bool | None, str]:
+    """What the environment asks for: ``(True | False, "NAME=value")``, or ``(None, "")`` when
+    neither name holds a 1/0 value (a value that is neither is ignored, with a warning, once).
+
+    Raises:
+        ValueError: ``SIMPLETUNER_GH200_UVM_HINTS`` and its alias ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``
+            are both set to values that disagree: no silent winner.
+    """
+    environ = os.environ if environ is None else environ
+    found: list[tuple[str, str, bool]] = []
+    for name in ENV_VARS:
+        raw = environ.get(name)
+        if raw is None:
+            continue
         value = raw.strip().lower()
-        if value in _TRUE:
-            return True, f"{ENV_VAR}={raw}"
-        if value in _FALSE:
-            return False, f"{ENV_VAR}={raw}"
-        _say_once(logging.WARNING, "%s=%r is not 1/0 (or true/false); ignoring it", ENV_VAR, raw)
-    return False, f"off by default (set {ENV_VAR}=1 or gh200_optimizations.enable_uvm_hints)"
+        if value in _TRUE or value in _FALSE:
+            found.append((name, raw, value in _TRUE))
+        else:
+            _say_once(logging.WARNING, "%s=%r is not 1/0 (or true/false); ignoring it", name, raw)
+    if not found:
+        return None, ""
+    if len({wanted for _, _, wanted in found}) > 1:
+        (name_a, raw_a, _), (name_b, raw_b, _) = found
+        raise ValueError(
+            f"environment: {name_a}={raw_a!r} and {name_b}={raw_b!r} disagree about unified-memory hints. "
+            f"{name_b} is the ai-toolkit GH200 fork's name for {name_a} (scripts/setup_gh200_env.sh of that fork "
+            f"exports it), and simpletuner reads both. Fix: unset one of them (e.g. `unset {name_b}`) or give both "
+            "the same value; gh200_optimizations.enable_uvm_hints in the config overrides both"
+        )
+    return found[0][2], " and ".join(f"{name}={raw}" for name, raw, _ in found)
 
 
-_decided: tuple[tuple, bool] | None = None  # ((override, env value, runtime), answer): asked per tensor
+def _requested() -> tuple[bool, bool, str]:
+    """Whether hints are asked for, whether explicitly (config or environment), and by whom."""
+    if _override is not None:
+        return _override[0], True, _override[1]
+    wanted, source = env_hint_request()
+    if wanted is not None:
+        return wanted, True, source
+    return False, False, f"off by default (set {ENV_VAR}=1 or gh200_optimizations.enable_uvm_hints)"
+
+
+def hints_forced_off() -> str | None:
+    """The setting that turned hints off explicitly (config or environment), or None when hints
+    are on or only off by default."""
+    wanted, explicit, why = _requested()
+    return why if explicit and not wanted else None
+
+
+def unified_caches_fall_back_to_cpu() -> bool:
+    """True when a ``unified_memory`` cache must be a CPU-backed ``memory`` cache: hints are
+    forced off (seed 002: "setting the flag to false returns to standard CPU-backed caches").
+    Says so once, at WARNING, naming both settings and what is used."""
+    why = hints_forced_off()
+    if why is None:
+        return False
+    _say_once(
+        logging.WARNING,
+        "cache_config: caches of type `unified_memory` are CPU-backed `memory` caches in this run, because "
+        "unified-memory hints are forced off by %s (hints off means standard CPU caches: no managed memory, no "
+        "advice, no prefetch). For managed memory, turn that setting on or remove it.",
+        why,
+    )
+    return True
+
+
+_decided: tuple[tuple, bool] | None = None  # ((override, env values, runtime), answer): asked per tensor
 
 
 def gh200_uvm_enabled() -> bool:
     """True when hints are asked for and managed memory is usable here.
 
     Called for every tensor a unified-memory cache hands out, so the answer is kept until the
-    override, the environment variable or the runtime changes.
+    override, the environment variables or the runtime change.
+
+    Raises:
+        ValueError: the two environment names disagree (see :func:`env_hint_request`).
     """
     global _decided
-    key = (_override, os.environ.get(ENV_VAR), id(get_runtime()))
+    key = (_override, os.environ.get(ENV_VAR), os.environ.get(ENV_ALIAS), id(get_runtime()))
     if _decided is not None and _decided[0] == key:
         return _decided[1]
     answer = _decide()
@@ -87,7 +152,7 @@ def gh200_uvm_enabled() -> bool:
 
 
 def _decide() -> bool:
-    wanted, why = _requested()
+    wanted, _, why = _requested()
     if not wanted:
         _say_once(logging.INFO, "GH200 unified-memory hints are off: %s", why)
         return False
@@ -113,12 +178,16 @@ def _advisable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.numel() > 0 and gh200_uvm_enabled() and get_runtime().is_managed(t)
 
 
+def _advise_cpu(runtime, t: torch.Tensor, gpu: Location) -> None:
+    runtime.advise(t, "preferred_location", "cpu")
+    runtime.advise(t, "accessed_by", gpu)
+
+
 def prefer_cpu_residency(t: torch.Tensor) -> torch.Tensor:
     """Advise ``t`` to live in CPU RAM while the GPU keeps a mapping to it; returns ``t``."""
     if _advisable(t):
         runtime = get_runtime()
-        runtime.advise(t, "preferred_location", "cpu")
-        runtime.advise(t, "accessed_by", runtime.current_device())
+        _advise_cpu(runtime, t, runtime.current_device())
     return t
 
 
@@ -151,26 +220,67 @@ def _role(key: str) -> Role:
     return "other"
 
 
-def optimize_batch_for_gh200(batch: Any, _role_hint: Role = "other") -> Any:
-    """Hint and prefetch every managed tensor of a batch; returns the same structure.
+def _tensors_by_role(value: Any, role: Role) -> Iterator[tuple[torch.Tensor, Role]]:
+    """Every tensor in nested dicts / lists / tuples, with the role of the nearest key naming one."""
+    if isinstance(value, torch.Tensor):
+        yield value, role
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            named = _role(str(key))
+            yield from _tensors_by_role(item, role if named == "other" else named)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_by_role(item, role)
 
-    Dicts, lists and tuples are walked; a tensor's role comes from the nearest key naming it:
-    ``*latent*`` -> CPU residency; ``*embed*``, ``*hidden_states*``, ``*mask*`` -> GPU
-    residency. Every managed tensor is then prefetched to the current GPU on the current
-    stream. Non-managed tensors and other values pass through untouched.
+
+def optimize_batch_for_gh200(batch: Any, device: torch.device | int | str | None = None, stream=None) -> Any:
+    """Place and prefetch the managed tensors of one prepared batch; returns ``batch`` itself.
+
+    The trainer's data path (``CachedData`` in :mod:`simpletuner.training.batches`) calls this
+    once per micro-batch, on the stacked fields. Dicts (and other mappings), lists and tuples
+    are walked; a tensor's role comes from the nearest key naming it: ``*latent*`` -> advised to
+    reside in CPU RAM with ``device`` keeping a mapping; ``*embed*``, ``*hidden_states*``,
+    ``*mask*`` -> advised to reside on ``device``; others get no advice. Each managed
+    allocation is then prefetched to ``device`` (default: the current GPU) on ``stream``
+    (default: the current stream), once even when several tensors view it.
+
+    Hints change where memory lives, never the tensors, so nothing is copied or rebuilt. With
+    hints off, without CUDA or managed memory, this returns at once, before looking at a tensor;
+    ordinary tensors (disk or ``memory`` caches, latents encoded while training) are skipped.
+    Nothing here waits for the GPU.
     """
-    if isinstance(batch, dict):
-        return {k: optimize_batch_for_gh200(v, _role(str(k)) if _role(str(k)) != "other" else _role_hint) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        items = [optimize_batch_for_gh200(v, _role_hint) for v in batch]
-        return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
-    if not _advisable(batch):
+    if not gh200_uvm_enabled():
         return batch
-    if _role_hint == "latent":
-        prefer_cpu_residency(batch)
-    elif _role_hint == "embedding":
-        prefer_gpu_residency(batch)
-    return prefetch_to_device(batch)
+    runtime = get_runtime()
+    location = _device_index(device)
+    gpu = location if location != "cpu" else runtime.current_device()
+    handle = getattr(stream, "cuda_stream", stream)
+    done: set[int] = set()
+    for tensor, role in _tensors_by_role(batch, "other"):
+        if tensor.numel() == 0 or not runtime.is_managed(tensor):
+            continue
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in done:  # advice and prefetch cover the whole allocation: once is enough
+            continue
+        done.add(storage)
+        if role == "latent":
+            _advise_cpu(runtime, tensor, gpu)
+        elif role == "embedding":
+            runtime.advise(tensor, "preferred_location", gpu)
+        runtime.prefetch(tensor, location, handle)
+    return batch
+
+
+def stack_unified(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``, into managed memory when the tensors are managed (the entries of
+    a ``unified_memory`` cache), so :func:`optimize_batch_for_gh200` can place the stacked batch;
+    an ordinary ``torch.stack`` otherwise."""
+    first = tensors[0]
+    runtime = get_runtime()
+    if runtime.unavailable_reason() is not None or not runtime.is_managed(first):
+        return torch.stack(list(tensors))
+    out = runtime.managed_empty((len(tensors), *first.shape), first.dtype)
+    return torch.stack(list(tensors), out=out)
 
 
 Prefer = Literal["cpu", "gpu"]

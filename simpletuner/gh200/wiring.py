@@ -8,29 +8,45 @@ the StateTracker and, on the main process, in ``<output_dir>/gh200_runtime.json`
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import orjson
 
-from simpletuner.gh200.ramp import GH200GradientRamp
+from simpletuner.gh200.ramp import AccumulationPolicy, FixedAccumulation, GH200GradientRamp
 from simpletuner.state import StateTracker
-from simpletuner.training.accumulation import AccumulationPolicy, FixedAccumulation
 
 logger = logging.getLogger(__name__)
 
 RUNTIME_FILE = "gh200_runtime.json"
 
 
-def uvm_hint_override(config) -> bool | None:
-    """Config beats environment: an explicit ``enable_uvm_hints`` wins; a `unified_memory`
-    cache turns hints on; otherwise None leaves the choice to SIMPLETUNER_GH200_UVM_HINTS."""
+def uvm_hint_decision(config, environ: Mapping[str, str] | None = None) -> tuple[bool | None, str]:
+    """``(override, the setting behind it)`` for :func:`~simpletuner.gh200.uvm.set_uvm_hint_override`.
+
+    An explicit ``gh200_optimizations.enable_uvm_hints`` wins; else the environment
+    (``SIMPLETUNER_GH200_UVM_HINTS`` or its alias ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``; None
+    hands it the choice); else a `unified_memory` cache turns hints on; else None (off).
+
+    Raises:
+        ValueError: the two environment names disagree (checked even when the config decides).
+    """
+    from simpletuner.gh200.uvm import env_hint_request
+
     opts, cache = config.gh200_optimizations, config.cache_config
+    from_env, env_source = env_hint_request(environ)
     if opts.enable_uvm_hints is not None:
-        return opts.enable_uvm_hints
-    if "unified_memory" in (cache.vae_cache_type, cache.text_cache_type):
-        return True
-    return None
+        setting = f"gh200_optimizations.enable_uvm_hints={str(opts.enable_uvm_hints).lower()}"
+        if from_env is not None and from_env != opts.enable_uvm_hints:
+            setting += f" (the config overrides {env_source})"
+        return opts.enable_uvm_hints, setting
+    if from_env is not None:
+        return None, env_source
+    unified = [f"{name}_cache_type" for name in ("vae", "text") if getattr(cache, f"{name}_cache_type") == "unified_memory"]
+    if unified:
+        return True, f"cache_config.{' and '.join(unified)} = unified_memory"
+    return None, "nothing asks for them"
 
 
 def build_accumulation(config, num_processes: int) -> AccumulationPolicy:
@@ -54,19 +70,26 @@ def build_accumulation(config, num_processes: int) -> AccumulationPolicy:
 
 def configure_runtime(state: StateTracker, num_processes: int, is_main_process: bool, output_dir: Path) -> AccumulationPolicy:
     """Apply hints, build the accumulation policy, record the decisions; returns the policy."""
+    from simpletuner.caching.tensor_cache import cache_type_in_use
     from simpletuner.gh200.uvm import gh200_uvm_enabled, set_uvm_hint_override, unified_memory_status
 
     config = state.config
-    override = uvm_hint_override(config)
-    set_uvm_hint_override(override)
+    override, setting = uvm_hint_decision(config, os.environ)  # before anything loads: a conflict stops here
+    set_uvm_hint_override(override, setting)
+    active = gh200_uvm_enabled()
+    if active:
+        logger.info("GH200 unified-memory hints are on: %s", setting)  # off: uvm says why, once
     policy = build_accumulation(config, num_processes)
     cache = config.cache_config
     decided: dict[str, Any] = {
         "uvm_hint_override": override,
-        "uvm_hints_active": gh200_uvm_enabled(),
+        "uvm_hints_active": active,
+        "uvm_hints_setting": setting,
         "unified_memory": unified_memory_status(),
         "vae_cache_type": cache.vae_cache_type,
         "text_cache_type": cache.text_cache_type,
+        "vae_cache_type_in_use": cache_type_in_use(cache.vae_cache_type),
+        "text_cache_type_in_use": cache_type_in_use(cache.text_cache_type),
         "persistent_cache": cache.persistent_cache,
         "cache_dir": cache.cache_dir,
         "accumulation": policy.state_dict(),

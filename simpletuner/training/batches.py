@@ -13,6 +13,7 @@ import torch
 from simpletuner.caching import FillReport, TensorCache, caption_text_key, open_caches, sample_latent_key
 from simpletuner.data_backend import RegisteredDataset, Sample
 from simpletuner.data_backend.augment import static_augmentation_key
+from simpletuner.gh200.uvm import optimize_batch_for_gh200
 from simpletuner.models import ModelSpec
 from simpletuner.training.reencode import DecodeThreads, EpochLatents, PixelLoader, Reencoder, batch_group, encode_loaded
 
@@ -62,13 +63,19 @@ class CachedData:
         """The decoding threads used while training (re-encoding modes only)."""
         return self._reencoder.threads if self._reencoder is not None else None
 
-    def _conditioning(self, samples: list[Sample], device: torch.device) -> dict[str, torch.Tensor]:
+    def _prepared(self, latents: torch.Tensor, samples: list[Sample], device: torch.device) -> Batch:
+        """The one place a micro-batch is finished: stacked text embeddings joined to the latents,
+        then the GH200 batch hook, once, on the stacked fields (``optimize_batch_for_gh200``: residency
+        advice by role and a prefetch to ``device`` for those in managed memory, i.e. from a
+        `unified_memory` cache; it returns at once when hints are off or there is no CUDA)."""
         cond = self.text_cache.get_batch([self.text_keys[s.caption] for s in samples])
-        return {k: v.to(device, non_blocking=True) for k, v in cond.items()}
+        fields = {"latents": latents.to(device, non_blocking=True),
+                  "conditioning": {k: v.to(device, non_blocking=True) for k, v in cond.items()}}
+        optimize_batch_for_gh200(fields, device)
+        return Batch(fields["latents"], fields["conditioning"], samples)
 
     def _from_cache(self, cache: TensorCache, keys: dict[str, str], samples: list[Sample], device) -> Batch:
-        latents = cache.get_batch([keys[s.key] for s in samples])["latents"]
-        return Batch(latents.to(device, non_blocking=True), self._conditioning(samples, device), samples)
+        return self._prepared(cache.get_batch([keys[s.key] for s in samples])["latents"], samples, device)
 
     def batch(self, samples: list[Sample], device: torch.device) -> Batch:
         """The micro-batch of ``samples`` outside the training order (evaluation, FLOP counting):
@@ -76,8 +83,7 @@ class CachedData:
         augmentation version (``"eval"``), the same on every call."""
         if self._reencoder is None:
             return self._from_cache(self.vae_cache, self.latent_keys, samples, device)
-        latents = self._reencoder.encode(samples, ["eval"] * len(samples), device)
-        return Batch(latents, self._conditioning(samples, device), samples)
+        return self._prepared(self._reencoder.encode(samples, ["eval"] * len(samples), device), samples, device)
 
     def iterate(self, sampler, device: torch.device) -> Iterator[Batch]:
         """Micro-batches forever, epoch after epoch; the sampler keeps the position.
@@ -89,7 +95,7 @@ class CachedData:
             epoch = sampler.epoch + 1 if sampler.batch_index >= len(sampler) else sampler.epoch
             if self.mode == "disable_cache":
                 for samples, latents in self._reencoder.iterate_epoch(sampler, epoch, device):
-                    yield Batch(latents, self._conditioning(samples, device), samples)
+                    yield self._prepared(latents, samples, device)
                 continue
             if self.mode == "refresh_each_epoch":
                 keys = self._reencoder.epochs.prepare(sampler, epoch)

@@ -51,7 +51,8 @@ def test_discrete_h100_is_not_unified_and_uses_the_card(meminfo):
     assert hw.peak_tflops_bf16 == pytest.approx(989.4)
     assert hw.peak_tflops_fp16 == pytest.approx(989.4)
     assert hw.peak_tflops("bf16") == pytest.approx(989.4)
-    assert hw.peak_tflops("no") is None
+    assert hw.peak_tflops("no") == pytest.approx(494.7)  # fp32 weights, TF32 tensor cores (enable_tf32)
+    assert hw.peak_tflops("no", tf32=False) == pytest.approx(67.0)  # plain FP32
     assert hw.cpu_cores == 16
     assert hw.host_ram_bytes == 128 * GIB
     assert hw.host_ram_available_bytes == 100 * GIB
@@ -101,6 +102,8 @@ def test_no_cuda_leaves_device_fields_empty_and_fills_the_host(meminfo):
     assert hw.compute_capability is None
     assert hw.bf16_supported is None
     assert hw.peak_tflops_bf16 is None and hw.peak_tflops_fp16 is None
+    assert hw.peak_tflops_tf32 is None and hw.peak_tflops_fp32 is None
+    assert hw.peak_tflops("no") is None
     assert hw.gpu_spec is None
     assert hw.unified_memory is False and hw.memory_kind == "none"
     assert hw.cpu_cores == 8
@@ -134,6 +137,7 @@ def test_unknown_device_has_no_spec_and_no_peak(meminfo):
     hw = detect_hardware(FakeRuntime(info=info), meminfo_path=meminfo)
     assert hw.gpu_spec is None
     assert hw.peak_tflops_bf16 is None and hw.peak_tflops_fp16 is None
+    assert all(hw.peak_tflops(p, tf32=t) is None for p in ("bf16", "fp16", "no") for t in (True, False))
     assert hw.usable_memory_bytes == 48 * GIB
     assert any("not in the GPU table" in line for line in hw.describe())
 
@@ -143,6 +147,7 @@ def test_describe_names_gpu_memory_peak_and_host(meminfo):
     text = "\n".join(lines)
     assert "NVIDIA H100 80GB HBM3" in text and "H100 SXM" in text
     assert "80.0 GiB" in text and "989.4" in text and "16 CPU cores" in text
+    assert "tf32 494.7" in text and "fp32 67" in text
 
 
 def test_detect_uses_the_installed_runtime(meminfo):
@@ -187,6 +192,10 @@ def test_hardware_info_is_frozen(meminfo):
         ("NVIDIA L40S", "L40S"),
         ("Tesla T4", "T4"),
         ("NVIDIA B200", "B200"),
+        ("NVIDIA A40", "A40"),
+        ("NVIDIA GeForce RTX 4080", "RTX 4080"),
+        ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
     ],
 )
 def test_lookup_device_names(name, expected):
@@ -210,6 +219,9 @@ def test_lookup_device_names(name, expected):
         ("gh200", "GH200"),
         ("v100", "V100 SXM2"),
         ("l40s", "L40S"),
+        ("a40", "A40"),
+        ("rtx4080", "RTX 4080"),
+        ("rtx-6000-ada", "RTX 6000 Ada"),
     ],
 )
 def test_lookup_cli_spellings(name, expected):
@@ -234,6 +246,9 @@ def test_bare_a100_follows_the_reported_memory():
         "NVIDIA GB200",  # not GB10, not B200
         "NVIDIA L40",  # not L40S
         "Tesla V100S-PCIE-32GB",
+        "Quadro RTX 6000",  # Turing, not the Ada card
+        "NVIDIA RTX A6000",  # Ampere workstation card
+        "NVIDIA GeForce RTX 4080 SUPER",
     ],
 )
 def test_unknown_names_are_not_guessed(name):
@@ -258,8 +273,8 @@ def test_every_entry_matches_its_own_name():
 # --- the table ---
 
 REQUIRED = [
-    "H100 SXM", "H100 PCIe", "H200", "GH200", "A100 40GB", "A100 80GB", "A30", "A10G", "L40S",
-    "V100 SXM2", "T4", "RTX 3090", "RTX 4090", "RTX 5090", "B200", "GB10",
+    "H100 SXM", "H100 PCIe", "H200", "GH200", "A100 40GB", "A100 80GB", "A30", "A10G", "A40", "L40S",
+    "V100 SXM2", "T4", "RTX 3090", "RTX 4080", "RTX 4090", "RTX 5090", "RTX 6000 Ada", "B200", "GB10",
 ]  # fmt: skip
 
 
@@ -277,8 +292,14 @@ def test_entry_is_well_formed(spec):
     for peak in (spec.bf16_tflops, spec.fp16_tflops):
         assert peak is None or peak > 0
     assert spec.fp16_tflops is not None  # every card in the table has FP16 tensor cores
-    # BF16 needs Ampere (sm_80) or newer.
+    # BF16 and TF32 need Ampere (sm_80) or newer.
     assert (spec.bf16_tflops is not None) == (spec.compute_capability >= (8, 0))
+    assert (spec.tf32_tflops is not None) == (spec.compute_capability >= (8, 0))
+    # Every card has a plain FP32 peak; TF32 tensor cores run at half the 16-bit rate (or less;
+    # datasheets round, e.g. L40S 183 vs 362.05 / 2) and never below plain FP32.
+    assert spec.fp32_tflops > 0
+    if spec.tf32_tflops is not None:
+        assert spec.fp32_tflops <= spec.tf32_tflops <= spec.bf16_tflops / 2 * 1.02
     assert spec.integrated <= spec.unified
 
 
@@ -295,6 +316,39 @@ def test_table_memory_variants():
     assert resolve_gpu_name("v100").memory_gb == (16, 32)
     assert resolve_gpu_name("a100-40gb").memory_gb == (40,)
     assert resolve_gpu_name("a100-80gb").memory_gb == (80,)
+
+
+@pytest.mark.parametrize("name", ["V100 SXM2", "T4"])
+def test_fp32_runs_before_ampere_use_the_fp32_peak_even_with_tf32_allowed(name):
+    hw = hardware_for_gpu(name)
+    assert hw.peak_tflops_tf32 is None
+    assert hw.peak_tflops("no", tf32=True) == hw.peak_tflops("no", tf32=False) == resolve_gpu_name(name).fp32_tflops
+
+
+@pytest.mark.parametrize(
+    "name, bf16, tf32, fp32",
+    [  # NVIDIA datasheet "with sparsity" figures halved (or the dense figure where one is printed)
+        ("h100", 1979 / 2, 989 / 2, 67.0),
+        ("h100-pcie", 1513 / 2, 756 / 2, 51.0),
+        ("h200", 1979 / 2, 989 / 2, 67.0),
+        ("gh200", 1979 / 2, 989 / 2, 67.0),
+        ("a100-40gb", 312.0, 156.0, 19.5),
+        ("a100-80gb", 312.0, 156.0, 19.5),
+        ("a40", 299.4 / 2, 149.6 / 2, 37.4),
+        ("l40s", 362.05, 366 / 2, 91.6),  # the datasheet prints 362.05 dense beside 733 sparse
+        ("rtx4080", 97.5, 97.5 / 2, 48.7),
+        ("rtx4090", 165.2, 165.2 / 2, 82.6),
+        ("rtx5090", 209.5, 209.5 / 2, 104.8),
+        ("rtx-6000-ada", 1457 / 4, 1457 / 8, 91.1),  # 1,457 = FP8 with sparsity
+        ("b200", 4500 / 2, 2200 / 2, 75.0),
+        ("gb10", 62.5, 62.5 / 2, 31.0),  # derived (NVIDIA publishes FP4 only); see the table's comment
+    ],
+)
+def test_dense_peaks_per_precision(name, bf16, tf32, fp32):
+    hw = hardware_for_gpu(name)
+    assert hw.peak_tflops("bf16") == pytest.approx(bf16, rel=2e-3)
+    assert hw.peak_tflops("no") == pytest.approx(tf32, rel=2e-3)  # enable_tf32 (the default)
+    assert hw.peak_tflops("no", tf32=False) == pytest.approx(fp32, rel=2e-3)
 
 
 def test_peaks_are_dense_not_sparse():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import orjson
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -128,6 +129,81 @@ def test_trainer_logs_throughput_flops_and_a_repeatable_eval_loss(make_config, c
     assert len(lines) == 2 and all("data wait" in line and "TFLOPS" in line for line in lines)
     assert "eval_loss" in lines[-1]
     assert sum("FLOPs per sample" in r.getMessage() for r in caplog.records) == 1
+
+
+def _mfu_run(make_config, tmp_path, name, hardware=None, peak_tflops=None, **config):
+    raw = make_config(max_train_steps=2, logging_steps=1, output_dir=str(tmp_path / name), **config)
+    trainer = Trainer(StateTracker(validate_config(raw), raw), hardware=hardware, peak_tflops=peak_tflops)
+    trainer.train()
+    metrics = [orjson.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_bytes().splitlines()]
+    return trainer, metrics
+
+
+@pytest.mark.parametrize(
+    "precision, tf32, peak, kind",
+    [("no", True, 494.7, "TF32 tensor-core"), ("no", False, 67.0, "FP32"), ("bf16", True, 989.4, "bf16 tensor-core")],
+)
+def test_mfu_uses_the_peak_of_the_runs_precision(make_config, tmp_path, caplog, precision, tf32, peak, kind):
+    # CUDA cannot exist here: the run is real, the GPU it is measured against (an H100 SXM) is injected.
+    from simpletuner.memory.hardware import hardware_for_gpu
+
+    caplog.set_level(logging.INFO, logger="simpletuner")
+    trainer, metrics = _mfu_run(make_config, tmp_path, "h100", hardware=hardware_for_gpu("h100"),
+                                mixed_precision=precision, enable_tf32=tf32)
+    logs = trainer.last_logs
+    assert logs["mfu"] == pytest.approx(logs["tflops"] / peak)
+    assert [m["mfu"] == pytest.approx(m["tflops"] / peak) for m in metrics] == [True, True]  # grep mfu metrics.jsonl
+    said = [r.getMessage() for r in caplog.records if "MFU is measured against" in r.getMessage()]
+    assert said == [f"MFU is measured against {peak:g} TFLOPS, the H100 SXM's dense {kind} peak "
+                    "(--peak-tflops overrides it)"]
+
+
+def test_a_gpu_not_in_the_table_says_peak_unknown_once(make_config, tmp_path, caplog):
+    from fake_cuda import FakeRuntime
+
+    from simpletuner.gh200.runtime import DeviceMemoryInfo
+    from simpletuner.memory.hardware import detect_hardware
+
+    mystery = DeviceMemoryInfo(0, "NVIDIA Mystery 9000", (9, 0), 48 * 2**30, True, True, False, False, False)
+    hardware = detect_hardware(FakeRuntime(info=mystery), meminfo_path=str(tmp_path / "no-meminfo"))
+    caplog.set_level(logging.INFO, logger="simpletuner")
+    trainer, metrics = _mfu_run(make_config, tmp_path, "mystery", hardware=hardware)
+    unknown = [r for r in caplog.records if "peak unknown: pass --peak-tflops" in r.getMessage()]
+    assert len(unknown) == 1 and unknown[0].levelno == logging.WARNING
+    assert "NVIDIA Mystery 9000 is not in the GPU table" in unknown[0].getMessage()
+    assert "mfu" not in trainer.last_logs and all("mfu" not in m and m["tflops"] > 0 for m in metrics)
+    assert "WARNING simpletuner.training.performance: MFU left out: peak unknown: pass --peak-tflops" in \
+        (tmp_path / "mystery" / "training.log").read_text(encoding="utf-8")
+
+
+def test_peak_tflops_flag_overrides_the_table(make_config, tmp_path):
+    from simpletuner.memory.hardware import hardware_for_gpu
+
+    trainer, _ = _mfu_run(make_config, tmp_path, "flag", hardware=hardware_for_gpu("h100"), peak_tflops=0.5)
+    assert trainer.last_logs["mfu"] == pytest.approx(trainer.last_logs["tflops"] / 0.5)
+
+
+def test_peak_tflops_on_the_command_line(make_config, tmp_path, capsys):
+    from simpletuner.cli import main
+
+    root, ours = logging.getLogger(), logging.getLogger("simpletuner")
+    saved = root.level, list(root.handlers), ours.level
+    config = tmp_path / "cfg.json"
+    config.write_bytes(orjson.dumps(make_config(max_train_steps=2, logging_steps=1)))
+    try:
+        assert main(["train", "--config", str(config), "--peak-tflops", "0.25"]) == 0  # CPU: no table peak at all
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
+        ours.setLevel(saved[2])
+    out = tmp_path / "output"
+    assert all(m["mfu"] == pytest.approx(m["tflops"] / 0.25)
+               for m in map(orjson.loads, (out / "metrics.jsonl").read_bytes().splitlines()))
+    assert "MFU is measured against 0.25 TFLOPS (--peak-tflops)" in (out / "training.log").read_text(encoding="utf-8")
+    for bad in ("0", "-3", "fast"):
+        with pytest.raises(SystemExit):
+            main(["train", "--config", str(config), "--peak-tflops", bad])
+        assert "expected a positive number of TFLOPS" in capsys.readouterr().err
 
 
 def test_flop_counting_and_eval_do_not_change_training(make_config, tmp_path, monkeypatch):

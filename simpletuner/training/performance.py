@@ -104,6 +104,37 @@ def count_flops(into: FlopCount) -> Iterator[FlopCount]:
     into.total = int(mode.get_total_flops())
 
 
+def peak_tflops_for_run(hardware: Any, mixed_precision: str, tf32: bool, override: float | None = None) -> float | None:
+    """The dense peak MFU is measured against, said once in the log; None leaves MFU out.
+
+    ``override`` (``--peak-tflops``) wins. Otherwise the GPU table's peak for the run's precision
+    (``hardware`` is a :class:`simpletuner.memory.hardware.HardwareInfo`; None means no GPU):
+    bf16 / fp16 tensor-core peaks, and for "no" the TF32 tensor-core peak when ``tf32``
+    (``enable_tf32``) is on and the card has TF32, else the plain FP32 peak. A GPU without a
+    table entry is said once: "peak unknown: pass --peak-tflops".
+    """
+    if override is not None:
+        if not override > 0:
+            raise ValueError(f"--peak-tflops must be a positive number of TFLOPS, got {override}")
+        logger.info("MFU is measured against %g TFLOPS (--peak-tflops)", override)
+        return float(override)
+    if hardware is None or not hardware.has_gpu:
+        return None
+    peak = hardware.peak_tflops(mixed_precision, tf32=tf32)
+    if mixed_precision != "no":
+        kind = f"{mixed_precision} tensor-core"
+    else:
+        kind = "TF32 tensor-core" if tf32 and hardware.peak_tflops_tf32 is not None else "FP32"
+    if peak is None:
+        why = (f"{hardware.device_name} is not in the GPU table" if hardware.gpu_spec is None
+               else f"the GPU table has no {kind} peak for {hardware.gpu_spec}")
+        logger.warning("MFU left out: peak unknown: pass --peak-tflops TFLOPS (%s)", why)
+        return None
+    logger.info("MFU is measured against %g TFLOPS, the %s's dense %s peak (--peak-tflops overrides it)", peak,
+                hardware.gpu_spec, kind)
+    return peak
+
+
 @dataclass
 class ThroughputWindow:
     """Figures of one logging window, measured without extra host syncs.

@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, estimate, demo, cache, zoo."""
+"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo."""
 
 from __future__ import annotations
 
@@ -10,9 +10,19 @@ def _cmd_train(args) -> int:
     from simpletuner.train import main as train_main
 
     argv = ["--config", args.config, "--log-level", args.log_level]
+    if args.preset is not None:
+        argv += ["--preset", args.preset]
+    if args.peak_tflops is not None:
+        argv += ["--peak-tflops", repr(args.peak_tflops)]
     for item in args.overrides:
         argv += ["--set", item]
     return train_main(argv)
+
+
+def _positive_tflops(text: str) -> float:
+    from simpletuner.train import positive_tflops
+
+    return positive_tflops(text)
 
 
 def _cmd_estimate(args) -> int:
@@ -40,6 +50,18 @@ def _cmd_cache(args) -> int:
     return cache_main(args.args)
 
 
+def _cmd_diagnose(args) -> int:
+    from simpletuner.gh200.diagnostic import main as diagnose_main  # the code behind gh200_diagnostic.py
+
+    return diagnose_main(args.args, prog="simpletuner diagnose")
+
+
+def _cmd_config_path(args) -> int:
+    from simpletuner.resources import print_config_path
+
+    return print_config_path(args.name, list_all=args.list)
+
+
 def _cmd_zoo(args) -> int:
     from simpletuner.models.zoo import write_tiny_model
 
@@ -56,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--preset", metavar="NAME",
+                   help="fill the keys the config leaves unset from a memory preset (see `estimate --list-presets`)")
+    p.add_argument("--peak-tflops", type=_positive_tflops, metavar="TFLOPS",
+                   help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -64,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Estimate the GPU memory one training process needs (no GPU required), plan the largest micro-batch "
             "that fits (--target-effective-batch, --apply), explain presets (--preset, --list-presets), or measure "
-            "real steps on a GPU (--profile). Exit codes: 0 done, 1 does not fit, 2 bad input."
+            "real steps on a GPU (--profile). Exit codes: 0 done, 1 does not fit, 2 bad input (config, flags, preset, "
+            "PYTORCH_CUDA_ALLOC_CONF keys stock PyTorch rejects), 70 internal error (a bug in simpletuner: the "
+            "traceback and what to report are printed)."
         ),
     )
     p.add_argument("--config", help="training JSON to estimate")
@@ -83,11 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan to use at most this share of usable memory (default: 0.85)")
     p.add_argument("--apply", action="store_true",
                    help="write the plan into --config (backup <file>.backup first; prints the diff); "
-                        "without --target-effective-batch the config's own effective batch is kept")
+                        "without --target-effective-batch the config's own effective batch is kept; with --preset, "
+                        "write the preset's values for the keys the config does not set")
     p.add_argument("--profile", action="store_true", help="run real training steps on this GPU and compare with the estimate")
     p.add_argument("--profile-steps", type=int, default=3, metavar="N", help="optimizer steps for --profile (default: 3)")
-    p.add_argument("--preset", metavar="NAME", help="explain a preset; with --config, show how the config differs from it")
-    p.add_argument("--list-presets", action="store_true", help="list the presets in config/presets/")
+    p.add_argument("--preset", metavar="NAME", help="explain a preset; with --config, show how the config differs from "
+                   "it; with --config and --apply, write it into the config (keys the config sets win)")
+    p.add_argument("--list-presets", action="store_true",
+                   help="list the presets (config/presets/, bundled in the package when installed) with the machine and workload each was made for")
     p.add_argument("--presets-dir", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_estimate)
@@ -103,6 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, help="verify|clear --config cfg.json [...]")
     p.set_defaults(func=_cmd_cache)
 
+    p = sub.add_parser("diagnose", help="check a GH200 / GB10 (or any) machine, as gh200_diagnostic.py "
+                       "(see `simpletuner diagnose -h`)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="[--json] [--oversubscription-scale S] [--force]")
+    p.set_defaults(func=_cmd_diagnose)
+
+    p = sub.add_parser(
+        "config-path",
+        help="print the path of a bundled config file (Accelerate YAMLs, presets, examples), also when installed",
+        description="Print where a file of simpletuner's config folder is: config/ in a checkout, inside the "
+                    "package when installed from a wheel. E.g. accelerate launch --config_file "
+                    "\"$(simpletuner config-path accelerate_config_gh200.yaml)\" -m simpletuner.train --config cfg.json",
+    )
+    p.add_argument("name", nargs="?", metavar="NAME",
+                   help="accelerate_config_gh200.yaml, presets/gh200.json, examples/sd15_lora.json, a file name that "
+                        "occurs once, or gh200 / gh200_fsdp for the Accelerate YAMLs; none: the folder itself")
+    p.add_argument("--list", action="store_true", help="print the path of every bundled file")
+    p.set_defaults(func=_cmd_config_path)
+
     p = sub.add_parser("zoo", help="write a tiny random-weight diffusers pipeline folder")
     p.add_argument("--family", default="sd")
     p.add_argument("--out", required=True)
@@ -114,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["cache"]:  # its own parser, so `simpletuner cache -h` shows the cache options
         return _cmd_cache(argparse.Namespace(args=argv[1:]))
+    if argv[:1] == ["diagnose"]:  # likewise: gh200_diagnostic.py's own parser, flags and exit codes
+        return _cmd_diagnose(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -27,6 +27,8 @@ class StateTracker:
         self.gh200_runtime_config: dict[str, Any] = {}
         #: key -> where its value came from, for keys the launcher can also set ("from cfg.json", ...)
         self.setting_sources: dict[str, str] = {}
+        #: lines to log once the run's log is open (e.g. what a --preset filled in)
+        self.startup_notes: list[str] = []
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
 

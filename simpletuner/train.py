@@ -12,16 +12,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="path to the training JSON")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (dotted for nested keys; JSON values), e.g. --set max_train_steps=10")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--preset", metavar="NAME",
+                        help="fill the keys the config (and the launch) leave unset from a memory preset "
+                             "(`simpletuner estimate --list-presets`); the effective values are logged")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)")
+    parser.add_argument("--peak-tflops", type=positive_tflops, metavar="TFLOPS",
+                        help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)")
     return parser
 
 
-def prepare_config(config_path: str, overrides=(), environ=None, launch_command="auto"):
+def positive_tflops(text: str) -> float:
+    """argparse type of ``--peak-tflops``: a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of TFLOPS, got {text!r}")
+    return value
+
+
+def prepare_config(config_path: str, overrides=(), environ=None, launch_command="auto", preset: str | None = None):
     """The run's validated config and where each launcher-settable key's value came from.
 
     Merges what ``accelerate launch`` was asked for (configuration/launcher.py), checks the
     environment's PYTORCH_CUDA_ALLOC_CONF, and reports every problem at once before any model
     loads. ``launch_command``: "auto" reads the launcher above this process; tests pass one.
+    ``preset``: a memory preset's name; it fills only what the config and the launch leave unset.
+    Returns the loaded config, the source of each launcher-settable key, and the lines to log
+    about the preset (empty without one).
     """
     import os
     from pathlib import Path
@@ -44,6 +64,19 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     else:
         raw = apply_overrides(raw, launch.overrides)
         sources = {key: setting.source for key, setting in launch.settings.items()}
+    notes: list[str] = []
+    if preset is not None:
+        from simpletuner.memory.presets import apply_preset
+
+        try:
+            merged, notes = apply_preset(raw, preset)
+        except ValueError as exc:
+            problems.append(f"--preset {preset}: {exc}")
+        else:
+            for key in ("mixed_precision", "gradient_accumulation_steps", "enable_compile"):
+                if key not in raw and key in merged:
+                    sources[key] = f"from preset {preset}; neither the config nor the launch sets it"
+            raw = merged
     alloc = check_alloc_conf(environ.get(ALLOC_CONF_VAR))
     problems += alloc.errors()
     for warning in alloc.warnings():
@@ -54,19 +87,23 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
         problems += exc.problems
     if problems:
         raise ConfigError(problems, str(path))
-    return LoadedConfig(config=config, raw=raw, path=path), sources
+    return LoadedConfig(config=config, raw=raw, path=path), sources, notes
 
 
-def run(config_path: str, overrides=(), log_level: str = "INFO"):
+def run(config_path: str, overrides=(), log_level: str = "INFO", peak_tflops: float | None = None,
+        preset: str | None = None):
     """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
     from simpletuner.state import StateTracker
     from simpletuner.training.trainer import Trainer
 
-    logging.basicConfig(level=getattr(logging, log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded, sources = prepare_config(config_path, overrides)
+    from simpletuner.training.runlog import configure_logging
+
+    configure_logging(log_level)
+    loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
     state = StateTracker(loaded.config, loaded.raw)
     state.setting_sources = sources
-    return Trainer(state).train()
+    state.startup_notes = preset_notes
+    return Trainer(state, peak_tflops=peak_tflops).train()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        run(args.config, args.overrides, args.log_level)
+        run(args.config, args.overrides, args.log_level, peak_tflops=args.peak_tflops, preset=args.preset)
     except RunStopped as exc:  # preempted (143/130), non-finite (3), out of memory (4): the message says what next
         print(f"stopped: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -111,7 +111,7 @@ def test_prepare_config_injects_and_reports_in_one_pass(make_config, tmp_path, n
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(make_config()))
     env = {**no_default_accelerate_config, "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"}
-    loaded, sources = prepare_config(str(path), environ=env, launch_command=None)
+    loaded, sources, _ = prepare_config(str(path), environ=env, launch_command=None)
     assert loaded.config.mixed_precision == "bf16" and loaded.config.gradient_accumulation_steps == 2
     assert loaded.raw["mixed_precision"] == "bf16"  # written to output_dir/config.json as in force
     assert "ACCELERATE_MIXED_PRECISION" in sources["mixed_precision"]
@@ -137,7 +137,7 @@ def test_accelerate_accumulation_never_divides_the_loss(make_config, tmp_path, m
     with pytest.raises(ConfigError, match="enable_compile: .* says False but the environment variable"):
         prepare_config(str(path), launch_command=None)
     monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND")
-    loaded, sources = prepare_config(str(path), launch_command=None)
+    loaded, sources, _ = prepare_config(str(path), launch_command=None)
     state = StateTracker(loaded.config, loaded.raw)
     state.setting_sources = sources
     trainer = Trainer(state)

@@ -17,10 +17,10 @@ from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import performance as perf
+from simpletuner.training import runlog
 from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, PreemptionFlag
-from simpletuner.gh200.ramp import count_steps
+from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
 from simpletuner.gh200.wiring import configure_runtime
-from simpletuner.training.accumulation import AccumulationPolicy
 from simpletuner.training.launch import PhaseClock, check_launch_matches, reset_accelerate_state
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
 from simpletuner.training import offload
@@ -55,8 +55,13 @@ class TrainResult:
 class Trainer:
     """Builds every component from the run's StateTracker, then trains."""
 
-    def __init__(self, state: StateTracker):
+    def __init__(self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None):
+        """``hardware`` (a ``simpletuner.memory.hardware.HardwareInfo``) replaces the detected GPU for
+        MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak."""
         self.state = state
+        self.hardware = hardware
+        self.peak_tflops = peak_tflops
+        self.run_log = runlog.RunLog()  # training.log + metrics.jsonl (rank 0)
         self.config = state.config
         self.output_dir = Path(self.config.output_dir).expanduser()
         self.progress = Progress()
@@ -124,6 +129,7 @@ class Trainer:
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "config.json").write_bytes(orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2))
+        self.run_log.open(self.output_dir, acc.is_main_process)  # before the long work: the cache fill
         self.weight_dtype = perf.PRECISION_DTYPES[self.mixed_precision]
 
         clock.mark("accelerator")
@@ -184,6 +190,8 @@ class Trainer:
         for key in ("gradient_accumulation_steps", "enable_compile"):
             if key in sources:
                 logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
+        for line in self.state.startup_notes:
+            logger.info("%s", line)
 
     def _configure_gh200_runtime(self) -> AccumulationPolicy:
         """Apply ``cache_config`` / ``gh200_optimizations``: hint override, accumulation policy,
@@ -242,11 +250,13 @@ class Trainer:
         return per_sample
 
     def _peak_tflops(self) -> float | None:
-        if not torch.cuda.is_available():
-            return None
-        from simpletuner.memory.hardware import detect_hardware
+        """The peak MFU is measured against (--peak-tflops, else the GPU table's); None leaves MFU out."""
+        hardware = self.hardware
+        if hardware is None and self.peak_tflops is None and torch.cuda.is_available():
+            from simpletuner.memory.hardware import detect_hardware
 
-        return detect_hardware().peak_tflops(self.mixed_precision)
+            hardware = detect_hardware()
+        return perf.peak_tflops_for_run(hardware, self.mixed_precision, self.config.enable_tf32, self.peak_tflops)
 
     def _total_steps(self) -> int:
         cfg = self.config
@@ -421,7 +431,16 @@ class Trainer:
             )
 
     def train(self) -> TrainResult:
-        """Run to ``max_train_steps`` (or the epochs) and save the final weights."""
+        """Run to ``max_train_steps`` (or the epochs) and save the final weights.
+
+        On rank 0 the log lines also go to ``output_dir/training.log`` and each logging window to
+        ``output_dir/metrics.jsonl`` (both appended to across resumes); the lines logged before
+        setup knows the output folder are held until it does.
+        """
+        with self.run_log:
+            return self._train()
+
+    def _train(self) -> TrainResult:
         self.setup()
         cfg, acc = self.config, self.accelerator
         if self.progress.global_step == 0 and cfg.validation_prompt:
@@ -477,6 +496,7 @@ class Trainer:
                 self.last_logs = logs
                 bar.set_postfix(perf.progress_postfix(logs))
                 acc.log(logs, step=step)
+                self.run_log.write_metrics(step, logs)
                 logger.info("step %d/%d %s", step, self.total_steps, perf.log_line(logs))
                 pending = []
             if cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0:

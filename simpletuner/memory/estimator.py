@@ -28,13 +28,15 @@ attention matrix.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
+
+from simpletuner.memory.autocast import autocast_forward
 
 from simpletuner.training.performance import PRECISION_DTYPES
 
@@ -247,36 +249,6 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
 
 
 # --- the fake step ---------------------------------------------------------------------------
-@contextmanager
-def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> Iterator[nn.Module]:
-    """``model`` itself with its forward run under autocast and fp16/bf16 outputs cast to fp32,
-    for the duration of the block: what ``Accelerator.prepare`` does for mixed precision.
-
-    Like Accelerate, this replaces ``forward`` on the instance rather than wrapping the module,
-    so the model specs see the model they would see in training (its ``config``, ``dtype``,
-    submodules): a wrapper module hides them. The class's own forward is restored on exit.
-    """
-    from accelerate.utils import convert_to_fp32
-
-    had_own_forward = "forward" in vars(model)
-    own_forward = vars(model).get("forward")
-    inner = model.forward
-
-    def forward(*args, **kwargs):
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            out = inner(*args, **kwargs)
-        return convert_to_fp32(out)  # the loss around the model runs outside autocast, in fp32
-
-    model.forward = forward
-    try:
-        yield model
-    finally:
-        if had_own_forward:
-            model.forward = own_forward
-        else:
-            del model.forward
-
-
 def run_fake_step(config: "TrainingConfig", batch_size: int, model: nn.Module, make_mode: Callable[[nn.Module, list], Any]):
     """Turn the meta ``model`` fake and run one step (loss + backward) on a fake batch inside
     the dispatch mode ``make_mode(model, inputs)`` returns; returns that mode."""

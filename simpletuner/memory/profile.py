@@ -108,6 +108,7 @@ def profile_training(config_path: str, overrides: list[str], breakdown: MemoryBr
     with tempfile.TemporaryDirectory(prefix="simpletuner-profile-") as out:
         loaded = load_config(config_path, [*overrides, *profile_overrides(out, steps)])
         trainer = Trainer(StateTracker(loaded.config, loaded.raw))
+        run_log = trainer.run_log  # setup() opens training.log in the temporary folder: close it with the folder
         try:
             trainer.setup()
             free_memory()
@@ -126,6 +127,8 @@ def profile_training(config_path: str, overrides: list[str], breakdown: MemoryBr
                 f"the profiled steps ran out of GPU memory (allocator peak {peak / GiB:.2f} GiB; estimated "
                 f"{breakdown.total / GiB:.2f} GiB in all): this config does not fit this GPU as it is"
             ) from None
+        finally:
+            run_log.close()
         allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         free, total = torch.cuda.mem_get_info()
         outside = (total - free) - torch.cuda.memory_reserved()  # other processes on the GPU would count here too

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -77,10 +76,7 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
                 if key not in raw and key in merged:
                     sources[key] = f"from preset {preset}; neither the config nor the launch sets it"
             raw = merged
-    alloc = check_alloc_conf(environ.get(ALLOC_CONF_VAR))
-    problems += alloc.errors()
-    for warning in alloc.warnings():
-        logging.getLogger("simpletuner.train").warning(warning)
+    problems += check_alloc_conf(environ.get(ALLOC_CONF_VAR)).errors()  # its warnings: Trainer._log_settings_in_force
     try:
         config = validate_config(raw, base_dir=path.parent, source=str(path))
     except ConfigError as exc:

@@ -175,3 +175,15 @@ def test_seed_launch_line_with_a_conflicting_json_stops_before_loading(make_conf
     assert proc.returncode != 0
     assert "mixed_precision: " in proc.stderr and "says 'no'" in proc.stderr and "says 'bf16'" in proc.stderr
     assert "vae cache" not in proc.stderr  # nothing was encoded or loaded
+
+
+def test_unknown_allocator_keys_are_warned_in_the_run_log(make_config, tmp_path, monkeypatch):
+    """A key stock PyTorch may not know is a warning (not an error), and it reaches training.log."""
+    from simpletuner.train import main as train_main
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,made_up_key:3")
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(make_config(max_train_steps=1)))
+    assert train_main(["--config", str(path)]) == 0
+    log = (tmp_path / "output" / "training.log").read_text()
+    assert "WARNING" in log and "`made_up_key`" in log

@@ -12,6 +12,7 @@ import orjson
 import torch
 from tqdm.auto import tqdm
 
+from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
 from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
@@ -192,6 +193,8 @@ class Trainer:
                 logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
         for line in self.state.startup_notes:
             logger.info("%s", line)
+        for warning in check_alloc_conf(os.environ.get(ALLOC_CONF_VAR)).warnings():  # its errors stopped the run earlier
+            logger.warning(warning)
 
     def _configure_gh200_runtime(self) -> AccumulationPolicy:
         """Apply ``cache_config`` / ``gh200_optimizations``: hint override, accumulation policy,

@@ -241,3 +241,25 @@ def test_unknown_alloc_conf_keys_warn_and_the_estimate_goes_on(cfg_file, capsys,
     out, err = capsys.readouterr()
     assert "train_batch_size: config 2, preset 4" in out
     assert "warning: PYTORCH_CUDA_ALLOC_CONF sets `fancy_new_knob`" in err and "error" not in err
+
+
+def test_estimate_uses_the_precision_train_would_use_and_says_where_it_came_from(tmp_path, make_config, capsys,
+                                                                                  monkeypatch, no_gpu):
+    raw = make_config(train_batch_size=2)
+    raw.pop("mixed_precision", None)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(raw))
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert main(["estimate", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "precision: no (fp32): the config leaves mixed_precision to the launch" in out
+    assert "--set mixed_precision=bf16" in out and "mixed precision no:" in out
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert main(["estimate", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "precision: bf16 (from the environment variable ACCELERATE_MIXED_PRECISION=bf16" in out
+    assert "mixed precision bf16:" in out
+
+    assert main(["estimate", "--config", str(path), "--set", "mixed_precision=no"]) == 2
+    assert "says 'no' but the environment variable ACCELERATE_MIXED_PRECISION=bf16 says 'bf16'" in capsys.readouterr().err

@@ -228,6 +228,26 @@ def _plan_lines(plan, config) -> list[str]:
     return lines
 
 
+def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """The precision a training run of this config would use, as ``train`` decides it without a
+    launcher (the config, else ACCELERATE_MIXED_PRECISION), a line saying so, and the ``--set``
+    items that bring the environment's launcher settings in. A launch line is not known here, so
+    a config that leaves the precision to it is estimated as fp32, and the line says how to ask."""
+    import os
+
+    from simpletuner.configuration.launcher import resolve_launcher_settings
+    from simpletuner.configuration.loader import read_raw_config
+
+    raw = read_raw_config(config_path, overrides)
+    launch = resolve_launcher_settings(raw, os.environ, None, config_source=str(config_path))
+    setting = launch.settings.get("mixed_precision")
+    if setting is not None:
+        return f"precision: {setting.value} ({setting.source})", launch.overrides
+    return ("precision: no (fp32): the config leaves mixed_precision to the launch, and estimate cannot see a "
+            "launch line; a launch asking for bf16 (`accelerate launch --mixed_precision bf16`, or the GH200 "
+            "Accelerate config) trains in bf16: estimate that with --set mixed_precision=bf16"), launch.overrides
+
+
 def _estimate(args) -> int:
     from simpletuner.configuration import load_config
     from simpletuner.memory.apply import apply_updates, describe_changes
@@ -260,9 +280,11 @@ def _estimate(args) -> int:
         from simpletuner.memory.apply import check_writable
 
         check_writable(Path(args.config))  # before minutes of estimating, not after
-    loaded = load_config(args.config, args.overrides, check_files=False)
+    precision_line, launch_overrides = _precision_in_force(args.config, args.overrides)
+    loaded = load_config(args.config, [*args.overrides, *launch_overrides], check_files=False)
     config = loaded.config
     machine = resolve_machine(args.gpu, args.gpu_memory)
+    machine.lines.append(precision_line)
     if auto and machine.usable_bytes is None:
         raise ValueError("auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
                          "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB")

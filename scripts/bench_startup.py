@@ -27,7 +27,12 @@ import time, json, sys
 t0 = time.perf_counter()
 import torch, orjson
 t_torch = time.perf_counter()
-# The libraries the run needs, imported up front so "model" measures loading, not importing.
+# The libraries the run needs, imported up front so "model" measures loading, not importing; in the
+# order a run imports them: simpletuner.models first (it keeps unused torchao out, see library_probes).
+try:
+    import simpletuner.models.library_probes
+except ImportError:  # a tree from before library_probes
+    pass
 import accelerate, peft, transformers
 from diffusers import AutoencoderKL, UNet2DConditionModel, DDPMScheduler
 t_libs = time.perf_counter()
@@ -45,7 +50,8 @@ t_step = time.perf_counter()
 print("BENCH" + json.dumps({"imports_torch": t_torch - t0, "imports_libs": t_libs - t_torch,
                             "imports_simpletuner": t_imports - t_libs,
                             **trainer.startup_seconds, "first_step": t_step - t_setup,
-                            "beyond_imports": t_step - t_imports}))
+                            "imports_total": t_imports - t0, "beyond_imports": t_step - t_imports,
+                            "torchao_imported": float("torchao" in sys.modules)}))
 """
 
 

@@ -99,7 +99,7 @@ def config_file(name: str) -> Path:
     if not known:
         raise FileNotFoundError(
             f"simpletuner's config files are missing: no {root} (installed wheel) and no config/ folder beside the "
-            f"package (source checkout). Reinstall simpletuner (pip install --force-reinstall simpletuner)."
+            f"package (source checkout). Reinstall simpletuner from its checkout (pip install --force-reinstall .) or the wheel you installed."
         )
     hint = f" (did you mean {' or '.join(matches)}?)" if matches else ""
     raise FileNotFoundError(

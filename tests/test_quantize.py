@@ -170,5 +170,5 @@ def test_dora_on_a_quanto_base_is_refused(make_config):
 def test_a_missing_library_names_its_extra(make_config, monkeypatch, precision, modules, extra):
     for name in modules:  # importing them now fails, as where the extra is not installed
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(ValueError, match=rf"{precision}.*pip install 'simpletuner\[{extra}\]'"):
+    with pytest.raises(ValueError, match=rf'{precision}.*pip install -e "\.\[{extra}\]" in the simpletuner checkout'):
         _prepared(make_config, precision)

@@ -126,7 +126,8 @@ def test_trainer_logs_throughput_flops_and_a_repeatable_eval_loss(make_config, c
     assert len(trainer.eval_batches) == 2
     assert trainer.eval_loss() == trainer.eval_loss()  # fixed batches, noise and timesteps
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert len(lines) == 2 and all("data wait" in line and "TFLOPS" in line for line in lines)
+    # On CPU the tiny model's TFLOPS would read "0.00": left out of the line (kept in last_logs / metrics.jsonl).
+    assert len(lines) == 2 and all("data wait" in line and "TFLOPS" not in line for line in lines)
     assert "eval_loss" in lines[-1]
     assert sum("FLOPs per sample" in r.getMessage() for r in caplog.records) == 1
 

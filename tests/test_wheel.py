@@ -56,7 +56,7 @@ def installed(tmp_path_factory):
     dist = base / "dist"
     _checked([sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "--no-index", "-w", dist],
              env=env, cwd=base)
-    (wheel,) = dist.glob("simpletuner-*.whl")
+    (wheel,) = dist.glob("simpletuner_gh200-*.whl")  # the distribution name (pyproject.toml)
 
     venv = base / "venv"
     _checked([sys.executable, "-m", "venv", "--without-pip", venv], env=env, cwd=base)
@@ -99,6 +99,8 @@ def test_commands_work_outside_the_checkout(installed):
     _, python, purelib, env, cwd = installed
     bundled = (purelib / BUNDLED).resolve()
 
+    out = _checked(["simpletuner", "--version"], env=env, cwd=cwd).stdout
+    assert out.strip() == "simpletuner-gh200 0.1.0"  # the installed distribution's metadata
     out = _checked(["simpletuner", "--help"], env=env, cwd=cwd).stdout
     assert "diagnose" in out and "config-path" in out
 

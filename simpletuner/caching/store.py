@@ -53,6 +53,7 @@ from simpletuner.caching.integrity import (
     tensor_checksum,
 )
 from simpletuner.caching.shard_checks import QUARANTINE_SUFFIX, ShardChecks
+from simpletuner.file_modes import ordinary_permissions
 
 logger = logging.getLogger(__name__)
 
@@ -361,6 +362,7 @@ class ShardedTensorStore(ShardChecks):
         is_done = False
         try:
             save_file(flat, str(temp_path), metadata=metadata)
+            ordinary_permissions(temp_path)  # safetensors writes 0600
             fd = os.open(temp_path, os.O_RDONLY)
             try:
                 os.fsync(fd)

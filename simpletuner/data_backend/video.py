@@ -3,7 +3,7 @@ decoding the frames a sample trains on.
 
 A video dataset holds clips of three kinds, anywhere under its root:
 
-- video files ``.mp4 .webm .mov .mkv``, read with PyAV (``pip install 'simpletuner[video]'``);
+- video files ``.mp4 .webm .mov .mkv``, read with PyAV (``pip install -e ".[video]"`` in the checkout);
 - animated ``.gif`` and animated ``.webp``, read with Pillow;
 - frame folders: a sub-folder of still ``.jpg/.jpeg/.png/.webp`` frames, ordered by the numbers in
   their names (``f2.png`` before ``f10.png``); one folder is one clip, its caption file is
@@ -93,7 +93,7 @@ def require_av() -> Any:
         import av
     except ImportError:
         raise ImportError(
-            "reading .mp4/.webm/.mov/.mkv clips needs PyAV: pip install 'simpletuner[video]' (or `pip install av`). "
+            "reading .mp4/.webm/.mov/.mkv clips needs PyAV: `pip install -e \".[video]\"` in the simpletuner checkout (or `pip install av`). "
             "Animated .gif/.webp and frame folders need nothing extra"
         ) from None
     return av

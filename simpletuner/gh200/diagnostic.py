@@ -4,8 +4,10 @@ unified-memory training, and what is missing.
 Every CUDA fact comes from :func:`simpletuner.gh200.runtime.get_runtime`, so the whole report
 (and the oversubscription test) runs on CPU against a fake runtime. The helpers return plain
 dicts; :func:`main` prints them as a readable report or, with ``--json``, as one JSON object.
-Exit codes: 0 report written (also without a GPU), 1 the oversubscription test failed,
-2 the oversubscription test was refused (discrete GPU, or more than the machine holds).
+Exit codes: 0 report written and no verdict failed (verdicts that do not apply here, such as the
+GPU ones on a machine without an NVIDIA GPU, do not fail), 1 the oversubscription test failed,
+2 the oversubscription test was refused (discrete GPU, or more than the machine holds) or a flag
+was wrong, 3 the report was written and at least one verdict failed (its ``[--]`` line names the fix).
 """
 
 from __future__ import annotations
@@ -86,7 +88,21 @@ def collect_host(meminfo_path: str | None = None) -> dict:
             memory = parse_meminfo(f.read())
     except OSError:
         memory = parse_meminfo("")
-    return {"cpu_count": os.cpu_count(), "cpu_affinity": usable, **memory}
+    return {"cpu_count": os.cpu_count(), "cpu_affinity": usable, **memory, "nvidia_gpu_present": nvidia_gpu_present()}
+
+
+def nvidia_gpu_present(proc_gpus: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> bool:
+    """Whether the host has an NVIDIA GPU at all (its driver lists one, or a /dev/nvidiaN node exists),
+    whatever PyTorch sees: without one the GPU verdicts do not apply; with one they must pass."""
+    try:
+        if any(os.scandir(proc_gpus)):
+            return True
+    except OSError:
+        pass
+    try:
+        return any(e.name.startswith("nvidia") and e.name[6:].isdigit() for e in os.scandir(dev))
+    except OSError:
+        return False
 
 
 def alloc_conf_problems(value: str | None) -> list[str]:
@@ -138,29 +154,36 @@ def collect_pool(runtime) -> dict:
 
 
 def verdicts(summary: dict) -> list[dict]:
-    """One line per capability: ready or not, and the fix where it is not."""
+    """One line per capability: ready or not, the fix where it is not, and a ``status``: ``ok``,
+    ``failed`` (exit code 3), ``not applicable`` (not ready, but this machine has no NVIDIA GPU, or
+    the GPU is discrete and unified memory does not exist there: nothing to fix, not a failure) or
+    ``advice`` (hint environment variables unset or off: a config can still turn hints on)."""
     device, pool, env = summary["device"], summary["managed_pool"], summary["environment"]
+    has_gpu = summary["host"].get("nvidia_gpu_present", True)
     out = []
 
-    def add(ready: bool, what: str, fix: str | None = None) -> None:
-        out.append({"ready": ready, "what": what, "fix": None if ready else fix})
+    def add(ready: bool, what: str, fix: str | None = None, applies: bool | str = True) -> None:
+        status = "ok" if ready else ("failed" if applies is True else applies or "not applicable")
+        out.append({"ready": ready, "what": what, "fix": None if ready else fix, "status": status})
 
     device_fix = TORCH_CUDA_FIX if summary["versions"].get("cuda_build") is None else DEVICE_FIX
     if device is None:
         reasons = "; ".join(m["what"] for m in summary["versions"]["missing"] if "cuda-bindings" not in m["what"])
-        add(False, f"CUDA device: {reasons or 'none'}", device_fix)
+        add(False, f"CUDA device: {reasons or 'none'}", device_fix, applies=has_gpu)
     else:
         add(True, f"CUDA device: {device['name']} (sm_{device['compute_capability'][0]}{device['compute_capability'][1]})")
     if "cuda-bindings" in pool["status"]:
         pool_fix = INSTALL_HINT
     else:
         pool_fix = device_fix if device is None else "use a GPU that supports managed memory"
-    add(pool["status"] == "available", f"managed memory pool: {pool['status']}", pool_fix)
+    add(pool["status"] == "available", f"managed memory pool: {pool['status']}", pool_fix,
+        applies=device is not None or has_gpu)
     if device is not None:
         add(
             device["unified"],
             f"unified memory: {device['kind']}",
             "nothing to fix: on a discrete GPU unified-memory hints stay off and oversubscription is refused",
+            applies=False,
         )
         if device["unified"]:
             hints = env["uvm_hints"]
@@ -171,6 +194,7 @@ def verdicts(summary: dict) -> list[dict]:
                     hints["requested"] is True,
                     f"{hints['source'] or f'{ENV_VAR}=unset'} (placement hints for managed tensors)",
                     f"{ENV_FIX} (or set gh200_optimizations.enable_uvm_hints in the config)",
+                    applies="advice",  # a unified_memory cache or enable_uvm_hints turns them on per run
                 )
     bad = env["unsupported_alloc_conf_keys"]
     if bad:
@@ -320,7 +344,8 @@ def format_report(summary: dict) -> str:
             lines.append(f"{over['status']}: {over['reason']}")
     lines.append("== verdict ==")
     for item in summary["verdicts"]:
-        lines.append(f"[{'ok' if item['ready'] else '--'}] {item['what']}" + ("" if item["ready"] else f" -> {item['fix']}"))
+        mark = {"ok": "ok", "failed": "--", "advice": "tip"}.get(item.get("status"), "n/a")
+        lines.append(f"[{mark}] {item['what']}" + ("" if item["ready"] else f" -> {item['fix']}"))
     return "\n".join(lines)
 
 
@@ -373,4 +398,6 @@ def main(argv: list[str] | None = None, prog: str = "gh200_diagnostic.py") -> in
     if over is not None:
         summary["oversubscription"] = over
     print(json.dumps(summary, indent=2) if args.json else format_report(summary))
+    if code == 0 and any(item["status"] == "failed" for item in summary["verdicts"]):
+        code = 3  # scripts can tell "this machine is not ready" from "report written"
     return code

@@ -29,7 +29,7 @@ Location = Literal["cpu"] | int
 #: The advice kinds we use (cudaMemAdviseSet*).
 Advice = Literal["preferred_location", "accessed_by", "read_mostly"]
 
-INSTALL_HINT = "pip install 'simpletuner[gh200]'"
+INSTALL_HINT = "pip install -e \".[gh200]\" in the simpletuner checkout (or pip install cuda-bindings)"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ text embeddings and masks: GPU memory, which is fast and they are small and reus
 
 Every function here returns its input unchanged, and does nothing, when hints are off, when
 there is no CUDA or no managed-memory support, or when the tensor is not in managed memory
-(advice is only legal on managed pointers). Why hints are off is said once, at INFO.
+(advice is only legal on managed pointers). Why hints are off is said once, at INFO (at DEBUG
+when nothing asked for them).
 
 Whether hints are on: :func:`set_uvm_hint_override` (from the config) beats the environment
 variable ``SIMPLETUNER_GH200_UVM_HINTS`` (1/0; ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``, the name
@@ -152,9 +153,9 @@ def gh200_uvm_enabled() -> bool:
 
 
 def _decide() -> bool:
-    wanted, _, why = _requested()
-    if not wanted:
-        _say_once(logging.INFO, "GH200 unified-memory hints are off: %s", why)
+    wanted, explicit, why = _requested()
+    if not wanted:  # off by default (an ordinary run): DEBUG; turned off by a setting: INFO
+        _say_once(logging.INFO if explicit else logging.DEBUG, "GH200 unified-memory hints are off: %s", why)
         return False
     reason = get_runtime().unavailable_reason()
     if reason is not None:

@@ -2,7 +2,9 @@
 
 Called by ``Trainer._configure_gh200_runtime()``: applies the unified-memory hint override,
 builds the accumulation policy (the ramp or a fixed window) and records what was decided in
-the StateTracker and, on the main process, in ``<output_dir>/gh200_runtime.json``.
+the StateTracker and, on the main process of a run that configures the GH200 layer
+(:func:`gh200_layer_requests`), in ``<output_dir>/gh200_runtime.json``. An ordinary run writes
+no file and logs one DEBUG line ("GH200 unified-memory hints are off: off by default").
 """
 
 from __future__ import annotations
@@ -47,6 +49,32 @@ def uvm_hint_decision(config, environ: Mapping[str, str] | None = None) -> tuple
     if unified:
         return True, f"cache_config.{' and '.join(unified)} = unified_memory"
     return None, "nothing asks for them"
+
+
+def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The settings that configure the GH200 layer in this run; empty: an ordinary run.
+
+    The layer is configured by any of: a cache of type ``memory`` or ``unified_memory``
+    (``cache_config.vae_cache_type`` / ``text_cache_type``), a dataset of ``type: in_memory``,
+    ``gh200_optimizations.enable_uvm_hints`` set (true or false), the ramp
+    (``gh200_optimizations.enable_batch_size_rampup``), or a hint environment variable
+    (``SIMPLETUNER_GH200_UVM_HINTS`` / ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``) set to anything.
+    Only then are the decisions written to ``<output_dir>/gh200_runtime.json``.
+    """
+    from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR
+
+    environ = os.environ if environ is None else environ
+    cache, opts = config.cache_config, config.gh200_optimizations
+    found = [f"cache_config.{name}_cache_type={getattr(cache, f'{name}_cache_type')}" for name in ("vae", "text")
+             if getattr(cache, f"{name}_cache_type") in ("memory", "unified_memory")]
+    found += [f"datasets[{i}].type=in_memory" for i, dataset in enumerate(config.datasets or [])
+              if getattr(dataset, "type", None) == "in_memory"]
+    if opts.enable_uvm_hints is not None:
+        found.append(f"gh200_optimizations.enable_uvm_hints={str(opts.enable_uvm_hints).lower()}")
+    if opts.enable_batch_size_rampup:
+        found.append("gh200_optimizations.enable_batch_size_rampup=true")
+    found += [name for name in (ENV_VAR, ENV_ALIAS) if environ.get(name, "").strip()]
+    return found
 
 
 def build_accumulation(config, num_processes: int) -> AccumulationPolicy:
@@ -96,6 +124,9 @@ def configure_runtime(state: StateTracker, num_processes: int, is_main_process: 
         "num_processes": num_processes,
     }
     state.set_gh200_runtime_config(decided)
+    requests = gh200_layer_requests(config, os.environ)
+    if not requests:  # an ordinary run: uvm's one DEBUG line ("hints are off: off by default") says it all
+        return policy
     if is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUNTIME_FILE).write_bytes(orjson.dumps(decided, option=orjson.OPT_INDENT_2, default=str))

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from simpletuner.models.flux import FluxSpec
+from simpletuner.models.library_probes import quiet_model_libraries
+
+quiet_model_libraries()  # before any model library loads: no torchao unless a config quantises with it
+
+from simpletuner.models.flux import FluxSpec  # noqa: E402
 from simpletuner.models.sd import StableDiffusionSpec
 from simpletuner.models.sd3 import StableDiffusion3Spec
 from simpletuner.models.sdxl import StableDiffusionXLSpec

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models import noise as noise_lib
 
 from simpletuner.models.spec import ModelSpec
@@ -182,11 +183,14 @@ class StableDiffusionSpec(ModelSpec):
             unet_lora_adapter_metadata=denoiser.peft_config["default"].to_dict(),
             safe_serialization=True,
         )
-        return Path(output_dir) / "pytorch_lora_weights.safetensors"
+        path = Path(output_dir) / "pytorch_lora_weights.safetensors"
+        ordinary_permissions(path)  # safetensors (under diffusers) writes 0600
+        return path
 
     def save_full(self, output_dir, denoiser):
         target = Path(output_dir) / self.denoiser_name
         denoiser.save_pretrained(target, safe_serialization=True)
+        ordinary_permissions(target)
         return target
 
     def build_pipeline(self, denoiser, vae, text_encoders):

@@ -335,4 +335,7 @@ def save_transformer_lora(pipeline_cls, output_dir, denoiser, weight_name: str =
         weight_name=weight_name,
         safe_serialization=True,
     )
+    from simpletuner.file_modes import ordinary_permissions
+
+    ordinary_permissions(Path(output_dir) / weight_name)  # safetensors (under diffusers) writes 0600
     return Path(output_dir) / weight_name

@@ -295,6 +295,9 @@ class Wan22Spec(WanSpec):
         """Both experts as ``transformer`` / ``transformer_2`` folders of a Wan 2.2 pipeline."""
         for stage, name in EXPERTS.items():
             denoiser.expert(stage).save_pretrained(Path(output_dir) / name, safe_serialization=True)
+        from simpletuner.file_modes import ordinary_permissions
+
+        ordinary_permissions(*(Path(output_dir) / name for name in EXPERTS.values()))
         return Path(output_dir)
 
     def build_pipeline(self, denoiser, vae, text_encoders):

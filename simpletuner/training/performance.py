@@ -210,10 +210,14 @@ def progress_postfix(logs: dict) -> dict[str, str]:
 
 
 def log_line(logs: dict) -> str:
-    """The log line of a logging window's figures (those present)."""
+    """The log line of a logging window's figures (those present).
+
+    TFLOPS are shown for GPU runs only (the window has MFU or CUDA peak memory): on CPU they read
+    "0.00 TFLOPS" and mean nothing; ``metrics.jsonl`` keeps the figure either way.
+    """
     parts = [f"loss {logs['loss']:.4f}", f"lr {logs['lr']:.2e}", f"{logs['samples_per_s']:.1f} samples/s",
              f"step {logs['step_time_s']:.3f}s", f"data wait {logs['data_wait_share']:.0%}"]
-    if "tflops" in logs:
+    if "tflops" in logs and ("mfu" in logs or "peak_memory_gib" in logs):
         parts.append(f"{logs['tflops']:.2f} TFLOPS")
     if "mfu" in logs:
         parts.append(f"MFU {logs['mfu']:.1%}")

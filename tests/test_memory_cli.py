@@ -91,7 +91,9 @@ def test_apply_writes_backup_and_diff_and_keeps_everything_else(cfg_file, capsys
     capsys.readouterr()
     assert backup.read_text() == original, "an existing backup is never overwritten"
     assert cfg_file.with_name("cfg.json.backup.1").read_text() == new
-    assert json.loads(cfg_file.read_text())["train_batch_size"] == 8
+    # 12 images in 3 buckets: the largest holds 4, so 8 splits as 4 x 2 (train refuses a micro-batch of 8)
+    assert {k: json.loads(cfg_file.read_text())[k] for k in ("train_batch_size", "gradient_accumulation_steps")} == {
+        "train_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
 def test_apply_refuses_a_read_only_file(cfg_file, capsys):

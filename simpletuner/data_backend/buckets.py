@@ -71,6 +71,19 @@ def _landscape_bucket(aspect: float, resolution: int, alignment: int) -> tuple[i
     return bucket_w, bucket_h
 
 
+#: Images scaled up by more than this (linear factor) to cover their bucket stop the run when they
+#: are more than ``max_bad_image_fraction`` of a dataset (fewer: a warning), unless the dataset says
+#: what to do with them (``allow_upscale``, ``minimum_image_size``): a 96 px image trained at
+#: 4096 px teaches the model blur, and costs the memory of a 4096 px latent.
+MAX_UPSCALE_FACTOR = 2.0
+
+
+def upscale_factor(width: int, height: int, bucket: tuple[int, int]) -> float:
+    """How much an image of ``width`` x ``height`` is scaled to cover ``bucket`` (resize then crop):
+    above 1 it is upscaled, at or below 1 it is only downscaled and cropped."""
+    return max(bucket[0] / width, bucket[1] / height)
+
+
 def bucket_name(bucket: tuple[int, int]) -> str:
     """``(768, 512)`` -> ``"768x512"`` for logs and messages."""
     return f"{bucket[0]}x{bucket[1]}"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from tqdm.auto import tqdm
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
-from simpletuner.data_backend.buckets import bucket_for
+from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_for, bucket_name, upscale_factor
 from simpletuner.data_backend.images import image_size_of
 from simpletuner.data_backend.video import CLIP_KINDS, FRAME_FOLDER, VIDEO_FILE, Clip, find_clips, frame_indices
 from simpletuner.data_backend.video import frames_needed, probe_clip, require_av, stray_images_error, too_short_error
@@ -78,6 +78,9 @@ class DatasetMetadata:
     caption_sources: dict[str, int] = field(default_factory=dict)
     num_files: int = 0  # image files (or clips) found, readable or not
     noun: str = "image files"  # what the dataset holds, in messages ("clips" for video)
+    #: Readable images left out by the dataset's size rules, by rule (``minimum_image_size``,
+    #: ``allow_upscale``); not bad files (they do not count towards ``max_bad_image_fraction``).
+    num_skipped_small: dict[str, int] = field(default_factory=dict)
 
     def drop_unreadable(self, dataset_id: str, root: str, failures: dict[str, str], limit: float) -> None:
         """Remove samples whose image failed to decode after the header scan (e.g. a cut-off
@@ -276,6 +279,7 @@ def build_metadata(
     sources: Counter[str] = Counter()
     unique: list[Sample] = []
     too_short: list[tuple[str, int]] = []
+    sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction)
     for path, clip in tqdm(entries, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None):
         shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
         if not _is_utf8_name(path):
@@ -292,6 +296,9 @@ def build_metadata(
             continue
         if clip is not None and num_source < needed:
             too_short.append((shown, num_source))
+            continue
+        bucket = bucket_for(width, height, resolution, alignment)
+        if not sizes.keep(shown, width, height, bucket):
             continue
         problem = _caption_problem(backend, path, dataset_cfg, unreadable, is_folder)
         if problem is None:
@@ -312,7 +319,7 @@ def build_metadata(
                 path=path,
                 caption=caption,
                 original_size=(width, height),
-                bucket=bucket_for(width, height, resolution, alignment),
+                bucket=bucket,
                 crop_style=dataset_cfg.crop_style,
                 crop_seed=crop_seed_for(seed, key),
                 **(_clip_fields(clip, dataset_cfg) if clip else {}),
@@ -323,6 +330,8 @@ def build_metadata(
         raise too_short_error(backend.id, root, too_short, result.num_files, dataset_cfg.num_frames,
                               dataset_cfg.frame_stride)
     _check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction, noun)
+    sizes.report(backend.id, root, result.num_files, noun, has_kept=bool(unique))
+    result.num_skipped_small = sizes.num_skipped
     if not unique:
         raise ValueError(
             f"dataset {backend.id!r}: none of the {result.num_files} {noun} under {root} could be read:\n"
@@ -342,6 +351,79 @@ def build_metadata(
     result.samples = unique * (1 + repeats)
     result.caption_sources = dict(sources)
     return result
+
+
+class _SizeRules:
+    """The dataset's size rules, applied to each image as it is scanned (before any caching).
+
+    ``minimum_image_size`` (pixels of the shorter side) skips smaller images; ``allow_upscale:
+    false`` skips images smaller than their bucket (any upscale); unset, images needing more
+    than :data:`MAX_UPSCALE_FACTOR` to cover their bucket stop the run (:meth:`report`), naming
+    how many and by how much, when they are more than ``max_bad_image_fraction`` of the dataset
+    (a wrong ``resolution``, not a few odd files: those are named in a warning); ``true`` trains
+    on them upscaled, with a warning. Skips are counted and reported in one warning per rule.
+    """
+
+    def __init__(self, dataset_cfg: Any, resolution: int, tolerance: float):
+        self.tolerance = tolerance
+        self.minimum = getattr(dataset_cfg, "minimum_image_size", None)
+        self.allow_upscale = getattr(dataset_cfg, "allow_upscale", None)
+        self.resolution = resolution
+        self.skipped: dict[str, list[tuple[str, int, int]]] = {"minimum_image_size": [], "allow_upscale": []}
+        self.far: list[tuple[float, str, int, int, tuple[int, int]]] = []  # (factor, path, w, h, bucket)
+
+    def keep(self, path: str, width: int, height: int, bucket: tuple[int, int]) -> bool:
+        if self.minimum is not None and min(width, height) < self.minimum:
+            self.skipped["minimum_image_size"].append((path, width, height))
+            return False
+        factor = upscale_factor(width, height, bucket)
+        if self.allow_upscale is False and factor > 1:
+            self.skipped["allow_upscale"].append((path, width, height))
+            return False
+        if factor > MAX_UPSCALE_FACTOR:
+            self.far.append((factor, path, width, height, bucket))
+        return True
+
+    @property
+    def num_skipped(self) -> dict[str, int]:
+        return {rule: len(found) for rule, found in self.skipped.items() if found}
+
+    def report(self, dataset_id: str, root: str, total: int, noun: str, has_kept: bool) -> None:
+        """Warn about skipped images; stop on far upscales (``allow_upscale`` unset) or when the
+        rules left nothing to train on."""
+        shown = {"minimum_image_size": f"with a shorter side below minimum_image_size {self.minimum} px",
+                 "allow_upscale": "smaller than their bucket (allow_upscale: false)"}
+        lines = []
+        for rule, found in self.skipped.items():
+            if found:
+                examples = ", ".join(f"{p} ({w}x{h})" for p, w, h in found[:3])
+                lines.append(f"{len(found)} of {total} {noun} {shown[rule]}, e.g. {examples}")
+        if lines and not has_kept:
+            raise ValueError(f"dataset {dataset_id!r}: every image under {root} was skipped by its size rules: "
+                             + "; ".join(lines) + ". Lower `minimum_image_size`, set `allow_upscale` to true "
+                             "(or leave it unset), or lower `resolution`")
+        for line in lines:
+            logger.warning("dataset %r: skipped %s", dataset_id, line)
+        if not self.far:
+            return
+        self.far.sort(reverse=True)
+        factor, path, width, height, bucket = self.far[0]
+        median_side = sorted(min(w, h) for _, _, w, h, _ in self.far)[len(self.far) // 2]
+        what = (f"{len(self.far)} of {total} {noun} would be upscaled more than {MAX_UPSCALE_FACTOR:g}x to cover "
+                f"their buckets at resolution {self.resolution} (up to {factor:.1f}x: {path} is {width}x{height}, "
+                f"its bucket {bucket_name(bucket)}; their median shorter side is {median_side} px)")
+        if self.allow_upscale or len(self.far) <= self.tolerance * total:
+            why = ("allow_upscale: true" if self.allow_upscale else
+                   f"no more than max_bad_image_fraction {self.tolerance:g} of the dataset; set `allow_upscale` or "
+                   "`minimum_image_size` to decide")
+            logger.warning("dataset %r: %s; training on them upscaled (%s)", dataset_id, what, why)
+            return
+        raise ValueError(
+            f"dataset {dataset_id!r}: {what}, more than max_bad_image_fraction {self.tolerance:g} of the dataset, "
+            "which trains the model on blur. Lower `resolution` (to about "
+            f"{median_side}), set the dataset's `minimum_image_size` to skip small images, `allow_upscale: false` to "
+            "skip every image smaller than its bucket, or `allow_upscale: true` to train on them upscaled anyway"
+        )
 
 
 def _clip_fields(clip: Clip, dataset_cfg: Any) -> dict[str, Any]:

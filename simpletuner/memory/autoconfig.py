@@ -19,6 +19,12 @@ Besides the denoiser's own breakdown, the total counts what the run keeps on the
 (:func:`extra_bytes`): the VAE and text encoder when validation images are made, and DDP's
 gradient buckets with several processes. When nothing fits, :class:`DoesNotFit` names the
 dominant component and the switches that would help (:mod:`simpletuner.memory.advice`).
+
+The data caps the micro-batch too: ``train`` needs at least one aspect bucket of one dataset to
+hold ``micro-batch x processes`` samples (:class:`~simpletuner.data_backend.BucketSampler`), so
+the search only looks at micro-batches the largest bucket fills (:func:`scan_data_cap` reads the
+image headers of the config's datasets; when they are not on this machine the cap is unknown,
+and the plan says so).
 """
 
 from __future__ import annotations
@@ -74,10 +80,10 @@ def _module_bytes(model_root: Path, component: str, dtype) -> int | None:
 
 def validation_model_bytes(config: "TrainingConfig") -> int | None:
     """The VAE (fp32) and text encoder (autocast dtype) the trainer keeps on the GPU for validation
-    images; 0 without ``validation_prompt`` (they are released after caching), None when unknown."""
+    images; 0 without validation prompts (they are released after caching), None when unknown."""
     import torch
 
-    if not config.validation_prompt:
+    if not config.validation_prompt_list:
         return 0
     root = Path(config.pretrained_model_name_or_path).expanduser()
     dtype = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mixed_precision]
@@ -162,6 +168,66 @@ class EstimateCache:
         return list(self._done.values())
 
 
+# --- what the data allows --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataCap:
+    """The largest aspect bucket of the config's datasets, which caps the micro-batch.
+
+    ``largest``: samples (repeats included) in the fullest ``(dataset, bucket)`` group, the rule
+    :class:`~simpletuner.data_backend.BucketSampler` applies; ``where``: that group, in words.
+    ``largest`` is None when the datasets could not be scanned here; ``reason`` says why.
+    """
+
+    largest: int | None
+    where: str = ""
+    reason: str = ""
+    group_sizes: tuple[int, ...] = ()  # every (dataset, bucket) group's sample count
+
+    def micro_batch_limit(self, num_processes: int) -> int | None:
+        """The largest micro-batch per process the largest bucket fills; None when unknown."""
+        return None if self.largest is None else self.largest // num_processes
+
+    def describe(self) -> str:
+        if self.largest is None:
+            return f"unknown ({self.reason})"
+        return f"the largest bucket ({self.where}) holds {self.largest} samples"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"largest_bucket": self.largest, "where": self.where, "reason": self.reason or None}
+
+
+def scan_data_cap(config: "TrainingConfig") -> DataCap:
+    """Scan the config's datasets as ``train`` would (image headers only: sizes, captions, buckets;
+    nothing is decoded or staged) and return the largest bucket. The cap is unknown, with the
+    reason, when the config has no datasets or a dataset's folder is not on this machine or the
+    scan refuses it (``train`` would refuse it too)."""
+    from collections import Counter
+
+    from simpletuner.data_backend.buckets import bucket_name
+    from simpletuner.data_backend.local import LocalDataBackend
+    from simpletuner.data_backend.metadata import build_metadata
+
+    if not config.datasets:
+        return DataCap(None, reason="the config has no datasets here (data_backend_config not found?)")
+    groups: Counter[tuple[str, tuple[int, int]]] = Counter()
+    for dataset_cfg in config.datasets:
+        root = Path(dataset_cfg.instance_data_dir).expanduser()
+        if not root.is_dir():
+            return DataCap(None, reason=f"dataset {dataset_cfg.id!r}: {root} is not a folder on this machine")
+        try:
+            # Local reads for every type: an in_memory dataset's headers are the same files, unstaged.
+            metadata = build_metadata(LocalDataBackend(root, dataset_cfg.id), dataset_cfg, config, seed=config.seed)
+        except (ValueError, ImportError) as exc:
+            return DataCap(None, reason=f"the dataset scan failed, and train would stop on it too: {exc}")
+        groups.update((s.dataset_id, tuple(s.bucket)) for s in metadata.samples)
+    (dataset_id, bucket), largest = max(groups.items(), key=lambda kv: (kv[1], kv[0]))
+    return DataCap(largest, f"dataset {dataset_id!r}, {bucket_name(bucket)}", group_sizes=tuple(groups.values()))
+
+
+class DataTooSmall(ValueError):
+    """No micro-batch the target allows is filled by the largest bucket (on every process)."""
+
+
 # --- the search ----------------------------------------------------------------------------------
 def divisors(n: int) -> list[int]:
     """Sorted divisors of ``n`` (n >= 1)."""
@@ -244,6 +310,8 @@ class Plan:
     without_checkpointing: Estimate | None = None  # when checkpointing is chosen: the best plan without it
     ramp: RampTarget | None = None
     notes: list[str] = field(default_factory=list)
+    data: DataCap | None = None  # the largest bucket; None: not looked at (the caller passed none)
+    capped_by_data: list[int] = field(default_factory=list)  # micro-batches left out: the data cannot fill them
 
     @property
     def budget_bytes(self) -> int:
@@ -290,7 +358,18 @@ class Plan:
                                                     "windows": list(self.ramp_windows)},
             "config_updates": self.config_updates(),
             "notes": list(self.notes),
+            "data_cap": None if self.data is None else {**self.data.as_dict(),
+                                                        "micro_batch_limit": self.data.micro_batch_limit(self.num_processes),
+                                                        "left_out": list(self.capped_by_data),
+                                                        "limited": self.is_capped_by_data},
         }
+
+    @property
+    def is_capped_by_data(self) -> bool:
+        """Whether the data, not memory, stopped the micro-batch: larger candidates were left out
+        and the largest one the data fills was chosen."""
+        kept = [m for m in self.candidates if m not in self.capped_by_data]
+        return bool(self.capped_by_data) and self.micro_batch_size == kept[-1]
 
 
 def resolve_target(config: "TrainingConfig", target: int | None, num_processes: int) -> int:
@@ -317,11 +396,16 @@ def plan_batch(
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     num_processes: int = 1,
     estimates: EstimateCache | None = None,
+    data: DataCap | None = None,
 ) -> Plan:
     """The largest micro-batch (and its accumulation) that trains ``config`` under
     ``safety_margin x usable_bytes``; :class:`DoesNotFit` when micro-batch 1 with checkpointing
     does not fit either. ``target_effective_batch`` defaults to the config's (the ramp's target
-    when it ramps)."""
+    when it ramps).
+
+    ``data`` (:func:`scan_data_cap`) leaves out micro-batches larger than the largest bucket
+    fills on every process (``train`` would refuse them); :class:`DataTooSmall` when it fills none.
+    """
     if not 0 < safety_margin <= 1:
         raise ValueError(f"--safety-margin must be in (0, 1], got {safety_margin}")
     if usable_bytes <= 0:
@@ -337,6 +421,17 @@ def plan_batch(
             f"no micro-batch splits both ends of the ramp ({ramp.initial} -> {ramp.target}) over {num_processes} "
             "process(es); make initial_effective_batch_size a multiple of the process count"
         )
+    capped: list[int] = []
+    limit = None if data is None else data.micro_batch_limit(num_processes)
+    if limit is not None:
+        capped = [m for m in candidates if m > limit]
+        candidates = [m for m in candidates if m <= limit]
+        if not candidates:
+            raise DataTooSmall(
+                f"no micro-batch fits the data: {data.describe()}, and train needs one bucket to hold micro-batch x "
+                f"{num_processes} process(es) = at least {num_processes} samples; add images of that shape (or "
+                "`repeats`), or train on fewer processes"
+            )
     budget = int(safety_margin * usable_bytes)
     consulted: dict[tuple[int, bool], Estimate] = {}
 
@@ -372,6 +467,8 @@ def plan_batch(
         tried=list(consulted.values()),
         without_checkpointing=lookup(best_off, False) if use_checkpointing and best_off else None,
         ramp=ramp,
+        data=data,
+        capped_by_data=capped,
     )
     plan.notes = _plan_notes(plan)
     return plan
@@ -400,14 +497,15 @@ def _plan_notes(plan: Plan) -> list[str]:
         f"training and the VAE and text encoder are released before the denoiser trains{kept}"
     )
     notes.append("weight offload (low_vram): not needed; this trainer has no offload mode")
+    notes += _data_notes(plan)
     ramp = plan.ramp
     per_process = plan.effective_batch_size // plan.num_processes
-    if ramp is not None and plan.micro_batch_size == plan.candidates[-1] < per_process:
+    if ramp is not None and not plan.is_capped_by_data and plan.micro_batch_size == plan.candidates[-1] < per_process:
         notes.append(
             f"the ramp's start (initial_effective_batch_size {ramp.initial}) caps the micro-batch at "
             f"{plan.candidates[-1]}: a larger start allows larger micro-batches, if they fit"
         )
-    if len(plan.candidates) <= 2 and plan.effective_batch_size > 2 and ramp is None:
+    if len(plan.candidates) <= 2 and plan.effective_batch_size > 2 and ramp is None and not plan.capped_by_data:
         notes.append(
             f"an effective batch of {plan.effective_batch_size} splits only as "
             f"{' or '.join(f'{m} x {plan.effective_batch_size // (m * plan.num_processes)}' for m in plan.candidates)} "
@@ -416,10 +514,36 @@ def _plan_notes(plan: Plan) -> list[str]:
     return notes
 
 
+def _data_notes(plan: Plan) -> list[str]:
+    data = plan.data
+    if data is None:
+        return []
+    if data.largest is None:
+        return [f"data cap: {data.describe()}: the micro-batch is not checked against the buckets; train needs one "
+                f"aspect bucket to hold micro-batch x processes samples ({plan.micro_batch_size * plan.num_processes} "
+                "here): run the estimate where the datasets are to check"]
+    limit = data.micro_batch_limit(plan.num_processes)
+    if plan.is_capped_by_data:
+        line = (f"data cap: limited the micro-batch to {plan.micro_batch_size}: {data.describe()}, and train needs one "
+                f"bucket to fill micro-batch x {plan.num_processes} process(es); micro-batch "
+                f"{', '.join(map(str, plan.capped_by_data))} left out (not estimated); more images per aspect "
+                "ratio allow more")
+    else:
+        line = f"data cap: {data.describe()}: micro-batches up to {limit} per process; not the limit here"
+    need = plan.micro_batch_size * plan.num_processes
+    never = sum(n for n in data.group_sizes if n < need)
+    if never:
+        line += (f"; at micro-batch {plan.micro_batch_size}, {never} sample(s) in buckets smaller than {need} are never "
+                 "trained on")
+    return [line]
+
+
 __all__ = [
     "DDP_BUCKETS",
     "DEFAULT_SAFETY_MARGIN",
     "VALIDATION_MODELS",
+    "DataCap",
+    "DataTooSmall",
     "DoesNotFit",
     "Estimate",
     "EstimateCache",
@@ -431,6 +555,7 @@ __all__ = [
     "largest_fitting",
     "micro_batch_candidates",
     "plan_batch",
+    "scan_data_cap",
     "suggest_switches",
     "validation_model_bytes",
 ]

@@ -223,8 +223,9 @@ def _plan_lines(plan, config) -> list[str]:
     made = sum(e.seconds for e in plan.tried)
     split = (f"both ends of the ramp, {plan.ramp.initial} and {plan.ramp.target}," if plan.ramp
              else f"{plan.effective_batch_size}")
-    lines.append(f"  searched micro-batches {', '.join(map(str, plan.candidates))} (those that split {split} exactly); "
-                 f"estimated GiB: {tried} ({made:.1f} s)")
+    filled = "" if not plan.capped_by_data else " and the largest bucket fills"
+    lines.append(f"  searched micro-batches {', '.join(map(str, plan.candidates))} (those that split {split} exactly"
+                 f"{filled}); estimated GiB: {tried} ({made:.1f} s)")
     return lines
 
 
@@ -316,8 +317,10 @@ def _estimate(args) -> int:
             out["profile"] = result.as_dict()
             text += ["", result.table()]
     else:
+        from simpletuner.memory.autoconfig import scan_data_cap
+
         plan = plan_batch(config, machine.usable_bytes, args.target_effective_batch, safety_margin=margin,
-                          num_processes=args.num_processes, estimates=estimates)
+                          num_processes=args.num_processes, estimates=estimates, data=scan_data_cap(config))
         out["plan"] = plan.as_dict()
         text += _plan_lines(plan, config) + ["", plan.estimate.breakdown.table(machine.usable_bytes),
                                              *_extras_lines(plan.estimate, machine.usable_bytes)]

@@ -1,0 +1,178 @@
+"""Pre-flight memory check: before the cache fill, the run's estimated host and device memory
+against what the machine has, so a run that cannot fit stops with the figures and what to change
+instead of being killed by the kernel (exit 137, no message) an hour into the cache fill.
+
+Host (CPU RAM, ``MemAvailable``, read after the datasets are scanned, so an ``in_memory``
+dataset's staged bytes are already taken out of it):
+
+- ``memory`` / ``unified_memory`` caches hold every latent and text embedding in RAM: the
+  latent of each distinct image (the family's latent shape scaled to its bucket's area, float32)
+  plus one embedding per distinct caption (the family's embedding shapes, training dtype);
+- the models in RAM: on a CPU run the VAE, text encoder(s) and the denoiser's weights (the
+  estimator's full training figure is not run here: it costs seconds per start; only weights and
+  caches are counted on CPU, so activations and optimizer state are on top, and the message says
+  so); on a GPU run nothing beyond the caches (models are loaded to the GPU).
+
+Device (CUDA only): :func:`simpletuner.memory.estimator.estimate_memory` for the config's
+micro-batch, with the validation models and DDP buckets (:mod:`.autoconfig`), against the GPU's
+free memory. On CPU there is no device check.
+
+Stops (:class:`NotEnoughMemory`, a ValueError: exit 2) when an estimate exceeds what is there;
+warns when it is above :data:`WARN_FRACTION` of it. The machine is a
+:class:`~simpletuner.memory.hardware.HardwareInfo`, so a test (or ``Trainer(hardware=...)``) can
+check a run against a small machine without allocating anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from simpletuner.memory.advice import format_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from simpletuner.configuration import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+#: Above this share of what the machine has, the run goes on with a warning.
+WARN_FRACTION = 0.85
+_IN_RAM = ("memory", "unified_memory")
+
+
+class NotEnoughMemory(ValueError):
+    """The run's estimate exceeds the machine's memory; the message has both and what to change."""
+
+
+@dataclass
+class PreflightEstimate:
+    """Bytes by what holds them, per side; ``notes`` say what is not counted."""
+
+    host: dict[str, int] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+
+def _numel(shape) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype") -> dict[str, int]:
+    """RAM of the ``memory`` / ``unified_memory`` caches for ``samples`` (zero rows left out);
+    raises NotImplementedError when the family does not describe its batch shapes."""
+    latent, conds = spec.batch_shapes(1)
+    per_latent_at_resolution = _numel(latent[1:]) * 4  # latents are stored in float32
+    unique = {s.key: s for s in samples}.values()
+    out = {}
+    cache = config.cache_config
+    if cache.vae_cache_type in _IN_RAM:
+        area = float(config.resolution) ** 2
+        out[f"latent cache ({cache.vae_cache_type}, {len(unique)} images)"] = int(sum(
+            per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area for s in unique))
+    if cache.text_cache_type in _IN_RAM:
+        captions = {s.caption for s in unique}
+        per_caption = sum(_numel(shape[1:]) for shape in conds.values()) * text_dtype.itemsize
+        out[f"text-embedding cache ({cache.text_cache_type}, {len(captions)} captions)"] = per_caption * len(captions)
+    return out
+
+
+def host_estimate(config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype",
+                  on_gpu: bool) -> PreflightEstimate:
+    """What the run holds in host RAM from the cache fill on (see the module docstring)."""
+    import torch
+
+    from simpletuner.memory.autoconfig import _module_bytes
+
+    est = PreflightEstimate()
+    try:
+        est.host.update(cache_bytes(config, spec, samples, text_dtype))
+    except NotImplementedError:
+        est.notes.append(f"the {config.model_family} family does not describe its latent shapes: caches not counted")
+    root = spec.local_root
+    if not on_gpu and root is not None:
+        denoiser = "unet" if (root / "unet").is_dir() else "transformer"
+        parts = {"vae": torch.float32, "text_encoder": text_dtype, "text_encoder_2": text_dtype,
+                 "text_encoder_3": text_dtype, denoiser: text_dtype if config.training_type == "lora" else torch.float32}
+        model = sum(b for name, dtype in parts.items()
+                    if (root / name).is_dir() and (b := _module_bytes(root, name, dtype)) is not None)
+        if model:
+            est.host["models (weights)"] = model
+    if not on_gpu:
+        est.notes.append("a CPU run: the training step's activations, gradients and optimizer state come on top "
+                         "(not counted)")
+    return est
+
+
+def device_estimate(config: "TrainingConfig", num_processes: int = 1) -> dict[str, int]:
+    """The training step on one GPU: the estimator's total and the extras beside the denoiser."""
+    from simpletuner.memory.autoconfig import EstimateCache
+
+    estimate = EstimateCache(config, num_processes)(config.train_batch_size, config.gradient_checkpointing)
+    return {f"training step, micro-batch {config.train_batch_size} (estimate)": estimate.breakdown.total,
+            **estimate.extras}
+
+
+def _advice(config: "TrainingConfig", side: str) -> str:
+    if side == "host":
+        tips = []
+        cache = config.cache_config
+        if cache.vae_cache_type in _IN_RAM or cache.text_cache_type in _IN_RAM:
+            tips.append("`cache_config.vae_cache_type` / `text_cache_type: disk` (read from disk each batch)")
+        tips += ["a smaller `resolution`", "fewer images (or `minimum_image_size`)",
+                 "`type: local` instead of `in_memory` datasets", "stop other programs using RAM"]
+    else:
+        tips = ["`simpletuner estimate --config CFG --target-effective-batch N --apply` (a smaller micro-batch, "
+                "more accumulation)", "`gradient_checkpointing: true`", "`mixed_precision: bf16`",
+                "a smaller `resolution`", "stop other processes on the GPU"]
+    return "; ".join(tips)
+
+
+def check_run_memory(config: "TrainingConfig", spec: Any, datasets: list, text_dtype: "torch.dtype",
+                     hardware: Any = None, num_processes: int = 1) -> PreflightEstimate:
+    """Compare the run's estimate with ``hardware`` (default: this machine, detected) before the
+    cache fill. Raises :class:`NotEnoughMemory` naming the estimate, what the machine has and what
+    to change; warns above :data:`WARN_FRACTION`; returns the estimate."""
+    from simpletuner.memory.hardware import detect_hardware
+
+    hw = hardware if hardware is not None else detect_hardware()
+    samples = [s for ds in datasets for s in ds.samples]
+    on_gpu = bool(hw.has_gpu)
+    est = host_estimate(config, spec, samples, text_dtype, on_gpu)
+    _compare(config, "host", "RAM", est.host, hw.host_ram_available_bytes, "available (MemAvailable)", est.notes)
+    if on_gpu:  # after the host: the estimator costs seconds, and a host verdict needs none of it
+        try:
+            est.device = device_estimate(config, num_processes)
+        except NotImplementedError as exc:  # a family without a memory estimate: nothing to compare
+            logger.info("no GPU memory check before the cache fill: %s", exc)
+            return est
+        _compare(config, "device", "GPU memory", est.device, hw.gpu_free_bytes, "free", [])
+    return est
+
+
+def _compare(config, side: str, noun: str, parts: dict[str, int], have: int | None, have_word: str,
+             notes: list[str]) -> None:
+    total = sum(parts.values())
+    if not parts or have is None:
+        return
+    listed = ", ".join(f"{name} {format_bytes(n)}" for name, n in parts.items())
+    if total > have:
+        raise NotEnoughMemory(
+            f"not enough {noun} for this run: it needs about {format_bytes(total)} ({listed}), and this machine has "
+            f"{format_bytes(have)} {have_word}" + "".join(f"; {n}" for n in notes)
+            + f". Stopped before the cache fill instead of being killed part-way. Change: {_advice(config, side)}"
+        )
+    if total > WARN_FRACTION * have:
+        logger.warning("%s: this run needs about %s of the %s %s (%s); little is left for the rest",
+                       noun, format_bytes(total), format_bytes(have), have_word, listed)

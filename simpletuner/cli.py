@@ -14,6 +14,8 @@ def _cmd_train(args) -> int:
         argv += ["--preset", args.preset]
     if args.peak_tflops is not None:
         argv += ["--peak-tflops", repr(args.peak_tflops)]
+    if args.overwrite:
+        argv.append("--overwrite")
     for item in args.overrides:
         argv += ["--set", item]
     return train_main(argv)
@@ -32,15 +34,19 @@ def _cmd_estimate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from simpletuner.demo import write_demo
+    from simpletuner.demo import VALIDATION_PROMPT, write_before_after, write_demo
     from simpletuner.train import main as train_main
 
     config = write_demo(args.dir, max_train_steps=args.steps)
     print(f"demo: model, data and config written under {config.parent}")
-    code = train_main(["--config", str(config), "--log-level", args.log_level])
+    # --overwrite: a demo re-run starts afresh (its caches are re-used); `train` on its config extends it
+    code = train_main(["--config", str(config), "--log-level", args.log_level, "--overwrite"])
     if code == 0:
         out = config.parent / "output"
-        print(f"demo: LoRA at {out / 'pytorch_lora_weights.safetensors'}; before/after samples in {out / 'validation'}")
+        print(f"demo: LoRA at {out / 'pytorch_lora_weights.safetensors'}; all samples in {out / 'validation'}")
+        side_by_side = write_before_after(out, prompt=VALIDATION_PROMPT)
+        if side_by_side is not None:
+            print(f"demo: before | after training (same seed and prompt): {side_by_side}")
     return code
 
 
@@ -70,8 +76,25 @@ def _cmd_zoo(args) -> int:
     return 0
 
 
+#: The distribution (pyproject.toml's name; "simpletuner" on the package index is another project).
+DISTRIBUTION = "simpletuner-gh200"
+
+
+def version_string() -> str:
+    """``simpletuner --version``: the installed distribution's version, else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{DISTRIBUTION} {version(DISTRIBUTION)}"
+    except PackageNotFoundError:  # a checkout on sys.path, or an older install under another name
+        from simpletuner import __version__
+
+        return f"{DISTRIBUTION} {__version__} (source)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="simpletuner", description="Diffusion-model fine-tuning.")
+    parser.add_argument("--version", action="version", version=version_string())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train from a JSON config (single process; use accelerate launch for several)")
@@ -82,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fill the keys the config leaves unset from a memory preset (see `estimate --list-presets`)")
     p.add_argument("--peak-tflops", type=_positive_tflops, metavar="TFLOPS",
                    help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and logs, "
+                        "then start afresh (without it such a run is refused)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(

@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)")
     parser.add_argument("--peak-tflops", type=positive_tflops, metavar="TFLOPS",
                         help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and "
+                             "logs, then start afresh (without it such a run is refused; other files there are kept)")
     return parser
 
 
@@ -48,7 +51,7 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     from simpletuner.configuration import ConfigError, LoadedConfig, validate_config
     from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
     from simpletuner.configuration.launcher import launcher_command_from_environment, resolve_launcher_settings
-    from simpletuner.configuration.loader import apply_overrides, read_raw_config
+    from simpletuner.configuration.loader import apply_overrides, read_raw_config, with_settled_family
 
     environ = os.environ if environ is None else environ
     path = Path(config_path)
@@ -83,11 +86,11 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
         problems += exc.problems
     if problems:
         raise ConfigError(problems, str(path))
-    return LoadedConfig(config=config, raw=raw, path=path), sources, notes
+    return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path), sources, notes
 
 
 def run(config_path: str, overrides=(), log_level: str = "INFO", peak_tflops: float | None = None,
-        preset: str | None = None):
+        preset: str | None = None, overwrite: bool = False):
     """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
     from simpletuner.state import StateTracker
     from simpletuner.training.trainer import Trainer
@@ -99,24 +102,35 @@ def run(config_path: str, overrides=(), log_level: str = "INFO", peak_tflops: fl
     state = StateTracker(loaded.config, loaded.raw)
     state.setting_sources = sources
     state.startup_notes = preset_notes
-    return Trainer(state, peak_tflops=peak_tflops).train()
+    return Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite).train()
+
+
+def _is_main_rank() -> bool:
+    """Rank 0 of a launch (``RANK``, set by ``accelerate launch`` / torchrun), or a single process."""
+    import os
+
+    return os.environ.get("RANK", "0") in ("", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
     from simpletuner.configuration import ConfigError
     from simpletuner.training.reliability import RunStopped
+    from simpletuner.training.checkpoint import ResumeRefused
+    from simpletuner.training.run_folder import RunFolderTaken
     from simpletuner.training.launch import LaunchError
 
     args = build_parser().parse_args(argv)
     try:
-        run(args.config, args.overrides, args.log_level, peak_tflops=args.peak_tflops, preset=args.preset)
+        run(args.config, args.overrides, args.log_level, peak_tflops=args.peak_tflops, preset=args.preset,
+            overwrite=args.overwrite)
     except RunStopped as exc:  # preempted (143/130), non-finite (3), out of memory (4): the message says what next
         print(f"stopped: {exc}", file=sys.stderr)
         return exc.exit_code
     except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
         if args.log_level == "DEBUG":
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        if _is_main_rank() or not isinstance(exc, (ConfigError, ResumeRefused, RunFolderTaken)):  # those: the same on every rank
+            print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a bug of ours: never exit with a code that means something else
         from simpletuner.exit_codes import report_internal_error

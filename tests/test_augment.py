@@ -319,7 +319,7 @@ def test_disable_cache_resume_reproduces_the_augmentations(make_config, tmp_path
     straight_trainer, straight = train(make_config(output_dir=str(tmp_path / "straight"), **common))
     assert straight_trainer.data._reencoder.vae is not None  # kept loaded after set-up
     out = str(tmp_path / "run")
-    train(make_config(output_dir=out, checkpointing_steps=3, **common))
+    train(make_config(output_dir=out, checkpointing_steps=3, checkpoint_at_end=False, **common))  # as if stopped after 6
     latest = ckpt.find_latest(Path(out))
     _, resumed = train(make_config(output_dir=out, resume_from_checkpoint=str(latest), **common))
     assert latest.name == "checkpoint-6" and resumed.global_step == 8

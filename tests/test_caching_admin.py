@@ -83,7 +83,7 @@ def test_flipped_byte_fails_verify_then_training_re_encodes_it(trained, make_con
     assert f"corrupt {keys[0]}: checksum mismatch in tensor 'latents'" in out
     assert "re-encoded on the next training run" in out and "simpletuner cache clear" in out
 
-    trainer = _train(raw)
+    trainer = _train(dict(raw, output_dir=raw["output_dir"] + "_again"))  # the first run's folder holds a finished run
     assert trainer.data.fill_reports["latents"].corrupt == (keys[0],)
     assert trainer.data.fill_reports["latents"].num_computed == 1
     code, caches = _verify_json(cfg, capsys)
@@ -100,7 +100,7 @@ def test_truncated_text_shard_fails_verify_then_is_re_encoded_and_moved_aside(tr
     assert list(text["unreadable_shards"]) == [str(shard)] and "truncated" in text["unreadable_shards"][str(shard)]
     assert text["num_missing"] == text["num_needed"] and len(text["corrupt"]) == text["num_needed"]
 
-    trainer = _train(raw)
+    trainer = _train(dict(raw, output_dir=raw["output_dir"] + "_again"))  # the first run's folder holds a finished run
     assert len(trainer.data.fill_reports["text"].corrupt) == text["num_needed"]
     code, caches = _verify_json(cfg, capsys)
     assert code == 0 and caches["text"]["quarantined_files"] == [str(shard) + ".corrupt"]
@@ -126,7 +126,7 @@ def test_changed_vae_makes_old_latents_stale_and_training_re_encodes(make_config
     code, out = _verify_text(cfg, capsys)
     assert "stale: 12 entries not needed by this config" in out and "--stale-only" in out
 
-    trainer = _train(raw)
+    trainer = _train(dict(raw, output_dir=str(tmp_path / "after_vae_change")))  # another model: another run's folder
     latents = trainer.data.fill_reports["latents"]
     assert (latents.num_hits, latents.num_computed) == (0, 12)
     assert trainer.data.fill_reports["text"].num_computed == 0

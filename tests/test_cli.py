@@ -25,14 +25,43 @@ def test_zoo_writes_a_loadable_pipeline(tmp_path):
 
 
 def test_demo_trains_and_writes_before_and_after_samples(tmp_path, capsys):
+    from PIL import Image, ImageChops
+
     assert main(["demo", "--dir", str(tmp_path / "demo"), "--steps", "4"]) == 0
     out = tmp_path / "demo" / "output"
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     names = sorted(p.name for p in (out / "validation").glob("*.png"))
-    assert names == ["step_000000_0.png", "step_000000_1.png", "step_000004_0.png", "step_000004_1.png"]
+    assert names == ["step_000000_0.png", "step_000000_1.png", "step_000000_grid.png",
+                     "step_000004_0.png", "step_000004_1.png", "step_000004_grid.png"]
     config = orjson.loads((tmp_path / "demo" / "config.json").read_bytes())
     assert config["max_train_steps"] == 4
-    assert "LoRA at" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "LoRA at" in printed
+
+    # One side-by-side picture, named in the final message: per row, step 0 | step 4 of the same image index,
+    # each 64 px sample scaled 3x (nearest), under a label strip.
+    side_by_side = out / "before_after.png"
+    assert f"before | after training (same seed and prompt): {side_by_side}" in printed.splitlines()[-1]
+    sheet = Image.open(side_by_side).convert("RGB")
+    tile, gap, label = 192, 4, 18
+    assert sheet.size == (2 * tile + gap, label + 2 * (tile + gap) - gap + label)
+    for row in range(2):
+        for col, step in enumerate((0, 4)):
+            want = Image.open(out / "validation" / f"step_{step:06d}_{row}.png").convert("RGB").resize((tile, tile), Image.NEAREST)
+            x, y = col * (tile + gap), label + row * (tile + gap)
+            got = sheet.crop((x, y, x + tile, y + tile))
+            assert ImageChops.difference(got, want).getbbox() is None, (row, step)
+
+    # A re-run rewrites none of the demo's files, so every latent comes from the cache.
+    def vae_cache_line() -> str:
+        return [line for line in (out / "training.log").read_text().splitlines() if "vae cache:" in line][-1]
+
+    assert "vae cache: 24 items, 0 hits, 24 computed" in vae_cache_line()
+    data = tmp_path / "demo" / "data"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
+    assert main(["demo", "--dir", str(tmp_path / "demo"), "--steps", "4"]) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == mtimes
+    assert "vae cache: 24 items, 24 hits, 0 computed" in vae_cache_line()
 
 
 def test_cache_verify_and_clear_through_the_cli(tmp_path, capsys, make_config):

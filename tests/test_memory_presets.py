@@ -33,12 +33,21 @@ def test_the_issue_presets_exist():
     assert EXPECTED <= set(preset_names())
 
 
+@pytest.fixture(scope="module")
+def tiny_wan22(tmp_path_factory):
+    """A Wan 2.2 folder: a config naming model_family wan must point at one (the folder is checked)."""
+    from simpletuner.models.zoo import write_tiny_model
+
+    return str(write_tiny_model("wan22", tmp_path_factory.mktemp("tiny_wan22") / "model"))
+
+
 @pytest.mark.parametrize("name", preset_names(), ids=str)
-def test_every_preset_loads_and_validates(name, make_config):
+def test_every_preset_loads_and_validates(name, make_config, tiny_sd, tiny_wan22):
     preset = load_preset(name)
     assert WORKLOAD_WORDS[preset.model_family] in preset.workload, "every preset says which workload it was made for"
     assert WORKLOAD_WORDS[preset.model_family] in preset.description
-    raw = merge_settings(make_config(model_family=preset.model_family), preset.settings)
+    model = tiny_wan22 if preset.model_family == "wan" else str(tiny_sd)
+    raw = merge_settings(make_config(model_family=preset.model_family, pretrained_model_name_or_path=model), preset.settings)
     config = validate_config(raw)
     for key, value in preset.flat_settings().items():  # every setting is a real key, applied as written
         current = config
@@ -108,8 +117,8 @@ def test_sd15_gb10_presets_keep_their_values_under_names_that_say_so():
     assert load_preset("gb10_sd15_experimental").settings["gh200_optimizations"]["target_effective_batch_size"] == 64
 
 
-def test_apply_preset_keeps_what_the_config_sets_and_says_where_each_value_came_from(make_config):
-    raw = make_config(model_family="wan", train_batch_size=3, low_vram=False,
+def test_apply_preset_keeps_what_the_config_sets_and_says_where_each_value_came_from(make_config, tiny_wan22):
+    raw = make_config(model_family="wan", pretrained_model_name_or_path=tiny_wan22, train_batch_size=3, low_vram=False,
                       cache_config={"cache_dir": "/tmp/c", "text_cache_type": "memory"})
     before = json.loads(json.dumps(raw))
     merged, lines = apply_preset(raw, "gb10_conservative")
@@ -190,15 +199,15 @@ def test_cli_lists_explains_and_compares(tmp_path, capsys, make_config):
     assert "known presets are" in capsys.readouterr().err
 
 
-def _wan_config_file(tmp_path, make_config):
-    raw = make_config(model_family="wan", train_batch_size=2, cache_config={"cache_dir": "cache/wan"})
+def _wan_config_file(tmp_path, make_config, model):
+    raw = make_config(model_family="wan", pretrained_model_name_or_path=model, train_batch_size=2, cache_config={"cache_dir": "cache/wan"})
     path = tmp_path / "wan.json"
     path.write_text(json.dumps(raw, indent=2) + "\n")
     return path, raw
 
 
-def test_cli_apply_writes_the_preset_into_the_config(tmp_path, capsys, make_config):
-    path, raw = _wan_config_file(tmp_path, make_config)
+def test_cli_apply_writes_the_preset_into_the_config(tmp_path, capsys, make_config, tiny_wan22):
+    path, raw = _wan_config_file(tmp_path, make_config, tiny_wan22)
     original = path.read_text()
     assert main(["estimate", "--preset", "gb10_experimental", "--config", str(path), "--apply"]) == 0
     out = capsys.readouterr().out
@@ -220,8 +229,8 @@ def test_cli_apply_writes_the_preset_into_the_config(tmp_path, capsys, make_conf
     assert not path.with_name("wan.json.backup.1").exists()
 
 
-def test_cli_apply_refuses_bad_presets_before_touching_the_file(tmp_path, capsys, make_config):
-    path, _ = _wan_config_file(tmp_path, make_config)
+def test_cli_apply_refuses_bad_presets_before_touching_the_file(tmp_path, capsys, make_config, tiny_wan22):
+    path, _ = _wan_config_file(tmp_path, make_config, tiny_wan22)
     sd = tmp_path / "sd.json"
     sd.write_text(json.dumps(make_config()))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}

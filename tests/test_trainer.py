@@ -53,8 +53,8 @@ def test_resume_is_exact_across_epoch_boundary(make_config, tmp_path):
     out = str(tmp_path / "resumed")
     first, first_result = _train(make_config(max_train_steps=7, output_dir=out, checkpointing_steps=4, **common))
     # Simulate a stop right after step 4's checkpoint: resume from it with the same config.
-    latest = ckpt.find_latest(tmp_path / "resumed")
-    assert latest.name == "checkpoint-4"
+    assert ckpt.find_latest(tmp_path / "resumed").name == "checkpoint-7"  # the end is a checkpoint too
+    latest = tmp_path / "resumed" / "checkpoint-4"
     resumed_raw = make_config(max_train_steps=7, output_dir=out, resume_from_checkpoint=str(latest), **common)
     resumed, resumed_result = _train(resumed_raw)
 

@@ -30,6 +30,17 @@ every problem is reported at once, with its path and the fix, before any model l
 Any key can be overridden on the command line: `--set max_train_steps=100`,
 `--set cache_config.cache_dir=/scratch/cache` (values are parsed as JSON when they can be).
 
+**Relative paths are taken from the config file's folder**, not from the folder you run in:
+`output_dir`, `cache_config.cache_dir`, `resume_from_checkpoint`, `data_backend_config` and each
+dataset's `instance_data_dir` (also those of a `data_backend_config` file), given relative, and
+the defaults `output` and `cache`, resolve against the folder holding the config, so the same
+config run from another folder writes to and reads from the same places. `--set` values follow
+the same rule. (Before this release, all but `data_backend_config` were taken from the working
+directory: a config that relied on that now points elsewhere; give absolute paths to be sure.)
+`pretrained_model_name_or_path` is still taken as written (a local folder, or a hub id).
+
+`model_family` may be left out: it is then read from the model folder's `model_index.json`.
+
 This file is generated from `simpletuner/configuration/schema.py` and
 `simpletuner/configuration/foreign_keys.py` by `python -m simpletuner.configuration.docs`;
 a test fails when they differ.
@@ -48,7 +59,7 @@ input is wrong is checked once that input is fixed, so no line is a consequence 
   - train_batch_size: expected a whole number, got 'four'
   - learning_rat: unknown key 'learning_rat'; did you mean 'learning_rate'? (remove it or fix the spelling)
   - validation_resolution: `validation_resolution` is a SimpleTuner key that this trainer does not support yet: validation images use `resolution`; remove it
-  - (top level): `validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps
+  - (top level): `validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`): add a prompt or remove validation_steps
 ```
 
 - **Did you mean**: offered only when the unknown key reads as a typo of one of ours (a letter

@@ -5,7 +5,10 @@ Everything is checked before any model is loaded, and every problem is reported 
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -14,8 +17,12 @@ import orjson
 from pydantic import ValidationError
 
 from simpletuner.configuration.errors import ConfigError, format_validation_error
+from simpletuner.configuration.model_folder import looks_local, settle_model_family
 from simpletuner.configuration.partial import InvalidInput, PartialModel, partial_config, run_rules
-from simpletuner.configuration.schema import TrainingConfig
+from simpletuner.configuration.schema import CacheConfig, TrainingConfig
+
+_DEFAULT_OUTPUT_DIR: str = TrainingConfig.model_fields["output_dir"].default
+_DEFAULT_CACHE_DIR: str = CacheConfig.model_fields["cache_dir"].default
 
 
 @dataclass(frozen=True)
@@ -66,13 +73,6 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return out
 
 
-def looks_local(name: str) -> bool:
-    """A hub id is ``org/name``; anything else (absolute, ./, ~, several slashes, existing) is a path."""
-    if os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name:
-        return True
-    return name.count("/") != 1
-
-
 def _model_folder(config) -> Iterator[str]:
     model = config.pretrained_model_name_or_path
     if not looks_local(model):
@@ -117,11 +117,39 @@ def _resume_dir(config) -> Iterator[str]:
             yield f"resume_from_checkpoint: {ck} is not a folder (use 'latest' or a checkpoint-N folder)"
 
 
-_PATH_CHECKS = (_model_folder, _output_dir, _cache_dir, _dataset_dirs, _resume_dir)
+#: ``report_to`` -> (modules, any of which Accelerate logs through; the extra that installs one).
+_TRACKER_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "wandb": (("wandb",), "wandb"),
+}
+
+
+def _is_installed(module: str) -> bool:
+    """Installed as Accelerate judges it (a spec and package metadata), without importing it."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return False
+        importlib.metadata.metadata(module)
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        return False
+    return True
+
+
+def _tracker_package(config) -> Iterator[str]:
+    """Accelerate drops a tracker whose package is missing with one warning and trains unlogged."""
+    modules, extra = _TRACKER_PACKAGES.get(config.report_to, ((), ""))
+    if modules and not any(_is_installed(m) for m in modules):
+        yield (f"report_to: {config.report_to!r} needs the {modules[0]} package, which this Python "
+               f"({sys.executable}) does not have: install it with `pip install -e \".[{extra}]\"` in the "
+               f"simpletuner checkout (or `pip install {modules[0]}`), or set `report_to: \"none\"` to train "
+               "without a tracker")
+
+
+_PATH_CHECKS = (_model_folder, _output_dir, _cache_dir, _dataset_dirs, _resume_dir, _tracker_package)
 
 
 def check_paths(config: TrainingConfig | PartialModel) -> list[str]:
-    """Problems with paths the run needs; empty when all is well.
+    """Problems with paths (and tracker packages) the run needs; empty when all is well.
 
     Works on a config that failed validation too: a check whose field is itself invalid is skipped.
     """
@@ -148,6 +176,40 @@ def _resolve_datasets(raw: dict[str, Any], base_dir: Path | None, problems: list
     return resolved
 
 
+def _from_base(value: Any, base_dir: Path) -> Any:
+    """``value`` taken from ``base_dir`` when it is a relative path (``~`` and absolute paths stay)."""
+    if not isinstance(value, str) or not value or value.startswith("~") or Path(value).is_absolute():
+        return value
+    return os.path.normpath(os.path.join(os.path.abspath(base_dir), value))
+
+
+def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
+    """Relative ``output_dir``, ``cache_config.cache_dir``, ``datasets[].instance_data_dir``, a
+    ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir`` (the config file's folder),
+    so the same config run from another folder writes and reads the same places. ``--set`` values
+    are part of the config and follow the same rule. Without ``base_dir`` (a dict, no file) nothing
+    changes: relative paths are then taken from the working directory."""
+    if base_dir is None:
+        return raw
+    out = dict(raw)
+    out["output_dir"] = _from_base(out.get("output_dir", _DEFAULT_OUTPUT_DIR), base_dir)
+    if isinstance(out.get("resume_from_checkpoint"), str) and out["resume_from_checkpoint"] != "latest":
+        out["resume_from_checkpoint"] = _from_base(out["resume_from_checkpoint"], base_dir)
+    if isinstance(out.get("validation_prompts"), str):  # a prompt file (schema.py reads it)
+        out["validation_prompts"] = _from_base(out["validation_prompts"], base_dir)
+    cache = out.get("cache_config", {})
+    if isinstance(cache, dict):
+        out["cache_config"] = {**cache, "cache_dir": _from_base(cache.get("cache_dir", _DEFAULT_CACHE_DIR), base_dir)}
+    datasets = out.get("datasets")
+    if isinstance(datasets, list):
+        out["datasets"] = [
+            {**d, "instance_data_dir": _from_base(d["instance_data_dir"], base_dir)}
+            if isinstance(d, dict) and "instance_data_dir" in d else d
+            for d in datasets
+        ]
+    return out
+
+
 def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None, check_files: bool = True) -> TrainingConfig:
     """Validate a raw dict into a TrainingConfig or raise ConfigError listing every problem.
 
@@ -157,7 +219,9 @@ def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: s
     if not isinstance(raw, dict):
         raise ConfigError(["the config must be a JSON object ({...})"], source)
     problems: list[str] = []
-    resolved = _resolve_datasets(raw, base_dir, problems)
+    resolved = _resolve_relative_paths(_resolve_datasets(raw, base_dir, problems), base_dir)
+    resolved, family_problems = settle_model_family(resolved)
+    problems.extend(family_problems)
     try:
         config: TrainingConfig | PartialModel = TrainingConfig.model_validate(resolved)
     except ValidationError as exc:
@@ -186,4 +250,9 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), check_fi
     p = Path(path)
     raw = read_raw_config(p, overrides)
     config = validate_config(raw, base_dir=p.parent, source=str(p), check_files=check_files)
-    return LoadedConfig(config=config, raw=raw, path=p)
+    return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=p)
+
+
+def with_settled_family(raw: dict[str, Any], config: TrainingConfig) -> dict[str, Any]:
+    """``raw`` recording the ``model_family`` the run uses where the config left it to the folder."""
+    return raw if raw.get("model_family") is not None else {**raw, "model_family": config.model_family}

@@ -128,8 +128,9 @@ def _loss_weighting_fits_family(cfg) -> Iterator[str]:
 
 
 def _validation_prompt_given(cfg) -> Iterator[str]:
-    if cfg.validation_steps is not None and not cfg.validation_prompt:
-        yield "`validation_steps` is set but `validation_prompt` is not: add a prompt or remove validation_steps"
+    if cfg.validation_steps is not None and not cfg.validation_prompt and not cfg.validation_prompts:
+        yield ("`validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`): add a prompt "
+               "or remove validation_steps")
 
 
 #: Rules of a dataset entry, of ``gh200_optimizations`` and of the whole config. Add a rule to its

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from simpletuner.configuration.alloc_conf import allocator_settings_problems
+from simpletuner.configuration.prompts import merged_prompts, prompts_from
 from simpletuner.configuration.rules import DATASET_RULES, RAMP_RULES, TRAINING_RULES, Rule
 
 
@@ -30,6 +31,8 @@ class _FolderDatasetConfig(_Strict):
         description=(
             "Folder searched recursively for .jpg/.jpeg/.png/.webp images; for `dataset_type: video`, for clips "
             "(.mp4/.webm/.mov/.mkv/.gif/.webp) and frame folders (one sub-folder of numbered frames per clip)."
+            " A relative path is taken from the folder of the config file that loads it (also when the entry "
+            "comes from `data_backend_config`)."
         ),
     )
     dataset_type: Literal["image", "video"] = Field(
@@ -62,6 +65,23 @@ class _FolderDatasetConfig(_Strict):
         description="Where to crop when the resized image overshoots its bucket. `random` picks a fixed offset per image from the seed, so caches stay valid.",
     )
     repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
+    minimum_image_size: Optional[int] = Field(
+        None, gt=0,
+        description=(
+            "Skip images (clips: their first frame) whose shorter side is below this many pixels, whatever "
+            "`resolution` is; the scan reports how many were skipped. Unset: none skipped for size."
+        ),
+    )
+    allow_upscale: Optional[bool] = Field(
+        None,
+        description=(
+            "Images smaller than their bucket. Unset: scaled up to cover it, but when more than "
+            "`max_bad_image_fraction` of the dataset needs more than 2x the run stops before caching, naming how many "
+            "and by how much (fewer: a warning). `false`: every image smaller than its bucket is skipped (counted in "
+            "a warning), so nothing is upscaled. `true`: train on them upscaled, any factor (a warning names the far "
+            "ones)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _prompt_needed(self):
@@ -109,7 +129,7 @@ CacheType = Literal["disk", "memory", "unified_memory"]
 class CacheConfig(_Strict):
     """Where VAE latents and text embeddings are cached."""
 
-    cache_dir: str = Field("cache", description="Root folder of the latent and text-embedding caches (relative paths are taken from the working directory).")
+    cache_dir: str = Field("cache", description="Root folder of the latent and text-embedding caches. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
     vae_cache_type: CacheType = Field(
         "disk",
         description=(
@@ -187,7 +207,8 @@ class TrainingConfig(_Strict):
     # --- model ---
     pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
     model_family: Literal["sd", "sdxl", "sd3", "flux", "wan"] = Field(
-        "sd", description="Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split at the pipeline's `boundary_ratio`)."
+        None, validate_default=True,
+        description="Omit it to take the family from the model folder's `model_index.json` (`_class_name`: `StableDiffusionPipeline` -> `sd`, `StableDiffusionXLPipeline` -> `sdxl`, `StableDiffusion3Pipeline` -> `sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`; the start-up log says where it came from); omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split at the pipeline's `boundary_ratio`)."
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."
@@ -223,7 +244,7 @@ class TrainingConfig(_Strict):
     )
 
     # --- output ---
-    output_dir: str = Field("output", description="Folder for checkpoints, logs, validation images and the final weights.")
+    output_dir: str = Field("output", description="Folder for checkpoints, logs, validation images and the final weights. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
 
     # --- data ---
     datasets: Optional[list[DatasetConfig]] = Field(None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`.")
@@ -348,12 +369,23 @@ class TrainingConfig(_Strict):
     # --- checkpoints ---
     checkpointing_steps: Optional[int] = Field(None, ge=1, description="Save a resumable checkpoint every N optimizer steps.")
     checkpoints_total_limit: Optional[int] = Field(None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete).")
-    resume_from_checkpoint: Optional[str] = Field(None, description="`latest`, or a checkpoint folder to resume from.")
+    checkpoint_at_end: bool = Field(True, description="Also save a resumable checkpoint at the run's last step (unless checkpointing_steps already did), so raising max_train_steps with resume_from_checkpoint 'latest' continues from the end instead of re-training the tail. false: only the final adapter is written at the end.")
+    resume_from_checkpoint: Optional[str] = Field(None, description="`latest`, or a checkpoint folder to resume from. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
 
     # --- validation ---
-    validation_prompt: Optional[str] = Field(None, description="Prompt for validation images; none disables validation.")
+    validation_prompt: Optional[str] = Field(None, description="Prompt for validation images; with neither it nor `validation_prompts` there is no validation.")
+    validation_prompts: Optional[Union[list[str], str]] = Field(
+        None,
+        description=(
+            "Several validation prompts: a list of strings, or the path of a UTF-8 text file with one prompt per line "
+            "(blank lines skipped; a relative path is taken from the config file's folder). With `validation_prompt` "
+            "as well, both are used: `validation_prompt` first, then these; a prompt given twice is rendered once. "
+            "Each validation writes every image (`validation/step_NNNNNN_K.png`, K counting prompt by prompt) and "
+            "one grid, `validation/step_NNNNNN_grid.png`: a row per prompt, `num_validation_images` columns."
+        ),
+    )
     validation_steps: Optional[int] = Field(None, ge=1, description="Generate validation images every N optimizer steps (and at the start and end).")
-    num_validation_images: int = Field(1, ge=1, description="Images per validation.")
+    num_validation_images: int = Field(1, ge=1, description="Images per prompt at each validation (the columns of the grid); every prompt's images start from the same seed (`seed`).")
     validation_num_inference_steps: int = Field(20, ge=1, description="Sampler steps for validation images.")
     validation_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance scale for validation images.")
 
@@ -431,6 +463,14 @@ class TrainingConfig(_Strict):
     report_to: Literal["none", "tensorboard", "wandb"] = Field("none", description="Experiment tracker (through Accelerate).")
     tracker_project_name: str = Field("simpletuner", description="Project name for the tracker.")
 
+    @field_validator("model_family", mode="before")
+    @classmethod
+    def _family_settled(cls, value: Any) -> Any:
+        if value is None:  # the loader fills it from the folder; only a bare model_validate gets here
+            raise ValueError("not set, and no model folder was read to take it from: set `model_family` "
+                             "(sd, sdxl, sd3, flux, wan), or load the config with simpletuner.configuration.load_config")
+        return value
+
     @field_validator("cuda_allocator")
     @classmethod
     def _allocator_keys(cls, value: dict) -> dict:
@@ -439,6 +479,11 @@ class TrainingConfig(_Strict):
             raise ValueError("\n".join(problems))
         return value
 
+    @field_validator("validation_prompts", mode="plain")
+    @classmethod
+    def _prompts_read(cls, value):
+        return prompts_from(value)  # a prompt file's path -> its prompts; one message for any other input
+
     @model_validator(mode="after")
     def _cross_field(self) -> "TrainingConfig":
         return _check_rules(self)
@@ -446,6 +491,12 @@ class TrainingConfig(_Strict):
     @property
     def effective_lora_alpha(self) -> float:
         return float(self.lora_alpha if self.lora_alpha is not None else self.lora_rank)
+
+    @property
+    def validation_prompt_list(self) -> list[str]:
+        """Every validation prompt in the order rendered (the grid's rows): `validation_prompt`, then
+        `validation_prompts`, each once; empty when the run does no validation."""
+        return merged_prompts(self.validation_prompt, self.validation_prompts)
 
 
 # --- cross-field rules (rules.py) ------------------------------------------------------------

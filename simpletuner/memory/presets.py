@@ -246,10 +246,11 @@ def describe_comparison(preset: Preset, differences: list[SettingDifference], co
 
 
 # --- applying a preset -----------------------------------------------------------------------------
-def _default_model_family() -> str:
-    from simpletuner.configuration.schema import TrainingConfig
+def _default_model_family(raw: dict[str, Any]) -> str:
+    """The family a config that does not set ``model_family`` trains: its model folder's (sd for a hub id)."""
+    from simpletuner.configuration.model_folder import HUB_DEFAULT_FAMILY, settle_model_family
 
-    return TrainingConfig.model_fields["model_family"].default
+    return settle_model_family(raw)[0].get("model_family") or HUB_DEFAULT_FAMILY
 
 
 def _get(raw: dict[str, Any], dotted: str) -> Any:
@@ -273,8 +274,8 @@ def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 
 def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
     """ValueError naming both when ``preset`` was made for another ``model_family`` than the raw config's."""
-    is_set = "model_family" in raw
-    family = raw["model_family"] if is_set else _default_model_family()
+    is_set = raw.get("model_family") is not None
+    family = raw["model_family"] if is_set else _default_model_family(raw)
     if family == preset.model_family:
         return
     try:
@@ -285,7 +286,7 @@ def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
              else f"no preset here is made for {family!r}")
     raise ValueError(
         f"preset {preset.name!r} was made for {preset.workload} (model_family {preset.model_family!r}), but the config "
-        f"trains model_family {family!r}{'' if is_set else ' (the default: the config does not set it)'}; its "
+        f"trains model_family {family!r}{'' if is_set else ' (the default: the config does not set it, so the model folder decides)'}; its "
         f"micro-batch and memory settings would not carry over. Fix: {other}, or plan for this model with "
         "`simpletuner estimate --config cfg.json --gpu NAME --target-effective-batch N` (--apply writes the plan)"
     )

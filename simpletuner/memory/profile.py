@@ -24,6 +24,7 @@ PROFILE_OVERRIDES = {
     "gradient_accumulation_steps": 1,
     "gh200_optimizations.enable_batch_size_rampup": False,
     "validation_prompt": None,
+    "validation_prompts": None,
     "validation_steps": None,
     "checkpointing_steps": None,
     "resume_from_checkpoint": None,

@@ -3,6 +3,10 @@
 Layout of ``checkpoint-<step>/``::
 
     trainable.safetensors   trained parameters (LoRA weights, or the whole denoiser)
+    pytorch_lora_weights*.safetensors
+                            LoRA runs: the adapter as the final save writes it (the family's
+                            diffusers ``load_lora_weights`` format, or LyCORIS' own), so any
+                            checkpoint can be used as it is; full fine-tunes have none
     optimizer.pt            optimizer state (loaded with weights_only=True)
     lr_scheduler.pt         schedule state
     trainer_state.json      step, samples seen, sampler position, accumulation, run identity
@@ -21,13 +25,14 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import orjson
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner.file_modes import ordinary_permissions
 from simpletuner.training.reliability import fault_point
 
 logger = logging.getLogger(__name__)
@@ -112,6 +117,14 @@ def find_latest(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resolve_resume(output_dir: Path, resume_from_checkpoint: str) -> Path | None:
+    """The checkpoint ``resume_from_checkpoint`` names: ``latest`` (None when ``output_dir`` holds
+    no complete checkpoint) or a folder."""
+    if resume_from_checkpoint == LATEST:
+        return find_latest(output_dir)
+    return Path(resume_from_checkpoint).expanduser()
+
+
 # --- save ---------------------------------------------------------------------------------
 def save_checkpoint(
     accelerator,
@@ -124,12 +137,15 @@ def save_checkpoint(
     generator: torch.Generator,
     total_limit: int | None,
     scaler=None,
+    write_adapter: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Save collectively (every rank calls it); returns the final checkpoint folder.
 
     Everything goes into a hidden temp folder, is fsynced, gets a COMPLETE marker written last,
     and is renamed into place; only then does ``latest`` move and retention delete old ones.
     A kill at any point leaves the previous checkpoint complete and named by ``latest``.
+    ``write_adapter(folder)`` (rank 0) writes the loadable adapter into the temp folder, so it is
+    fsynced and covered by the marker like every other file.
     """
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".checkpoint-{step}.tmp"
@@ -141,16 +157,21 @@ def save_checkpoint(
     torch.save(capture_rng(generator), tmp / f"rng_state_{accelerator.process_index}.pt")
     if accelerator.is_main_process:
         save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
+        ordinary_permissions(tmp / "trainable.safetensors")  # safetensors writes 0600
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        if write_adapter is not None:
+            write_adapter(tmp)
         state = dict(trainer_state, format_version=CHECKPOINT_FORMAT_VERSION, world_size=accelerator.num_processes)
         (tmp / "trainer_state.json").write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
     accelerator.wait_for_everyone()
     fault_point("checkpoint:files_written")
     if accelerator.is_main_process:
         for f in tmp.iterdir():
+            if not f.is_file():
+                continue
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _write_atomic(tmp / MARKER, b"ok\n")
@@ -207,18 +228,39 @@ def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
     return _IDENTITY_DEFAULTS.get(key)
 
 
-def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:
-    """Raise a ValueError naming every way the checkpoint does not fit this run."""
-    problems = []
+def identity_differences(state: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """How the run identity a checkpoint stores differs from ``identity`` (only its keys are compared)."""
     saved_identity = state.get("identity", {})
+    problems = []
     for key, value in identity.items():
         saved = _saved_identity_value(saved_identity, key)
         if saved != value:
             problems.append(f"{key}: checkpoint has {saved!r}, config has {value!r}")
-    if state.get("world_size") != world_size:
-        problems.append(f"world size: checkpoint was written by {state.get('world_size')} process(es), this run has {world_size}")
+    return problems
+
+
+class ResumeRefused(ValueError):
+    """A checkpoint that does not fit this run. Every rank finds the same: rank 0 alone prints it."""
+
+
+def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:
+    """Raise ResumeRefused (a ValueError) naming every way the checkpoint does not fit this run, and the fix."""
+    problems = identity_differences(state, identity)
+    saved_world = state.get("world_size")
+    if saved_world != world_size:
+        problems.append(f"world size: checkpoint was written by {saved_world} process(es), this run has {world_size}")
     if problems:
-        raise ValueError(f"cannot resume from {path}:\n  - " + "\n  - ".join(problems))
+        fixes = []
+        if saved_world != world_size and isinstance(saved_world, int):
+            fixes.append(f"launch with the checkpoint's {saved_world} process(es) "
+                         f"(`accelerate launch --num_processes {saved_world} ...`) to continue it")
+        if len(problems) > (saved_world != world_size):
+            fixes.append("put the settings above back to the checkpoint's values to continue it")
+        fixes += [f"set a new `output_dir` to start a new run beside it ({path} stays as it is)",
+                  "or set `resume_from_checkpoint: null` and pass `--overwrite` to train from scratch "
+                  "(it replaces the run in `output_dir`)"]
+        raise ResumeRefused(f"cannot resume from {path}: it does not fit this run:\n  - " + "\n  - ".join(problems)
+                            + "\nTo fix: " + "; ".join(fixes) + ".")
 
 
 def load_tensors(path: Path, process_index: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import performance as perf
-from simpletuner.training import runlog
+from simpletuner.training import run_folder, runlog
 from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, PreemptionFlag
 from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
 from simpletuner.gh200.wiring import configure_runtime
@@ -56,10 +56,12 @@ class TrainResult:
 class Trainer:
     """Builds every component from the run's StateTracker, then trains."""
 
-    def __init__(self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None):
+    def __init__(self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None, overwrite: bool = False):
         """``hardware`` (a ``simpletuner.memory.hardware.HardwareInfo``) replaces the detected GPU for
-        MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak."""
+        MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak; ``overwrite``
+        (``--overwrite``) removes an earlier run's results from ``output_dir`` instead of refusing."""
         self.state = state
+        self.overwrite = overwrite
         self.hardware = hardware
         self.peak_tflops = peak_tflops
         self.run_log = runlog.RunLog()  # training.log + metrics.jsonl (rank 0)
@@ -122,6 +124,10 @@ class Trainer:
         self.spec = spec = get_model_spec(cfg)  # reads the folder's JSON only
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
+        self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
+        self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
+        if self.finished_at is not None:
+            return
         self._log_settings_in_force()
         set_seed(cfg.seed)
         self.accumulation = self._configure_gh200_runtime()
@@ -136,13 +142,15 @@ class Trainer:
         clock.mark("accelerator")
         datasets = build_datasets(self.state)
         clock.mark("datasets")
+        from simpletuner.memory.preflight import check_run_memory  # stops before the cache fill if RAM/GPU cannot hold the run
+        check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
         with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
             self.data, encoders = prepare_caches(
                 spec, datasets, Path(cfg.cache_config.cache_dir).expanduser(), acc.device, self.weight_dtype, self.state
             )
         self._keep_for_validation = None
         self._offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
-        if cfg.validation_prompt and acc.is_main_process:
+        if cfg.validation_prompt_list and acc.is_main_process:
             self._keep_for_validation = (encoders.get_vae(), encoders.get_text())
             if cfg.low_vram:  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
                 reencodes = cfg.augmentations.is_enabled and cfg.augmentations_cache_mode != "static"
@@ -178,6 +186,8 @@ class Trainer:
         if cfg.resume_from_checkpoint:
             self._resume()
             clock.mark("resume")
+            # num_train_epochs: the length is known only now
+            self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, self.total_steps)
         self.startup_seconds = clock.phases
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
 
@@ -295,28 +305,47 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> Path:
+        """A resumable checkpoint of this step; LoRA runs also get the adapter the final save writes
+        (``spec.save_adapter``), loadable as it is. Full fine-tunes get none: ``trainable.safetensors``
+        already holds the whole denoiser, and a second copy would double the checkpoint."""
+        self._last_saved_step = self.progress.global_step
+        model = self.accelerator.unwrap_model(self.model)
+        is_lora = self.config.training_type == "lora"
+        write_adapter = (lambda folder: self.spec.save_adapter(folder, model)) if is_lora else None
         return ckpt.save_checkpoint(
             self.accelerator,
             self.output_dir,
             self.progress.global_step,
-            trainable_state(self.accelerator.unwrap_model(self.model)),
+            trainable_state(model),
             self.optimizer,
             self.lr_scheduler,
             self._trainer_state(),
             self.generator,
             self.config.checkpoints_total_limit,
             scaler=self.accelerator.scaler,
+            write_adapter=write_adapter,
         )
+
+    def _claim_output_dir(self) -> None:
+        """Refuse to write over another run's results in ``output_dir`` (run_folder.check_output_dir),
+        or with ``overwrite`` remove them first (rank 0; the others wait)."""
+        cfg, acc = self.config, self.accelerator
+        if not self.overwrite:
+            self._denoiser_fingerprint = None  # known once the model is loaded; not compared here
+            identity = {k: v for k, v in self._identity().items() if k != "denoiser_config"}
+            run_folder.check_output_dir(self.output_dir, cfg.resume_from_checkpoint, identity)
+            return
+        run_folder.check_overwrite(self.output_dir, cfg.resume_from_checkpoint)
+        if acc.is_main_process:
+            run_folder.clear_previous_run(self.output_dir)
+        acc.wait_for_everyone()
 
     def _resume(self) -> None:
         cfg, acc = self.config, self.accelerator
-        if cfg.resume_from_checkpoint == "latest":
-            path = ckpt.find_latest(self.output_dir)
-            if path is None:
-                logger.info("resume_from_checkpoint='latest' but %s holds no complete checkpoint: starting fresh", self.output_dir)
-                return
-        else:
-            path = Path(cfg.resume_from_checkpoint).expanduser()
+        path = ckpt.resolve_resume(self.output_dir, cfg.resume_from_checkpoint)
+        if path is None:
+            logger.info("resume_from_checkpoint='latest' but %s holds no complete checkpoint: starting fresh", self.output_dir)
+            return
         state = ckpt.read_trainer_state(path)
         ckpt.check_compatible(state, self._identity(), acc.num_processes, path)
         if state.get("accumulation") != self.accumulation.state_dict():
@@ -421,7 +450,7 @@ class Trainer:
 
     # --- the loop ------------------------------------------------------------------------
     def _validate(self) -> None:
-        if not (self.config.validation_prompt and self.accelerator.is_main_process):
+        if not (self.config.validation_prompt_list and self.accelerator.is_main_process):
             return
         vae, text = self._keep_for_validation
         model = self.accelerator.unwrap_model(self.model)
@@ -446,7 +475,10 @@ class Trainer:
     def _train(self) -> TrainResult:
         self.setup()
         cfg, acc = self.config, self.accelerator
-        if self.progress.global_step == 0 and cfg.validation_prompt:
+        if self.finished_at is not None:  # resumed a run already at max_train_steps: nothing trained, nothing saved
+            acc.end_training()
+            return TrainResult(self.finished_at)
+        if self.progress.global_step == 0 and cfg.validation_prompt_list:
             self._validate()
         batches = self.data.iterate(self.sampler, acc.device)
         bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
@@ -461,7 +493,7 @@ class Trainer:
             bar.close()
         self.data.close()  # the persistent decoding threads, if any
         output = self._save_final()
-        if cfg.validation_prompt and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
+        if cfg.validation_prompt_list and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
             self._validate()
         acc.end_training()
         return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
@@ -518,6 +550,9 @@ class Trainer:
         raise Preempted(self.preempt_signum, path)
 
     def _save_final(self) -> Path | None:
+        """The final adapter (or model), then, with ``checkpoint_at_end``, a checkpoint of the last
+        step unless ``checkpointing_steps`` just wrote one: a later run with a higher
+        ``max_train_steps`` and ``resume_from_checkpoint: latest`` continues from here."""
         acc = self.accelerator
         acc.wait_for_everyone()
         path = None
@@ -529,6 +564,8 @@ class Trainer:
                 path = self.spec.save_full(self.output_dir, model)
             logger.info("saved %s", path)
         acc.wait_for_everyone()
+        if self.config.checkpoint_at_end and getattr(self, "_last_saved_step", None) != self.progress.global_step:
+            self.save_checkpoint()  # collective, after the adapter: a kill in between resumes and re-saves both
         return path
 
 

@@ -6,42 +6,88 @@ import logging
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 logger = logging.getLogger(__name__)
 
 
+def make_grid(rows: list[list[Image.Image]]) -> Image.Image:
+    """One image of ``rows`` (one list of images per prompt), tiled without gaps.
+
+    Every tile takes the size of the largest image (smaller ones sit at its top left on black),
+    so the grid is ``columns * width`` by ``len(rows) * height`` pixels.
+    """
+    width = max(img.width for row in rows for img in row)
+    height = max(img.height for row in rows for img in row)
+    columns = max(len(row) for row in rows)
+    grid = Image.new("RGB", (columns * width, len(rows) * height))
+    for r, row in enumerate(rows):
+        for c, img in enumerate(row):
+            grid.paste(img.convert("RGB"), (c * width, r * height))
+    return grid
+
+
+def _log_to_trackers(trackers, images: list[Image.Image], grid: Image.Image, prompts: list[str], step: int) -> None:
+    """TensorBoard gets the single images (tag ``validation``) and the grid (``validation_grid``);
+    W&B gets the grid (``validation_grid``, captioned with the prompts row by row)."""
+    import numpy as np
+
+    for tracker in trackers:
+        if tracker.name == "tensorboard":
+            if len({img.size for img in images}) == 1:  # add_images needs one shape
+                stacked = np.stack([np.asarray(img.convert("RGB")) for img in images])
+                tracker.writer.add_images("validation", stacked, step, dataformats="NHWC")
+            tracker.writer.add_image("validation_grid", np.asarray(grid), step, dataformats="HWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            caption = " | ".join(f"row {i}: {p}" for i, p in enumerate(prompts))
+            tracker.log({"validation_grid": wandb.Image(grid, caption=caption)}, step=step)
+
+
 @torch.no_grad()
 def generate_validation_images(spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=()) -> list[Path]:
-    """Render ``num_validation_images`` for ``validation_prompt`` and save them as PNGs."""
+    """Render ``num_validation_images`` for each validation prompt and save them as PNGs.
+
+    The prompts are ``config.validation_prompt_list`` (``validation_prompt``, then
+    ``validation_prompts``). Image ``i`` of prompt ``p`` is saved as ``step_NNNNNN_K.png`` with
+    ``K = p * num_validation_images + i`` (one prompt: the names of earlier releases), and all of
+    them as one grid, ``step_NNNNNN_grid.png`` (a row per prompt). Each prompt's generator starts
+    from ``config.seed``, so image ``K`` of every validation step starts from the same noise:
+    steps differ only by the training in between. Returns the single images' paths.
+    """
+    prompts = config.validation_prompt_list
     was_training = denoiser.training
     denoiser.eval()
+    rows: list[list[Image.Image]] = []
     try:
         pipe = spec.build_pipeline(denoiser, vae, text_encoders)
         pipe.set_progress_bar_config(disable=True)
-        # A generator of its own, so validation never shifts the training RNG streams.
-        generator = torch.Generator(device="cpu").manual_seed(config.seed)
-        images = pipe(
-            config.validation_prompt,
-            num_images_per_prompt=config.num_validation_images,
-            num_inference_steps=config.validation_num_inference_steps,
-            guidance_scale=config.validation_guidance_scale,
-            height=config.resolution,
-            width=config.resolution,
-            generator=generator,
-        ).images
+        for prompt in prompts:
+            # A generator of its own, so validation never shifts the training RNG streams.
+            generator = torch.Generator(device="cpu").manual_seed(config.seed)
+            rows.append(pipe(
+                prompt,
+                num_images_per_prompt=config.num_validation_images,
+                num_inference_steps=config.validation_num_inference_steps,
+                guidance_scale=config.validation_guidance_scale,
+                height=config.resolution,
+                width=config.resolution,
+                generator=generator,
+            ).images)
     finally:
         denoiser.train(was_training)
     out_dir.mkdir(parents=True, exist_ok=True)
+    images = [img for row in rows for img in row]
     paths = []
     for i, image in enumerate(images):
         path = out_dir / f"step_{step:06d}_{i}.png"
         image.save(path)
         paths.append(path)
-    for tracker in trackers:
-        if tracker.name == "tensorboard":
-            import numpy as np
-
-            stacked = np.stack([np.asarray(img) for img in images])
-            tracker.writer.add_images("validation", stacked, step, dataformats="NHWC")
-    logger.info("validation images for step %d: %s", step, ", ".join(str(p) for p in paths))
+    grid = make_grid(rows)
+    grid_path = out_dir / f"step_{step:06d}_grid.png"
+    grid.save(grid_path)
+    _log_to_trackers(trackers, images, grid, prompts, step)
+    logger.info("validation images for step %d: %s; grid (a row per prompt): %s",
+                step, ", ".join(str(p) for p in paths), grid_path)
     return paths

@@ -1,0 +1,169 @@
+"""One output_dir, one run: find what an earlier run left there, refuse to write over it unless
+asked, and remove it when asked (``--overwrite``).
+
+A run writes, at the top of ``output_dir``: ``checkpoint-N/`` folders and ``latest``, its final
+weights (``*.safetensors`` adapters, or model folders such as ``unet/`` after a full fine-tune),
+``validation/``, ``logs/``, ``config.json``, ``training.log``, ``metrics.jsonl`` and
+``gh200_runtime.json``. ``--overwrite`` removes exactly those; any other file in the folder (and
+the caches, which live in ``cache_config.cache_dir``) is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from simpletuner.training import checkpoint as ckpt
+
+logger = logging.getLogger(__name__)
+
+#: Files and folders every run writes at the top of output_dir, besides checkpoints and weights.
+RUN_FILES = ("config.json", "training.log", "metrics.jsonl", "gh200_runtime.json", ckpt.LATEST)
+RUN_FOLDERS = ("validation", "logs")
+_CHECKPOINT_ENTRY = re.compile(r"^\.?checkpoint-\d+(\.tmp|\.old)?$")
+
+
+@dataclass
+class PreviousRun:
+    """What an earlier run left in an output_dir."""
+
+    checkpoints: list[Path] = field(default_factory=list)  # complete ones, oldest first
+    final_weights: list[Path] = field(default_factory=list)  # adapters / model folders of a finished run
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.checkpoints or self.final_weights)
+
+    def describe(self) -> str:
+        parts = []
+        if self.checkpoints:
+            last = self.checkpoints[-1]
+            parts.append(f"{len(self.checkpoints)} checkpoint(s), the newest {last.name}")
+        if self.final_weights:
+            parts.append("finished-run weights " + ", ".join(p.name for p in self.final_weights))
+        return " and ".join(parts)
+
+
+
+class RunFolderTaken(ValueError):
+    """output_dir holds another run (or this one, finished): the same answer on every rank."""
+
+def _is_model_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def final_weights(output_dir: Path) -> list[Path]:
+    """The weights a finished run saves at the top of ``output_dir`` (adapters, model folders)."""
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.glob("*.safetensors") if p.is_file()]
+    found += [p for p in output_dir.iterdir()
+              if p.is_dir() and not _CHECKPOINT_ENTRY.match(p.name) and p.name not in RUN_FOLDERS and _is_model_folder(p)]
+    return sorted(found)
+
+
+def find_previous_run(output_dir: Path) -> PreviousRun:
+    return PreviousRun(ckpt.list_checkpoints(output_dir), final_weights(output_dir))
+
+
+def _options(output_dir: Path, can_resume: bool) -> str:
+    options = []
+    if can_resume:
+        options.append('continue it: set resume_from_checkpoint "latest" (e.g. --set resume_from_checkpoint=latest; '
+                       "raise max_train_steps to train longer)")
+    options.append("keep it: pick another output_dir for this run")
+    options.append(f"replace it: pass --overwrite (removes its checkpoints, weights, validation images and logs from "
+                   f"{output_dir}; other files there are kept)")
+    return "\n  - ".join([""] + options)
+
+
+def check_output_dir(output_dir: Path, resume_from_checkpoint: str | None, identity: dict[str, Any]) -> None:
+    """Raise a ValueError when this run would write over another run's results in ``output_dir``.
+
+    Without ``resume_from_checkpoint``, any complete checkpoint or finished-run weights there
+    belong to another run (or to this one, started again from step 0). With ``latest`` and no
+    checkpoint, finished-run weights there cannot be resumed from. ``identity`` (the trainer's
+    run identity, without what needs the loaded model) names how the earlier run differs.
+    """
+    if resume_from_checkpoint not in (None, ckpt.LATEST):
+        return  # an explicit checkpoint: the user chose where to continue from
+    previous = find_previous_run(output_dir)
+    if previous.is_empty:
+        return
+    if resume_from_checkpoint == ckpt.LATEST:
+        if previous.checkpoints:
+            return
+        raise RunFolderTaken(
+            f"output_dir {output_dir} holds {previous.describe()} but no checkpoint, so resume_from_checkpoint "
+            f"\"latest\" has nothing to continue from, and this run would write over them. Either:"
+            + _options(output_dir, can_resume=False)
+        )
+    differences = []
+    if previous.checkpoints:
+        try:
+            state = ckpt.read_trainer_state(previous.checkpoints[-1])
+        except ValueError as exc:  # another checkpoint format: it cannot be resumed either
+            differences = [str(exc)]
+        else:
+            differences = ckpt.identity_differences(state, identity)
+    if differences:
+        why = ("; it was trained with another config (" + "; ".join(differences) + "), so this config cannot resume it")
+    else:
+        why = ""
+    raise RunFolderTaken(
+        f"output_dir {output_dir} already holds a run: {previous.describe()}{why}. This run (no "
+        f"resume_from_checkpoint) would start from step 0 and write over it. Either:"
+        + _options(output_dir, can_resume=bool(previous.checkpoints) and not differences)
+    )
+
+
+def clear_previous_run(output_dir: Path) -> list[Path]:
+    """``--overwrite``: remove what earlier runs wrote in ``output_dir`` (see the module doc);
+    returns the removed paths. Other files are kept."""
+    if not output_dir.is_dir():
+        return []
+    doomed = [p for p in output_dir.iterdir() if _CHECKPOINT_ENTRY.match(p.name) and p.is_dir()]
+    doomed += final_weights(output_dir)
+    doomed += [output_dir / name for name in RUN_FILES if (output_dir / name).is_file()]
+    doomed += [output_dir / name for name in RUN_FOLDERS if (output_dir / name).is_dir()]
+    for path in sorted(set(doomed)):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    if doomed:
+        logger.warning("--overwrite: removed the previous run from %s: %s", output_dir,
+                       ", ".join(sorted(p.name for p in set(doomed))))
+    return doomed
+
+
+def check_overwrite(output_dir: Path, resume_from_checkpoint: str | None) -> None:
+    """``--overwrite`` with an explicit checkpoint inside ``output_dir``: it would remove what it resumes."""
+    if resume_from_checkpoint in (None, ckpt.LATEST):
+        return  # 'latest' then finds nothing: the run starts afresh
+    if output_dir.resolve() in Path(resume_from_checkpoint).expanduser().resolve().parents:
+        raise RunFolderTaken(f"--overwrite would remove {resume_from_checkpoint}, which resume_from_checkpoint names: "
+                         "drop one of the two")
+
+
+def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_steps: int | None) -> int | None:
+    """The step of the checkpoint to resume from when it is already at or past ``total_steps``
+    (the run is finished: this says so, and the caller trains and saves nothing); else None."""
+    if not resume_from_checkpoint or total_steps is None:
+        return None
+    path = ckpt.resolve_resume(output_dir, resume_from_checkpoint)
+    if path is None:
+        return None
+    step = ckpt.read_trainer_state(path)["global_step"]
+    if step < total_steps:
+        return None
+    logger.warning(
+        "%s is at step %d and this run trains to step %d: already finished, nothing to train; nothing was saved "
+        "or changed. To train longer, raise max_train_steps (e.g. --set max_train_steps=%d)",
+        path, step, total_steps, step + max(total_steps, 1),
+    )
+    return step

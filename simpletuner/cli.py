@@ -7,24 +7,9 @@ import sys
 
 
 def _cmd_train(args) -> int:
-    from simpletuner.train import main as train_main
+    from simpletuner.train import main as train_main  # one parser: train.py's (also `accelerate launch -m`)
 
-    argv = ["--config", args.config, "--log-level", args.log_level]
-    if args.preset is not None:
-        argv += ["--preset", args.preset]
-    if args.peak_tflops is not None:
-        argv += ["--peak-tflops", repr(args.peak_tflops)]
-    if args.overwrite:
-        argv.append("--overwrite")
-    for item in args.overrides:
-        argv += ["--set", item]
-    return train_main(argv)
-
-
-def _positive_tflops(text: str) -> float:
-    from simpletuner.train import positive_tflops
-
-    return positive_tflops(text)
+    return train_main(args.args)
 
 
 def _cmd_estimate(args) -> int:
@@ -97,17 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_string())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train from a JSON config (single process; use accelerate launch for several)")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--preset", metavar="NAME",
-                   help="fill the keys the config leaves unset from a memory preset (see `estimate --list-presets`)")
-    p.add_argument("--peak-tflops", type=_positive_tflops, metavar="TFLOPS",
-                   help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and logs, "
-                        "then start afresh (without it such a run is refused)")
+    p = sub.add_parser("train", add_help=False,
+                       help="train from a JSON config (single process; use accelerate launch for several); "
+                            "see `simpletuner train -h`")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="--config cfg.json [--set KEY=VALUE] [--preset NAME] ...")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -187,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # train.py's own parser, so `simpletuner train -h` shows the train options
+        return _cmd_train(argparse.Namespace(args=argv[1:]))
     if argv[:1] == ["cache"]:  # its own parser, so `simpletuner cache -h` shows the cache options
         return _cmd_cache(argparse.Namespace(args=argv[1:]))
     if argv[:1] == ["diagnose"]:  # likewise: gh200_diagnostic.py's own parser, flags and exit codes

@@ -67,10 +67,6 @@ class LaunchResolution:
     overrides: list[str] = field(default_factory=list)  # ``key=json`` items to apply like ``--set``
     settings: dict[str, Setting] = field(default_factory=dict)  # key -> value in force and its source
 
-    def describe(self, key: str) -> str:
-        s = self.settings[key]
-        return f"{key} {s.value!r} ({s.source})"
-
 
 # --- reading the launcher ----------------------------------------------------------------------
 def _read_cmdline(pid: int) -> list[str] | None:

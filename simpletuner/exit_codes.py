@@ -8,6 +8,7 @@ Each code has one meaning across commands, so scripts can branch on it:
 2    bad input: config, flags, files (the message says what to fix)
 3    ``train``: non-finite loss or gradient (the last good state is saved)
 4    ``train``: out of memory (the message says what would fit)
+5    not enough disk space for a write (the message says how much, where, and what is free)
 70   internal error: a bug in simpletuner, not in the input (EX_SOFTWARE of sysexits.h)
 130  ``train``: stopped by SIGINT (Ctrl-C) after saving
 141  the output was piped into a reader that stopped early (``... | head``), as a shell reports it
@@ -25,6 +26,7 @@ DOES_NOT_FIT = 1
 BAD_INPUT = 2
 NON_FINITE = 3
 OUT_OF_MEMORY = 4
+NO_SPACE = 5
 INTERNAL_ERROR = 70
 BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE
 

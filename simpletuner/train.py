@@ -118,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     from simpletuner.training.checkpoint import ResumeRefused
     from simpletuner.training.run_folder import RunFolderTaken
     from simpletuner.training.launch import LaunchError
+    from simpletuner.diskspace import NoSpace
 
     args = build_parser().parse_args(argv)
     try:
         run(args.config, args.overrides, args.log_level, peak_tflops=args.peak_tflops, preset=args.preset,
             overwrite=args.overwrite)
+    except NoSpace as exc:  # a full disk (exit 5): the message says how much, where, and what is free
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except RunStopped as exc:  # preempted (143/130), non-finite (3), out of memory (4): the message says what next
         print(f"stopped: {exc}", file=sys.stderr)
         return exc.exit_code

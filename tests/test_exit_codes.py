@@ -24,7 +24,7 @@ def test_user_errors_keep_their_code(tmp_path, capsys):
 
 def test_codes_are_distinct():
     codes = [exit_codes.OK, exit_codes.DOES_NOT_FIT, exit_codes.BAD_INPUT, exit_codes.NON_FINITE,
-             exit_codes.OUT_OF_MEMORY, exit_codes.INTERNAL_ERROR]
+             exit_codes.OUT_OF_MEMORY, exit_codes.NO_SPACE, exit_codes.INTERNAL_ERROR]
     assert len(set(codes)) == len(codes)
 
 

@@ -1,0 +1,140 @@
+"""Disk space: check before a large write, and turn a full disk during one into one clear message.
+
+Every writer of large files (cache shards, checkpoints, the final weights) knows how many bytes
+it is about to write. It calls :func:`require_space` first, and wraps the write in
+:func:`disk_full_guard`, so a disk that fills anyway (another process wrote to it) ends the same
+way: its temp files removed, what was there before untouched, and :class:`NoSpace` saying
+"<what> needs ~X in DIR, Y free" (exit code 5, no traceback).
+
+A leaf module: it imports nothing from the package but the exit-code table, so caching, models
+and training can all use it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from simpletuner.exit_codes import NO_SPACE
+
+logger = logging.getLogger(__name__)
+
+#: Kept free on top of what a write needs: file-system metadata, a log line, the temp copy's slack.
+MARGIN_BYTES = 16 * 2**20
+
+#: ``SIMPLETUNER_FAULT_ENOSPC=<site>[@N]`` makes the N-th write at ``site`` (default the 1st) fail
+#: with ENOSPC, as a disk filled by another process would. For the tests; unset in normal runs.
+#: Sites: ``cache_shard``, ``checkpoint``, ``final_save``.
+FAULT_ENV = "SIMPLETUNER_FAULT_ENOSPC"
+_reached: dict[str, int] = {}
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# How the Rust (safetensors) and C++ (torch.save) writers word ENOSPC / EDQUOT when they do not
+# raise an OSError: "No space left on device (os error 28)", "StorageFull", "QuotaExceeded".
+_FULL_WORDS = ("no space left on device", "os error 28", "storagefull", "disk quota exceeded", "os error 122",
+               "quotaexceeded")
+
+
+def human_bytes(num_bytes: float) -> str:
+    """``1536`` -> ``"1.5 KB"``; decimal units, as ``df -H`` prints them."""
+    value = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+class NoSpace(RuntimeError):
+    """Not enough free space for a write; the message names how much, where, and what is free."""
+
+    exit_code = NO_SPACE
+
+    def __init__(self, what: str, folder: Path, needed: int | None, free: int, during_write: bool = False):
+        self.what, self.folder, self.needed, self.free = what, Path(folder), needed, free
+        need = f"needs ~{human_bytes(needed)}" if needed else "needs more space"
+        when = "the disk filled while writing it" if during_write else "nothing was written"
+        super().__init__(
+            f"not enough disk space for {what}: {need} in {folder}, {human_bytes(free)} free ({when}; what was "
+            f"there before is intact). Free space on that disk, or point the setting that names {folder} at "
+            "another disk, then run the same command again"
+        )
+
+
+def _existing_ancestor(folder: Path) -> Path:
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    return folder
+
+
+def free_bytes(folder: str | os.PathLike[str]) -> int:
+    """Free bytes (for this user) on the file system that holds ``folder`` or would hold it."""
+    return shutil.disk_usage(_existing_ancestor(Path(folder))).free
+
+
+def require_space(folder: str | os.PathLike[str], needed: int, what: str) -> None:
+    """Raise :class:`NoSpace` before writing when ``folder``'s disk has less than ``needed`` bytes
+    (plus :data:`MARGIN_BYTES`) free."""
+    free = free_bytes(folder)
+    if free < needed + MARGIN_BYTES:
+        raise NoSpace(what, Path(folder), needed, free)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a full disk or an exceeded quota, however the writer
+    worded it (an OSError from Python, a SafetensorError from Rust, a RuntimeError from torch.save)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            return True
+        text = str(exc).lower()
+        if any(word in text for word in _FULL_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def inject_fault(site: str) -> None:
+    """Fail like a full disk here when :data:`FAULT_ENV` names ``site`` (tests only)."""
+    wanted = os.environ.get(FAULT_ENV)
+    if not wanted:
+        return
+    point, _, nth = wanted.partition("@")
+    if point != site:
+        return
+    _reached[site] = _reached.get(site, 0) + 1
+    if _reached[site] == int(nth or 1):
+        raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}={wanted})")
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:  # a cleanup that fails must not hide why we are cleaning up
+        logger.warning("could not remove %s after a failed write: %s", path, exc)
+
+
+@contextmanager
+def disk_full_guard(folder: str | os.PathLike[str], needed: int | None, what: str,
+                    cleanup: Iterable[str | os.PathLike[str]] = ()) -> Iterator[None]:
+    """Run a write; if the disk fills, remove ``cleanup`` (the write's temp files or folders) and
+    raise :class:`NoSpace` instead of the writer's own error. Other errors pass through unchanged
+    (``cleanup`` is still removed: a half-written temp file is never useful)."""
+    try:
+        yield
+    except BaseException as exc:
+        for path in cleanup:
+            _remove(Path(path))
+        if isinstance(exc, Exception) and is_disk_full(exc):
+            raise NoSpace(what, Path(folder), needed, free_bytes(folder), during_write=True) from None
+        raise

@@ -46,7 +46,7 @@ def configure_logging(level: str | int = "INFO", stream: IO[str] | None = None) 
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, _ConsoleHandler)]:
         root.removeHandler(handler)
-    handler = _ConsoleHandler(stream if stream is not None else sys.stderr)
+    handler = _ConsoleHandler(stream)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root.addHandler(handler)
     root.setLevel(max(numeric, logging.INFO))  # third-party DEBUG (PIL's chunk dumps) stays out
@@ -55,7 +55,24 @@ def configure_logging(level: str | int = "INFO", stream: IO[str] | None = None) 
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """The console handler :func:`configure_logging` installed (found again by its type)."""
+    """The console handler :func:`configure_logging` installed (found again by its type).
+
+    Without a stream of its own it writes to whatever ``sys.stderr`` is when a line is logged, not
+    the one it was created with: a caller that swapped stderr for a while (a test's capture, a
+    tool's redirect) and closed it must not leave every later line failing with "I/O operation on
+    closed file"."""
+
+    def __init__(self, stream: IO[str] | None = None):
+        self._own_stream = stream
+        super().__init__(stream)
+
+    @property
+    def stream(self) -> IO[str]:
+        return self._own_stream if self._own_stream is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value: IO[str] | None) -> None:  # StreamHandler.__init__ / setStream assign it
+        self._own_stream = value if value is not sys.stderr else None
 
 
 class _HeldRecords(logging.Handler):

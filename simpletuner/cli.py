@@ -7,9 +7,12 @@ import sys
 
 
 def _cmd_train(args) -> int:
-    from simpletuner.train import main as train_main  # one parser: train.py's (also `accelerate launch -m`)
+    from simpletuner.train import _is_single_process, end_process, main as train_main  # one parser: train.py's
 
-    return train_main(args.args)
+    code = train_main(args.args)
+    if not _is_single_process():  # a rank of `accelerate launch`: ends as train.py's ranks do
+        end_process(code)
+    return code
 
 
 def _cmd_estimate(args) -> int:

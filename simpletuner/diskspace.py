@@ -55,10 +55,16 @@ class NoSpace(RuntimeError):
 
     exit_code = NO_SPACE
 
-    def __init__(self, what: str, folder: Path, needed: int | None, free: int, during_write: bool = False):
+    def __init__(self, what: str, folder: Path, needed: int | None, free: int, during_write: bool = False,
+                 agreed: bool = False):
+        """``agreed``: raised on this process because another one (rank 0) ran out of space, so that
+        every process of a launch stops the same way; ``simpletuner train`` prints it once."""
         self.what, self.folder, self.needed, self.free = what, Path(folder), needed, free
+        self.during_write, self.agreed = during_write, agreed
         need = f"needs ~{human_bytes(needed)}" if needed else "needs more space"
         when = "the disk filled while writing it" if during_write else "nothing was written"
+        if not during_write and needed and free >= needed:  # refused for the reserve alone: say why
+            when += f"; {human_bytes(MARGIN_BYTES)} is kept free beyond what a write needs"
         super().__init__(
             f"not enough disk space for {what}: {need} in {folder}, {human_bytes(free)} free ({when}; what was "
             f"there before is intact). Free space on that disk, or point the setting that names {folder} at "
@@ -114,7 +120,8 @@ def inject_fault(site: str) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {FAULT_ENV}={wanted})")
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove a file or a folder tree, logging (not raising) when that fails."""
     try:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
@@ -133,8 +140,17 @@ def disk_full_guard(folder: str | os.PathLike[str], needed: int | None, what: st
     try:
         yield
     except BaseException as exc:
+        is_full = isinstance(exc, Exception) and (is_disk_full(exc) or _is_short_write_on_full_disk(exc, folder))
         for path in cleanup:
-            _remove(Path(path))
-        if isinstance(exc, Exception) and is_disk_full(exc):
+            remove_path(Path(path))
+        if is_full:
             raise NoSpace(what, Path(folder), needed, free_bytes(folder), during_write=True) from None
         raise
+
+
+def _is_short_write_on_full_disk(exc: BaseException, folder: str | os.PathLike[str]) -> bool:
+    """torch.save to a path on a full disk loses the errno: it raises "[enforce fail at
+    inline_container.cc:...] . unexpected pos N vs M" (a short write; its context only says
+    "basic_ios::clear: iostream error"). Such a write failed for want of space when the disk is
+    (still, before the temp files are removed) within the margin of full."""
+    return "unexpected pos" in str(exc) and free_bytes(folder) < MARGIN_BYTES

@@ -102,7 +102,48 @@ def run(config_path: str, overrides=(), log_level: str = "INFO", peak_tflops: fl
     state = StateTracker(loaded.config, loaded.raw)
     state.setting_sources = sources
     state.startup_notes = preset_notes
-    return Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite).train()
+    trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite)
+    if not _is_single_process():
+        _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
+    return trainer.train()
+
+
+#: The trainer of a rank of a multi-process launch, kept until the process ends in :func:`end_process`.
+_KEEP_ALIVE: list = []
+
+
+def _is_single_process() -> bool:
+    import os
+
+    return os.environ.get("WORLD_SIZE", "1") in ("", "1")
+
+
+def end_process(code: int) -> None:
+    """End the ``train`` process with ``code``.
+
+    A rank of a multi-process launch leaves with ``os._exit`` once its output is flushed, without
+    freeing the trainer: freeing its DDP model destroys the Gloo process group while holding the
+    GIL, and that destructor joins Gloo's worker threads, one of which may still be releasing the
+    tensors of a finished collective, which needs the GIL: a deadlock (pytorch/pytorch#56297; seen
+    as a rank hanging after its run completed). Everything a run writes is closed and fsynced
+    before ``train()`` returns, and the process group was shut down by ``end_training``.
+    A single process exits normally.
+    """
+    import logging
+    import os
+
+    from simpletuner.training.reliability import exit_on_signal
+
+    exit_on_signal(code)  # the run is over: a signal during shutdown exits with its code, no traceback
+    if not _is_single_process():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 def _is_main_rank() -> bool:
@@ -113,8 +154,41 @@ def _is_main_rank() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from simpletuner.training.reliability import RunSignals, RunStopped  # standard library only: installed before the heavy imports
+
+    with RunSignals():  # SIGTERM / SIGINT in any phase: one line and 143 / 130, never a traceback
+        try:
+            return _main(argv)
+        except RunStopped as exc:  # a signal while _main imports, before its own handlers
+            print(_stopped_line(exc), file=sys.stderr)
+            return exc.exit_code
+
+
+def _stopped_line(exc) -> str:
+    """The line a stopped run ends with: a signal's message already starts with "stopped by"."""
+    text = str(exc)
+    return text if text.startswith("stopped by ") else f"stopped: {text}"
+
+
+def _peer_stopped(exc: Exception) -> bool:
+    """Whether a collective failed because another process of a multi-process run went away (a
+    signal stopped it outside the step loop, or it failed): not a bug here, and not this rank's story."""
+    import os
+
+    if os.environ.get("WORLD_SIZE", "1") in ("", "1"):
+        return False
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("Connection closed by peer", "Connection reset by peer"))
+
+
+def _main(argv: list[str] | None) -> int:
+    import signal
+
     from simpletuner.configuration import ConfigError
-    from simpletuner.training.reliability import RunStopped
+    from simpletuner.training.reliability import RunSignals, RunStopped
     from simpletuner.training.checkpoint import ResumeRefused
     from simpletuner.training.run_folder import RunFolderTaken
     from simpletuner.training.launch import LaunchError
@@ -125,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         run(args.config, args.overrides, args.log_level, peak_tflops=args.peak_tflops, preset=args.preset,
             overwrite=args.overwrite)
     except NoSpace as exc:  # a full disk (exit 5): the message says how much, where, and what is free
-        print(f"error: {exc}", file=sys.stderr)
+        if _is_main_rank() or not exc.agreed:  # an agreed one is rank 0's, raised on every rank: printed once
+            print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except RunStopped as exc:  # preempted (143/130), non-finite (3), out of memory (4): the message says what next
-        print(f"stopped: {exc}", file=sys.stderr)
+    except RunStopped as exc:  # a signal (143/130), non-finite (3), out of memory (4): the message says what next
+        print(_stopped_line(exc), file=sys.stderr)
         return exc.exit_code
     except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
         if args.log_level == "DEBUG":
@@ -139,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a bug of ours: never exit with a code that means something else
         from simpletuner.exit_codes import report_internal_error
 
+        signals = RunSignals.installed()
+        if signals is not None and signals.signum is not None:  # a signal came first (e.g. the sibling ranks it stopped broke a collective)
+            name = signal.Signals(signals.signum).name
+            print(f"stopped by {name} during {signals.received_in}: then {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 128 + signals.signum
+        if _peer_stopped(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print("stopped: another process of this run stopped or failed first, so this one cannot go on (that "
+                  f"process's message says why): {first}", file=sys.stderr)
+            return 1
         return report_internal_error(exc, "train")
     return 0
 
@@ -149,4 +234,4 @@ if __name__ == "__main__":
 
         # Replace the script's own folder (which would shadow packages) with the repository root.
         sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.exit(main())
+    end_process(main())

@@ -70,7 +70,7 @@ def write_video(path, num: int, size=SIZE) -> None:
 def config_for(data_dir, num_frames=5, frame_stride=1, model_dir="/models/wan", **overrides):
     dataset = {"id": "clips", "type": "local", "instance_data_dir": str(data_dir), "dataset_type": "video",
                "num_frames": num_frames, "frame_stride": frame_stride, **overrides.pop("dataset", {})}
-    raw = {"pretrained_model_name_or_path": model_dir, "model_family": "wan", "output_dir": str(data_dir / "out"),
+    raw = {"pretrained_model_name_or_path": model_dir, "model_family": "wan", "output_dir": str(data_dir.parent / f"{data_dir.name}-out"),
            "resolution": 32, "aspect_bucket_alignment": 16, "max_train_steps": 1, "datasets": [dataset], **overrides}
     return raw
 

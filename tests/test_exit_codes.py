@@ -40,3 +40,22 @@ def test_piping_into_head_is_not_an_internal_error(tmp_path):
                           timeout=60)
     assert proc.stdout == "line 0\n"
     assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_full_disk_rank_zero_reported_is_printed_once(monkeypatch, capsys, tmp_path):
+    """Rank 0 ran out of space and every rank raised the same NoSpace: only rank 0 prints it; a rank
+    that ran out of space itself prints its own. Every rank exits 5."""
+    from simpletuner.diskspace import NoSpace
+
+    def full(agreed):
+        def run(*args, **kwargs):
+            raise NoSpace("checkpoint-4", tmp_path, 10**9, 10**6, during_write=True, agreed=agreed)
+        return run
+
+    for rank, agreed, printed in [("0", False, True), ("1", True, False), ("1", False, True)]:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(train, "run", full(agreed))
+        assert train.main(["--config", "cfg.json"]) == exit_codes.NO_SPACE == 5
+        err = capsys.readouterr().err
+        assert ("not enough disk space for checkpoint-4: needs ~1.0 GB" in err) is printed, (rank, agreed, err)
+        assert "Traceback" not in err

@@ -224,12 +224,13 @@ def test_sd15_config_only_estimate_in_a_fresh_process(tmp_path):
     3.2 GiB of fp32 weights in resident memory (nothing real is allocated for parameters)."""
     folder = write_sd15_config_only(tmp_path / "sd15")
     assert not list(folder.rglob("*.safetensors")) and not list(folder.rglob("*.bin"))
+    (tmp_path / "data").mkdir()
     script = textwrap.dedent(f"""
         import json, resource, torch
         from simpletuner.configuration import validate_config
         from simpletuner.memory.estimator import estimate_memory
         cfg = validate_config({{"pretrained_model_name_or_path": {str(folder)!r}, "max_train_steps": 1,
-                                "datasets": [{{"id": "d", "type": "local", "instance_data_dir": {str(tmp_path)!r}}}],
+                                "datasets": [{{"id": "d", "type": "local", "instance_data_dir": {str(tmp_path / "data")!r}}}],
                                 "mixed_precision": "bf16", "output_dir": {str(tmp_path / "out")!r}}})
         est = estimate_memory(cfg, 1)
         print(json.dumps({{"est": est.as_dict(), "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

@@ -144,7 +144,9 @@ def test_memory_estimate_runs_for_wan(wan_config):
 def test_memory_estimate_of_a_video_dataset_counts_its_frames(wan_config, tmp_path):
     from simpletuner.memory.estimator import batch_shapes
 
-    video = {"id": "clips", "type": "local", "instance_data_dir": str(tmp_path), "dataset_type": "video", "num_frames": 9}
+    (tmp_path / "clips").mkdir()  # beside output_dir, not holding it
+    video = {"id": "clips", "type": "local", "instance_data_dir": str(tmp_path / "clips"), "dataset_type": "video",
+             "num_frames": 9}
     cfg = validate_config(wan_config(datasets=[video]))
     latents, _ = batch_shapes(cfg, 2)
     assert latents.shape == (2, C, 3, 8, 8)  # 9 frames -> (9 - 1) / 4 + 1 latent frames

@@ -102,13 +102,13 @@ def _small_machine(host_available, gpu_free=None):
 
 
 def test_a_run_larger_than_this_machine_stops_before_the_cache_fill(make_config, mixed_sizes):
-    """The real machine's MemAvailable against latents of 2**20 px images held in RAM: terabytes,
-    computed from the shapes, never allocated."""
-    raw = make_config(resolution=1 << 20, cache_config={"cache_dir": str(make_config()["cache_config"]["cache_dir"]),
-                                                        "vae_cache_type": "memory"},
+    """A machine with 256 MiB available against latents of 16384 px images (the largest resolution
+    the schema allows) held in RAM: 64 MiB each, computed from the shapes, never allocated."""
+    raw = make_config(resolution=16384, cache_config={"cache_dir": str(make_config()["cache_config"]["cache_dir"]),
+                                                      "vae_cache_type": "memory"},
                       datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes),
                                  "allow_upscale": True}])
-    machine = detect_hardware()
+    machine = dataclasses.replace(detect_hardware(), host_ram_available_bytes=256 * 2**20)
     trainer = Trainer(StateTracker(validate_config(raw), raw), hardware=dataclasses.replace(machine, device_name=None))
     with pytest.raises(NotEnoughMemory) as exc:
         trainer.setup()

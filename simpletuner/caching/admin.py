@@ -4,12 +4,18 @@ The caches of a config live in ``<cache_dir>/<model_family>/{vae,text}``. ``veri
 each one read-only, checks every entry against the checksum recorded when it was written,
 and compares what is stored with what the config needs now (the dataset is scanned and the
 keys built the way training builds them), so after a VAE change the old latents show up as
-stale. ``clear`` removes both caches, or with ``--stale-only`` rewrites them to hold only
-the sound entries the config needs.
+stale. ``verify --content`` also reads the source file of every needed latent and compares a
+hash of its bytes with the one recorded when the latent was encoded (a file edited in place
+with its size and mtime kept has the same key); ``--fix`` removes the changed ones so the next
+run re-encodes them. ``clear`` removes both caches, or with ``--stale-only`` rewrites them to
+hold only the sound entries the config needs.
 
-Exit status: 0 all is well (missing and stale entries are not errors), 1 corruption found
-(or a removal declined), 2 a usage or config error (including ``clear`` without ``--yes``
-when stdin is not a terminal).
+Exit status: 0 all is well (missing and stale entries are not errors; changed sources that
+``--fix`` removed neither), 1 corruption found, latents whose source changed (``--content``
+without ``--fix``), or a removal declined, 2 a usage or config error (including ``clear``
+without ``--yes`` when stdin is not a terminal, and ``--content`` when the dataset cannot be
+scanned; ``clear`` while a training run uses the cache, unless ``--wait``: see :mod:`simpletuner.locks`).
+``verify`` takes no lock: it only reads.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
@@ -26,8 +33,10 @@ from typing import TYPE_CHECKING, Any, Iterator, TextIO
 import orjson
 
 from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.caching.tensor_cache import map_threads
 from simpletuner.caching.text_cache import caption_text_key
-from simpletuner.caching.vae_cache import sample_latent_key
+from simpletuner.locks import CacheLocks
+from simpletuner.caching.vae_cache import sample_latent_key, sample_source_hash, sample_source_name
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -36,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_NAMES = ("vae", "text")
 _MAX_LISTED = 20
+# File reads and blake2b release the GIL; as for checksums, a second thread gained nothing on 2 cores.
+_HASH_WORKERS = min(8, (os.cpu_count() or 1) // 2)
 
 
 @dataclass
@@ -60,10 +71,22 @@ class CacheSummary:
     num_present: int | None = None
     num_missing: int | None = None
     stale: list[str] | None = None
+    # --content (the vae cache only; None when not asked or not applicable): needed entries whose
+    # source was hashed again, those whose source changed (key -> source path), those without a
+    # recorded hash, and how many changed ones --fix removed.
+    num_content_checked: int | None = None
+    content_changed: dict[str, str] = field(default_factory=dict)
+    num_content_unhashed: int | None = None
+    num_content_removed: int | None = None
 
     @property
     def has_corruption(self) -> bool:
         return bool(self.corrupt or self.unreadable_shards)
+
+    @property
+    def has_changed_content(self) -> bool:
+        """Latents whose source changed and are still in the cache (not removed by --fix)."""
+        return bool(self.content_changed) and not self.num_content_removed
 
     @property
     def num_removable(self) -> int:
@@ -91,6 +114,11 @@ def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
         ValueError: the config has no datasets, a dataset scan fails, or an encoder folder is unusable.
         OSError: a folder cannot be read.
     """
+    return _scan_needed(config)[0]
+
+
+def _scan_needed(config: "TrainingConfig") -> tuple[dict[str, set[str]], dict[str, tuple[Any, Any]]]:
+    """:func:`needed_keys`, and ``{latent key: (dataset, sample)}`` to find each latent's source."""
     from simpletuner.data_backend import RegisteredDataset, build_local_backend, build_metadata
     from simpletuner.data_backend.augment import static_augmentation_key
     from simpletuner.models import get_model_spec
@@ -103,17 +131,40 @@ def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
     text_identity = spec.text_encoder_identity()
     text_dtype = PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision)]
     augment = static_augmentation_key(config)  # the static cache holds augmented latents under their own keys
-    latent_keys: set[str] = set()
+    latent_sources: dict[str, tuple[Any, Any]] = {}
     captions: set[str] = set()
     for dataset_cfg in config.datasets:
         backend = build_local_backend(dataset_cfg, config)
         metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed)
         dataset = RegisteredDataset(dataset_cfg.id, dataset_cfg, backend, metadata)
         for sample in metadata.samples:
-            latent_keys.add(sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment))
+            key = sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment)
+            latent_sources.setdefault(key, (dataset, sample))
             captions.add(sample.caption)
     text_keys = {caption_text_key(c, text_identity, text_dtype) for c in captions}
-    return {"vae": latent_keys, "text": text_keys}
+    return {"vae": set(latent_sources), "text": text_keys}, latent_sources
+
+
+def check_sources(summary: CacheSummary, store: ShardedTensorStore, sources: dict[str, tuple[Any, Any]]) -> None:
+    """Hash the source of every sound latent in ``store`` that ``sources`` (latent key -> (dataset,
+    sample)) needs, compare it with the hash recorded at encode time, and fill ``summary``'s
+    content fields. A source that cannot be read any more counts as changed."""
+    keys = sorted(key for key in sources if key in store and key not in summary.corrupt)
+    recorded = store.source_hashes(keys)
+    to_check = [key for key in keys if recorded.get(key) is not None]
+
+    def current(key: str) -> str | None:
+        dataset, sample = sources[key]
+        try:
+            return sample_source_hash(dataset.backend, sample)
+        except OSError:
+            return None
+
+    hashes = map_threads(current, to_check, _HASH_WORKERS, None, f"hashing {summary.name} sources")
+    summary.num_content_checked = len(to_check)
+    summary.num_content_unhashed = len(keys) - len(to_check)
+    summary.content_changed = {key: sample_source_name(*sources[key])
+                               for key, now in zip(to_check, hashes) if now != recorded[key]}
 
 
 @contextlib.contextmanager
@@ -212,14 +263,22 @@ class _Inspection:
     why_not_needed: str | None  # why the needed keys could not be computed
 
 
-def _inspect_all(config: "TrainingConfig") -> _Inspection:
+def _inspect_all(config: "TrainingConfig", content: bool = False) -> _Inspection:
+    """Inspect every cache of ``config``; with ``content`` also hash the latents' sources."""
     base = cache_base(config)
+    sources: dict[str, tuple[Any, Any]] = {}
     try:
-        needed: dict[str, set[str]] | None = needed_keys(config)
+        needed, sources = _scan_needed(config)
         why_not = None
     except (ValueError, OSError) as error:
         needed, why_not = None, str(error)
     pairs = [inspect_cache(name, base / name, needed[name] if needed else None) for name in CACHE_NAMES]
+    if content and needed is not None:
+        summary, store = pairs[CACHE_NAMES.index("vae")]
+        if store is not None:
+            check_sources(summary, store, sources)
+        else:
+            summary.num_content_checked = summary.num_content_unhashed = 0
     return _Inspection([p[0] for p in pairs], [p[1] for p in pairs], needed, why_not)
 
 
@@ -230,29 +289,88 @@ def _as_json(summary: CacheSummary) -> dict[str, Any]:
     data["num_stale"] = None if stale is None else len(stale)
     data["stale_sample"] = None if stale is None else stale[:_MAX_LISTED]
     data["has_corruption"] = summary.has_corruption
+    data["has_changed_content"] = summary.has_changed_content
     return data
 
 
+def _print_content(s: CacheSummary, out: TextIO) -> None:
+    """The ``--content`` lines of one cache (its sources, as hashed now)."""
+    unhashed = (f", {s.num_content_unhashed} without a recorded hash (encoded before source hashes were stored: "
+                "cannot be checked; a run with cache_config.verify_content re-encodes them)"
+                if s.num_content_unhashed else "")
+    unchanged = (s.num_content_checked or 0) - len(s.content_changed)
+    print(f"  sources: {unchanged} unchanged, {len(s.content_changed)} changed since encoded{unhashed}", file=out)
+    for key, path in list(s.content_changed.items())[:_MAX_LISTED]:
+        print(f"    changed {path} (entry {key})", file=out)
+    if len(s.content_changed) > _MAX_LISTED:
+        print(f"    ... and {len(s.content_changed) - _MAX_LISTED} more", file=out)
+    if s.num_content_removed:
+        print(f"  removed {s.num_content_removed} entries whose source changed; the next run re-encodes them", file=out)
+
+
+def _fix_changed(config: "TrainingConfig", inspection: _Inspection, wait: bool) -> None:
+    """``--fix``: remove the latents whose source changed, so the next run re-encodes them. The cache
+    is held as ``cache clear`` holds it: a run reading a shard while it is rewritten would fail.
+
+    Raises:
+        FolderLocked (a ValueError): a run uses the cache and ``wait`` is False.
+    """
+    from simpletuner.locks import CacheLocks
+
+    index = CACHE_NAMES.index("vae")
+    summary, store = inspection.summaries[index], inspection.stores[index]
+    if store is None or not summary.content_changed:
+        return
+    with CacheLocks(cache_base(config)).clearing(wait=wait, say=lambda message: print(message, file=sys.stderr)):
+        removed = summary.num_content_removed = store.remove(list(summary.content_changed))
+    summary.num_entries -= removed  # the counts describe the cache as the command leaves it
+    summary.num_ok -= removed
+    if summary.num_present is not None and summary.num_missing is not None:
+        summary.num_present, summary.num_missing = summary.num_present - removed, summary.num_missing + removed
+
+
 def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """List and check the caches of ``args.config``; 1 when an entry or shard is damaged."""
+    """List and check the caches of ``args.config``; 1 when an entry or shard is damaged, or (with
+    ``--content``) a latent's source changed and ``--fix`` did not remove it."""
     out = out or sys.stdout
-    inspection = _inspect_all(_load(args))
+    content, fix = getattr(args, "content", False), getattr(args, "fix", False)
+    if fix and not content:
+        print("error: --fix goes with --content (it removes latents whose source file changed). Corrupt entries are "
+              "re-encoded by the next run, or removed by `simpletuner cache clear --stale-only`", file=sys.stderr)
+        return 2
+    config = _load(args)
+    inspection = _inspect_all(config, content=content)
     summaries, why_not = inspection.summaries, inspection.why_not_needed
+    content_error = why_not if content and inspection.needed is None else None
+    if fix:
+        _fix_changed(config, inspection, getattr(args, "wait", False))
     is_corrupt = any(s.has_corruption for s in summaries)
+    num_changed = sum(len(s.content_changed) for s in summaries if s.has_changed_content)
+    status = 1 if is_corrupt else 2 if content_error else 1 if num_changed else 0
     if args.json:
-        payload: dict[str, Any] = {"config": str(args.config), "is_clean": not is_corrupt,
-                                   "needed_keys_error": why_not, "caches": [_as_json(s) for s in summaries]}
+        payload: dict[str, Any] = {"config": str(args.config), "is_clean": not is_corrupt and not num_changed,
+                                   "needed_keys_error": why_not, "content_checked": content and not content_error,
+                                   "caches": [_as_json(s) for s in summaries]}
         out.write(orjson.dumps(payload, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 1 if is_corrupt else 0
+        return status
     if why_not:
         print(f"note: cannot tell which entries this config needs ({why_not}); checksums are still checked", file=out)
     for summary in summaries:
         _print_summary(summary, out)
+        if summary.num_content_checked is not None:
+            _print_content(summary, out)
+    if content_error:
+        print(f"error: --content cannot find the source files of the latents: {content_error}", file=sys.stderr)
+    if num_changed:
+        print(f"{num_changed} cached latent(s) no longer match their source file (edited in place with its size and "
+              f"modification time kept). Remove them with `simpletuner cache verify --config {args.config} --content "
+              "--fix` (the next run re-encodes them), or train with `cache_config.verify_content: true`.", file=out)
     if is_corrupt:
         print(f"corruption found. Damaged entries are re-encoded on the next training run; or remove them now with "
               f"`simpletuner cache clear --config {args.config} --stale-only` (or everything without --stale-only).",
               file=out)
-        return 1
+    if status:
+        return status
     if any(s.stale or s.num_superseded for s in summaries):
         print(f"all entries are sound. `simpletuner cache clear --config {args.config} --stale-only` frees the stale ones.",
               file=out)
@@ -277,12 +395,23 @@ def _confirm(question: str, assume_yes: bool, stdin: TextIO, out: TextIO) -> int
 
 
 def cmd_clear(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO | None = None) -> int:
-    """Remove the caches of ``args.config`` (or, with --stale-only, what it does not need)."""
+    """Remove the caches of ``args.config`` (or, with --stale-only, what it does not need), holding
+    the cache folder exclusively: while a run uses it this refuses (exit 2, naming the runs), or
+    with ``--wait`` waits for them to end."""
     stdin, out = stdin or sys.stdin, out or sys.stdout
     config = _load(args)
-    if args.stale_only:
-        return _clear_stale(config, args, stdin, out)
     base = cache_base(config)
+    locks = CacheLocks(base)
+    held = locks.clearing(wait=args.wait, say=lambda line: print(line, file=out, flush=True)) if base.is_dir() \
+        else contextlib.nullcontext()  # nothing there to protect; locking would create the folder
+    with held:
+        if args.stale_only:
+            return _clear_stale(config, args, stdin, out)
+        return _clear_all(locks, args, stdin, out)
+
+
+def _clear_all(locks: CacheLocks, args: argparse.Namespace, stdin: TextIO, out: TextIO) -> int:
+    base = locks.base
     from simpletuner.training.reencode import EPOCH_CACHE_NAME
 
     folders = [base / name for name in (*CACHE_NAMES, EPOCH_CACHE_NAME) if (base / name).exists()]
@@ -298,8 +427,7 @@ def cmd_clear(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO
         return status
     for folder in folders:
         shutil.rmtree(folder)
-    with contextlib.suppress(OSError):
-        base.rmdir()  # only when empty
+    locks.remove_if_empty()  # the folder goes too when only the locks were left in it
     print(f"removed {len(folders)} cache folder(s)", file=out)
     return 0
 
@@ -344,6 +472,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="list the caches and check every entry's checksum (exit 1 on corruption)")
     common(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--content", action="store_true",
+                   help="also hash the source file of every latent this config needs and compare it with the hash "
+                        "recorded when it was encoded (finds files edited in place with size and mtime kept; reads "
+                        "every image once); exit 1 when some changed")
+    p.add_argument("--fix", action="store_true",
+                   help="with --content: remove the latents whose source changed, so the next run re-encodes them "
+                        "(refuses while a run uses the cache); exit 0 once removed")
+    p.add_argument("--wait", action="store_true", help="with --fix: wait for runs using the cache to end instead of refusing")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("clear", help="remove the caches (asks first; --yes when not on a terminal)")
@@ -351,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-only", action="store_true",
                    help="keep the sound entries this config needs; remove stale, corrupt and superseded ones")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--wait", action="store_true",
+                   help="while a training run uses the cache, wait for it to end (without it: refuse, exit 2)")
     p.set_defaults(func=cmd_clear)
     return parser
 
@@ -359,9 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     """``simpletuner cache ...``; returns the exit status."""
     from simpletuner.configuration import ConfigError
 
+    from simpletuner.diskspace import NoSpace
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except NoSpace as error:  # a compaction or repair rewriting shards on a full disk (exit 5)
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

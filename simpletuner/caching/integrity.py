@@ -20,6 +20,9 @@ import torch
 
 KEY_SEPARATOR = "|"
 CHECKSUM_PREFIX = "crc32:"
+# ``"source:{key}"`` -> :func:`~simpletuner.caching.fingerprint.source_hash` of what the entry was
+# encoded from (VAE latents: the image file), read by ``verify_content`` / ``cache verify --content``.
+SOURCE_HASH_PREFIX = "source:"
 UNVERIFIED_VERSION = "1"  # shards written before checksums: readable, not checkable
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 

@@ -54,6 +54,7 @@ class MemoryTensorStore:
         self._entries: dict[str, dict[str, torch.Tensor]] = {}
         self._rejected: dict[str, str] = {}  # key -> why its backing copy was not loaded
         self._markers: dict[str, dict[str, Any]] = {}  # without a backing folder
+        self._sources: dict[str, str] = {}  # source hashes, without a backing folder
         if backing is not None:
             self._load(backing)
 
@@ -115,13 +116,26 @@ class MemoryTensorStore:
     def _missing(self, key: str) -> KeyError:
         return KeyError(f"{key!r} is not in the {self.name} cache ({self.root})")
 
-    def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]]) -> Path | None:
-        """Store in memory (placed) and, when persistent, on disk too; returns the shard written."""
-        shard = self.backing.put_many(entries) if self.backing is not None else None
+    def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]],
+                 source_hashes: Mapping[str, str] | None = None) -> Path | None:
+        """Store in memory (placed) and, when persistent, on disk too (with ``source_hashes``, see
+        :meth:`ShardedTensorStore.put_many`); returns the shard written."""
+        if self.backing is not None:
+            shard = self.backing.put_many(entries, source_hashes=source_hashes)
+        else:
+            shard = None
+            self._sources.update({k: v for k, v in (source_hashes or {}).items() if k in entries})
         for key, entry in entries.items():
             self._entries[key] = {n: self._place(t.detach().to("cpu", copy=True)) for n, t in entry.items()}
             self._rejected.pop(key, None)
         return shard
+
+    def source_hashes(self, keys: Sequence[str]) -> dict[str, str | None]:
+        """See :meth:`ShardedTensorStore.source_hashes` (the backing folder's, when there is one)."""
+        held = [key for key in keys if key in self._entries]
+        if self.backing is not None:
+            return self.backing.source_hashes(held)
+        return {key: self._sources.get(key) for key in held}
 
     # --- integrity (the same surface as ShardedTensorStore) ---
     def verify(self, keys: Iterable[str] | None = None, desc: str | None = None) -> VerifyReport:
@@ -147,6 +161,7 @@ class MemoryTensorStore:
         num_removed = sum(self._entries.pop(key, None) is not None for key in keys)
         for key in keys:
             self._rejected.pop(key, None)
+            self._sources.pop(key, None)
         if self.backing is not None:
             self.backing.remove(keys)
         return num_removed

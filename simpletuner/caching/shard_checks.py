@@ -237,8 +237,8 @@ class ShardChecks:
             read = self.read_checked(wanted) if wanted else CheckedRead({}, {}, 0)
             if len(read.entries) == len(shard_keys):
                 continue
-            if read.entries:
-                self.put_many(read.entries)
+            if read.entries:  # the source hashes travel along, so verify_content still trusts them
+                self.put_many(read.entries, source_hashes=self._recorded_sources(read.entries))
                 num_rewritten += 1
             num_removed += len(shard_keys) - len(read.entries)
             self._forget_shard(shard)
@@ -274,12 +274,16 @@ class ShardChecks:
                 continue
             kept = [k for k in shard_keys if k not in doomed and self._index.get(k, (None,))[0] == shard]
             if kept:
-                self.put_many(dict(zip(kept, self.get_many(kept))))
+                self.put_many(dict(zip(kept, self.get_many(kept))), source_hashes=self._recorded_sources(kept))
             self._forget_shard(shard)
             shard.unlink(missing_ok=True)
         self.discard(doomed)  # keys held only by unreadable shards
         self._fsync_root()
         return num_removed
+
+    def _recorded_sources(self, keys: Iterable[str]) -> dict[str, str]:
+        """The source hashes recorded for ``keys`` (those that have one), to rewrite them with."""
+        return {key: value for key, value in self.source_hashes(list(keys)).items() if value is not None}
 
     def _marker_path(self, name: str) -> Path:
         return self.root / f"{check_marker_name(name)}{MARKER_SUFFIX}"

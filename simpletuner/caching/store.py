@@ -8,6 +8,8 @@ holding many entries with tensor names ``"{key}|{name}"``. Reading goes through 
 
 Writes are atomic: a shard is written to a hidden temp file in the same folder, fsync'd,
 then ``os.replace``'d into place, so a crash leaves either the whole shard or none of it.
+A full disk (checked before each shard, or ENOSPC during the write) raises
+:class:`~simpletuner.diskspace.NoSpace` with the temp file removed.
 On start the store indexes shards from their headers only; a shard that cannot be opened
 (truncated, corrupt, foreign) is skipped with a warning naming why and how many entries it
 held, and those entries become misses.
@@ -18,7 +20,9 @@ every tensor (over its dtype, shape and bytes) under ``"crc32:{key}|{name}"``. R
 training path do not check it (CRC-32 of a 32 KiB latent takes ~12 us, more than half of what
 reading it costs); ``verify`` and ``read_checked`` (in :mod:`.shard_checks`) do, and :class:`~simpletuner.caching.tensor_cache.TensorCache` verifies
 every entry it is about to use once, at fill time. Version-1 shards (no checksums) stay
-readable and are reported as unverified.
+readable and are reported as unverified. An entry encoded from a file may also carry a hash of
+that file's bytes under ``"source:{key}"`` (:meth:`ShardedTensorStore.source_hashes`), which
+``cache_config.verify_content`` compares with the file as it is now.
 
 Not safe for concurrent writers in one process; separate processes may each write their
 own shards into one folder (names are uuids) and call :meth:`refresh` to see the others'.
@@ -42,6 +46,7 @@ from safetensors.torch import save_file
 from simpletuner.caching.integrity import (
     CHECKSUM_PREFIX,
     KEY_SEPARATOR,
+    SOURCE_HASH_PREFIX,
     UNVERIFIED_VERSION,
     BadShard,
     CacheIntegrityError,
@@ -53,6 +58,7 @@ from simpletuner.caching.integrity import (
     tensor_checksum,
 )
 from simpletuner.caching.shard_checks import QUARANTINE_SUFFIX, ShardChecks
+from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
 from simpletuner.file_modes import ordinary_permissions
 
 logger = logging.getLogger(__name__)
@@ -100,6 +106,13 @@ def _owned_cpu_tensors(entries: Mapping[str, Mapping[str, torch.Tensor]]) -> dic
             seen_storage.add(tensor.untyped_storage().data_ptr())
             flat[f"{key}{KEY_SEPARATOR}{name}"] = tensor
     return flat
+
+
+def _shard_bytes(flat: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
+    """About the size of the shard file: the tensors' bytes plus its JSON header (each tensor's
+    name, dtype, shape and offsets, ~80 characters besides the name, and the metadata)."""
+    header = sum(len(name) + 80 for name in flat) + sum(len(k) + len(v) + 6 for k, v in metadata.items())
+    return sum(t.nbytes for t in flat.values()) + header
 
 
 class ShardedTensorStore(ShardChecks):
@@ -309,6 +322,23 @@ class ShardedTensorStore(ShardChecks):
                 ) from error
         return results  # type: ignore[return-value]
 
+    def source_hashes(self, keys: Sequence[str]) -> dict[str, str | None]:
+        """``{key: source hash recorded when it was written, or None}`` for each stored key in
+        ``keys`` (others are left out); None for entries written without one (before source
+        hashes were stored, or not encoded from a file). Reads shard headers only."""
+        by_shard: dict[Path, list[str]] = {}
+        for key in keys:
+            if key in self._index:
+                by_shard.setdefault(self._index[key][0], []).append(key)
+        out: dict[str, str | None] = {}
+        for shard, group in by_shard.items():
+            try:
+                metadata = self._handle(shard).metadata() or {}
+            except (SafetensorError, OSError):
+                metadata = {}  # unreadable now: no recorded hash, so a content check re-encodes it
+            out.update({key: metadata.get(SOURCE_HASH_PREFIX + key) for key in group})
+        return out
+
     def load_all_into_memory(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every entry, read into CPU memory (unchecked; see :meth:`read_checked`)."""
         keys = self.keys()
@@ -334,16 +364,20 @@ class ShardedTensorStore(ShardChecks):
         return total
 
     # --- writes ---
-    def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]]) -> Path:
+    def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]],
+                 source_hashes: Mapping[str, str] | None = None) -> Path:
         """Write ``entries`` as one new shard, atomically, and index them. Returns the shard path.
 
         Tensors are detached, moved to CPU and made contiguous; dtypes are kept. A key that
         is already stored is overwritten (the new shard wins). The header records a checksum
-        of every tensor.
+        of every tensor, and ``source_hashes[key]`` (what the entry was encoded from, see
+        :func:`~simpletuner.caching.fingerprint.source_hash`) for the keys given there.
 
         Raises:
             ValueError: ``entries`` is empty, a key is empty or contains ``"|"``, or an entry
                 is not a non-empty dict of tensors.
+            NoSpace: the folder's disk has no room for the shard (checked first), or filled while
+                it was written (its temp file is removed; the shards already there are intact).
         """
         if not entries:
             raise ValueError("put_many needs at least one entry")
@@ -359,16 +393,25 @@ class ShardedTensorStore(ShardChecks):
             "written_ns": str(time.time_ns()),
         }
         metadata.update({CHECKSUM_PREFIX + name: tensor_checksum(tensor) for name, tensor in flat.items()})
+        metadata.update({SOURCE_HASH_PREFIX + key: str(value) for key, value in (source_hashes or {}).items()
+                         if key in entries})
+        # Space: checked before the write (a disk filled since the fill's own check stops here,
+        # nothing written); an ENOSPC during it removes the temp file and raises NoSpace. Shards
+        # already written stay: they are complete, and the next fill reuses them.
+        what, needed = f"a cache shard of {len(entries)} entries", _shard_bytes(flat, metadata)
+        require_space(self.root, needed, what)
         is_done = False
         try:
-            save_file(flat, str(temp_path), metadata=metadata)
-            ordinary_permissions(temp_path)  # safetensors writes 0600
-            fd = os.open(temp_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp_path, final_path)
+            with disk_full_guard(self.root, needed, what, cleanup=[temp_path]):
+                save_file(flat, str(temp_path), metadata=metadata)
+                inject_fault("cache_shard")  # tests: a disk that fills before the temp file is complete
+                ordinary_permissions(temp_path)  # safetensors writes 0600
+                fd = os.open(temp_path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(temp_path, final_path)
             is_done = True
         finally:
             if not is_done:

@@ -8,6 +8,18 @@ so a key names everything its value depends on; an unknown key is simply a miss.
 Before a fill counts an entry as a hit it checks it against its checksum (once per fill,
 i.e. at start-up, not on every read): a corrupt or truncated entry becomes a miss, is
 encoded again, and the fill logs "re-encoded N corrupt entries: ...".
+
+Entries encoded from files (VAE latents) record a hash of the file's bytes, taken just before
+the file is decoded (:class:`SourceCheck`). Keys name a file by identity (size + mtime), so an
+edit in place that keeps both would be a hit on the old value; with ``SourceCheck.verify``
+(``cache_config.verify_content``) every hit's file is hashed again before the fill trusts it,
+and one that changed, or that carries no hash (written before hashes were recorded), is
+encoded again: "re-encoded N entries whose source changed: <paths>".
+
+A fill that writes to disk first checks that the cache folder's disk holds its new entries
+(:class:`_SpaceCheck`) and stops with :class:`~simpletuner.diskspace.NoSpace` before writing
+anything; a disk that fills anyway ends the same way, keeping the shards already written, which
+the next fill reuses (it encodes only what is still missing).
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from tqdm import tqdm
 from simpletuner.caching.integrity import summarise_problems
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.diskspace import NoSpace, free_bytes, human_bytes, require_space
+from simpletuner.faults import fault_point
 
 if TYPE_CHECKING:
     from simpletuner.state import StateTracker
@@ -52,6 +66,100 @@ class FillReport:
     seconds: float
     failed: tuple[str, ...] = ()  # keys compute could not produce (returned None for); not stored
     corrupt: tuple[str, ...] = ()  # stored keys that failed their integrity check and were computed again
+    changed: tuple[str, ...] = ()  # stored keys whose source file's content changed (verify_content)
+    unhashed: tuple[str, ...] = ()  # stored keys with no recorded source hash, encoded again under verify_content
+
+
+@dataclass(frozen=True)
+class SourceCheck:
+    """What a cache's entries are encoded from, by content (the VAE cache: image and clip files).
+
+    Args:
+        hash: payload -> :func:`~simpletuner.caching.fingerprint.source_hash` of its source as it
+            is now (reads the files; OSError when they cannot be read).
+        name: payload -> how logs name its source (a path).
+        verify: re-hash the source of every hit before the fill trusts it and encode again the
+            entries whose source changed or that carry no recorded hash (``verify_content``).
+    """
+
+    hash: Callable[[Any], str]
+    name: Callable[[Any], str]
+    verify: bool = False
+
+
+def _hash_or_none(check: SourceCheck, payload: Any) -> str | None:
+    """The source hash of ``payload``, or None when its files cannot be read (then the decode
+    fails too and the sample is dropped, or the entry is stored without a hash)."""
+    try:
+        return check.hash(payload)
+    except OSError as error:
+        logger.debug("cannot hash the source of %s: %s", check.name(payload), error)
+        return None
+
+
+def _with_source_hashes(prepare: Callable[[list[Any]], Any] | None, check: SourceCheck) -> Callable[[list[Any]], Any]:
+    """``prepare`` that returns ``(source hashes, prepared)``. The files are hashed before they
+    are decoded: an edit in between leaves an old hash beside a new value, which the next
+    content check re-encodes (the other order would keep a stale value under a current hash)."""
+
+    def run(payloads: list[Any]) -> tuple[list[str | None], Any]:
+        hashes = [_hash_or_none(check, payload) for payload in payloads]
+        return hashes, (payloads if prepare is None else prepare(payloads))
+
+    return run
+
+
+def _names(names: Sequence[str], limit: int = 10) -> str:
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f"; and {more} more" if more > 0 else "")
+
+
+_CACHE_WHAT = {"vae": "the VAE latent cache", "text": "the text embedding cache"}
+#: Shard header bytes per tensor besides its data: its name (key and tensor name), dtype, shape and
+#: offsets, its CRC-32 and the entry's source hash in the metadata.
+HEADER_BYTES_PER_TENSOR = 320
+
+
+def _disk_folder(store: Any) -> Path | None:
+    """Where ``store`` writes shards; None for a memory store without a backing folder (no disk)."""
+    if isinstance(store, ShardedTensorStore):
+        return store.root
+    backing = getattr(store, "backing", None)
+    return None if backing is None else backing.root
+
+
+def _entry_bytes(entry: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.nbytes + HEADER_BYTES_PER_TENSOR for t in entry.values())
+
+
+class _SpaceCheck:
+    """Stops a fill before its first shard when the cache folder's disk cannot hold the new entries
+    (:class:`~simpletuner.diskspace.NoSpace`: "the VAE latent cache (N new entries) needs ~X ...").
+
+    With ``entry_bytes`` (payload -> bytes, from the config) the total is known before anything is
+    encoded. Without it, the first encoded batch is measured: its largest entry times the number of
+    misses, exact for entries of one size (text embeddings are padded to one length) and an
+    estimate otherwise. Either way every shard write checks its own exact size again
+    (:meth:`ShardedTensorStore.put_many`), so a wrong estimate still stops before a write."""
+
+    def __init__(self, store: Any, name: str, misses: Mapping[str, Any], entry_bytes: Callable[[Any], int] | None):
+        self.folder = _disk_folder(store)
+        self.what = f"{_CACHE_WHAT.get(name, f'the {name} cache')} ({len(misses)} new entries)"
+        self.count = len(misses)
+        self.done = self.folder is None or not misses
+        if not self.done and entry_bytes is not None:
+            self._require(sum(entry_bytes(payload) for payload in misses.values()))
+
+    def after_batch(self, results: Sequence[Mapping[str, torch.Tensor] | None]) -> None:
+        sizes = [_entry_bytes(result) for result in results if result is not None]
+        if not self.done and sizes:
+            self._require(max(sizes) * self.count)
+
+    def _require(self, needed: int) -> None:
+        self.done = True
+        require_space(self.folder, needed, self.what)
+        logger.info("%s needs ~%s in %s; %s free", self.what, human_bytes(needed), self.folder,
+                    human_bytes(free_bytes(self.folder)))
 
 
 def _plan_batches(
@@ -152,6 +260,8 @@ class TensorCache:
         prepare: Callable[[list[Any]], Any] | None = None,
         prepare_workers: int = 0,
         prepare_pool: Executor | None = None,
+        sources: SourceCheck | None = None,
+        entry_bytes: Callable[[Any], int] | None = None,
     ) -> FillReport:
         """Compute and store every item whose key the store does not hold yet.
 
@@ -172,6 +282,13 @@ class TensorCache:
                 batches per thread in flight); 0 runs it inline.
             prepare_pool: run ``prepare`` on this executor (of ``prepare_workers`` threads) instead of
                 starting threads for this fill; it is left running (``dataloader_persistent_workers``).
+            sources: record a hash of each computed entry's source beside it, and with
+                ``sources.verify`` re-encode hits whose source changed (``FillReport.changed``)
+                or carry no recorded hash (``FillReport.unhashed``).
+            entry_bytes: payload -> about the bytes its entry takes in a shard (tensors and header),
+                known from the config: the cache folder's free space is checked against the
+                misses' total before anything is encoded. Without it the check runs after the
+                first batch is encoded, before anything is written (see :class:`_SpaceCheck`).
 
         Entries are written in shards of ``flush_every`` as they are computed, and what is
         pending is written even when ``compute`` raises, so a crash loses little. Stored
@@ -186,32 +303,49 @@ class TensorCache:
         for key, payload in items:
             unique.setdefault(key, payload)
         corrupt = self._find_corrupt(unique)
+        changed: dict[str, str] = {}
+        unhashed: dict[str, str] = {}
+        if sources is not None and sources.verify:
+            changed, unhashed = self._find_changed_sources(unique, sources, prepare_workers, prepare_pool)
         misses = {key: payload for key, payload in unique.items() if key not in self.store}
         num_hits = len(unique) - len(misses)
         batches = _plan_batches(misses, batch_size, group)
+        space = _SpaceCheck(self.store, self.name, misses, entry_bytes)  # NoSpace: nothing encoded or written
+        if sources is not None:
+            prepare = _with_source_hashes(prepare, sources)
 
         pending: dict[str, Entry] = {}
+        pending_sources: dict[str, str] = {}
         failed: list[str] = []
         num_computed = 0
         progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
         try:
             for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers, prepare_pool):
+                hashes: list[str | None] = [None] * len(batch_keys)
+                if sources is not None:
+                    hashes, inputs = inputs
                 results = compute(inputs)
                 self._check_results(batch_keys, results)
-                for key, result in zip(batch_keys, results):
+                space.after_batch(results)
+                for key, result, source in zip(batch_keys, results, hashes):
                     if result is None:
                         failed.append(key)
                     else:
                         pending[key] = dict(result)
+                        if source is not None:
+                            pending_sources[key] = source
                         num_computed += 1
                 progress.update(len(batch_keys))
                 if len(pending) >= self.flush_every:
-                    self.store.put_many(pending)
-                    pending = {}
+                    self._write(pending, pending_sources, sources is not None)
+                    pending, pending_sources = {}, {}
+        except NoSpace:
+            pending = {}  # the disk is full: writing them now would fail the same way; written shards stay
+            raise
         finally:
             progress.close()
             if pending:
-                self.store.put_many(pending)
+                self._write(pending, pending_sources, sources is not None)
 
         report = FillReport(
             num_items=len(unique),
@@ -220,6 +354,8 @@ class TensorCache:
             seconds=time.perf_counter() - started,
             failed=tuple(failed),
             corrupt=tuple(corrupt),
+            changed=tuple(changed),
+            unhashed=tuple(unhashed),
         )
         logger.info(
             "%s cache: %d items, %d hits, %d computed (%d of them corrupt before), %d failed in %.2fs (%s)",
@@ -230,7 +366,48 @@ class TensorCache:
         if reencoded:
             logger.warning("%s cache: re-encoded %d corrupt entries: %s", self.name, len(reencoded),
                            summarise_problems(reencoded))
+        self._log_source_reencodes(changed, unhashed)
         return report
+
+    def _write(self, pending: dict[str, Entry], pending_sources: dict[str, str], has_sources: bool) -> None:
+        if has_sources:
+            self.store.put_many(pending, source_hashes=pending_sources)
+        else:  # stores that know nothing of source hashes keep working
+            self.store.put_many(pending)
+        fault_point("cache:shard_written")  # tests: a signal (or kill) with whole shards on disk
+
+    def _find_changed_sources(self, unique: Mapping[str, Any], sources: SourceCheck, workers: int,
+                              pool: Executor | None) -> tuple[dict[str, str], dict[str, str]]:
+        """Hash the source of every entry ``unique`` would hit and compare it with the hash recorded
+        when the entry was written; drop (as misses) those that differ or have none. Returns
+        ``({key: source name}, {key: source name})`` of the changed and the unhashed ones."""
+        hits = [key for key in unique if key in self.store]
+        if not hits:
+            return {}, {}
+        started = time.perf_counter()
+        recorded = self.store.source_hashes(hits)
+        unhashed = {key: sources.name(unique[key]) for key in hits if recorded.get(key) is None}
+        to_check = [key for key in hits if key not in unhashed]
+        current = map_threads(lambda key: _hash_or_none(sources, unique[key]), to_check, workers, pool,
+                              f"checking {self.name} sources")
+        changed = {key: sources.name(unique[key]) for key, now in zip(to_check, current) if now != recorded[key]}
+        logger.info("%s cache: verify_content hashed the sources of %d cached entries in %.2fs: %d changed, "
+                    "%d without a recorded hash", self.name, len(to_check), time.perf_counter() - started,
+                    len(changed), len(unhashed))
+        self.store.discard([*changed, *unhashed])
+        return changed, unhashed
+
+    def _log_source_reencodes(self, changed: Mapping[str, str], unhashed: Mapping[str, str]) -> None:
+        names = [name for key, name in changed.items() if key in self.store]
+        if names:
+            logger.warning("%s cache: re-encoded %d entries whose source changed: %s", self.name, len(names), _names(names))
+        names = [name for key, name in unhashed.items() if key in self.store]
+        if names:
+            logger.warning(
+                "%s cache: re-encoded %d entries written before source hashes were recorded (verify_content "
+                "re-encodes them once, since an earlier in-place edit cannot be ruled out): %s",
+                self.name, len(names), _names(names, limit=3),
+            )
 
     def _find_corrupt(self, unique: Mapping[str, Any]) -> dict[str, str]:
         """Check the entries ``unique`` would hit; drop the bad ones from the store's index so they
@@ -295,6 +472,33 @@ class TensorCache:
 
     def __repr__(self) -> str:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
+
+
+def map_threads(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, pool: Executor | None,
+                desc: str) -> list[Any]:
+    """``[fn(item) for item in items]`` on ``pool``, else on ``workers`` threads (file reads and
+    blake2b release the GIL), else inline; with a progress bar on a terminal."""
+    progress = tqdm(total=len(items), desc=desc, unit="file", disable=None)
+    try:
+        if pool is None and workers < 1:
+            out = []
+            for item in items:
+                out.append(fn(item))
+                progress.update(1)
+            return out
+        own = pool is None
+        executor = ThreadPoolExecutor(workers, thread_name_prefix="cache-hash") if own else pool
+        try:
+            out = []
+            for result in executor.map(fn, items):
+                out.append(result)
+                progress.update(1)
+            return out
+        finally:
+            if own:
+                executor.shutdown(wait=True, cancel_futures=True)
+    finally:
+        progress.close()
 
 
 CACHE_TYPES = ("disk", "memory", "unified_memory")

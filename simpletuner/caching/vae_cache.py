@@ -2,7 +2,9 @@
 
 A latent depends on the source image (its content, seen through size + mtime), how it
 was bucketed, cropped and resized, which VAE encoded it, and in what dtype. Every one of
-those is in the key, so changing any of them makes a miss rather than a stale latent.
+those is in the key, so changing any of them makes a miss rather than a stale latent. The one
+blind spot of size + mtime, an edit in place that keeps both, is closed on request by the hash
+of the file's bytes stored beside each latent (:func:`sample_source_hash`, ``verify_content``).
 The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; see
 :func:`~simpletuner.caching.tensor_cache.open_caches`.
 """
@@ -12,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from simpletuner.caching.fingerprint import fingerprint
-from simpletuner.data_backend.video import sample_identity
+from simpletuner.caching.fingerprint import fingerprint, source_hash
+from simpletuner.data_backend.video import FRAME_FOLDER, sample_identity
 
 logger = logging.getLogger(__name__)
 
@@ -90,3 +92,24 @@ def sample_latent_key(dataset, sample, encoder_identity: str, default_resolution
         encoder_identity=encoder_identity,
         dtype=LATENT_DTYPE,
     )
+
+
+def sample_source_hash(backend, sample) -> str:
+    """:func:`~simpletuner.caching.fingerprint.source_hash` of the bytes ``sample`` is decoded
+    from: its file, or for a frame folder the path and bytes of every frame it takes, in order.
+
+    Raises:
+        OSError: a file cannot be read (FileNotFoundError when it is gone).
+    """
+    if getattr(sample, "media", "image") != FRAME_FOLDER:
+        return source_hash([backend.read(sample.path)])
+    parts: list[bytes] = []
+    for path in sample.frame_paths:
+        parts += [path.encode("utf-8", "surrogateescape"), backend.read(path)]
+    return source_hash(parts)
+
+
+def sample_source_name(dataset, sample) -> str:
+    """How logs and ``cache verify --content`` name the source of ``sample``: its full path."""
+    root = getattr(dataset.backend, "root", None)
+    return f"{root}/{sample.path}" if root is not None else sample.key

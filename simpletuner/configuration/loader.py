@@ -39,8 +39,10 @@ def _read_json(path: Path, what: str) -> Any:
         data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError([f"{what} {path} does not exist"]) from None
-    except (IsADirectoryError, PermissionError) as exc:
+    except OSError as exc:  # a folder, no permission, a name too long, ...
         raise ConfigError([f"{what} {path} cannot be read: {exc.strerror}"]) from None
+    except ValueError:  # an embedded NUL
+        raise ConfigError([f"{what} {str(path)!r} holds a NUL character (\\x00), which no path may contain"]) from None
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as exc:

@@ -57,7 +57,7 @@ def read_folder_family(model: Any) -> FolderFamily | None:
     index_file = Path(model).expanduser() / "model_index.json"
     try:
         index = orjson.loads(index_file.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
+    except (OSError, ValueError):  # no file, a name too long, a NUL in the path; orjson's errors are ValueErrors
         return None
     class_name = index.get("_class_name") if isinstance(index, dict) else None
     if not isinstance(class_name, str):
@@ -91,7 +91,8 @@ def settle_model_family(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
                          "or point `pretrained_model_name_or_path` at a folder of one of those pipelines"]
         logger.info("model_family %r taken from %s (_class_name %s)", found.family, found.index_file, found.class_name)
         return {**raw, "model_family": found.family}, []
-    if found is not None and found.family is not None and given in FAMILIES and given != found.family:
+    # isinstance first: a list or object given as the family is the schema's to report (and unhashable)
+    if found is not None and found.family is not None and isinstance(given, str) and given in FAMILIES and given != found.family:
         return raw, [f"model_family: the config says {given!r}, but {found.index_file} names {found.class_name}, "
                      f"a {found.family!r} pipeline; set `model_family: \"{found.family}\"` (or remove `model_family` "
                      f"to take it from the folder), or point `pretrained_model_name_or_path` at a {given} folder"]

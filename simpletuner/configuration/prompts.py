@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from simpletuner.configuration.rules import path_problem
+
 
 def read_prompt_file(path: str) -> list[str]:
     """The prompts in a UTF-8 text file, one per line; surrounding spaces and blank lines dropped.
@@ -12,12 +14,15 @@ def read_prompt_file(path: str) -> list[str]:
     Raises ValueError (a config problem) when the file is missing, unreadable or holds no prompt.
     The loader has already made a relative path absolute against the config file's folder.
     """
+    problem = path_problem(path)
+    if problem:
+        raise ValueError(f"prompt file: {problem}")
     p = Path(path).expanduser()
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ValueError(f"prompt file {p} does not exist (give a text file with one prompt per line, or a list of prompts)") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, ...
         raise ValueError(f"prompt file {p} cannot be read as UTF-8 text: {exc}") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:

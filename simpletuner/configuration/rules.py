@@ -8,6 +8,8 @@ attributes, and yields each message as soon as the values behind it are read.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 Rule = Callable[[Any], Iterator[str]]
@@ -133,6 +135,165 @@ def _validation_prompt_given(cfg) -> Iterator[str]:
                "or remove validation_steps")
 
 
+def _real_path(value: Any) -> Path | None:
+    """``value`` as the absolute path the run uses (``~`` expanded, relative to the working directory
+    as the loader leaves it, symlinks followed), or None when it is not a usable path."""
+    try:
+        return Path(os.path.realpath(os.path.expanduser(value)))
+    except (TypeError, ValueError, OSError):  # not a string, or an embedded NUL: another rule reports it
+        return None
+
+
+# Why a run's folder may not overlap a dataset folder, each way round.
+_PLACE_INSIDE_DATA = {
+    "output_dir": "the run writes validation images and weights there, and the next run would train on them "
+                  "(captioned from their file names)",
+    "cache_config.cache_dir": "the dataset scan would walk the cache files, and `simpletuner cache clear` would "
+                              "delete inside the dataset folder",
+}
+_DATA_INSIDE_PLACE = {
+    "output_dir": "the run's results and `--overwrite` (which removes them) would share a folder with the "
+                  "training images",
+    "cache_config.cache_dir": "`simpletuner cache clear` removes folders there",
+}
+
+
+def _places_apart(cfg) -> Iterator[str]:
+    """output_dir and cache_dir are neither a dataset folder, nor inside one, nor around one."""
+    places = {"output_dir": cfg.output_dir, "cache_config.cache_dir": cfg.cache_config.cache_dir}
+    for index, ds in enumerate(cfg.datasets or []):
+        data = _real_path(ds.instance_data_dir)
+        for key, value in places.items():
+            place = _real_path(value)
+            if data is None or place is None:
+                continue
+            where = f"datasets[{index}].instance_data_dir {data}"
+            if place == data:
+                yield (f"{key} {place} is the dataset folder {where}: {_PLACE_INSIDE_DATA[key]}. Give {key} a folder "
+                       "outside the dataset")
+            elif data in place.parents:
+                yield (f"{key} {place} is inside {where}: {_PLACE_INSIDE_DATA[key]}. Move {key} out of the dataset "
+                       "folder")
+            elif place in data.parents:
+                yield f"{where} is inside {key} {place}: {_DATA_INSIDE_PLACE[key]}. Keep the dataset outside {key}"
+
+
+# --- latent grid: bucket sides the family's VAE and denoiser divide exactly ---------------------------
+
+#: Per family: pixels per latent along a side (the VAE's down factor) and latents per denoiser token
+#: along a side (sd3's and wan's 2x2 patches, flux's 2x2 packing; a UNet pads what it needs), as in
+#: every released checkpoint of the family. A bucket side must be a multiple of their product, or
+#: the latents do not split into whole tokens and training fails after the cache fill. The model
+#: spec checks again against the folder's own configs before anything loads
+#: (``ModelSpec.check_alignment``), for a folder whose factors differ.
+FAMILY_LATENT_GRID: dict[str, tuple[int, int]] = {
+    "sd": (8, 1), "sdxl": (8, 1), "sd3": (8, 2), "flux": (8, 2), "wan": (8, 2),
+}
+
+
+def alignment_problem(family: str, alignment: int, vae_factor: int, patch: int, where: str = "") -> str | None:
+    """Why ``aspect_bucket_alignment`` does not fit a latent grid of ``vae_factor`` x ``patch``, or None.
+
+    The message names the requirement and the nearest valid values (``where``: e.g. " in /models/x").
+    """
+    step = vae_factor * patch
+    if alignment % step == 0:
+        return None
+    lower, upper = max(step, alignment - alignment % step), alignment - alignment % step + step
+    if patch > 1:
+        why = (f"the VAE{where} encodes {vae_factor}x{vae_factor} pixels per latent and the {family} denoiser takes "
+               f"{patch}x{patch} latents per token")
+    else:
+        why = f"the VAE{where} encodes {vae_factor}x{vae_factor} pixels per latent"
+    valid = ", ".join(str(step * k) for k in range(1, 5))
+    return (f"aspect_bucket_alignment {alignment} does not fit model_family {family!r}: {why}, so bucket sides must be "
+            f"multiples of {step} ({valid}, ...); use {lower}" + (f" or {upper}" if upper != lower else ""))
+
+
+def _alignment_fits_family(cfg) -> Iterator[str]:
+    grid = FAMILY_LATENT_GRID.get(cfg.model_family)
+    if grid is not None:
+        problem = alignment_problem(cfg.model_family, cfg.aspect_bucket_alignment, *grid)
+        if problem:
+            yield problem
+
+
+def _dataset_resolution_aligned(cfg) -> Iterator[str]:
+    """A dataset's own ``resolution`` gets the top-level value's check: buckets are multiples of the
+    alignment, so a smaller or unaligned resolution would silently train at another size."""
+    alignment = cfg.aspect_bucket_alignment
+    for index, ds in enumerate(cfg.datasets or []):
+        resolution = ds.resolution
+        if resolution is not None and resolution % alignment:
+            below = resolution - resolution % alignment
+            lower, upper = max(alignment, below), below + alignment
+            yield (f"datasets[{index}].resolution {resolution} is not a multiple of `aspect_bucket_alignment` "
+                   f"{alignment} (bucket sides are, so it would train at another size): use {lower}"
+                   + (f" or {upper}" if upper != lower else ""))
+
+
+# --- names the run turns into files and folders --------------------------------------------------------
+
+#: Limits where ``os.pathconf`` cannot say (Linux's: one name, a whole path).
+DEFAULT_NAME_MAX, DEFAULT_PATH_MAX = 255, 4096
+
+
+def _filesystem_limits(path: str) -> tuple[int, int]:
+    """(bytes per name, bytes per path) of the filesystem the nearest existing ancestor of ``path`` is on."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while folder and not os.path.isdir(folder):
+        parent = os.path.dirname(folder)
+        folder = "" if parent == folder else parent
+    limits = []
+    for name, default in (("PC_NAME_MAX", DEFAULT_NAME_MAX), ("PC_PATH_MAX", DEFAULT_PATH_MAX)):
+        try:
+            limits.append(int(os.pathconf(folder or os.sep, name)))
+        except (AttributeError, ValueError, OSError):  # no pathconf (Windows), or the name is unknown here
+            limits.append(default)
+    return limits[0], limits[1]
+
+
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:20] + "..." + text[-12:])
+
+
+def path_problem(value: str) -> str | None:
+    """Why ``value`` cannot name a file or folder on this machine, or None: empty, a NUL character,
+    a name (path component) longer than the filesystem allows (255 bytes on most), or a whole path
+    longer than it allows. Checked at config time so the run does not fail later with
+    ``OSError: File name too long``."""
+    if not value.strip():
+        return "is empty: give a path"
+    if "\x00" in value:
+        return f"{_short(value)} holds a NUL character (\\x00), which no path may contain"
+    expanded = os.path.expanduser(value)
+    name_max, path_max = _filesystem_limits(expanded)
+    for part in Path(expanded).parts:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            return (f"the name {_short(part)} is {size} bytes long, and the filesystem allows {name_max} bytes for one "
+                    "file or folder name: shorten it")
+    size = len(os.fsencode(os.path.abspath(expanded)))
+    if size >= path_max:
+        return (f"{_short(value)} is {size} bytes long as a full path, and the filesystem allows {path_max - 1}: "
+                "shorten it")
+    return None
+
+
+def folder_name_problem(value: str) -> str | None:
+    """Why ``value`` cannot be one folder name (it becomes one, e.g. a tracker's log folder), or None."""
+    if not value.strip() or value in (".", ".."):
+        return f"{value!r} is not a folder name: give a name such as 'my-project'"
+    if any(sep in value for sep in ("/", "\\", "\x00")):
+        return (f"{_short(value)} is not one folder name: it becomes a folder of that name under output_dir/logs, "
+                "so it may not hold '/', '\\' or NUL; use a name such as 'my-project'")
+    size = len(os.fsencode(value))
+    if size > DEFAULT_NAME_MAX:
+        return (f"{_short(value)} is {size} bytes long, and a folder name may have at most {DEFAULT_NAME_MAX} "
+                "bytes on most filesystems: shorten it")
+    return None
+
+
 #: Rules of a dataset entry, of ``gh200_optimizations`` and of the whole config. Add a rule to its
 #: tuple to have it checked both in validation and in the loader's one-pass report.
 DATASET_RULES: tuple[Rule, ...] = (_caption_prompt, _video_frames)
@@ -140,5 +301,6 @@ RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds,)
 TRAINING_RULES: tuple[Rule, ...] = (
     _stop_condition, _one_dataset_source, _datasets_listed, _unique_dataset_ids, _resolution_aligned,
     _ramp_batch_multiple, _automagic_lr_range, _automagic_stage_ranges, _stages_need_wan, _full_not_quantised,
-    _video_needs_wan, _loss_weighting_fits_family, _validation_prompt_given,
+    _video_needs_wan, _loss_weighting_fits_family, _validation_prompt_given, _places_apart,
+    _alignment_fits_family, _dataset_resolution_aligned,
 )

@@ -8,15 +8,46 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from simpletuner.configuration.alloc_conf import allocator_settings_problems
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
-from simpletuner.configuration.rules import DATASET_RULES, RAMP_RULES, TRAINING_RULES, Rule
+from simpletuner.configuration.rules import (
+    DATASET_RULES,
+    RAMP_RULES,
+    TRAINING_RULES,
+    Rule,
+    folder_name_problem,
+    path_problem,
+)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: no setting means anything as nan or inf ("1e400" parses as inf).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _checked(problem):
+    """An after-validator raising ``problem(value)``'s message, when there is one."""
+
+    def check(value: str) -> str:
+        message = problem(value)
+        if message:
+            raise ValueError(message)
+        return value
+
+    return AfterValidator(check)
+
+
+#: A file or folder path: not empty, no NUL, each name within the filesystem's limit (255 bytes on
+#: most), checked at config time instead of an ``OSError: File name too long`` later.
+PathText = Annotated[str, _checked(path_problem)]
+#: One folder name (it becomes a folder under output_dir): no separators, within 255 bytes.
+FolderName = Annotated[str, _checked(folder_name_problem)]
+
+#: Bounds no real run comes near, so a typo (or 1e12) is refused instead of overflowing later.
+MAX_RESOLUTION = 16384
+MAX_LEARNING_RATE = 1.0
 
 
 CaptionStrategy = Literal["textfile", "filename", "instance_prompt"]
@@ -26,7 +57,7 @@ class _FolderDatasetConfig(_Strict):
     """Fields every folder-of-images dataset shares, whatever its storage backend."""
 
     id: str = Field(..., min_length=1, description="Unique name of this dataset; used in cache paths and logs.")
-    instance_data_dir: str = Field(
+    instance_data_dir: PathText = Field(
         ...,
         description=(
             "Folder searched recursively for .jpg/.jpeg/.png/.webp images; for `dataset_type: video`, for clips "
@@ -44,10 +75,10 @@ class _FolderDatasetConfig(_Strict):
         ),
     )
     num_frames: Optional[int] = Field(
-        None, ge=1,
+        None, ge=1, le=1025,
         description="Video datasets: frames per training clip, of the form 4k+1 (1, 5, 9, ..., 81). Required for `video`.",
     )
-    frame_stride: int = Field(1, ge=1, description="Video datasets: take every N-th frame of the source clip (1: consecutive frames).")
+    frame_stride: int = Field(1, ge=1, le=100, description="Video datasets: take every N-th frame of the source clip (1: consecutive frames; at most 100).")
     caption_strategy: CaptionStrategy = Field(
         "textfile",
         description=(
@@ -59,7 +90,10 @@ class _FolderDatasetConfig(_Strict):
         ),
     )
     instance_prompt: Optional[str] = Field(None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback.")
-    resolution: Optional[int] = Field(None, gt=0, description="Overrides the top-level `resolution` for this dataset.")
+    resolution: Optional[int] = Field(
+        None, gt=0, le=MAX_RESOLUTION,
+        description="Overrides the top-level `resolution` for this dataset; like it, a multiple of `aspect_bucket_alignment`.",
+    )
     crop_style: Literal["center", "random"] = Field(
         "center",
         description="Where to crop when the resized image overshoots its bucket. `random` picks a fixed offset per image from the seed, so caches stay valid.",
@@ -129,7 +163,7 @@ CacheType = Literal["disk", "memory", "unified_memory"]
 class CacheConfig(_Strict):
     """Where VAE latents and text embeddings are cached."""
 
-    cache_dir: str = Field("cache", description="Root folder of the latent and text-embedding caches. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
+    cache_dir: PathText = Field("cache", description="Root folder of the latent and text-embedding caches. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
     vae_cache_type: CacheType = Field(
         "disk",
         description=(
@@ -144,6 +178,18 @@ class CacheConfig(_Strict):
     )
     persistent_cache: bool = Field(
         True, description="Also write `memory` / `unified_memory` caches to `cache_dir` and load them from there next run."
+    )
+    verify_content: bool = Field(
+        False,
+        description=(
+            "Off (default): a cached latent is reused while its image keeps its path, size and modification "
+            "time, so an image edited in place with those kept (some sync tools, `touch -r`) trains on its old "
+            "latent. On: at start the source file of every latent the run would reuse is read, hashed "
+            "(blake2b-128) and compared with the hash stored when it was encoded; changed ones are re-encoded and "
+            "logged by path. Cost: one read of every reused image per start (measured ~0.25 ms per 180 KiB JPEG "
+            "from the page cache, 76 ms for 300; from a cold disk, its read speed). Latents cached before hashes "
+            "were stored are re-encoded once. `simpletuner cache verify --content` runs the same check without training."
+        ),
     )
 
 
@@ -205,7 +251,7 @@ class TrainingConfig(_Strict):
     """One training run. Load it with ``simpletuner.configuration.load_config``."""
 
     # --- model ---
-    pretrained_model_name_or_path: str = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
+    pretrained_model_name_or_path: PathText = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
     model_family: Literal["sd", "sdxl", "sd3", "flux", "wan"] = Field(
         None, validate_default=True,
         description="Omit it to take the family from the model folder's `model_index.json` (`_class_name`: `StableDiffusionPipeline` -> `sd`, `StableDiffusionXLPipeline` -> `sdxl`, `StableDiffusion3Pipeline` -> `sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`; the start-up log says where it came from); omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split at the pipeline's `boundary_ratio`)."
@@ -244,13 +290,24 @@ class TrainingConfig(_Strict):
     )
 
     # --- output ---
-    output_dir: str = Field("output", description="Folder for checkpoints, logs, validation images and the final weights. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
+    output_dir: PathText = Field("output", description="Folder for checkpoints, logs, validation images and the final weights. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
 
     # --- data ---
     datasets: Optional[list[DatasetConfig]] = Field(None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`.")
-    data_backend_config: Optional[str] = Field(None, description="Path to a JSON file holding the list of dataset entries (relative to the config file).")
-    resolution: int = Field(512, gt=0, description="Training resolution: images are resized so their area is about resolution², then bucketed by aspect.")
-    aspect_bucket_alignment: int = Field(64, gt=0, description="Bucket sides are multiples of this (64 for SD; must be a multiple of the VAE factor times the UNet's down factor).")
+    data_backend_config: Optional[PathText] = Field(None, description="Path to a JSON file holding the list of dataset entries (relative to the config file).")
+    resolution: int = Field(
+        512, gt=0, le=MAX_RESOLUTION,
+        description="Training resolution: images are resized so their area is about resolution², then bucketed by aspect. At most 16384.",
+    )
+    aspect_bucket_alignment: int = Field(
+        64, gt=0, le=MAX_RESOLUTION,
+        description=(
+            "Bucket sides are multiples of this. It must be a multiple of the VAE's pixels per latent times the "
+            "latents the denoiser takes per token along a side: 8 for sd / sdxl (the VAE's 8; 64 is usual, so "
+            "every UNet level divides evenly), 16 for sd3 / wan (2x2 patches) and flux (2x2 packing); refused "
+            "otherwise at config time, and checked again against the model folder's own configs before it loads."
+        ),
+    )
     max_bad_image_fraction: float = Field(0.05, ge=0, le=1, description="Abort when more than this fraction of a dataset's images cannot be read.")
     cache_config: CacheConfig = Field(default_factory=CacheConfig, description="Cache placement; see the cache table below.")
     gh200_optimizations: GH200Optimizations = Field(
@@ -268,10 +325,10 @@ class TrainingConfig(_Strict):
     )
     max_train_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`.")
     num_train_epochs: Optional[int] = Field(None, ge=1, description="Epochs to train when `max_train_steps` is not set.")
-    seed: int = Field(42, description="Seed for initialisation, data order, noise and timesteps.")
+    seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for initialisation, data order, noise and timesteps (0 to 2^32 - 1).")
 
     # --- optimisation ---
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    learning_rate: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate (at most 1).")
     lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="Learning-rate schedule (diffusers' `get_scheduler`)."
     )
@@ -285,21 +342,21 @@ class TrainingConfig(_Strict):
             "weight instead of AdamW's 8), decoupled weight decay, stochastic rounding into bf16 weights."
         ),
     )
-    lr_bump: float = Field(1e-6, gt=0, description="Automagic: how much an element's learning rate moves per step.")
-    min_lr: float = Field(1e-7, gt=0, description="Automagic: lowest per-element learning rate.")
-    max_lr: float = Field(1e-3, gt=0, description="Automagic: highest per-element learning rate.")
-    high_noise_learning_rate: Optional[float] = Field(None, gt=0, description="Wan 2.2: `learning_rate` of the high-noise expert's adapter (default: `learning_rate`).")
-    high_noise_lr_bump: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `lr_bump` of the high-noise expert (default: `lr_bump`).")
-    high_noise_min_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `min_lr` of the high-noise expert (default: `min_lr`).")
-    high_noise_max_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `max_lr` of the high-noise expert (default: `max_lr`).")
-    low_noise_learning_rate: Optional[float] = Field(None, gt=0, description="Wan 2.2: `learning_rate` of the low-noise expert's adapter (default: `learning_rate`).")
-    low_noise_lr_bump: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `lr_bump` of the low-noise expert (default: `lr_bump`).")
-    low_noise_min_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `min_lr` of the low-noise expert (default: `min_lr`).")
-    low_noise_max_lr: Optional[float] = Field(None, gt=0, description="Wan 2.2, Automagic: `max_lr` of the low-noise expert (default: `max_lr`).")
+    lr_bump: float = Field(1e-6, gt=0, le=MAX_LEARNING_RATE, description="Automagic: how much an element's learning rate moves per step.")
+    min_lr: float = Field(1e-7, gt=0, le=MAX_LEARNING_RATE, description="Automagic: lowest per-element learning rate.")
+    max_lr: float = Field(1e-3, gt=0, le=MAX_LEARNING_RATE, description="Automagic: highest per-element learning rate.")
+    high_noise_learning_rate: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2: `learning_rate` of the high-noise expert's adapter (default: `learning_rate`).")
+    high_noise_lr_bump: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `lr_bump` of the high-noise expert (default: `lr_bump`).")
+    high_noise_min_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `min_lr` of the high-noise expert (default: `min_lr`).")
+    high_noise_max_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `max_lr` of the high-noise expert (default: `max_lr`).")
+    low_noise_learning_rate: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2: `learning_rate` of the low-noise expert's adapter (default: `learning_rate`).")
+    low_noise_lr_bump: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `lr_bump` of the low-noise expert (default: `lr_bump`).")
+    low_noise_min_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `min_lr` of the low-noise expert (default: `min_lr`).")
+    low_noise_max_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `max_lr` of the low-noise expert (default: `max_lr`).")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
-    adam_epsilon: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    weight_decay: float = Field(1e-2, ge=0, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
+    adam_epsilon: float = Field(1e-8, gt=0, le=1, description="Adam epsilon.")
+    weight_decay: float = Field(1e-2, ge=0, le=1, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
     max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm to this; null disables clipping.")
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform",
@@ -308,9 +365,12 @@ class TrainingConfig(_Strict):
             "`logit_mean`, `logit_std`: more samples mid-schedule); `mode` (SD3's mode sampling, `mode_scale`)."
         ),
     )
-    logit_mean: float = Field(0.0, description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).")
-    logit_std: float = Field(1.0, gt=0, description="Standard deviation of the normal behind `logit_normal` sampling.")
-    mode_scale: float = Field(1.29, description="Shape of `mode` sampling (SD3's default 1.29).")
+    logit_mean: float = Field(0.0, ge=-10, le=10, description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).")
+    logit_std: float = Field(1.0, gt=0, le=10, description="Standard deviation of the normal behind `logit_normal` sampling.")
+    mode_scale: float = Field(
+        1.29, ge=-1, le=1.75,
+        description="Shape of `mode` sampling (SD3's default 1.29); outside [-1, 1.75] the sampled noise levels would leave (0, 1).",
+    )
     loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
         "none",
         description=(
@@ -321,7 +381,7 @@ class TrainingConfig(_Strict):
         ),
     )
     flow_shift: Optional[float] = Field(
-        None, gt=0,
+        None, gt=0, le=100,
         description=(
             "Flow-matching resolution shift applied to the sampled noise levels (`shift * s / (1 + (shift - 1) * s)`; "
             "1.0: none). Default (null): the `shift` of the model's scheduler config. Flow families (sd3) only."
@@ -370,7 +430,7 @@ class TrainingConfig(_Strict):
     checkpointing_steps: Optional[int] = Field(None, ge=1, description="Save a resumable checkpoint every N optimizer steps.")
     checkpoints_total_limit: Optional[int] = Field(None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete).")
     checkpoint_at_end: bool = Field(True, description="Also save a resumable checkpoint at the run's last step (unless checkpointing_steps already did), so raising max_train_steps with resume_from_checkpoint 'latest' continues from the end instead of re-training the tail. false: only the final adapter is written at the end.")
-    resume_from_checkpoint: Optional[str] = Field(None, description="`latest`, or a checkpoint folder to resume from. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
+    resume_from_checkpoint: Optional[PathText] = Field(None, description="`latest`, or a checkpoint folder to resume from. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
 
     # --- validation ---
     validation_prompt: Optional[str] = Field(None, description="Prompt for validation images; with neither it nor `validation_prompts` there is no validation.")
@@ -461,7 +521,9 @@ class TrainingConfig(_Strict):
     )
     eval_iters: int = Field(4, ge=1, description="Micro-batches in each `eval_loss` (more: steadier, slower).")
     report_to: Literal["none", "tensorboard", "wandb"] = Field("none", description="Experiment tracker (through Accelerate).")
-    tracker_project_name: str = Field("simpletuner", description="Project name for the tracker.")
+    tracker_project_name: FolderName = Field(
+        "simpletuner", description="Project name for the tracker; also the name of its log folder under `output_dir/logs`."
+    )
 
     @field_validator("model_family", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_for, buc
 from simpletuner.data_backend.images import image_size_of
 from simpletuner.data_backend.video import CLIP_KINDS, FRAME_FOLDER, VIDEO_FILE, Clip, find_clips, frame_indices
 from simpletuner.data_backend.video import frames_needed, probe_clip, require_av, stray_images_error, too_short_error
+from simpletuner.faults import fault_point
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -281,6 +282,7 @@ def build_metadata(
     too_short: list[tuple[str, int]] = []
     sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction)
     for path, clip in tqdm(entries, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None):
+        fault_point("dataset:scan")  # tests: a signal in the middle of the scan
         shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
         if not _is_utf8_name(path):
             # Sample keys, cache keys and file-name captions are UTF-8 text.

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from simpletuner.data_backend.base import ENCODED_MEDIA_EXTENSIONS, normalize_extensions
 from simpletuner.data_backend.local import LocalDataBackend
+from simpletuner.faults import fault_point
 from simpletuner.gh200.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
@@ -312,6 +313,7 @@ class GH200InMemoryBackend:
 
     def _load_one(self, path: str) -> tuple[str, _Entry | str]:
         """``(path, entry)``, or ``(path, reason)`` when the file cannot be read."""
+        fault_point("staging:file")  # tests: a signal while the loader threads read
         try:
             data, st = _read_file(self._full(path))
         except OSError as exc:

@@ -99,6 +99,12 @@ class FluxSpec(FlowMatchingSpec):
         "proj_mlp",
     ]
     denoiser_name = "transformer"
+    latent_patch = 2  # FluxPipeline packs 2x2 latents into one token (then the transformer's patch_size, 1)
+
+    def latent_patch_from_folder(self) -> int:
+        patch = (self._component_config(self.denoiser_name) or {}).get("patch_size", 1)
+        return self.latent_patch * (patch if isinstance(patch, int) and patch > 0 else 1)
+
     components = {
         "transformer": ("model", "diffusers", frozenset({"FluxTransformer2DModel"})),
         "vae": ("model", "diffusers", frozenset({"AutoencoderKL"})),

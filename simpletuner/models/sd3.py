@@ -56,6 +56,16 @@ class StableDiffusion3Spec(FlowMatchingSpec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
+    latent_patch = 2  # SD3Transformer2DModel's patch_size in every release
+
+    def latent_patch_from_folder(self) -> int:
+        patch = (self._component_config(self.denoiser_name) or {}).get("patch_size", self.latent_patch)
+        return patch if isinstance(patch, int) and patch > 0 else self.latent_patch
+
+    def positions_per_side(self):
+        most = (self._component_config(self.denoiser_name) or {}).get("pos_embed_max_size")
+        return (most, "pos_embed_max_size") if isinstance(most, int) and most > 0 else None
+
     def _check_index_entry(self, index_file, name, entry, library, allowed):
         if name in _OPTIONAL and entry == [None, None]:
             return  # SD3 without T5

@@ -15,7 +15,11 @@ from __future__ import annotations
 import abc
 import inspect
 import json
+import logging
+import os
 import re
+import shutil
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -33,6 +37,17 @@ _PICKLE = re.compile("(" + "|".join(re.escape(s) for s in PICKLE_WEIGHT_SUFFIXES
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 ComponentKind = Literal["model", "tokenizer", "scheduler"]
+
+#: Pixels per latent assumed when a folder's VAE config cannot be read (every family's VAE: 8).
+FAMILY_GRID_DEFAULT = 8
+
+#: Prefix of the folders a final save keeps inside output_dir while it runs: ``.final-save.tmp-*``
+#: (the weights being written) and ``.final-save.old-*`` (an earlier model folder being replaced).
+#: A save killed midway leaves one; the next final save and ``--overwrite`` remove them.
+FINAL_SAVE_PREFIX = ".final-save."
+#: Written beside the final weights once they are in place: ``{"step": N, "files": [...]}``. A
+#: checkpoint past that step means the final save after it never completed (see run_folder).
+FINAL_RECORD = "final_weights.json"
 
 
 def pickle_only_weights(folder: Path) -> list[str]:
@@ -116,6 +131,80 @@ class ModelSpec(abc.ABC):
         self.config = config
         self.model_path = config.pretrained_model_name_or_path
         self.check_model_folder()
+        self.check_alignment()
+        self.check_positions()
+
+    # --- latent grid ---------------------------------------------------------------------
+    #: Latents the denoiser takes per token along a side when the folder does not say: 2 for
+    #: sd3 / wan (patches) and flux (2x2 packing); 1 for a UNet (it pads odd sides itself).
+    latent_patch: ClassVar[int] = 1
+
+    def vae_scale_from_folder(self) -> int | None:
+        """Pixels per latent along a side from the local folder's VAE config (2 ** (blocks - 1));
+        None when there is no readable config (a hub id)."""
+        vae = self._component_config("vae")
+        blocks = vae.get("block_out_channels") if vae else None
+        return 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else None
+
+    def latent_patch_from_folder(self) -> int:
+        """Latents per token along a side for this folder's denoiser (:attr:`latent_patch` by default)."""
+        return self.latent_patch
+
+    def _component_config(self, subfolder: str) -> dict[str, Any] | None:
+        try:
+            found = self.read_component_config(subfolder)
+        except (ValueError, OSError):  # a hub id, unreadable or invalid JSON: the loaders say so later
+            return None
+        return found if isinstance(found, dict) else None
+
+    def check_alignment(self) -> None:
+        """Refuse, before anything loads, an ``aspect_bucket_alignment`` whose buckets give latent
+        sides that do not split into whole denoiser tokens (odd sides for 2x2 patches fail only
+        after the cache fill, with a shape mismatch). Reads the folder's configs only; the config
+        rule checked the family's usual factors already, this catches a folder whose differ.
+
+        Raises:
+            ValueError: naming the folder's factors and the alignments that fit.
+        """
+        from simpletuner.configuration.rules import FAMILY_LATENT_GRID, alignment_problem
+
+        vae = self.vae_scale_from_folder()
+        where = f" of {self.local_root}" if vae is not None else ""
+        if vae is None:
+            vae = FAMILY_LATENT_GRID.get(self.family, (8, 1))[0]
+        problem = alignment_problem(self.family, self.config.aspect_bucket_alignment, vae,
+                                    self.latent_patch_from_folder(), where)
+        if problem:
+            raise ValueError(problem)
+
+    def positions_per_side(self) -> tuple[int, str] | None:
+        """How many tokens along a side the denoiser has position embeddings for, and the config key
+        that says so (sd3's ``pos_embed_max_size``, wan's ``rope_max_seq_len``); None: no limit."""
+        return None
+
+    def check_positions(self) -> None:
+        """Refuse, before anything loads, a resolution whose buckets (each has a side of at least the
+        resolution) need more tokens along a side than the denoiser has positions for: the first
+        training step would fail after the whole cache fill.
+
+        Raises:
+            ValueError: naming the limit and the largest resolution within it.
+        """
+        limit = self.positions_per_side()
+        if limit is None:
+            return
+        most, key = limit
+        step = (self.vae_scale_from_folder() or FAMILY_GRID_DEFAULT) * self.latent_patch_from_folder()
+        sizes = {"resolution": self.config.resolution}
+        sizes.update({f"datasets[{i}].resolution": d.resolution for i, d in enumerate(self.config.datasets or [])
+                      if d.resolution is not None})
+        for name, size in sizes.items():
+            if size // step > most:
+                raise ValueError(
+                    f"{name} {size} needs {size // step} tokens along a side ({step} px each), but the {self.family} "
+                    f"denoiser in {self.model_path} has positions for {most} ({key} in its config): use a resolution "
+                    f"of at most {most * step}, or a model made for larger images"
+                )
 
     # --- safe loading --------------------------------------------------------------------
     @property
@@ -317,6 +406,108 @@ class ModelSpec(abc.ABC):
 
             return save_lycoris(denoiser, Path(output_dir) / "pytorch_lora_weights.safetensors", self.config)
         return self.save_lora(output_dir, denoiser)
+
+    def save_final(self, output_dir: Path, denoiser: nn.Module, full: bool, step: int | None = None) -> Path:
+        """The run's final weights (:meth:`save_full` when ``full``, else :meth:`save_adapter`), with
+        the same names and layout, written whole or not at all: into a temp folder inside
+        ``output_dir``, then moved to its top, replacing earlier final weights whole. Free space
+        is checked first (the tensors' bytes); a disk that fills during the write removes the
+        temp folder. Returns the path the save method names, at its final place. ``step``: recorded
+        in :data:`FINAL_RECORD` once the weights are in place.
+
+        Raises:
+            NoSpace: not enough room (nothing was moved into place; earlier weights are intact).
+        """
+        from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
+
+        output_dir = Path(output_dir)
+        remove_final_save_leftovers(output_dir)  # of a save killed midway (this run holds the folder's lock)
+        what = "the final model" if full else "the final adapter"
+        needed = _weights_bytes(denoiser, full)
+        require_space(output_dir, needed, what)
+        temp = output_dir / f"{FINAL_SAVE_PREFIX}tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        temp.mkdir(parents=True)
+        with disk_full_guard(output_dir, needed, what, cleanup=[temp]):
+            written = self.save_full(temp, denoiser) if full else self.save_adapter(temp, denoiser)
+            inject_fault("final_save")  # tests: a disk that fills before the weights are complete
+            _fsync_files(temp)
+        names = sorted(entry.name for entry in temp.iterdir())
+        _move_into_place(temp, output_dir)
+        if step is not None:
+            _write_record(output_dir, {"step": step, "files": names})
+        return output_dir / Path(written).relative_to(temp)
+
+
+def _weights_bytes(denoiser: nn.Module, full: bool) -> int:
+    """About the bytes the final save writes: every tensor of the state dict in its own dtype (a
+    full save), or the trainable (adapter) parameters at 4 bytes each (saved as fp32 at most)."""
+    if not full:
+        return 4 * sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+                for t in denoiser.state_dict().values() if isinstance(t, torch.Tensor)}
+    return sum(storages.values())  # tied weights counted once
+
+
+def _write_record(output_dir: Path, record: dict[str, Any]) -> None:
+    temp = output_dir / f"{FINAL_SAVE_PREFIX}tmp-{os.getpid()}-record"
+    try:
+        temp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(temp, output_dir / FINAL_RECORD)
+    except OSError as exc:  # the weights are in place: without the record a resume just takes them as final
+        temp.unlink(missing_ok=True)
+        logging.getLogger(__name__).warning("could not write %s: %s", output_dir / FINAL_RECORD, exc)
+
+
+def final_weights_step(output_dir: Path) -> int | None:
+    """The step the final weights at the top of ``output_dir`` were saved at (:data:`FINAL_RECORD`);
+    None when not recorded (no final save yet, or one from before the record existed)."""
+    try:
+        step = json.loads((Path(output_dir) / FINAL_RECORD).read_text(encoding="utf-8"))["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _fsync_files(folder: Path) -> None:
+    """Flush every file under ``folder`` to disk before it is renamed into place."""
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _move_into_place(temp: Path, output_dir: Path) -> None:
+    """Rename each entry of ``temp`` to the top of ``output_dir``. A file replaces its namesake in
+    one rename; a folder cannot, so the earlier one is moved aside first and removed after."""
+    for entry in sorted(temp.iterdir()):
+        target = output_dir / entry.name
+        aside = None
+        if target.is_symlink() or (target.exists() and (target.is_dir() or entry.is_dir())):
+            aside = output_dir / f"{FINAL_SAVE_PREFIX}old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.replace(target, aside)
+        os.replace(entry, target)
+        if aside is not None:
+            _remove_path(aside)
+    temp.rmdir()
+
+
+def remove_final_save_leftovers(output_dir: Path) -> list[Path]:
+    """Remove the temp and set-aside folders of final saves killed midway (:data:`FINAL_SAVE_PREFIX`);
+    returns them. Only for the run that holds ``output_dir``."""
+    leftovers = sorted(Path(output_dir).glob(FINAL_SAVE_PREFIX + "*")) if Path(output_dir).is_dir() else []
+    for path in leftovers:
+        _remove_path(path)
+    return leftovers
 
 
 def save_transformer_lora(pipeline_cls, output_dir, denoiser, weight_name: str = "pytorch_lora_weights.safetensors") -> Path:

@@ -79,6 +79,45 @@ class WanSpec(StableDiffusion3Spec):
     def has_t5(self) -> bool:
         return True
 
+    # --- latent grid ---------------------------------------------------------------------
+    latent_patch = 2  # WanTransformer3DModel's patch_size (1, 2, 2): 2x2 latents per token
+
+    def vae_scale_from_folder(self) -> int | None:
+        vae = self._component_config("vae")
+        if not vae:
+            return None
+        scale = vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult") or [1, 2, 4, 4]) - 1)
+        return scale if isinstance(scale, int) and scale > 0 else None
+
+    def positions_per_side(self):
+        most = (self._component_config(self.denoiser_name) or {}).get("rope_max_seq_len", 1024)
+        return (most, "rope_max_seq_len") if isinstance(most, int) and most > 0 else None
+
+    def check_positions(self) -> None:
+        """Also the frames: a clip's latent frames are tokens along time, with the same rotary limit."""
+        super().check_positions()
+        limit = self.positions_per_side()
+        vae = self._component_config("vae") or {}
+        temporal = vae.get("scale_factor_temporal") or 4
+        if limit is None or not isinstance(temporal, int) or temporal < 1:
+            return
+        most, key = limit
+        for i, ds in enumerate(self.config.datasets or []):
+            frames = ds.num_frames if ds.dataset_type == "video" and ds.num_frames else 1
+            latent_frames = (frames - 1) // temporal + 1
+            if latent_frames > most:
+                raise ValueError(
+                    f"datasets[{i}].num_frames {frames} gives {latent_frames} latent frames, but the wan denoiser in "
+                    f"{self.model_path} has positions for {most} along time ({key} in its config): use num_frames "
+                    f"of at most {(most - 1) * temporal + 1}"
+                )
+
+    def latent_patch_from_folder(self) -> int:
+        patch = (self._component_config(self.denoiser_name) or {}).get("patch_size")
+        if isinstance(patch, list) and len(patch) == 3 and isinstance(patch[1], int) and patch[1] > 0:
+            return patch[1]  # (frames, height, width): the spatial patch
+        return self.latent_patch
+
     # --- loading -------------------------------------------------------------------------
     def _scheduler_config(self) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from simpletuner.caching import FillReport, TensorCache, caption_text_key, open_caches, sample_latent_key
+from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache, caption_text_key, open_caches, sample_latent_key
+from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
+from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
 from simpletuner.data_backend.augment import static_augmentation_key
 from simpletuner.gh200.uvm import optimize_batch_for_gh200
+from simpletuner.locks import CacheLocks, hold_epoch_folder
 from simpletuner.models import ModelSpec
-from simpletuner.training.reencode import DecodeThreads, EpochLatents, PixelLoader, Reencoder, batch_group, encode_loaded
+from simpletuner.training.reencode import (EPOCH_CACHE_NAME, DecodeThreads, EpochLatents, PixelLoader, Reencoder,
+                                           batch_group, encode_loaded)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +146,65 @@ def _cache_mode(config) -> str:
     return mode
 
 
+def _latent_sources(verify: bool) -> SourceCheck:
+    """Each latent records a hash of its image's (clip's) bytes; ``verify`` re-checks the reused ones."""
+    return SourceCheck(hash=lambda payload: sample_source_hash(payload[0].backend, payload[1]),
+                       name=lambda payload: sample_source_name(payload[0], payload[1]), verify=verify)
+
+
+@contextmanager
+def _writing(cache_locks: CacheLocks | None, cache: TensorCache, keys: Iterable[str],
+             reopen: Callable[[], TensorCache], may_rewrite: bool = False) -> Iterator[TensorCache]:
+    """Hold the cache folder's writer lock while ``cache`` gets the ``keys`` it lacks, so two runs
+    sharing the folder never encode an entry twice (nothing to hold when every key is there, or
+    the caches live in memory only; ``may_rewrite``, i.e. ``verify_content``, always holds it: the
+    fill may re-encode present entries). Yields the cache to fill: once the lock is held it is
+    brought up to date with what other runs stored since it was opened (a disk store indexes their
+    new shards, a memory store is opened again), so only what is still missing gets encoded."""
+    if cache_locks is None or (not may_rewrite and all(key in cache for key in keys)):
+        yield cache
+        return
+    with cache_locks.writing():
+        if isinstance(cache.store, ShardedTensorStore):
+            cache.store.refresh()
+        else:
+            cache = reopen()
+        yield cache
+
+
+def _latent_entry_bytes(spec: ModelSpec) -> Callable[[tuple], int] | None:
+    """payload -> about the bytes of its cached latent, from the model folder's configs alone (the
+    VAE is not loaded): the family's latent at a square ``resolution`` bucket (float32, as
+    ``encode_loaded`` stores it) gives the channels and the VAE's down factor, applied to the
+    sample's own bucket; a clip's latent frames are the longest clip's scaled by its frame count.
+    None when the family does not describe its shapes: the fill then measures its first batch."""
+    try:
+        shape, _ = spec.batch_shapes(1)
+    except (NotImplementedError, ValueError, KeyError, TypeError, OSError):
+        return None
+    factor = spec.config.resolution / shape[-1]  # pixels per latent cell along a side
+    channels = shape[1]
+    latent_frames = shape[2] if len(shape) == 5 else 1  # of the longest clip the config trains on
+    longest = max((d.num_frames or 1 for d in spec.config.datasets or [] if d.dataset_type == "video"), default=1)
+
+    def estimate(payload: tuple) -> int:
+        sample = payload[1]
+        width, height = sample.bucket
+        frames = math.ceil(latent_frames * max(sample.num_frames, 1) / longest)
+        cells = math.ceil(width / factor) * math.ceil(height / factor)
+        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR
+
+    return estimate
+
+
+def _epoch_folder(base: Path) -> Path:
+    """This process's folder of per-epoch latents (as :class:`Reencoder` names it from the sampler's rank)."""
+    from accelerate import PartialState
+
+    process = PartialState()
+    return base / EPOCH_CACHE_NAME / f"rank-{process.process_index}-of-{process.num_processes}"
+
+
 def prepare_caches(
     spec: ModelSpec,
     datasets: list[RegisteredDataset],
@@ -153,11 +218,26 @@ def prepare_caches(
     With ``augmentations_cache_mode`` ``refresh_each_epoch`` or ``disable_cache`` no latent is
     encoded here: every image is decoded once instead, so files that do not decode are dropped
     before the sampler is built; the VAE is loaded and kept by the returned data.
+
+    Locks (simpletuner/locks.py), for caches on disk: the cache folder is held shared from here
+    until the run ends (added to ``state.run_locks``, the Trainer's, when there is one), each fill
+    with something to encode holds the folder's writer lock (a second run waits, then encodes only
+    what is still missing), and ``refresh_each_epoch`` holds this process's per-epoch folder.
     """
     cache = spec.config.cache_config
     vae_cache, text_cache = open_caches(
         cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
     )
+    on_disk = cache.persistent_cache or "disk" in (cache.vae_cache_type, cache.text_cache_type)
+    cache_locks = CacheLocks(Path(cache_dir).expanduser() / spec.family) if on_disk else None
+    run_locks = getattr(state, "run_locks", None)  # the Trainer's, released when train() ends
+    if cache_locks is not None and run_locks is not None:  # in use from here: `cache clear` refuses
+        run_locks.enter_context(cache_locks.use())
+
+    def reopen() -> tuple[TensorCache, TensorCache]:
+        return open_caches(cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type,
+                           cache.persistent_cache)
+
     encoders = _LazyEncoders(spec, device, text_dtype)
     image_identity = spec.image_encoder_identity()
     text_identity = spec.text_encoder_identity()
@@ -174,14 +254,20 @@ def prepare_caches(
         version = None if static_augment is None else 0
         latent_keys = {key: sample_latent_key(ds, s, image_identity, config.resolution, augment=static_augment)
                        for key, (ds, s) in distinct.items()}
-        latent_report = vae_cache.fill(
-            [(latent_keys[key], (ds, s, version)) for key, (ds, s) in distinct.items()],
-            lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded), VAE_ENCODE_BATCH, group=batch_group,
-            desc="VAE latents", prepare=loader.load_batch, prepare_workers=config.dataloader_num_workers,
-        )
+        with _writing(cache_locks, vae_cache, latent_keys.values(), lambda: reopen()[0],
+                      may_rewrite=cache.verify_content) as vae_cache:
+            latent_report = vae_cache.fill(
+                [(latent_keys[key], (ds, s, version)) for key, (ds, s) in distinct.items()],
+                lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded), VAE_ENCODE_BATCH, group=batch_group,
+                desc="VAE latents", prepare=loader.load_batch, prepare_workers=config.dataloader_num_workers,
+                sources=_latent_sources(cache.verify_content), entry_bytes=_latent_entry_bytes(spec),
+            )
         reencoder = None
     else:  # latents are encoded while training; decode everything once now to drop unreadable files
         latent_keys = {}
+        if mode == "refresh_each_epoch" and run_locks is not None and (cache.persistent_cache
+                                                                       or cache.vae_cache_type == "disk"):
+            run_locks.enter_context(hold_epoch_folder(_epoch_folder(Path(cache_dir).expanduser() / spec.family)))
         reencoder = Reencoder(spec, encoders.get_vae(), loader, datasets, Path(cache_dir).expanduser(), state,
                               image_identity, mode, VAE_ENCODE_BATCH)
         latent_report = reencoder.probe([(ds, s, None) for ds, s in distinct.values()])
@@ -196,7 +282,9 @@ def prepare_caches(
         out = spec.encode_prompts(encoders.get_text(), batch)
         return [{k: v.cpu() for k, v in entry.items()} for entry in out]
 
-    text_report = text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings")
+    with _writing(cache_locks, text_cache, text_keys.values(), lambda: reopen()[1]) as text_cache:
+        text_report = text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH,
+                                      desc="text embeddings")
     reports = {"latents": latent_report, "text": text_report}
     return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports, mode, reencoder), encoders
 

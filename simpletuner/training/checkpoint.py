@@ -1,4 +1,4 @@
-"""Resumable checkpoints: written to a temporary folder, completed by a marker, then renamed.
+"""Resumable checkpoints: written to a temporary folder, completed by a manifest, then renamed.
 
 Layout of ``checkpoint-<step>/``::
 
@@ -9,21 +9,56 @@ Layout of ``checkpoint-<step>/``::
                             checkpoint can be used as it is; full fine-tunes have none
     optimizer.pt            optimizer state (loaded with weights_only=True)
     lr_scheduler.pt         schedule state
-    trainer_state.json      step, samples seen, sampler position, accumulation, run identity
+    scaler.pt               AMP grad scaler state (fp16 runs only)
+    trainer_state.json      step, samples seen, sampler position, accumulation, run id, run identity
     rng_state_<rank>.pt     torch / cuda / numpy / python RNGs and the noise generator, per rank
-    COMPLETE                written last; a folder without it is never resumed from
+    COMPLETE                the manifest, written last; a folder without it is never resumed from
 
-``<output_dir>/latest`` names the newest complete checkpoint. Old checkpoints are removed only
-after the new one is complete.
+``COMPLETE`` is a JSON manifest of every other file in the folder::
+
+    {
+      "manifest_version": 1,
+      "step": 4,
+      "files": {
+        "optimizer.pt": {"size": 5123, "sha256": "9f2c..."},
+        "trainable.safetensors": {"size": 40960, "sha256": "04ab..."},
+        ...
+      },
+      "sha256": "<sha256 of {manifest_version, step, files} as sorted-key JSON: the manifest's own check>"
+    }
+
+Before anything is loaded, a resume checks every listed file: present, the listed size, then the
+listed sha256 (sizes first, so a truncated or missing file is found without hashing the rest).
+A checkpoint that fails is never partly loaded. With ``resume_from_checkpoint: "latest"`` the run
+says which file failed and why, and continues from the newest checkpoint that verifies; with an
+explicit checkpoint, or when none verifies, it stops (:class:`CheckpointDamaged`, exit 2) naming
+the file and the fix. Checkpoints written before manifests existed (``COMPLETE`` holding ``ok``)
+are still resumed, with one warning: they carry no checksums, so only their structure is checked
+(files present, safetensors sizes, the CRC-32s inside ``.pt`` zip archives, JSON that parses).
+
+``<output_dir>/latest`` names the newest complete checkpoint: only a plain ``checkpoint-N`` name of
+a folder inside ``output_dir`` is followed; anything else (a path, ``..``, a link leading out) is
+ignored with a warning. Old checkpoints are removed only after the new one is complete.
+
+A save writes into ``.checkpoint-<step>.tmp-<token>``, the token made once per launch by rank 0
+and shared by every rank, so two savers never share a temp folder; temp folders of dead launches
+are removed by :func:`remove_stale_temp_folders` when the next run takes the output_dir. Before a
+save, rank 0 checks the disk has room for it; a full disk before or during the save removes the
+temp folder and every rank raises the same :class:`~simpletuner.diskspace.NoSpace` (exit 5),
+leaving the previous checkpoint and ``latest`` as they were.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
 import re
 import shutil
+import uuid
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,15 +67,28 @@ import orjson
 import torch
 from safetensors.torch import load_file, save_file
 
+from simpletuner import diskspace
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.training.reliability import fault_point
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT_VERSION = 2  # 2: denoiser config in the identity, skipped steps, AMP scaler
+MANIFEST_VERSION = 1
 MARKER = "COMPLETE"
+LEGACY_MARKER = b"ok\n"  # what COMPLETE held before it became a manifest
 LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+#: Files every checkpoint has (the RNG file of each rank is checked when that rank loads).
+REQUIRED_FILES = ("trainable.safetensors", "optimizer.pt", "lr_scheduler.pt", STATE_FILE)
+#: Bytes of the small files of a save (schedule, state JSON, scaler), on top of each rank's RNG file.
+SMALL_FILES_BYTES = 2**20
+RNG_FILE_BYTES = 64 * 2**10
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+#: What a save leaves behind when its process dies: its temp folder, or the previous copy of a
+#: step it was replacing. ``.checkpoint-N.tmp`` / ``.old`` without a token: older versions.
+TEMP_ENTRY = re.compile(r"^\.checkpoint-(\d+)\.(tmp|old)(-[0-9a-f]+)?$")
+_ATOMIC_TEMP = re.compile(r"^\.(latest|COMPLETE)\.tmp(-\d+)?$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,12 +100,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write to a temp file beside ``path``, fsync, rename: readers see the old or the new file whole."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written pointer is never useful
+        raise
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 # --- RNG ----------------------------------------------------------------------------------
@@ -88,44 +146,434 @@ def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# --- errors -------------------------------------------------------------------------------
+class ResumeRefused(ValueError):
+    """A checkpoint that does not fit this run. Every rank finds the same: rank 0 alone prints it."""
+
+
+class CheckpointDamaged(ResumeRefused):
+    """The checkpoint to resume from (or every one in output_dir) fails its checks; the message
+    names the file, what is wrong with it, and the fix."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Why a checkpoint folder cannot be resumed from: which file, and what is wrong with it."""
+
+    checkpoint: Path
+    file: str  # a name inside the checkpoint ("" for the folder itself)
+    reason: str
+
+    def __str__(self) -> str:
+        where = self.checkpoint / self.file if self.file else self.checkpoint
+        return f"{where} {self.reason}"
+
+
+def _plain_reason(exc: BaseException) -> str:
+    """The first line of a reader's error, without torch's advice to unpickle with weights_only=False."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [line for line in lines if "weights_only" not in line and "trusted source" not in line]
+    first = lines[0] if lines else ""
+    if "weights_only" in first or not first:
+        return type(exc).__name__
+    return first[:300]
+
+
+# --- the manifest -------------------------------------------------------------------------
+def _manifest_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _checkpoint_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` but the manifest (and its temp file), as sorted relative paths."""
+    names = []
+    for path in folder.rglob("*"):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel != MARKER and not _ATOMIC_TEMP.match(rel):
+            names.append(rel)
+    return sorted(names)
+
+
+def build_manifest(folder: Path, step: int) -> bytes:
+    """The COMPLETE manifest of ``folder``: every file with its size and sha256."""
+    files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+             for name in _checkpoint_files(folder)}
+    body = {"manifest_version": MANIFEST_VERSION, "step": step, "files": files}
+    return orjson.dumps(dict(body, sha256=_manifest_digest(body)), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+
+
+def _parse_manifest(raw: bytes) -> dict[str, dict[str, Any]]:
+    """The manifest's file table; ValueError saying what is wrong with it."""
+    try:
+        manifest = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("manifest_version") != MANIFEST_VERSION:
+        raise ValueError(f"not a version-{MANIFEST_VERSION} manifest")
+    body = {k: manifest.get(k) for k in ("manifest_version", "step", "files")}
+    if manifest.get("sha256") != _manifest_digest(body):
+        raise ValueError("its own checksum does not match (the file was changed after it was written)")
+    files = body["files"]
+    if not isinstance(files, dict):
+        raise ValueError("no file table")
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not isinstance(entry, dict) \
+                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+            raise ValueError(f"a malformed entry {name!r}")
+    return files
+
+
+def _check_manifest(path: Path, raw: bytes) -> Damage | None:
+    try:
+        files = _parse_manifest(raw)
+    except ValueError as exc:
+        return Damage(path, MARKER, f"is not a readable manifest: {exc}")
+    for name in REQUIRED_FILES:
+        if name not in files:
+            return Damage(path, MARKER, f"does not list {name}: the save that wrote it was incomplete")
+    for name, entry in files.items():  # sizes first: cheap, and finds truncated and missing files
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return Damage(path, name, "is missing (the manifest lists it)")
+        except OSError as exc:
+            return Damage(path, name, f"cannot be read ({exc.strerror})")
+        if size != entry["size"]:
+            return Damage(path, name, f"has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)")
+    for name, entry in files.items():
+        try:
+            digest = _sha256(path / name)
+        except OSError as exc:
+            return Damage(path, name, f"cannot be read ({exc.strerror})")
+        if digest != entry["sha256"]:
+            return Damage(path, name, "does not match its sha256 in the manifest (its bytes changed after the save: "
+                                      "a disk or copy error, or an edit)")
+    return None
+
+
+def _check_legacy(path: Path) -> Damage | None:
+    """A checkpoint from before manifests: what can be checked without checksums."""
+    for name in REQUIRED_FILES:
+        file = path / name
+        if not file.is_file():
+            return Damage(path, name, "is missing")
+        try:
+            if name.endswith(".pt"):
+                with zipfile.ZipFile(file) as archive:
+                    bad = archive.testzip()  # the CRC-32 of every member
+                if bad is not None:
+                    return Damage(path, name, f"is damaged: {bad} inside it fails its CRC-32")
+            elif name.endswith(".safetensors"):
+                _check_safetensors_size(file)
+            else:
+                orjson.loads(file.read_bytes())
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            return Damage(path, name, f"is damaged ({_plain_reason(exc)})")
+    return None
+
+
+def _check_safetensors_size(file: Path) -> None:
+    """ValueError unless the file is as long as its header says (finds truncation)."""
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        length = int.from_bytes(head, "little")
+        header = orjson.loads(fh.read(length)) if length < 100 * 2**20 else None
+    if not isinstance(header, dict):
+        raise ValueError("no safetensors header")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if file.stat().st_size != 8 + length + end:
+        raise ValueError(f"{file.stat().st_size} bytes, its header describes {8 + length + end}")
+
+
+#: verify_checkpoint's answers, per folder, valid while no file in it changes (a resume asks
+#: several times: the output_dir check, the finished-run check, the load).
+_verified: dict[Path, tuple[tuple, Damage | None]] = {}
+_said: set[str] = set()
+
+
+def _warn_once(message: str, *args) -> None:
+    text = message % args if args else message
+    if text not in _said:
+        _said.add(text)
+        logger.warning("%s", text)
+
+
+def _folder_signature(path: Path) -> tuple:
+    entries = []
+    for file in sorted(path.rglob("*")):
+        try:
+            st = file.stat()
+        except OSError:
+            continue
+        entries.append((file.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(entries)
+
+
+def verify_checkpoint(path: Path) -> Damage | None:
+    """None when ``path`` is a checkpoint that can be resumed from as it is, else what is wrong:
+    the first file that is missing, of another size, or of another sha256 than its manifest says."""
+    path = Path(path)
+    if not path.is_dir():
+        return Damage(path, "", "does not exist or is not a folder")
+    signature = _folder_signature(path)
+    key = path.resolve()
+    cached = _verified.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    try:
+        raw = (path / MARKER).read_bytes()
+    except FileNotFoundError:
+        damage = Damage(path, MARKER, "is missing: the save was interrupted, or the file was deleted")
+    except OSError as exc:
+        damage = Damage(path, MARKER, f"cannot be read ({exc.strerror})")
+    else:
+        if raw.strip() == LEGACY_MARKER.strip():
+            damage = _check_legacy(path)
+            if damage is None:
+                _warn_once("%s was written by an older version: its COMPLETE marker carries no checksums, so only its "
+                           "structure was checked (files present, sizes, the CRC-32s inside .pt files)", path)
+        else:
+            damage = _check_manifest(path, raw)
+    _verified[key] = (signature, damage)
+    return damage
+
+
 # --- discovery ----------------------------------------------------------------------------
 def is_complete(path: Path) -> bool:
+    """Whether the save of ``path`` finished (its manifest exists); :func:`verify_checkpoint` checks the files."""
     return (path / MARKER).is_file()
 
 
-def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def _step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return folder.resolve() in path.resolve().parents
+
+
+def _checkpoint_folders(output_dir: Path) -> list[Path]:
+    """``checkpoint-N`` folders of ``output_dir`` (complete or not), oldest first; links leading
+    out of ``output_dir`` are left out."""
     if not output_dir.is_dir():
         return []
     found = []
     for child in output_dir.iterdir():
-        m = _NAME.match(child.name)
-        if m and child.is_dir() and is_complete(child):
-            found.append((int(m.group(1)), child))
-    return [p for _, p in sorted(found)]
+        if not (_NAME.match(child.name) and child.is_dir()):
+            continue
+        if child.is_symlink() and not _inside(child, output_dir):
+            _warn_once("%s is a link to %s, outside %s: it is not resumed from", child, child.resolve(), output_dir)
+            continue
+        found.append(child)
+    return sorted(found, key=_step)
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints (their save finished), oldest first. Not verified: see :func:`resolve_latest`."""
+    return [p for p in _checkpoint_folders(output_dir) if is_complete(p)]
+
+
+def _pointer(output_dir: Path) -> Path | None:
+    """The folder ``latest`` names, when it is a plain ``checkpoint-N`` folder inside ``output_dir``."""
+    pointer = output_dir / LATEST
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError as exc:
+        _warn_once("%s cannot be read (%s): using the newest checkpoint that verifies", pointer, exc.strerror)
+        return None
+    if not _NAME.match(name):
+        _warn_once("%s names %r, which is not a checkpoint-N folder of %s: ignored; using the newest checkpoint "
+                   "that verifies", pointer, name[:200], output_dir)
+        return None
+    target = output_dir / name
+    if target.is_symlink() and not _inside(target, output_dir):
+        _warn_once("%s names %s, a link leading out of %s: ignored; using the newest checkpoint that verifies",
+                   pointer, target, output_dir)
+        return None
+    if not target.is_dir():
+        _warn_once("%s names %s, which does not exist: using the newest checkpoint that verifies", pointer, name)
+        return None
+    return target
+
+
+def resolve_latest(output_dir: Path) -> tuple[Path | None, list[Damage]]:
+    """The checkpoint ``latest`` resolves to and the damaged ones passed over on the way.
+
+    The folder ``latest`` names comes first, then every other ``checkpoint-N``, newest first; the
+    first that verifies wins. ``(None, [])``: no checkpoint at all; ``(None, damages)``: none verifies.
+    """
+    named = _pointer(output_dir)
+    others = [p for p in reversed(_checkpoint_folders(output_dir)) if p != named]
+    order = ([named] if named is not None else []) + others
+    damaged: list[Damage] = []
+    for path in order:
+        damage = verify_checkpoint(path)
+        if damage is None:
+            for bad in damaged:
+                _warn_once("checkpoint %s cannot be resumed from: %s. Using %s, the newest checkpoint that verifies",
+                           bad.checkpoint.name, bad, path.name)
+            return path, damaged
+        damaged.append(damage)
+    return None, damaged
 
 
 def find_latest(output_dir: Path) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete, else the newest complete one, else None."""
-    pointer = output_dir / LATEST
-    if pointer.is_file():
-        named = output_dir / pointer.read_text().strip()
-        if is_complete(named):
-            return named
-        logger.warning("%s names %s, which is not a complete checkpoint; using the newest complete one", pointer, named)
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    """The checkpoint ``resume_from_checkpoint: "latest"`` continues from, or None when none verifies."""
+    return resolve_latest(output_dir)[0]
 
 
 def resolve_resume(output_dir: Path, resume_from_checkpoint: str) -> Path | None:
-    """The checkpoint ``resume_from_checkpoint`` names: ``latest`` (None when ``output_dir`` holds
-    no complete checkpoint) or a folder."""
+    """The verified checkpoint ``resume_from_checkpoint`` names: ``latest`` (None when ``output_dir``
+    holds no checkpoint) or a folder. Raises :class:`CheckpointDamaged` when the folder named, or
+    with ``latest`` every checkpoint there, fails its checks."""
     if resume_from_checkpoint == LATEST:
-        return find_latest(output_dir)
-    return Path(resume_from_checkpoint).expanduser()
+        path, damaged = resolve_latest(output_dir)
+        if path is None and damaged:
+            raise CheckpointDamaged(
+                f"cannot resume: no checkpoint in {output_dir} verifies:\n  - " + "\n  - ".join(map(str, damaged))
+                + "\nTo fix: put the named files back from a backup (or copy in a checkpoint that verifies) and run "
+                "again; or start afresh: set `resume_from_checkpoint: null` and pass `--overwrite` (removes these "
+                "checkpoints), or set a new `output_dir`."
+            )
+        return path
+    path = Path(resume_from_checkpoint).expanduser()
+    damage = verify_checkpoint(path)
+    if damage is not None:
+        raise CheckpointDamaged(
+            f"cannot resume from {path}: {damage}. Nothing was loaded.\nTo fix: put that file back from a backup; "
+            f"or set `resume_from_checkpoint: \"latest\"` to continue from the newest checkpoint in `output_dir` "
+            "that verifies, or name an older checkpoint folder."
+        )
+    return path
+
+
+# --- one launch ---------------------------------------------------------------------------
+def _from_main(accelerator, value):
+    """``value`` as rank 0 has it, on every rank (a collective when there are several)."""
+    if accelerator.num_processes <= 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    box = [value]
+    broadcast_object_list(box, from_process=0)
+    return box[0]
+
+
+def _from_all(accelerator, value) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if accelerator.num_processes <= 1:
+        return [value]
+    from accelerate.utils import gather_object
+
+    return gather_object([value])
+
+
+def remove_stale_temp_folders(output_dir: Path) -> list[Path]:
+    """Remove what saves of dead processes left in ``output_dir`` (temp folders, ``.old`` copies,
+    pointer temp files). Call it only while holding output_dir: a live save's temp folder looks the same.
+
+    A ``.checkpoint-N.old-*`` whose ``checkpoint-N`` is gone is a re-save of step N killed between
+    its two renames: that complete copy is put back instead of removed.
+    """
+    if not output_dir.is_dir():
+        return []
+    removed = []
+    for child in sorted(output_dir.iterdir()):
+        match = TEMP_ENTRY.match(child.name)
+        if match is None and not (_ATOMIC_TEMP.match(child.name) and child.is_file()):
+            continue
+        final = output_dir / f"checkpoint-{match.group(1)}" if match else None
+        if match and match.group(2) == "old" and not final.exists() and is_complete(child):
+            os.replace(child, final)
+            logger.warning("put %s back as %s: a save was stopped while replacing it", child.name, final.name)
+            continue
+        diskspace.remove_path(child)
+        removed.append(child)
+    if removed:
+        logger.info("removed %d folder(s) left by an interrupted save in %s: %s", len(removed), output_dir,
+                    ", ".join(p.name for p in removed))
+    return removed
+
+
+def start_launch(accelerator, output_dir: Path) -> tuple[str, str]:
+    """Once per launch, after output_dir is this run's: rank 0 removes what dead saves left there
+    and makes a run id (kept unless a resume adopts the checkpoint's) and this launch's temp-folder
+    token. Returns ``(run_id, token)``, the same on every rank."""
+    ids = None
+    if accelerator.is_main_process:
+        remove_stale_temp_folders(output_dir)
+        ids = (uuid.uuid4().hex[:8], uuid.uuid4().hex[:12])
+    run_id, token = _from_main(accelerator, ids)
+    return run_id, token
 
 
 # --- save ---------------------------------------------------------------------------------
+def checkpoint_bytes(trainable: dict[str, torch.Tensor], optimizer, with_adapter: bool, num_processes: int) -> int:
+    """Bytes a save is about to write: the trainable tensors, the optimizer's state tensors, the
+    adapter copy (LoRA runs; about the trainable tensors again), the small files and the RNG files."""
+    def size(t) -> int:
+        return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+    weights = sum(size(t) for t in trainable.values())
+    states = getattr(optimizer, "state", {}) or {}
+    moments = sum(size(v) for state in states.values() for v in state.values())
+    return weights * (2 if with_adapter else 1) + moments + SMALL_FILES_BYTES + RNG_FILE_BYTES * num_processes
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple | None:
+    """Run ``fn``: None if it worked, else what went wrong, in a form every rank can act on."""
+    try:
+        fn()
+    except diskspace.NoSpace as exc:
+        return ("no_space", exc.what, str(exc.folder), exc.needed, exc.free, exc.during_write)
+    except Exception as exc:  # noqa: BLE001 - re-raised on this rank, described to the others
+        return ("error", f"{type(exc).__name__}: {exc}", exc)
+    return None
+
+
+def _settle(accelerator, mine: tuple | None, tmp: Path, main_only: bool = False) -> None:
+    """Agree on a step of the save (rank 0's outcome with ``main_only``, else every rank's) and,
+    when any rank failed, raise on every rank after rank 0 removed ``tmp``: no rank is left
+    waiting in a collective for one that gave up. A full disk is the same NoSpace everywhere."""
+    shareable = mine[:2] if mine is not None and mine[0] == "error" else mine  # the exception stays here
+    if accelerator.num_processes <= 1:
+        outcomes = [shareable]
+    elif main_only:
+        outcomes = [_from_main(accelerator, shareable)]
+    else:
+        outcomes = _from_all(accelerator, shareable)
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    if not failed:
+        return
+    if accelerator.is_main_process:
+        diskspace.remove_path(tmp)
+    rank, outcome = failed[0]
+    if outcome[0] == "no_space":
+        _, what, folder, needed, free, during = outcome
+        raise diskspace.NoSpace(what, Path(folder), needed, free, during_write=during, agreed=mine is None)
+    if mine is not None and mine[0] == "error":
+        raise mine[2]
+    raise RuntimeError(f"{tmp.name} could not be written: process {rank} failed: {outcome[1]}")
+
+
+def _move_into_place(tmp: Path, final: Path, token: str) -> None:
+    """Rename the complete temp folder to ``final``; a re-save of a step (after a resume) replaces
+    the old folder whole (see remove_stale_temp_folders for a kill between the two renames)."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{token}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
 def save_checkpoint(
     accelerator,
     output_dir: Path,
@@ -138,59 +586,79 @@ def save_checkpoint(
     total_limit: int | None,
     scaler=None,
     write_adapter: Callable[[Path], Any] | None = None,
+    token: str | None = None,
 ) -> Path:
     """Save collectively (every rank calls it); returns the final checkpoint folder.
 
-    Everything goes into a hidden temp folder, is fsynced, gets a COMPLETE marker written last,
-    and is renamed into place; only then does ``latest`` move and retention delete old ones.
-    A kill at any point leaves the previous checkpoint complete and named by ``latest``.
-    ``write_adapter(folder)`` (rank 0) writes the loadable adapter into the temp folder, so it is
-    fsynced and covered by the marker like every other file.
+    Everything goes into this launch's temp folder (``token``: see :func:`start_launch`; made here
+    when not given), is fsynced, gets its COMPLETE manifest written last, and is renamed into place;
+    only then does ``latest`` move and retention delete old ones. A kill at any point leaves the
+    previous checkpoint complete and named by ``latest``; so does a full disk, which removes the
+    temp folder and raises NoSpace on every rank. ``write_adapter(folder)`` (rank 0) writes the
+    loadable adapter into the temp folder, so it is fsynced and listed like every other file.
     """
+    acc = accelerator
+    token = token or _from_main(acc, uuid.uuid4().hex[:12])
     final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".checkpoint-{step}.tmp"
-    if accelerator.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    torch.save(capture_rng(generator), tmp / f"rng_state_{accelerator.process_index}.pt")
-    if accelerator.is_main_process:
-        save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
-        ordinary_permissions(tmp / "trainable.safetensors")  # safetensors writes 0600
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        if write_adapter is not None:
-            write_adapter(tmp)
-        state = dict(trainer_state, format_version=CHECKPOINT_FORMAT_VERSION, world_size=accelerator.num_processes)
-        (tmp / "trainer_state.json").write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
-    accelerator.wait_for_everyone()
-    fault_point("checkpoint:files_written")
-    if accelerator.is_main_process:
-        for f in tmp.iterdir():
-            if not f.is_file():
-                continue
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _write_atomic(tmp / MARKER, b"ok\n")
-        _fsync_dir(tmp)
+    tmp = output_dir / f".checkpoint-{step}.tmp-{token}"
+    what = f"checkpoint-{step}"
+    needed = checkpoint_bytes(trainable, optimizer, write_adapter is not None, acc.num_processes)
+
+    def guard():
+        return diskspace.disk_full_guard(output_dir, needed, what, cleanup=[tmp])
+
+    def prepare() -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        diskspace.require_space(output_dir, needed, what)
+        with guard():
+            if tmp.exists():  # an earlier save of this step in this launch that failed
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+
+    def write_rng() -> None:
+        with guard():
+            torch.save(capture_rng(generator), tmp / f"rng_state_{acc.process_index}.pt")
+
+    def write_main() -> None:
+        with guard():
+            save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
+            diskspace.inject_fault("checkpoint")  # tests: the disk fills once the first file is written
+            ordinary_permissions(tmp / "trainable.safetensors")  # safetensors writes 0600
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+            if scaler is not None:
+                torch.save(scaler.state_dict(), tmp / "scaler.pt")
+            if write_adapter is not None:
+                write_adapter(tmp)
+            state = dict(trainer_state, format_version=CHECKPOINT_FORMAT_VERSION, world_size=acc.num_processes)
+            (tmp / STATE_FILE).write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
+
+    def complete() -> None:
+        with guard():
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            _write_atomic(tmp / MARKER, build_manifest(tmp, step))
+            _fsync_dir(tmp)
         fault_point("checkpoint:marker_written")
-        if final.exists():  # re-saving a step after a resume: the new one replaces it whole
-            old = output_dir / f".checkpoint-{step}.old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(output_dir)
+        _move_into_place(tmp, final, token)
         fault_point("checkpoint:renamed")
-        _write_atomic(output_dir / LATEST, final.name.encode())
+        with diskspace.disk_full_guard(output_dir, needed, what):  # the new checkpoint is complete: kept
+            _write_atomic(output_dir / LATEST, final.name.encode())
         fault_point("checkpoint:latest_written")
         apply_retention(output_dir, total_limit)
+
+    main = acc.is_main_process
+    _settle(acc, _attempt(prepare) if main else None, tmp, main_only=True)
+    outcome = _attempt(write_rng)
+    if main and outcome is None:
+        outcome = _attempt(write_main)
+    _settle(acc, outcome, tmp)
+    fault_point("checkpoint:files_written")
+    _settle(acc, _attempt(complete) if main else None, tmp, main_only=True)
+    if main:
         logger.info("saved checkpoint %s", final)
-    accelerator.wait_for_everyone()
     return final
 
 
@@ -208,16 +676,36 @@ def apply_retention(output_dir: Path, total_limit: int | None) -> list[Path]:
 
 # --- load ---------------------------------------------------------------------------------
 def read_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.json`` of a complete checkpoint (call :func:`resolve_resume` first to verify it)."""
     if not is_complete(path):
-        raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker): it was interrupted while saving")
-    state = orjson.loads((path / "trainer_state.json").read_bytes())
+        raise CheckpointDamaged(f"{path} is not a complete checkpoint (no {MARKER} manifest): it was interrupted "
+                                "while saving, or the file was deleted")
+    file = path / STATE_FILE
+    try:
+        state = orjson.loads(file.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise CheckpointDamaged(f"cannot read {file}: {_plain_reason(exc)}") from None
+    if not isinstance(state, dict):
+        raise CheckpointDamaged(f"{file} does not hold a trainer state")
     if state.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-        raise ValueError(f"{path} has checkpoint format {state.get('format_version')}, this version reads {CHECKPOINT_FORMAT_VERSION}")
+        raise ResumeRefused(f"{path} has checkpoint format {state.get('format_version')}, this version reads "
+                            f"{CHECKPOINT_FORMAT_VERSION}")
     return state
+
+
+def describe_run(state: dict[str, Any]) -> str:
+    """``run 3f2a9c1b, seed 123`` for a checkpoint's state; what an older checkpoint lacks is left out."""
+    identity = state.get("identity") or {}
+    parts = [f"run {state['run_id']}"] if state.get("run_id") else []
+    if identity.get("seed") is not None:
+        parts.append(f"seed {identity['seed']}")
+    return ", ".join(parts)
 
 
 #: What a checkpoint written before these identity keys existed trained with.
 _IDENTITY_DEFAULTS = {"lycoris_algo": None, "base_model_precision": "no_change", "train_stages": "both"}
+#: Keys older checkpoints did not record and whose value cannot be inferred: not compared then.
+_UNRECORDED_BEFORE = {"seed"}
 
 
 def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
@@ -233,14 +721,12 @@ def identity_differences(state: dict[str, Any], identity: dict[str, Any]) -> lis
     saved_identity = state.get("identity", {})
     problems = []
     for key, value in identity.items():
+        if key in _UNRECORDED_BEFORE and key not in saved_identity:
+            continue
         saved = _saved_identity_value(saved_identity, key)
         if saved != value:
             problems.append(f"{key}: checkpoint has {saved!r}, config has {value!r}")
     return problems
-
-
-class ResumeRefused(ValueError):
-    """A checkpoint that does not fit this run. Every rank finds the same: rank 0 alone prints it."""
 
 
 def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:
@@ -259,20 +745,41 @@ def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size
         fixes += [f"set a new `output_dir` to start a new run beside it ({path} stays as it is)",
                   "or set `resume_from_checkpoint: null` and pass `--overwrite` to train from scratch "
                   "(it replaces the run in `output_dir`)"]
-        raise ResumeRefused(f"cannot resume from {path}: it does not fit this run:\n  - " + "\n  - ".join(problems)
-                            + "\nTo fix: " + "; ".join(fixes) + ".")
+        run = describe_run(state)
+        raise ResumeRefused(f"cannot resume from {path}{f' ({run})' if run else ''}: it does not fit this run:\n  - "
+                            + "\n  - ".join(problems) + "\nTo fix: " + "; ".join(fixes) + ".")
+
+
+def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
+    """``reader(path / name)``; a file that cannot be read is CheckpointDamaged naming it."""
+    file = path / name
+    try:
+        return reader(file)
+    except FileNotFoundError:
+        raise CheckpointDamaged(f"cannot resume from {path}: {name} is missing. Nothing was loaded. To fix: put it "
+                                "back, or resume from an older checkpoint") from None
+    except Exception as exc:  # noqa: BLE001 - torch / safetensors raise many types for a bad file
+        raise CheckpointDamaged(
+            f"cannot resume from {path}: {file} cannot be read ({_plain_reason(exc)}). Nothing was loaded. To fix: "
+            "put that file back from a backup, or resume from an older checkpoint (resume_from_checkpoint "
+            "\"latest\" takes the newest one that verifies)"
+        ) from None
+
+
+def _torch_file(file: Path) -> Any:
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def load_tensors(path: Path, process_index: int) -> dict[str, Any]:
-    """The checkpoint's tensors and states for this rank."""
-    rng_file = path / f"rng_state_{process_index}.pt"
-    if not rng_file.is_file():
-        raise ValueError(f"{path} has no RNG state for process {process_index}")
+    """The checkpoint's tensors and states for this rank, all read before the caller applies any
+    (so a file that cannot be read leaves the run as it was)."""
+    rng_name = f"rng_state_{process_index}.pt"
+    if not (path / rng_name).is_file():
+        raise CheckpointDamaged(f"{path} has no RNG state for process {process_index} ({rng_name})")
     return {
-        "trainable": load_file(path / "trainable.safetensors"),
-        "optimizer": torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True),
-        "lr_scheduler": torch.load(path / "lr_scheduler.pt", map_location="cpu", weights_only=True),
-        "rng": torch.load(rng_file, map_location="cpu", weights_only=True),
-        **({"scaler": torch.load(path / "scaler.pt", map_location="cpu", weights_only=True)}
-           if (path / "scaler.pt").is_file() else {}),
+        "trainable": _read(path, "trainable.safetensors", load_file),
+        "optimizer": _read(path, "optimizer.pt", _torch_file),
+        "lr_scheduler": _read(path, "lr_scheduler.pt", _torch_file),
+        "rng": _read(path, rng_name, _torch_file),
+        **({"scaler": _read(path, "scaler.pt", _torch_file)} if (path / "scaler.pt").is_file() else {}),
     }

@@ -121,8 +121,34 @@ def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: 
         qlayer = quantize_module(layer, weights=weights)
         qlayer.freeze()  # float weight -> 8-bit WeightQBytesTensor, one layer at a time
         qlayer.requires_grad_(False)  # freeze() makes a new Parameter, which would train
+        if precision == "qint8":
+            qlayer.register_forward_pre_hook(_safe_int8_cpu_input)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qlayer)
+
+
+#: in_features the CPU int8 kernel handles: a multiple of this (measured on torch 2.13, see below).
+_INT8_CPU_K_MULTIPLE = 16
+
+
+def _safe_int8_cpu_input(module: nn.Module, args: tuple):
+    """Keep a qint8 layer on CPU off the crashing paths of torch's int8 kernel.
+
+    For a bf16 input on CPU optimum-quanto multiplies with ``torch._weight_int8pack_mm``, which in
+    torch 2.13 crashes the process (SIGSEGV) when in_features is not a multiple of 16 and there is
+    more than one row (with one row it returns wrong values), and raises for an input that is not
+    contiguous in its last dimension (SDXL's linear projections). Measured over in_features 4..128,
+    rows 1..64: every multiple of 16 is right, every other value fails. So: such a layer gets its
+    input in fp32, for which quanto takes its dequantising matmul (the same bf16 product, computed
+    by ``torch.matmul``); any other gets a contiguous input. CUDA inputs are left alone (quanto's
+    CUDA path does not use that kernel).
+    """
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return None
+    if module.in_features % _INT8_CPU_K_MULTIPLE:
+        return (x.float(), *args[1:])
+    return None if x.is_contiguous() else (x.contiguous(), *args[1:])
 
 
 def _quantize_torchao(layers: dict[str, nn.Linear], precision: str, device) -> None:

@@ -1,8 +1,29 @@
-"""Stopping a run without losing it: preemption signals, non-finite steps, out-of-memory, and the
-fault points the tests use to kill a run at chosen places.
+"""Stopping a run without losing it: signals in every phase, non-finite steps, out-of-memory.
 
 A run stops for one of these reasons by raising a :class:`RunStopped` subclass; ``train.main``
 turns it into its exit code (SIGTERM 143, SIGINT 130, non-finite 3, out of memory 4).
+
+SIGTERM / SIGINT are handled for the whole run (:class:`RunSignals`, installed by ``train.main``
+and by ``Trainer.train``), and what a signal does depends on the phase the run is in
+(:func:`run_phase` marks them):
+
+- outside the step loop (start-up, dataset scan and staging, cache fill, model load, the first
+  and the final validation) it interrupts at once: :class:`Interrupted` is raised where the main
+  thread is, ``finally`` blocks run (a cache fill writes what it has encoded), and the one-line
+  message says the phase and what is kept;
+- inside the step loop (in-loop validations and checkpoints included) it sets a flag that the
+  trainer reads at the next step boundary, where every rank saves a checkpoint
+  (:class:`Preempted`);
+- during the final save it is held back: the save completes, then the run stops and says the
+  final weights were saved (the final validation is skipped).
+
+A second Ctrl-C (SIGINT) while a signal is pending or being handled ends the process at once
+(``os._exit(130)``) after one line, ``second SIGINT: stopping now without saving``. A repeated
+SIGTERM does not: schedulers and launchers often deliver it twice (slurm signals every task and
+torchrun forwards its own), and their SIGKILL after a grace period is the "at once".
+
+The fault points the tests use (``SIMPLETUNER_FAULT``) live in :mod:`simpletuner.faults` and are
+re-exported here; every phase start is one (``phase:<name>``).
 """
 
 from __future__ import annotations
@@ -11,29 +32,35 @@ import logging
 import os
 import signal
 import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
 from types import FrameType
+from typing import Callable, Iterable, Iterator
+
+from simpletuner.faults import FAULT_ENV, fault_point  # noqa: F401  (re-exported: checkpoint.py and the tests use them)
 
 logger = logging.getLogger(__name__)
 
-#: ``SIMPLETUNER_FAULT=<point>[@N]`` makes the process SIGKILL itself the N-th time (default 1st)
-#: it reaches that point. For the fault-injection tests; unset in normal runs.
-FAULT_ENV = "SIMPLETUNER_FAULT"
-_reached: dict[str, int] = {}
+Kept = str | Callable[[], str]  # what the run keeps when it stops in a phase (a callable is asked at report time)
 
+NOTHING_YET = "nothing trained yet, nothing to save"
+CACHES_COMPLETE = "nothing trained yet, nothing to save; the caches are complete and the next run reuses them"
 
-def fault_point(name: str) -> None:
-    """Die here, as a crash or ``kill -9`` would, when the environment names this point."""
-    wanted = os.environ.get(FAULT_ENV)
-    if not wanted:
-        return
-    point, _, nth = wanted.partition("@")
-    if point != name:
-        return
-    _reached[name] = _reached.get(name, 0) + 1
-    if _reached[name] == int(nth or 1):
-        logger.warning("fault injection: SIGKILL at %s (time %d)", name, _reached[name])
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
+#: phase name -> (words for the message, what a signal does there, what is kept)
+PHASES: dict[str, tuple[str, str, Kept]] = {
+    "startup": ("start-up", "interrupt", NOTHING_YET),
+    "datasets": ("the dataset scan", "interrupt", NOTHING_YET + "; the next run scans again"),
+    "staging": ("the in-memory staging and dataset scan", "interrupt",
+                NOTHING_YET + "; the next run stages and scans again"),
+    "cache_fill": ("the cache fill", "interrupt", NOTHING_YET),
+    "model_load": ("the model load", "interrupt", CACHES_COMPLETE),
+    "first_validation": ("the first validation", "interrupt", CACHES_COMPLETE),
+    "training": ("training", "flag", ""),
+    "final_save": ("the final save", "defer", ""),
+    "final_validation": ("the final validation", "interrupt", "the final weights are saved"),
+    "done": ("the end of the run", "ignore", ""),  # trackers flushing: a signal now changes nothing
+}
 
 
 class RunStopped(RuntimeError):
@@ -50,6 +77,29 @@ class Preempted(RunStopped):
         super().__init__(f"stopped by {name}: saved {checkpoint}; resume with resume_from_checkpoint: \"latest\"")
 
 
+class Interrupted(RunStopped):
+    """A signal stopped the run outside the step loop (or right after the final save).
+
+    The message is composed when first read, after the exception has unwound: by then the
+    ``finally`` blocks have run (a cache fill has written its pending entries), so "what is kept"
+    counts them.
+    """
+
+    def __init__(self, signum: int, phase_words: str, kept: Kept):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        self.phase_words = phase_words
+        self._kept = kept
+        self._message: str | None = None
+        super().__init__(signal.Signals(signum).name, phase_words)
+
+    def __str__(self) -> str:
+        if self._message is None:
+            kept = self._kept() if callable(self._kept) else self._kept
+            self._message = f"stopped by {signal.Signals(self.signum).name} during {self.phase_words}: {kept}"
+        return self._message
+
+
 class NonFiniteLoss(RunStopped):
     exit_code = 3
 
@@ -58,38 +108,187 @@ class OutOfMemory(RunStopped):
     exit_code = 4
 
 
-class PreemptionFlag:
-    """SIGTERM / SIGINT set a flag the trainer reads at the next step boundary.
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: os.write, because the handler may run while the
+    main thread is inside a buffered write to sys.stderr (re-entering it raises)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
-    A second SIGINT while the flag is set restores the default handler and interrupts at once
-    (the user insists). Handlers are installed only from the main thread, and restored on exit.
+
+class RunSignals:
+    """SIGTERM / SIGINT handlers for a whole run; what a signal does follows the current phase.
+
+    Installed only from the main thread (elsewhere it records phases and handles nothing), and
+    the previous handlers come back on exit. Entering one while another is installed returns the
+    installed one, so ``train.main`` and ``Trainer.train`` share a single set of handlers.
+
+    ``signum`` is the signal received (None before one); the trainer folds it into the per-step
+    all-reduce inside the loop.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signum: int | None = None
+        self.phase = "startup"
+        self.words, self.mode, self.kept = PHASES["startup"]
+        self.received_in: str | None = None  # the phase words when the signal came
+        self.is_stopping = False  # an exception is on its way out: a (first) signal changes nothing
         self._previous: dict[int, object] = {}
+        self._depth = 0
+        self._owner: RunSignals = self
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.signum = signum
-        logger.warning("%s received: saving a checkpoint at the end of this step, then stopping "
-                       "(Ctrl-C again to stop at once without saving)", signal.Signals(signum).name)
+    # --- installing -----------------------------------------------------------------------
+    @staticmethod
+    def installed() -> "RunSignals | None":
+        """The instance whose handlers are in force, if any."""
+        owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+        return owner if isinstance(owner, RunSignals) else None
 
-    def __enter__(self) -> "PreemptionFlag":
-        if threading.current_thread() is threading.main_thread():
+    def __enter__(self) -> "RunSignals":
+        current = self.installed()
+        self._owner = current if current is not None else self
+        self._owner._depth += 1
+        if self._owner is self and self._depth == 1 and threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        return self
+        return self._owner
 
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        owner = self._owner
+        if exc is not None:
+            owner.is_stopping = True
+        owner._depth -= 1
+        if owner._depth == 0:
+            for sig, handler in owner._previous.items():
+                signal.signal(sig, handler)
+            owner._previous.clear()
 
-    @property
-    def raised(self) -> bool:
-        return self.signum is not None
+    # --- the handler ----------------------------------------------------------------------
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            if signum == signal.SIGINT:  # the user insists: no save, no cleanup, no waiting for threads
+                _say(f"second {name}: stopping now without saving")
+                os._exit(128 + signum)
+            # A repeated SIGTERM is not insistence: a scheduler and a launcher often both deliver one
+            # (slurm signals every task, torchrun forwards its own); their SIGKILL comes after a grace period.
+            logger.warning("%s received again: still stopping (Ctrl-C to stop at once without saving)", name)
+            return
+        if self.is_stopping or self.mode == "ignore":  # already on the way out, or done: nothing left to stop
+            self.signum = signum  # a Ctrl-C after this one ends the process at once
+            logger.warning("%s received while the run is %s (Ctrl-C again to stop at once)", name,
+                           "already stopping" if self.is_stopping else "ending: it finishes normally")
+            return
+        self.signum = signum
+        self.received_in = self.words
+        if self.mode == "interrupt":
+            self.is_stopping = True
+            raise Interrupted(signum, self.words, self.kept)
+        if self.mode == "flag":
+            logger.warning("%s received: saving a checkpoint at the end of this step, then stopping "
+                           "(Ctrl-C again to stop at once without saving)", name)
+        else:
+            logger.warning("%s received during %s: finishing it, then stopping (Ctrl-C again to stop at once "
+                           "without saving)", name, self.words)
+
+    # --- phases ---------------------------------------------------------------------------
+    def enter(self, phase: str, kept: Kept | None = None) -> None:
+        """Make ``phase`` (a key of :data:`PHASES`) current; ``kept`` replaces its default words
+        for what a stop there keeps. Reaching a phase is also the fault point ``phase:<name>``."""
+        self.phase = phase
+        self.words, self.mode, default = PHASES[phase]
+        self.kept = default if kept is None else kept
+        fault_point(f"phase:{phase}")
+
+    @contextmanager
+    def flagged(self) -> Iterator["RunSignals"]:
+        """The step loop: a signal sets :attr:`signum`, read at the next step boundary."""
+        self.enter("training")
+        try:
+            yield self
+        except BaseException:
+            self.is_stopping = True
+            raise
+
+    @contextmanager
+    def deferred(self, phase: str, kept: Callable[[], str]) -> Iterator["RunSignals"]:
+        """Run the block to its end whatever arrives; then stop if a signal came during it (or
+        came late in the step loop and is still pending). ``kept()`` words what the block saved."""
+        self.enter(phase)
+        try:
+            yield self
+        except BaseException:
+            self.is_stopping = True
+            raise
+        if self.signum is not None:
+            self.is_stopping = True
+            raise Interrupted(self.signum, self.received_in or self.words, lambda: f"{kept()}; the final validation is skipped")
+
+
+def exit_on_signal(code: int) -> None:
+    """From now to the process's end, SIGTERM / SIGINT exit at once with ``code``.
+
+    For the script's last moments, after ``train.main`` returned: interpreter shutdown joins
+    threads, and a signal then (e.g. a launcher stopping the siblings of a rank that stopped)
+    would otherwise end as a KeyboardInterrupt traceback or exit -15 instead of the run's code.
+    """
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if threading.current_thread() is threading.main_thread():
+        for sig in RunSignals.SIGNALS:
+            signal.signal(sig, lambda signum, frame: os._exit(code))
+
+
+def run_phase(phase: str, kept: Kept | None = None) -> None:
+    """Mark the run as being in ``phase`` (see :data:`PHASES`) for the installed handlers; with
+    none installed (a Trainer driven step by step from a test) it only passes the fault point."""
+    signals = RunSignals.installed()
+    if signals is not None:
+        signals.enter(phase, kept)
+    else:
+        fault_point(f"phase:{phase}")
+
+
+def cache_entries_kept(folders: Callable[[], Iterable[Path]]) -> Callable[[], str]:
+    """What a stop during the cache fill keeps, worded when the stop is reported: the entries
+    written into ``folders()`` from now on (counted from the shard headers; the cache's own
+    writes are atomic, so every shard there is whole)."""
+    since_ns = time.time_ns()
+
+    def words() -> str:
+        count = _entries_written_since(folders(), since_ns)
+        if count is None:
+            return f"{NOTHING_YET}; the cache entries written so far are kept and the next run reuses them"
+        if count == 0:
+            return f"{NOTHING_YET}; no cache entry was written yet"
+        return (f"{NOTHING_YET}; the {count} cache entr{'y' if count == 1 else 'ies'} written so far "
+                "are kept and the next run reuses them")
+
+    return words
+
+
+def _entries_written_since(folders: Iterable[Path], since_ns: int) -> int | None:
+    """Entries in the shards of ``folders`` whose header says they were written at or after
+    ``since_ns``; None when a header cannot be read (the count would be a guess)."""
+    from safetensors import safe_open
+
+    total = 0
+    for folder in folders:
+        for shard in Path(folder).glob("shard-*.safetensors"):
+            try:
+                with safe_open(str(shard), framework="pt") as handle:
+                    metadata = handle.metadata() or {}
+            except Exception:  # noqa: BLE001 - a damaged shard only makes the count unknown
+                return None
+            written = metadata.get("written_ns", "")
+            if written.isdigit() and int(written) >= since_ns:
+                total += int(metadata.get("num_entries", "0") or 0)
+    return total

@@ -1,11 +1,13 @@
 """One output_dir, one run: find what an earlier run left there, refuse to write over it unless
 asked, and remove it when asked (``--overwrite``).
 
-A run writes, at the top of ``output_dir``: ``checkpoint-N/`` folders and ``latest``, its final
+A run writes, at the top of ``output_dir``: ``checkpoint-N/`` folders (and the temp folders of
+saves, ``.checkpoint-N.tmp-<token>``, when one is interrupted) and ``latest``, its final
 weights (``*.safetensors`` adapters, or model folders such as ``unet/`` after a full fine-tune),
-``validation/``, ``logs/``, ``config.json``, ``training.log``, ``metrics.jsonl`` and
-``gh200_runtime.json``. ``--overwrite`` removes exactly those; any other file in the folder (and
-the caches, which live in ``cache_config.cache_dir``) is kept.
+``validation/``, ``logs/``, ``config.json``, ``training.log``, ``metrics.jsonl``,
+``gh200_runtime.json`` and ``final_weights.json`` (the step the final weights are of), and while a
+final save runs, ``.final-save.*`` temp folders. ``--overwrite`` removes exactly those; any other
+file in the folder (and the caches, which live in ``cache_config.cache_dir``) is kept.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from simpletuner.models.spec import FINAL_RECORD, FINAL_SAVE_PREFIX, final_weights_step
 from simpletuner.training import checkpoint as ckpt
 
 logger = logging.getLogger(__name__)
 
 #: Files and folders every run writes at the top of output_dir, besides checkpoints and weights.
-RUN_FILES = ("config.json", "training.log", "metrics.jsonl", "gh200_runtime.json", ckpt.LATEST)
+RUN_FILES = ("config.json", "training.log", "metrics.jsonl", "gh200_runtime.json", ckpt.LATEST, FINAL_RECORD)
 RUN_FOLDERS = ("validation", "logs")
-_CHECKPOINT_ENTRY = re.compile(r"^\.?checkpoint-\d+(\.tmp|\.old)?$")
+#: checkpoint-N folders and the temp / replaced copies of saves (``.checkpoint-N.tmp-<token>``,
+#: ``.checkpoint-N.old-<token>``; older versions wrote them without a token).
+_CHECKPOINT_ENTRY = re.compile(r"^\.?checkpoint-\d+(\.(tmp|old)(-[0-9a-f]+)?)?$")
+#: A pointer or manifest write's temp file (``.latest.tmp-<pid>``).
+_POINTER_TEMP = re.compile(r"^\.latest\.tmp(-\d+)?$")
 
 
 @dataclass
@@ -62,7 +69,8 @@ def final_weights(output_dir: Path) -> list[Path]:
         return []
     found = [p for p in output_dir.glob("*.safetensors") if p.is_file()]
     found += [p for p in output_dir.iterdir()
-              if p.is_dir() and not _CHECKPOINT_ENTRY.match(p.name) and p.name not in RUN_FOLDERS and _is_model_folder(p)]
+              if p.is_dir() and not _CHECKPOINT_ENTRY.match(p.name) and p.name not in RUN_FOLDERS
+              and not p.name.startswith(FINAL_SAVE_PREFIX) and _is_model_folder(p)]  # a save's temp: not finished
     return sorted(found)
 
 
@@ -102,23 +110,33 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint: str | None, ident
             f"\"latest\" has nothing to continue from, and this run would write over them. Either:"
             + _options(output_dir, can_resume=False)
         )
-    differences = []
-    if previous.checkpoints:
-        try:
-            state = ckpt.read_trainer_state(previous.checkpoints[-1])
-        except ValueError as exc:  # another checkpoint format: it cannot be resumed either
-            differences = [str(exc)]
-        else:
-            differences = ckpt.identity_differences(state, identity)
-    if differences:
-        why = ("; it was trained with another config (" + "; ".join(differences) + "), so this config cannot resume it")
-    else:
-        why = ""
+    why, resumable = "", bool(previous.checkpoints)
+    if previous.checkpoints:  # compared with the checkpoint "latest" would resume: the newest that verifies
+        why, resumable = _why_not_resumable(output_dir, identity)
     raise RunFolderTaken(
         f"output_dir {output_dir} already holds a run: {previous.describe()}{why}. This run (no "
         f"resume_from_checkpoint) would start from step 0 and write over it. Either:"
-        + _options(output_dir, can_resume=bool(previous.checkpoints) and not differences)
+        + _options(output_dir, can_resume=resumable)
     )
+
+
+def _why_not_resumable(output_dir: Path, identity: dict[str, Any]) -> tuple[str, bool]:
+    """What to add to the refusal about the checkpoint "latest" would resume (its run id and seed,
+    and how it differs from this config), and whether this config could resume it."""
+    latest, damaged = ckpt.resolve_latest(output_dir)
+    if latest is None:
+        found = "; ".join(map(str, damaged))
+        return f"; none of its checkpoints verifies ({found}), so it cannot be resumed", False
+    try:
+        state = ckpt.read_trainer_state(latest)
+    except ValueError as exc:  # another checkpoint format: it cannot be resumed either
+        return f"; {exc}", False
+    run = ckpt.describe_run(state)
+    why = f" ({latest.name}: {run})" if run else ""
+    differences = ckpt.identity_differences(state, identity)
+    if differences:
+        why += "; it was trained with another config (" + "; ".join(differences) + "), so this config cannot resume it"
+    return why, not differences
 
 
 def clear_previous_run(output_dir: Path) -> list[Path]:
@@ -128,7 +146,9 @@ def clear_previous_run(output_dir: Path) -> list[Path]:
         return []
     doomed = [p for p in output_dir.iterdir() if _CHECKPOINT_ENTRY.match(p.name) and p.is_dir()]
     doomed += final_weights(output_dir)
+    doomed += [p for p in output_dir.iterdir() if p.name.startswith(FINAL_SAVE_PREFIX)]  # of a killed final save
     doomed += [output_dir / name for name in RUN_FILES if (output_dir / name).is_file()]
+    doomed += [p for p in output_dir.iterdir() if _POINTER_TEMP.match(p.name) and p.is_file()]
     doomed += [output_dir / name for name in RUN_FOLDERS if (output_dir / name).is_dir()]
     for path in sorted(set(doomed)):
         if path.is_dir():
@@ -152,7 +172,9 @@ def check_overwrite(output_dir: Path, resume_from_checkpoint: str | None) -> Non
 
 def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_steps: int | None) -> int | None:
     """The step of the checkpoint to resume from when it is already at or past ``total_steps``
-    (the run is finished: this says so, and the caller trains and saves nothing); else None."""
+    (the run is finished: this says so, and the caller trains and saves nothing); else None.
+    The checkpoint is the one the resume would load (verified: see ``checkpoint.resolve_resume``),
+    so a damaged one is reported here, before anything loads."""
     if not resume_from_checkpoint or total_steps is None:
         return None
     path = ckpt.resolve_resume(output_dir, resume_from_checkpoint)
@@ -160,6 +182,12 @@ def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_st
         return None
     step = ckpt.read_trainer_state(path)["global_step"]
     if step < total_steps:
+        return None
+    saved_at = final_weights_step(output_dir)
+    if not final_weights(output_dir) or (saved_at is not None and saved_at < step):
+        # the final save after this checkpoint never completed (a full disk, a kill): resume only to write it
+        held = f"its final weights are of step {saved_at}" if final_weights(output_dir) else "it holds no final weights"
+        logger.warning("%s is at step %d but %s: resuming only to save them", path, step, held)
         return None
     logger.warning(
         "%s is at step %d and this run trains to step %d: already finished, nothing to train; nothing was saved "

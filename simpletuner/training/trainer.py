@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import orjson
 import torch
 from tqdm.auto import tqdm
 
+from simpletuner import locks
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
 from simpletuner.models import get_model_spec
@@ -19,7 +20,7 @@ from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import performance as perf
 from simpletuner.training import run_folder, runlog
-from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, PreemptionFlag
+from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, RunSignals, cache_entries_kept, run_phase
 from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.training.launch import PhaseClock, check_launch_matches, reset_accelerate_state
@@ -72,7 +73,7 @@ class Trainer:
         self.last_logs: dict[str, float] = {}  # figures of the latest logging window
         self.step_skipped = False
         self.preempt_signum: int | None = None
-        self._preempt: PreemptionFlag | None = None
+        self._preempt: RunSignals | None = None  # while the step loop runs: its signal is read at each step
         self._consecutive_skips = 0
         self.validation_images: list[Path] = []
 
@@ -125,6 +126,7 @@ class Trainer:
         self.accelerator = acc = self._make_accelerator()
         self._check_world_size()
         self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
+        self.run_id, self._save_token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves
         self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
         if self.finished_at is not None:
             return
@@ -140,10 +142,12 @@ class Trainer:
         self.weight_dtype = perf.PRECISION_DTYPES[self.mixed_precision]
 
         clock.mark("accelerator")
+        run_phase("staging" if any(d.type == "in_memory" for d in cfg.datasets) else "datasets")  # SIGTERM/SIGINT: stop at once
         datasets = build_datasets(self.state)
         clock.mark("datasets")
         from simpletuner.memory.preflight import check_run_memory  # stops before the cache fill if RAM/GPU cannot hold the run
         check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
+        run_phase("cache_fill", kept=cache_entries_kept(lambda: self.state.cache_dirs))  # a stop keeps what is written
         with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
             self.data, encoders = prepare_caches(
                 spec, datasets, Path(cfg.cache_config.cache_dir).expanduser(), acc.device, self.weight_dtype, self.state
@@ -160,6 +164,7 @@ class Trainer:
         free_memory()
         clock.mark("caches")
 
+        run_phase("model_load")
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         denoiser = spec.prepare_denoiser(denoiser, self.weight_dtype)
@@ -290,6 +295,7 @@ class Trainer:
             "lycoris_algo": cfg.lycoris.algo if cfg.training_type == "lora" and cfg.lora_type == "lycoris" else None,
             "base_model_precision": cfg.base_model_precision,
             "train_stages": cfg.train_stages,
+            "seed": cfg.seed,  # another seed is another run: its checkpoints are refused, not continued
         }
 
     # --- checkpoints ---------------------------------------------------------------------
@@ -301,6 +307,7 @@ class Trainer:
             "skipped_steps": self.progress.skipped_steps,
             "sampler": self.sampler.state_dict(),
             "accumulation": self.accumulation.state_dict(),
+            "run_id": self.run_id,
             "identity": self._identity(),
         }
 
@@ -308,11 +315,10 @@ class Trainer:
         """A resumable checkpoint of this step; LoRA runs also get the adapter the final save writes
         (``spec.save_adapter``), loadable as it is. Full fine-tunes get none: ``trainable.safetensors``
         already holds the whole denoiser, and a second copy would double the checkpoint."""
-        self._last_saved_step = self.progress.global_step
         model = self.accelerator.unwrap_model(self.model)
         is_lora = self.config.training_type == "lora"
         write_adapter = (lambda folder: self.spec.save_adapter(folder, model)) if is_lora else None
-        return ckpt.save_checkpoint(
+        self._last_saved_path = ckpt.save_checkpoint(
             self.accelerator,
             self.output_dir,
             self.progress.global_step,
@@ -324,12 +330,33 @@ class Trainer:
             self.config.checkpoints_total_limit,
             scaler=self.accelerator.scaler,
             write_adapter=write_adapter,
+            token=self._save_token,
         )
+        self._last_saved_step = self.progress.global_step  # once it is complete: a failed save saved nothing
+        return self._last_saved_path
 
     def _claim_output_dir(self) -> None:
-        """Refuse to write over another run's results in ``output_dir`` (run_folder.check_output_dir),
-        or with ``overwrite`` remove them first (rank 0; the others wait)."""
+        """Lock ``output_dir`` for this run (rank 0), held until ``train()`` ends with the cache locks
+        prepare_caches adds (simpletuner/locks.py); then refuse to write over another run's
+        results there (run_folder.check_output_dir), or with ``overwrite`` remove them first (rank 0;
+        the others wait). The lock comes first, so ``--overwrite`` never removes what a live run writes."""
         cfg, acc = self.config, self.accelerator
+        held = self.__dict__.setdefault("_locks", ExitStack())  # setup() without train(): freed with the trainer
+        refusal = None
+        if acc.is_main_process:
+            try:
+                held.enter_context(locks.hold_output_dir(self.output_dir))
+            except ValueError as exc:  # FolderLocked, or a lock file that cannot be created
+                refusal = exc
+        if acc.num_processes > 1:  # one answer on every rank: none hangs in a collective, all exit 2
+            from accelerate.utils import broadcast_object_list
+
+            text = broadcast_object_list([None if refusal is None else str(refusal)], from_process=0)[0]
+            if text is not None and refusal is None:
+                refusal = run_folder.RunFolderTaken(text)  # printed by rank 0 alone (train.main)
+        if refusal is not None:
+            raise refusal
+        self.state.run_locks = held  # prepare_caches adds the cache folder's, once the run starts using it
         if not self.overwrite:
             self._denoiser_fingerprint = None  # known once the model is loaded; not compared here
             identity = {k: v for k, v in self._identity().items() if k != "denoiser_config"}
@@ -341,6 +368,9 @@ class Trainer:
         acc.wait_for_everyone()
 
     def _resume(self) -> None:
+        """Continue from the checkpoint ``resume_from_checkpoint`` names, verified against its manifest
+        first (a damaged ``latest`` falls back to the newest that verifies; see checkpoint.py). Every
+        file is read before any state is applied, and the run adopts the checkpoint's run id."""
         cfg, acc = self.config, self.accelerator
         path = ckpt.resolve_resume(self.output_dir, cfg.resume_from_checkpoint)
         if path is None:
@@ -367,7 +397,12 @@ class Trainer:
                                  state.get("skipped_steps", 0))
         if acc.scaler is not None and "scaler" in tensors:
             acc.scaler.load_state_dict(tensors["scaler"])
-        logger.info("resumed from %s at step %d (%d samples seen)", path, self.progress.global_step, self.progress.samples_seen)
+        if state.get("run_id"):
+            self.run_id = state["run_id"]
+        else:
+            logger.info("%s records no run id (an older version wrote it): this run continues as run %s", path, self.run_id)
+        logger.info("resumed from %s at step %d (%d samples seen; run %s)", path, self.progress.global_step,
+                    self.progress.samples_seen, self.run_id)
 
     # --- the step ------------------------------------------------------------------------
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -469,34 +504,42 @@ class Trainer:
         ``output_dir/metrics.jsonl`` (both appended to across resumes); the lines logged before
         setup knows the output folder are held until it does.
         """
-        with self.run_log:
+        with self.run_log, ExitStack() as self._locks:  # output_dir and cache locks (_claim_output_dir)
             return self._train()
 
     def _train(self) -> TrainResult:
-        self.setup()
-        cfg, acc = self.config, self.accelerator
-        if self.finished_at is not None:  # resumed a run already at max_train_steps: nothing trained, nothing saved
+        # SIGTERM / SIGINT for the whole run; what one does depends on the phase (reliability.RunSignals):
+        # stop at once outside the loop, save at the step boundary inside it, finish the final save first.
+        with RunSignals() as signals:
+            self.setup()
+            cfg, acc = self.config, self.accelerator
+            if self.finished_at is not None:  # resumed a run already at max_train_steps: nothing trained, nothing saved
+                acc.end_training()
+                return TrainResult(self.finished_at)
+            if self.progress.global_step == 0 and cfg.validation_prompt_list:
+                run_phase("first_validation")
+                self._validate()
+            batches = self.data.iterate(self.sampler, acc.device)
+            bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
+                       disable=not acc.is_local_main_process, dynamic_ncols=True)
+            meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self.flops_per_sample,
+                                          cuda=torch.cuda)
+            try:
+                with signals.flagged() as self._preempt:
+                    self._loop(batches, bar, meter)
+            finally:
+                self._preempt = None
+                bar.close()
+            self.data.close()  # the persistent decoding threads, if any
+            with signals.deferred("final_save", kept=lambda: f"the final weights were saved ({output or 'by rank 0'})"):
+                output = self._save_final()
+            if cfg.validation_prompt_list and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
+                run_phase("final_validation", kept=f"the final weights are saved ({output}); only the last validation "
+                                                   "images are missing")
+                self._validate()
+            run_phase("done")
             acc.end_training()
-            return TrainResult(self.finished_at)
-        if self.progress.global_step == 0 and cfg.validation_prompt_list:
-            self._validate()
-        batches = self.data.iterate(self.sampler, acc.device)
-        bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
-                   disable=not acc.is_local_main_process, dynamic_ncols=True)
-        meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self.flops_per_sample,
-                                      cuda=torch.cuda)
-        try:
-            with PreemptionFlag() as self._preempt:
-                self._loop(batches, bar, meter)
-        finally:
-            self._preempt = None
-            bar.close()
-        self.data.close()  # the persistent decoding threads, if any
-        output = self._save_final()
-        if cfg.validation_prompt_list and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
-            self._validate()
-        acc.end_training()
-        return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
+            return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
 
     def _loop(self, batches, bar, meter: perf.ThroughputWindow) -> None:
         cfg, acc = self.config, self.accelerator
@@ -544,25 +587,42 @@ class Trainer:
         """At a step boundary that every rank agreed on: save and stop with the signal's exit code."""
         if self.preempt_signum is None:
             return
-        path = ckpt.find_latest(self.output_dir)
-        if path is None or path.name != f"checkpoint-{self.progress.global_step}":
+        if getattr(self, "_last_saved_step", None) == self.progress.global_step:  # this step is saved already
+            path = self._last_saved_path
+        else:
             path = self.save_checkpoint()
         raise Preempted(self.preempt_signum, path)
 
     def _save_final(self) -> Path | None:
         """The final adapter (or model), then, with ``checkpoint_at_end``, a checkpoint of the last
         step unless ``checkpointing_steps`` just wrote one: a later run with a higher
-        ``max_train_steps`` and ``resume_from_checkpoint: latest`` continues from here."""
+        ``max_train_steps`` and ``resume_from_checkpoint: latest`` continues from here.
+
+        The weights are written whole or not at all (``ModelSpec.save_final``). A full disk on
+        rank 0 raises NoSpace on every rank (they agree on the outcome first, so none waits in a
+        collective for a rank that stopped)."""
+        from simpletuner.diskspace import NoSpace
+
         acc = self.accelerator
         acc.wait_for_everyone()
-        path = None
+        path, failure = None, None
         if acc.is_main_process:
             model = acc.unwrap_model(self.model)
-            if self.config.training_type == "lora":
-                path = self.spec.save_adapter(self.output_dir, model)
+            try:
+                path = self.spec.save_final(self.output_dir, model, full=self.config.training_type != "lora",
+                                            step=self.progress.global_step)
+            except NoSpace as exc:
+                failure = exc
             else:
-                path = self.spec.save_full(self.output_dir, model)
-            logger.info("saved %s", path)
+                logger.info("saved %s", path)
+        fields = None if failure is None else (failure.what, str(failure.folder), failure.needed, failure.free,
+                                                  failure.during_write)  # picklable: NoSpace(message) is not
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            fields = broadcast_object_list([fields], from_process=0)[0]
+        if fields is not None:
+            raise failure if failure is not None else NoSpace(*fields, agreed=True)
         acc.wait_for_everyone()
         if self.config.checkpoint_at_end and getattr(self, "_last_saved_step", None) != self.progress.global_step:
             self.save_checkpoint()  # collective, after the adapter: a kill in between resumes and re-saves both

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 from pathlib import Path
 
 import torch
 from PIL import Image
+
+from simpletuner.faults import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +29,27 @@ def make_grid(rows: list[list[Image.Image]]) -> Image.Image:
         for c, img in enumerate(row):
             grid.paste(img.convert("RGB"), (c * width, r * height))
     return grid
+
+
+def save_png(image: Image.Image, path: Path) -> None:
+    """Write ``image`` as a PNG at ``path`` whole or not at all.
+
+    Encoded in memory, written to a temp name beside ``path`` and renamed over it, so a failed
+    write leaves no empty or truncated PNG under the final name. (PIL's own ``save(path)`` keeps a
+    0-byte file when the disk fills, as a small image is buffered whole and the error surfaces on
+    close.) A full disk ends as :class:`~simpletuner.diskspace.NoSpace` with the temp file removed.
+    """
+    from simpletuner.diskspace import disk_full_guard, inject_fault
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    data = buffer.getvalue()
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with disk_full_guard(path.parent, len(data), f"validation image {path.name}", cleanup=[temp]):
+        with open(temp, "wb") as f:
+            f.write(data)
+            inject_fault("validation_image")  # tests: a disk that fills during the write
+        os.replace(temp, path)
 
 
 def _log_to_trackers(trackers, images: list[Image.Image], grid: Image.Image, prompts: list[str], step: int) -> None:
@@ -64,6 +89,7 @@ def generate_validation_images(spec, denoiser, vae, text_encoders, config, step:
         pipe = spec.build_pipeline(denoiser, vae, text_encoders)
         pipe.set_progress_bar_config(disable=True)
         for prompt in prompts:
+            fault_point("validation:prompt")  # tests: a signal while a validation renders
             # A generator of its own, so validation never shifts the training RNG streams.
             generator = torch.Generator(device="cpu").manual_seed(config.seed)
             rows.append(pipe(
@@ -82,11 +108,11 @@ def generate_validation_images(spec, denoiser, vae, text_encoders, config, step:
     paths = []
     for i, image in enumerate(images):
         path = out_dir / f"step_{step:06d}_{i}.png"
-        image.save(path)
+        save_png(image, path)
         paths.append(path)
     grid = make_grid(rows)
     grid_path = out_dir / f"step_{step:06d}_grid.png"
-    grid.save(grid_path)
+    save_png(grid, grid_path)
     _log_to_trackers(trackers, images, grid, prompts, step)
     logger.info("validation images for step %d: %s; grid (a row per prompt): %s",
                 step, ", ".join(str(p) for p in paths), grid_path)

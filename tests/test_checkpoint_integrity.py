@@ -308,12 +308,13 @@ def test_every_rank_raises_the_same_no_space_when_rank_zero_cannot_save(tmp_path
     NoSpace at once, instead of waiting in a collective rank 0 never reaches."""
     out = tmp_path / "out"
     rank0 = ("no_space", "checkpoint-2", str(out), 3_000_000, 1_000, False)
-    monkeypatch.setattr(ckpt, "_from_main", lambda acc, value: rank0)  # what rank 0 broadcasts
-    monkeypatch.setattr(ckpt, "_from_all", lambda acc, value: pytest.fail("rank 1 went on to the next collective"))
+    monkeypatch.setattr(ckpt, "from_main_process", lambda acc, value: rank0)  # what rank 0 broadcasts
+    monkeypatch.setattr(ckpt, "from_every_process", lambda acc, value: pytest.fail("rank 1 went on to the next collective"))
     rank1 = SimpleNamespace(is_main_process=False, process_index=1, num_processes=2)
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=0.1)
-    with pytest.raises(diskspace.NoSpace, match=r"checkpoint-2: needs ~3.0 MB in .*, 1.0 KB free"):
+    with pytest.raises(diskspace.NoSpace, match=r"checkpoint-2: needs ~3.0 MB in .*, 1.0 KB free") as raised:
         ckpt.save_checkpoint(rank1, out, 2, {"p": param}, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
                              {"identity": {}}, torch.Generator(), None, token="abc")
+    assert raised.value.agreed  # rank 0's failure: `simpletuner train` prints it on rank 0 only
     assert not out.exists() or not any(out.iterdir())

@@ -50,15 +50,12 @@ leaving the previous checkpoint and ``latest`` as they were.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
 import re
 import shutil
 import uuid
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -69,18 +66,25 @@ from safetensors.torch import load_file, save_file
 
 from simpletuner import diskspace
 from simpletuner.file_modes import ordinary_permissions
+from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefused, Damage: callers import them from here
+    MARKER,
+    STATE_FILE,
+    CheckpointDamaged,
+    Damage,
+    ResumeRefused,
+    _ATOMIC_TEMP,
+    _plain_reason,
+    _warn_once,
+    build_manifest,
+    verify_checkpoint,
+)
+from simpletuner.training.launch import from_every_process, from_main_process
 from simpletuner.training.reliability import fault_point
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT_VERSION = 2  # 2: denoiser config in the identity, skipped steps, AMP scaler
-MANIFEST_VERSION = 1
-MARKER = "COMPLETE"
-LEGACY_MARKER = b"ok\n"  # what COMPLETE held before it became a manifest
 LATEST = "latest"
-STATE_FILE = "trainer_state.json"
-#: Files every checkpoint has (the RNG file of each rank is checked when that rank loads).
-REQUIRED_FILES = ("trainable.safetensors", "optimizer.pt", "lr_scheduler.pt", STATE_FILE)
 #: Bytes of the small files of a save (schedule, state JSON, scaler), on top of each rank's RNG file.
 SMALL_FILES_BYTES = 2**20
 RNG_FILE_BYTES = 64 * 2**10
@@ -88,7 +92,6 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 #: What a save leaves behind when its process dies: its temp folder, or the previous copy of a
 #: step it was replacing. ``.checkpoint-N.tmp`` / ``.old`` without a token: older versions.
 TEMP_ENTRY = re.compile(r"^\.checkpoint-(\d+)\.(tmp|old)(-[0-9a-f]+)?$")
-_ATOMIC_TEMP = re.compile(r"^\.(latest|COMPLETE)\.tmp(-\d+)?$")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -111,11 +114,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a half-written pointer is never useful
         raise
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 # --- RNG ----------------------------------------------------------------------------------
@@ -144,201 +142,6 @@ def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# --- errors -------------------------------------------------------------------------------
-class ResumeRefused(ValueError):
-    """A checkpoint that does not fit this run. Every rank finds the same: rank 0 alone prints it."""
-
-
-class CheckpointDamaged(ResumeRefused):
-    """The checkpoint to resume from (or every one in output_dir) fails its checks; the message
-    names the file, what is wrong with it, and the fix."""
-
-
-@dataclass(frozen=True)
-class Damage:
-    """Why a checkpoint folder cannot be resumed from: which file, and what is wrong with it."""
-
-    checkpoint: Path
-    file: str  # a name inside the checkpoint ("" for the folder itself)
-    reason: str
-
-    def __str__(self) -> str:
-        where = self.checkpoint / self.file if self.file else self.checkpoint
-        return f"{where} {self.reason}"
-
-
-def _plain_reason(exc: BaseException) -> str:
-    """The first line of a reader's error, without torch's advice to unpickle with weights_only=False."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    lines = [line for line in lines if "weights_only" not in line and "trusted source" not in line]
-    first = lines[0] if lines else ""
-    if "weights_only" in first or not first:
-        return type(exc).__name__
-    return first[:300]
-
-
-# --- the manifest -------------------------------------------------------------------------
-def _manifest_digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
-
-
-def _checkpoint_files(folder: Path) -> list[str]:
-    """Every file under ``folder`` but the manifest (and its temp file), as sorted relative paths."""
-    names = []
-    for path in folder.rglob("*"):
-        rel = path.relative_to(folder).as_posix()
-        if path.is_file() and rel != MARKER and not _ATOMIC_TEMP.match(rel):
-            names.append(rel)
-    return sorted(names)
-
-
-def build_manifest(folder: Path, step: int) -> bytes:
-    """The COMPLETE manifest of ``folder``: every file with its size and sha256."""
-    files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-             for name in _checkpoint_files(folder)}
-    body = {"manifest_version": MANIFEST_VERSION, "step": step, "files": files}
-    return orjson.dumps(dict(body, sha256=_manifest_digest(body)), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
-
-
-def _parse_manifest(raw: bytes) -> dict[str, dict[str, Any]]:
-    """The manifest's file table; ValueError saying what is wrong with it."""
-    try:
-        manifest = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("manifest_version") != MANIFEST_VERSION:
-        raise ValueError(f"not a version-{MANIFEST_VERSION} manifest")
-    body = {k: manifest.get(k) for k in ("manifest_version", "step", "files")}
-    if manifest.get("sha256") != _manifest_digest(body):
-        raise ValueError("its own checksum does not match (the file was changed after it was written)")
-    files = body["files"]
-    if not isinstance(files, dict):
-        raise ValueError("no file table")
-    for name, entry in files.items():
-        parts = Path(name).parts
-        if Path(name).is_absolute() or ".." in parts or not isinstance(entry, dict) \
-                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
-            raise ValueError(f"a malformed entry {name!r}")
-    return files
-
-
-def _check_manifest(path: Path, raw: bytes) -> Damage | None:
-    try:
-        files = _parse_manifest(raw)
-    except ValueError as exc:
-        return Damage(path, MARKER, f"is not a readable manifest: {exc}")
-    for name in REQUIRED_FILES:
-        if name not in files:
-            return Damage(path, MARKER, f"does not list {name}: the save that wrote it was incomplete")
-    for name, entry in files.items():  # sizes first: cheap, and finds truncated and missing files
-        try:
-            size = (path / name).stat().st_size
-        except FileNotFoundError:
-            return Damage(path, name, "is missing (the manifest lists it)")
-        except OSError as exc:
-            return Damage(path, name, f"cannot be read ({exc.strerror})")
-        if size != entry["size"]:
-            return Damage(path, name, f"has {size} bytes, the manifest says {entry['size']} (truncated or overwritten)")
-    for name, entry in files.items():
-        try:
-            digest = _sha256(path / name)
-        except OSError as exc:
-            return Damage(path, name, f"cannot be read ({exc.strerror})")
-        if digest != entry["sha256"]:
-            return Damage(path, name, "does not match its sha256 in the manifest (its bytes changed after the save: "
-                                      "a disk or copy error, or an edit)")
-    return None
-
-
-def _check_legacy(path: Path) -> Damage | None:
-    """A checkpoint from before manifests: what can be checked without checksums."""
-    for name in REQUIRED_FILES:
-        file = path / name
-        if not file.is_file():
-            return Damage(path, name, "is missing")
-        try:
-            if name.endswith(".pt"):
-                with zipfile.ZipFile(file) as archive:
-                    bad = archive.testzip()  # the CRC-32 of every member
-                if bad is not None:
-                    return Damage(path, name, f"is damaged: {bad} inside it fails its CRC-32")
-            elif name.endswith(".safetensors"):
-                _check_safetensors_size(file)
-            else:
-                orjson.loads(file.read_bytes())
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            return Damage(path, name, f"is damaged ({_plain_reason(exc)})")
-    return None
-
-
-def _check_safetensors_size(file: Path) -> None:
-    """ValueError unless the file is as long as its header says (finds truncation)."""
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        length = int.from_bytes(head, "little")
-        header = orjson.loads(fh.read(length)) if length < 100 * 2**20 else None
-    if not isinstance(header, dict):
-        raise ValueError("no safetensors header")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if file.stat().st_size != 8 + length + end:
-        raise ValueError(f"{file.stat().st_size} bytes, its header describes {8 + length + end}")
-
-
-#: verify_checkpoint's answers, per folder, valid while no file in it changes (a resume asks
-#: several times: the output_dir check, the finished-run check, the load).
-_verified: dict[Path, tuple[tuple, Damage | None]] = {}
-_said: set[str] = set()
-
-
-def _warn_once(message: str, *args) -> None:
-    text = message % args if args else message
-    if text not in _said:
-        _said.add(text)
-        logger.warning("%s", text)
-
-
-def _folder_signature(path: Path) -> tuple:
-    entries = []
-    for file in sorted(path.rglob("*")):
-        try:
-            st = file.stat()
-        except OSError:
-            continue
-        entries.append((file.relative_to(path).as_posix(), st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(entries)
-
-
-def verify_checkpoint(path: Path) -> Damage | None:
-    """None when ``path`` is a checkpoint that can be resumed from as it is, else what is wrong:
-    the first file that is missing, of another size, or of another sha256 than its manifest says."""
-    path = Path(path)
-    if not path.is_dir():
-        return Damage(path, "", "does not exist or is not a folder")
-    signature = _folder_signature(path)
-    key = path.resolve()
-    cached = _verified.get(key)
-    if cached is not None and cached[0] == signature:
-        return cached[1]
-    try:
-        raw = (path / MARKER).read_bytes()
-    except FileNotFoundError:
-        damage = Damage(path, MARKER, "is missing: the save was interrupted, or the file was deleted")
-    except OSError as exc:
-        damage = Damage(path, MARKER, f"cannot be read ({exc.strerror})")
-    else:
-        if raw.strip() == LEGACY_MARKER.strip():
-            damage = _check_legacy(path)
-            if damage is None:
-                _warn_once("%s was written by an older version: its COMPLETE marker carries no checksums, so only its "
-                           "structure was checked (files present, sizes, the CRC-32s inside .pt files)", path)
-        else:
-            damage = _check_manifest(path, raw)
-    _verified[key] = (signature, damage)
-    return damage
 
 
 # --- discovery ----------------------------------------------------------------------------
@@ -453,26 +256,6 @@ def resolve_resume(output_dir: Path, resume_from_checkpoint: str) -> Path | None
 
 
 # --- one launch ---------------------------------------------------------------------------
-def _from_main(accelerator, value):
-    """``value`` as rank 0 has it, on every rank (a collective when there are several)."""
-    if accelerator.num_processes <= 1:
-        return value
-    from accelerate.utils import broadcast_object_list
-
-    box = [value]
-    broadcast_object_list(box, from_process=0)
-    return box[0]
-
-
-def _from_all(accelerator, value) -> list:
-    """Every rank's ``value``, in rank order, on every rank."""
-    if accelerator.num_processes <= 1:
-        return [value]
-    from accelerate.utils import gather_object
-
-    return gather_object([value])
-
-
 def remove_stale_temp_folders(output_dir: Path) -> list[Path]:
     """Remove what saves of dead processes left in ``output_dir`` (temp folders, ``.old`` copies,
     pointer temp files). Call it only while holding output_dir: a live save's temp folder looks the same.
@@ -508,7 +291,7 @@ def start_launch(accelerator, output_dir: Path) -> tuple[str, str]:
     if accelerator.is_main_process:
         remove_stale_temp_folders(output_dir)
         ids = (uuid.uuid4().hex[:8], uuid.uuid4().hex[:12])
-    run_id, token = _from_main(accelerator, ids)
+    run_id, token = from_main_process(accelerator, ids)
     return run_id, token
 
 
@@ -544,9 +327,9 @@ def _settle(accelerator, mine: tuple | None, tmp: Path, main_only: bool = False)
     if accelerator.num_processes <= 1:
         outcomes = [shareable]
     elif main_only:
-        outcomes = [_from_main(accelerator, shareable)]
+        outcomes = [from_main_process(accelerator, shareable)]
     else:
-        outcomes = _from_all(accelerator, shareable)
+        outcomes = from_every_process(accelerator, shareable)
     failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
     if not failed:
         return
@@ -598,7 +381,7 @@ def save_checkpoint(
     loadable adapter into the temp folder, so it is fsynced and listed like every other file.
     """
     acc = accelerator
-    token = token or _from_main(acc, uuid.uuid4().hex[:12])
+    token = token or from_main_process(acc, uuid.uuid4().hex[:12])
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".checkpoint-{step}.tmp-{token}"
     what = f"checkpoint-{step}"

@@ -52,3 +52,25 @@ class PhaseClock:
         now = time.perf_counter()
         self.phases[name] = now - self._last
         self._last = now
+
+
+def from_main_process(accelerator, value):
+    """``value`` as rank 0 has it, on every rank (one object collective when there are several).
+
+    How every process of a launch comes to the same decision about something only rank 0 checked
+    (a lock, a full disk): each then acts on it the same way, and none is left waiting in a
+    collective for a rank that gave up."""
+    if accelerator.num_processes <= 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value], from_process=0)[0]
+
+
+def from_every_process(accelerator, value) -> list:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if accelerator.num_processes <= 1:
+        return [value]
+    from accelerate.utils import gather_object
+
+    return gather_object([value])

@@ -23,7 +23,7 @@ from simpletuner.training import run_folder, runlog
 from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, RunSignals, cache_entries_kept, run_phase
 from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
 from simpletuner.gh200.wiring import configure_runtime
-from simpletuner.training.launch import PhaseClock, check_launch_matches, reset_accelerate_state
+from simpletuner.training.launch import PhaseClock, check_launch_matches, from_main_process, reset_accelerate_state
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
 from simpletuner.training import offload
 from simpletuner.training.lora import trainable_state
@@ -348,12 +348,10 @@ class Trainer:
                 held.enter_context(locks.hold_output_dir(self.output_dir))
             except ValueError as exc:  # FolderLocked, or a lock file that cannot be created
                 refusal = exc
-        if acc.num_processes > 1:  # one answer on every rank: none hangs in a collective, all exit 2
-            from accelerate.utils import broadcast_object_list
-
-            text = broadcast_object_list([None if refusal is None else str(refusal)], from_process=0)[0]
-            if text is not None and refusal is None:
-                refusal = run_folder.RunFolderTaken(text)  # printed by rank 0 alone (train.main)
+        # One answer on every rank: none hangs in a collective, all exit 2.
+        text = from_main_process(acc, None if refusal is None else str(refusal))
+        if text is not None and refusal is None:
+            refusal = run_folder.RunFolderTaken(text)  # printed by rank 0 alone (train.main)
         if refusal is not None:
             raise refusal
         self.state.run_locks = held  # prepare_caches adds the cache folder's, once the run starts using it
@@ -617,10 +615,7 @@ class Trainer:
                 logger.info("saved %s", path)
         fields = None if failure is None else (failure.what, str(failure.folder), failure.needed, failure.free,
                                                   failure.during_write)  # picklable: NoSpace(message) is not
-        if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            fields = broadcast_object_list([fields], from_process=0)[0]
+        fields = from_main_process(acc, fields)
         if fields is not None:
             raise failure if failure is not None else NoSpace(*fields, agreed=True)
         acc.wait_for_everyone()

@@ -50,6 +50,7 @@ leaving the previous checkpoint and ``latest`` as they were.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -497,6 +498,13 @@ def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
     if key == "lora_type":  # the only adapter there was, for LoRA runs
         return "standard" if saved_identity.get("training_type") == "lora" else None
     return _IDENTITY_DEFAULTS.get(key)
+
+
+def denoiser_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the denoiser's architecture config, kept in the run identity: a checkpoint of
+    another model is refused."""
+    config = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
+    return hashlib.sha256(orjson.dumps(config, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
 
 
 def identity_differences(state: dict[str, Any], identity: dict[str, Any]) -> list[str]:

@@ -4,6 +4,7 @@ the launcher promised, Accelerate's process-wide state, and a clock for the star
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 
 class LaunchError(RuntimeError):
@@ -74,3 +75,28 @@ def from_every_process(accelerator, value) -> list:
     from accelerate.utils import gather_object
 
     return gather_object([value])
+
+
+def make_accelerator(mixed_precision: str, report_to: str, output_dir: Path, find_unused_parameters: bool):
+    """The run's Accelerator. Every setting the launcher could also make is passed explicitly: the
+    config already holds the launcher's value or stopped on a conflict (configuration/launcher.py).
+    The trainer owns accumulation (an Accelerate count > 1 would divide every loss) and compiling
+    (enable_compile), so Accelerate's are pinned off. ``find_unused_parameters``: a model whose
+    micro-batch may reach only part of it (one Wan 2.2 expert) needs DDP to look for unused ones."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin, ProjectConfiguration
+
+    has_cuda = torch.cuda.is_available()
+    if mixed_precision == "fp16" and not has_cuda:
+        raise ValueError("mixed_precision 'fp16' needs a CUDA GPU; use 'bf16' or 'no' on this machine")
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)] if find_unused_parameters else []
+    return Accelerator(
+        cpu=not has_cuda,
+        kwargs_handlers=handlers,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
+        dynamo_backend="no",
+        log_with=None if report_to == "none" else report_to,
+        project_config=ProjectConfiguration(project_dir=str(output_dir), logging_dir=str(Path(output_dir) / "logs")),
+    )

@@ -228,3 +228,17 @@ def log_line(logs: dict) -> str:
     if "eval_loss" in logs:
         parts.append(f"eval_loss {logs['eval_loss']:.4f}")
     return ", ".join(parts)
+
+
+def flops_per_sample(loss_fn, model: torch.nn.Module, num_samples: int, accelerator) -> float:
+    """Forward + backward FLOPs per sample of ``loss_fn(model, generator)`` (a per-sample loss over
+    one micro-batch of ``num_samples``), counted on a throwaway pass with the RNG forked and the
+    gradients dropped afterwards, so the run's own steps are bit-identical with or without it."""
+    count = FlopCount()
+    device = accelerator.device
+    devices = [device.index or 0] if device.type == "cuda" else []
+    model.to(device)  # where prepare() would put it
+    with torch.random.fork_rng(devices=devices), accelerator.autocast(), count_flops(count):
+        loss_fn(model, torch.Generator().manual_seed(0)).mean().backward()
+    model.zero_grad(set_to_none=True)
+    return count.total / num_samples

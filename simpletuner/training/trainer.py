@@ -23,7 +23,8 @@ from simpletuner.training import run_folder, runlog
 from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, RunSignals, cache_entries_kept, run_phase
 from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
 from simpletuner.gh200.wiring import configure_runtime
-from simpletuner.training.launch import PhaseClock, check_launch_matches, from_main_process, reset_accelerate_state
+from simpletuner.training.launch import (PhaseClock, check_launch_matches, from_main_process, make_accelerator,
+                                         reset_accelerate_state)
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
 from simpletuner.training import offload
 from simpletuner.training.lora import trainable_state
@@ -79,34 +80,8 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------
     def _make_accelerator(self):
-        from accelerate import Accelerator
-        from accelerate.utils import ProjectConfiguration
-
-        cfg = self.config
-        has_cuda = torch.cuda.is_available()
-        if self.mixed_precision == "fp16" and not has_cuda:
-            raise ValueError("mixed_precision 'fp16' needs a CUDA GPU; use 'bf16' or 'no' on this machine")
-        log_with = None if cfg.report_to == "none" else cfg.report_to
-        handlers = []
-        if self.spec.needs_unused_parameter_detection:  # e.g. a micro-batch that only reaches one Wan 2.2 expert
-            from accelerate.utils import DistributedDataParallelKwargs
-
-            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
-        from accelerate.utils import GradientAccumulationPlugin
-
-        # Every setting the launcher could also make is passed explicitly: the config already
-        # holds the launcher's value or stopped on a conflict (configuration/launcher.py). The
-        # trainer owns accumulation (an Accelerate count > 1 would divide every loss) and
-        # compiling (enable_compile), so Accelerate's are pinned off.
-        return Accelerator(
-            cpu=not has_cuda,
-            kwargs_handlers=handlers,
-            mixed_precision=self.mixed_precision,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1),
-            dynamo_backend="no",
-            log_with=log_with,
-            project_config=ProjectConfiguration(project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")),
-        )
+        return make_accelerator(self.mixed_precision, self.config.report_to, self.output_dir,
+                                find_unused_parameters=self.spec.needs_unused_parameter_detection)
 
     def _check_world_size(self) -> None:
         """Stop when the launcher started a different number of processes than Accelerate joined."""
@@ -171,7 +146,7 @@ class Trainer:
         if cfg.low_vram:
             spec.apply_low_vram(denoiser)
         denoiser = perf.maybe_compile(denoiser, cfg.enable_compile)
-        self._denoiser_fingerprint = _config_fingerprint(denoiser)
+        self._denoiser_fingerprint = ckpt.denoiser_fingerprint(denoiser)
         clock.mark("model")
         optimizer = build_optimizer(cfg, spec.named_parameter_groups(denoiser))
         samples = [s for ds in datasets for s in ds.samples]
@@ -256,14 +231,8 @@ class Trainer:
             return None
         sampler = BucketSampler(self.eval_samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2)
         batch = self.data.batch(next(iter(sampler)), acc.device)
-        count = perf.FlopCount()
-        devices = [acc.device.index or 0] if acc.device.type == "cuda" else []
-        model.to(acc.device)  # where prepare() would put it
-        with torch.random.fork_rng(devices=devices), acc.autocast(), perf.count_flops(count):
-            generator = torch.Generator().manual_seed(0)
-            self.spec.training_loss(model, batch.latents, batch.conditioning, generator).mean().backward()
-        model.zero_grad(set_to_none=True)
-        per_sample = count.total / batch.num_samples
+        per_sample = perf.flops_per_sample(
+            lambda m, gen: self.spec.training_loss(m, batch.latents, batch.conditioning, gen), model, batch.num_samples, acc)
         logger.info("%.3g FLOPs per sample (forward + backward)", per_sample)
         return per_sample
 
@@ -622,14 +591,6 @@ class Trainer:
         if self.config.checkpoint_at_end and getattr(self, "_last_saved_step", None) != self.progress.global_step:
             self.save_checkpoint()  # collective, after the adapter: a kill in between resumes and re-saves both
         return path
-
-
-def _config_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the denoiser's architecture config: a checkpoint of another model is refused."""
-    import hashlib
-
-    config = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
-    return hashlib.sha256(orjson.dumps(config, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
 
 
 def _scalar_config(raw: dict) -> dict:

@@ -41,16 +41,33 @@ EMBED = (77, 768)
 
 
 def build(folder: Path, kind: str, num: int, num_captions: int) -> tuple[CachedData, list[Sample]]:
-    samples = [Sample(key=f"ds/{i}.png", dataset_id="ds", path=f"{i}.png", caption=f"caption {i % num_captions}",
-                      original_size=(512, 512), bucket=(512, 512), crop_style="center", crop_seed=0) for i in range(num)]
+    samples = [
+        Sample(
+            key=f"ds/{i}.png",
+            dataset_id="ds",
+            path=f"{i}.png",
+            caption=f"caption {i % num_captions}",
+            original_size=(512, 512),
+            bucket=(512, 512),
+            crop_style="center",
+            crop_seed=0,
+        )
+        for i in range(num)
+    ]
     vae, text = open_caches(folder, "sd", None, kind, kind, persistent=True)
     latent_keys = {s.key: f"l{i}" for i, s in enumerate(samples)}
     captions = sorted({s.caption for s in samples})
     text_keys = {c: f"t{i}" for i, c in enumerate(captions)}
-    vae.fill([(latent_keys[s.key], i) for i, s in enumerate(samples)],
-             lambda ids: [{"latents": torch.randn(LATENT).half()} for _ in ids], batch_size=64)
-    text.fill([(text_keys[c], c) for c in captions],
-              lambda cs: [{"prompt_embeds": torch.randn(EMBED).half()} for _ in cs], batch_size=64)
+    vae.fill(
+        [(latent_keys[s.key], i) for i, s in enumerate(samples)],
+        lambda ids: [{"latents": torch.randn(LATENT).half()} for _ in ids],
+        batch_size=64,
+    )
+    text.fill(
+        [(text_keys[c], c) for c in captions],
+        lambda cs: [{"prompt_embeds": torch.randn(EMBED).half()} for _ in cs],
+        batch_size=64,
+    )
     return CachedData(vae, text, latent_keys, text_keys, {}), samples
 
 
@@ -104,14 +121,18 @@ def main() -> int:
                 hook.append(per_call)
     import simpletuner
 
-    print(f"{args.num} samples, {args.captions} captions, batch {args.batch_size}, {args.batches} batches x "
-          f"{args.repeats} runs (median); {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; code: "
-          f"{Path(simpletuner.__file__).resolve().parents[1]}")
+    print(
+        f"{args.num} samples, {args.captions} captions, batch {args.batch_size}, {args.batches} batches x "
+        f"{args.repeats} runs (median); {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; code: "
+        f"{Path(simpletuner.__file__).resolve().parents[1]}"
+    )
     print("| cache type | ms / batch (CachedData.iterate) | all runs |")
     print("|---|---:|---|")
     for kind in kinds:
-        print(f"| {kind} | {statistics.median(times[kind]) * 1e3:.4f} | {', '.join(f'{t * 1e3:.4f}' for t in times[kind])} |")
+        print(
+            f"| {kind} | {statistics.median(times[kind]) * 1e3:.4f} | {', '.join(f'{t * 1e3:.4f}' for t in times[kind])} |"
+        )
     if hook:
         print(f"optimize_batch_for_gh200 without CUDA: {statistics.median(hook) * 1e6:.2f} us / call (median)")
     else:

@@ -49,7 +49,12 @@ def build(root: Path, kind: str, resolution: int, compression: str) -> Registere
     entry = {"id": "bench", "type": kind, "instance_data_dir": str(root)}
     if kind == "in_memory":
         entry["in_memory"] = {"compression": compression}
-    raw = {"pretrained_model_name_or_path": "unused", "max_train_steps": 1, "resolution": resolution, "datasets": [entry]}
+    raw = {
+        "pretrained_model_name_or_path": "unused",
+        "max_train_steps": 1,
+        "resolution": resolution,
+        "datasets": [entry],
+    }
     (dataset,) = build_datasets(StateTracker(validate_config(raw, check_files=False), raw))
     return dataset
 
@@ -169,10 +174,14 @@ def print_tables(args, results, num_batches, num_samples, total, resident_warm, 
 
     effective = resident_cold is not None and resident_cold < 0.05
     machine = f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} CPUs"
-    print(f"\n{num_samples} images ({total / 1e6:.1f} MB), {num_batches} shuffled batches of {args.batch_size}, "
-          f"resolution {args.resolution}, in_memory codec {args.compression}, median of {args.repeats} passes (interleaved); {machine}")
-    print(f"Page cache: {pct(resident_warm)} of the image pages resident when warm, {pct(resident_cold)} right after "
-          f"eviction (euid {os.geteuid()}) -> eviction {'effective' if effective else 'NOT effective: cold = warm'}\n")
+    print(
+        f"\n{num_samples} images ({total / 1e6:.1f} MB), {num_batches} shuffled batches of {args.batch_size}, "
+        f"resolution {args.resolution}, in_memory codec {args.compression}, median of {args.repeats} passes (interleaved); {machine}"
+    )
+    print(
+        f"Page cache: {pct(resident_warm)} of the image pages resident when warm, {pct(resident_cold)} right after "
+        f"eviction (euid {os.geteuid()}) -> eviction {'effective' if effective else 'NOT effective: cold = warm'}\n"
+    )
     print("| fetch | backend | page cache | ms / batch | batches/s | MB/s | in_memory speed-up |")
     print("|---|---|---|---:|---:|---:|---:|")
     for mode in ("bytes", "decode"):
@@ -181,8 +190,10 @@ def print_tables(args, results, num_batches, num_samples, total, resident_warm, 
             if m != mode:
                 continue
             speedup = "-" if backend == "in_memory" else f"{seconds / ours:.1f}x"
-            print(f"| {mode} | {backend} | {cache} | {seconds / num_batches * 1e3:.3f} | {num_batches / seconds:,.0f} | "
-                  f"{total / 1e6 / seconds:,.0f} | {speedup} |")
+            print(
+                f"| {mode} | {backend} | {cache} | {seconds / num_batches * 1e3:.3f} | {num_batches / seconds:,.0f} | "
+                f"{total / 1e6 / seconds:,.0f} | {speedup} |"
+            )
     print("\nTarget: in_memory >= 3x local (cold).")
     for mode in ("bytes", "decode"):
         ratio = results[mode, "local", "cold"] / results[mode, "in_memory", "-"]

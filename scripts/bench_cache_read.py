@@ -114,11 +114,15 @@ def main() -> None:
         f"{platform.python_version()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
-    print(f"\n{args.num} latents fp16 {'x'.join(map(str, LATENT_SHAPE))}, batches of {args.batch_size}, "
-          f"shuffled, median of {args.repeats} warm passes; store used {num_shards} shards\n")
+    print(
+        f"\n{args.num} latents fp16 {'x'.join(map(str, LATENT_SHAPE))}, batches of {args.batch_size}, "
+        f"shuffled, median of {args.repeats} warm passes; store used {num_shards} shards\n"
+    )
     print("| latents | torch.load per file (latents/s) | ShardedTensorStore get_batch (latents/s) | ratio | machine |")
     print("|---:|---:|---:|---:|---|")
-    print(f"| {args.num} | {per_file_rate:,.0f} | {sharded_rate:,.0f} | {sharded_rate / per_file_rate:.1f}x | {machine} |")
+    print(
+        f"| {args.num} | {per_file_rate:,.0f} | {sharded_rate:,.0f} | {sharded_rate / per_file_rate:.1f}x | {machine} |"
+    )
 
 
 if __name__ == "__main__":

@@ -71,15 +71,19 @@ def _timed(fn, repeats: int) -> tuple[float, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--usable-gib", type=float, default=80.0, help="usable device memory for the SD1.5 table (H100: 80)")
+    parser.add_argument(
+        "--usable-gib", type=float, default=80.0, help="usable device memory for the SD1.5 table (H100: 80)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from simpletuner.memory.estimator import GiB, estimate_memory, measure_cpu_step, write_sd15_config_only
     from simpletuner.models.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_sd
 
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, repeats {args.repeats}")
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, repeats {args.repeats}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tiny = write_tiny_sd(tmp / "tiny")
@@ -98,7 +102,9 @@ def main() -> int:
             real = measure_cpu_step(cfg, batch)
             error = est.activations / real.activations - 1
             worst = max(worst, abs(error))
-            print(f"{label:<20}{batch:>6}{seconds:>12.2f}{est.activations / 1024:>12.1f}{real.activations / 1024:>12.1f}{error:>+9.1%}")
+            print(
+                f"{label:<20}{batch:>6}{seconds:>12.2f}{est.activations / 1024:>12.1f}{real.activations / 1024:>12.1f}{error:>+9.1%}"
+            )
 
         print("\nSD1.5-size UNet (config-only folder, no weights), 512 px")
         print(f"{'case':<20}{'batch':>6}{'estimate s':>12}{'activations GiB':>17}{'total GiB':>11}")
@@ -114,8 +120,12 @@ def main() -> int:
             print(table, end="\n\n")
 
     ok_time, ok_error = slowest < SD15_TARGET_S, worst <= TOLERANCE
-    print(f"target: SD1.5 estimate < {SD15_TARGET_S:.0f} s: slowest median {slowest:.2f} s -> {'PASS' if ok_time else 'FAIL'}")
-    print(f"target: tiny model within {TOLERANCE:.0%}: worst activation error {worst:.1%} -> {'PASS' if ok_error else 'FAIL'}")
+    print(
+        f"target: SD1.5 estimate < {SD15_TARGET_S:.0f} s: slowest median {slowest:.2f} s -> {'PASS' if ok_time else 'FAIL'}"
+    )
+    print(
+        f"target: tiny model within {TOLERANCE:.0%}: worst activation error {worst:.1%} -> {'PASS' if ok_error else 'FAIL'}"
+    )
     return 0 if ok_time and ok_error else 1
 
 

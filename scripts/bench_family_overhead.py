@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from bench_trainer_overhead import run_ours  # noqa: E402  (the same "ours" loop as the sd-only bench)
+
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.demo import write_shapes_dataset  # noqa: E402
 from simpletuner.models.zoo import write_tiny_model  # noqa: E402
@@ -46,8 +46,14 @@ from simpletuner.state import StateTracker  # noqa: E402
 from simpletuner.training.trainer import Trainer  # noqa: E402
 
 #: Benchmark name -> (zoo model, model_family). Wan 2.2 is the "wan" family on a two-expert folder.
-FAMILIES = {"sd": ("sd", "sd"), "sdxl": ("sdxl", "sdxl"), "sd3": ("sd3", "sd3"), "flux": ("flux", "flux"),
-            "wan": ("wan", "wan"), "wan22": ("wan22", "wan")}
+FAMILIES = {
+    "sd": ("sd", "sd"),
+    "sdxl": ("sdxl", "sdxl"),
+    "sd3": ("sd3", "sd3"),
+    "flux": ("flux", "flux"),
+    "wan": ("wan", "wan"),
+    "wan22": ("wan22", "wan"),
+}
 TARGET = 0.95
 WARMUP_STEPS = 5
 
@@ -152,8 +158,11 @@ def bench_family(name: str, root: Path, data: Path, args) -> FamilyResult:
                 trainer.sampler.load_state_dict(position)
                 trainer.generator.set_state(rng)
             getattr(result, which).append(loops[which](args.steps))
-    print(f"{name}: {time.perf_counter() - t0:.0f}s, ours {_fmt(result.ours)}, minimal {_fmt(result.minimal)}",
-          file=sys.stderr, flush=True)
+    print(
+        f"{name}: {time.perf_counter() - t0:.0f}s, ours {_fmt(result.ours)}, minimal {_fmt(result.minimal)}",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -167,10 +176,12 @@ def _fmt(values: list[float]) -> str:
 
 
 def machine() -> str:
-    return (f"{platform.system()} {platform.machine()} ({platform.processor() or 'unknown CPU'}), "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
-            f"device {'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    return (
+        f"{platform.system()} {platform.machine()} ({platform.processor() or 'unknown CPU'}), "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, "
+        f"device {'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}"
+    )
 
 
 def report(results: list[FamilyResult], args, seconds: float) -> str:
@@ -187,8 +198,10 @@ def report(results: list[FamilyResult], args, seconds: float) -> str:
     for r in results:
         named = len(r.adapters) > 1  # Wan 2.2: one file per expert
         files = ", ".join(f"{size / 1024:.1f}" + (f" ({_short(n)})" if named else "") for n, size in r.adapters.items())
-        lines.append(f"| {r.name} | {statistics.median(r.ours):.1f} | {statistics.median(r.minimal):.1f} | "
-                     f"{r.ratio:.3f}x | {'met' if r.ratio >= TARGET else 'NOT met'} | {r.num_trainable:,} | {files} |")
+        lines.append(
+            f"| {r.name} | {statistics.median(r.ours):.1f} | {statistics.median(r.minimal):.1f} | "
+            f"{r.ratio:.3f}x | {'met' if r.ratio >= TARGET else 'NOT met'} | {r.num_trainable:,} | {files} |"
+        )
     lines.append("")
     lines += [f"all runs {r.name}: ours {_fmt(r.ours)}; minimal {_fmt(r.minimal)}" for r in results]
     return "\n".join(lines)
@@ -199,8 +212,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs per loop (median reported)")
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--families", default=",".join(FAMILIES),
-                        help=f"comma-separated subset of {', '.join(FAMILIES)}")
+    parser.add_argument(
+        "--families", default=",".join(FAMILIES), help=f"comma-separated subset of {', '.join(FAMILIES)}"
+    )
     args = parser.parse_args()
     names = [n.strip() for n in args.families.split(",") if n.strip()]
     unknown = [n for n in names if n not in FAMILIES]

@@ -55,24 +55,40 @@ def main() -> int:
     effective = args.batch_size * args.accumulation
     with tempfile.TemporaryDirectory() as tmp:
         base = orjson.loads(write_demo(Path(tmp), num_images=48).read_bytes())
-        base.update(train_batch_size=args.batch_size, max_train_steps=args.steps, validation_prompt=None,
-                    validation_steps=None, checkpointing_steps=None, logging_steps=args.steps)
+        base.update(
+            train_batch_size=args.batch_size,
+            max_train_steps=args.steps,
+            validation_prompt=None,
+            validation_steps=None,
+            checkpointing_steps=None,
+            logging_steps=args.steps,
+        )
         off = {**base, "gradient_accumulation_steps": args.accumulation}
-        on = {**base, "gh200_optimizations": {
-            "enable_batch_size_rampup": True, "initial_effective_batch_size": effective,
-            "target_effective_batch_size": effective, "batch_rampup_steps": args.steps * args.accumulation * 2}}
+        on = {
+            **base,
+            "gh200_optimizations": {
+                "enable_batch_size_rampup": True,
+                "initial_effective_batch_size": effective,
+                "target_effective_batch_size": effective,
+                "batch_rampup_steps": args.steps * args.accumulation * 2,
+            },
+        }
         steps_per_second({**off, "max_train_steps": 3})  # fills the caches; not measured
         results: dict[str, list[float]] = {"off": [], "on": []}
         for _ in range(args.repeats):
             results["off"].append(steps_per_second(off))
             results["on"].append(steps_per_second(on))
     m_off, m_on = statistics.median(results["off"]), statistics.median(results["on"])
-    print(f"tiny SD LoRA, batch {args.batch_size} x accumulation {args.accumulation}, {args.steps} steps x "
-          f"{args.repeats} runs, median optimizer steps/s (target: on within 2% of off)")
+    print(
+        f"tiny SD LoRA, batch {args.batch_size} x accumulation {args.accumulation}, {args.steps} steps x "
+        f"{args.repeats} runs, median optimizer steps/s (target: on within 2% of off)"
+    )
     print("| ramp off (steps/s) | ramp on (steps/s) | on / off | machine |")
     print("|---:|---:|---:|---|")
-    print(f"| {m_off:.2f} | {m_on:.2f} | {m_on / m_off:.3f} | {platform.system()} {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} |")
+    print(
+        f"| {m_off:.2f} | {m_on:.2f} | {m_on / m_off:.3f} | {platform.system()} {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} |"
+    )
     for name, values in results.items():
         print(f"all runs ({name}):", [f"{x:.2f}" for x in values])
     # The end-to-end runs are noisy on a small machine; the ramp's own cost is one window_for

@@ -89,7 +89,9 @@ def python_read_seconds(files: list[Path]) -> float:
 
 def staging_seconds(root: Path, codec: str, workers: int, images: bool) -> tuple[float, GH200InMemoryBackend]:
     started = time.perf_counter()
-    backend = GH200InMemoryBackend(root, "bench", compression=codec, num_workers=workers, compress_encoded_images=images)
+    backend = GH200InMemoryBackend(
+        root, "bench", compression=codec, num_workers=workers, compress_encoded_images=images
+    )
     return time.perf_counter() - started, backend
 
 
@@ -145,14 +147,23 @@ def main() -> None:
 
     machine = f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} CPUs"
     where = root if args.data else "a temp folder"
-    print(f"\n{len(files)} files ({total / 1e6:.1f} MB; images + captions) under {where}, "
-          f"warm page cache, median of {args.repeats} (runs interleaved); {machine}\n")
+    print(
+        f"\n{len(files)} files ({total / 1e6:.1f} MB; images + captions) under {where}, "
+        f"warm page cache, median of {args.repeats} (runs interleaved); {machine}\n"
+    )
     print("| method | workers | seconds | MB/s | files/s | stored/raw | speed vs cat |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for w in workers:
         print_row(f"`cat` to /dev/null (xargs -P {w})", w, cat[w], 1.0, total, len(files), "100%")
-    print_row("Python read_bytes() of every file, all kept", 1, kept, 1.0, total, len(files), f"{cat[1] / kept:.0%}"
-              if 1 in cat else "-")
+    print_row(
+        "Python read_bytes() of every file, all kept",
+        1,
+        kept,
+        1.0,
+        total,
+        len(files),
+        f"{cat[1] / kept:.0%}" if 1 in cat else "-",
+    )
     for w in workers:
         for c in codecs:
             for images in (False, True):
@@ -160,8 +171,10 @@ def main() -> None:
                     seconds, ratio = staged[c, w, images]
                     name = f"staging, {c}" + (" + compress_encoded_images" if images else "")
                     print_row(name, w, seconds, ratio, total, len(files), f"{cat[w] / seconds:.0%}")
-    print("\nStaging time includes listing the folder (LocalDataBackend.list_files: os.walk + a stat per file); "
-          "`cat` is handed the file list and pays one process start per 256 files.")
+    print(
+        "\nStaging time includes listing the folder (LocalDataBackend.list_files: os.walk + a stat per file); "
+        "`cat` is handed the file list and pays one process start per 256 files."
+    )
     print("Targets: staging `none` >= 80% of `cat` speed at the same worker count; `lz4` < 1.20x the time of `none`.")
     for w in workers:
         if ("none", w, False) not in staged:
@@ -173,12 +186,16 @@ def main() -> None:
             if ("lz4", w, images) in staged:
                 slower = staged["lz4", w, images][0] / none
                 what = "lz4 on every file (compress_encoded_images)" if images else "lz4 (captions only)"
-                print(f"- workers {w}: {what} takes {slower:.2f}x the time of none -> {'met' if slower < 1.2 else 'NOT met'}")
+                print(
+                    f"- workers {w}: {what} takes {slower:.2f}x the time of none -> {'met' if slower < 1.2 else 'NOT met'}"
+                )
 
 
 def print_row(name: str, workers: int, seconds: float, ratio: float, total: int, num_files: int, versus: str) -> None:
-    print(f"| {name} | {workers} | {seconds:.3f} | {total / 1e6 / seconds:,.0f} | {num_files / seconds:,.0f} | "
-          f"{ratio:.3f} | {versus} |")
+    print(
+        f"| {name} | {workers} | {seconds:.3f} | {total / 1e6 / seconds:,.0f} | {num_files / seconds:,.0f} | "
+        f"{ratio:.3f} | {versus} |"
+    )
 
 
 if __name__ == "__main__":

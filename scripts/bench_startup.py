@@ -59,7 +59,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)
+    )
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, str(ROOT))
@@ -67,7 +69,9 @@ def main() -> int:
 
         config = write_demo(Path(tmp))
         for i in range(args.repeats + 1):  # the first run fills the caches and is not counted
-            out = subprocess.run([sys.executable, "-c", CHILD, str(config)], capture_output=True, text=True, env=env, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, str(config)], capture_output=True, text=True, env=env, check=True
+            )
             line = next(l for l in out.stdout.splitlines() if l.startswith("BENCH"))
             if i:
                 runs.append(json.loads(line[5:]))
@@ -76,7 +80,9 @@ def main() -> int:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---:|" * len(keys))
     print("| " + " | ".join(f"{statistics.median(r[k] for r in runs):.2f}" for k in keys) + " |")
-    print(f"machine: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
+    print(
+        f"machine: {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}"
+    )
     return 0
 
 

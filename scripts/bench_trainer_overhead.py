@@ -34,8 +34,13 @@ def make_trainer(config_path: Path, batch_size: int, steps: int) -> Trainer:
     import orjson
 
     raw = orjson.loads(config_path.read_bytes())
-    raw.update(train_batch_size=batch_size, max_train_steps=steps, validation_prompt=None,
-               checkpointing_steps=None, logging_steps=steps)
+    raw.update(
+        train_batch_size=batch_size,
+        max_train_steps=steps,
+        validation_prompt=None,
+        checkpointing_steps=None,
+        logging_steps=steps,
+    )
     trainer = Trainer(StateTracker(validate_config(raw), raw))
     trainer.setup()
     return trainer
@@ -99,8 +104,10 @@ def main() -> int:
     print(f"tiny SD LoRA, batch {args.batch_size}, {args.steps} steps x {args.repeats} runs, median steps/s")
     print("| ours (steps/s) | minimal Accelerate loop (steps/s) | ratio | machine |")
     print("|---:|---:|---:|---|")
-    print(f"| {mo:.1f} | {mm:.1f} | {mo / mm:.2f}x | {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} |")
+    print(
+        f"| {mo:.1f} | {mm:.1f} | {mo / mm:.2f}x | {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} |"
+    )
     print("all runs (ours):", [f"{x:.1f}" for x in ours])
     print("all runs (minimal):", [f"{x:.1f}" for x in minimal])
     return 0

@@ -35,18 +35,30 @@ def build_parser() -> argparse.ArgumentParser:
         prog="optimize_gpu_config.py",
         allow_abbrev=False,  # `--gpu h100` is passed on, not read as an abbreviation of --gpu-memory
         description="Find the micro-batch and accumulation that fit a GPU and write them into a config: runs "
-                    "`simpletuner estimate` with these flags translated. Other `simpletuner estimate` flags "
-                    "(--safety-margin, --num-processes, --json, --gpu NAME, ...) are passed on unchanged.",
+        "`simpletuner estimate` with these flags translated. Other `simpletuner estimate` flags "
+        "(--safety-margin, --num-processes, --json, --gpu NAME, ...) are passed on unchanged.",
     )
-    parser.add_argument("--auto", action="store_true", help="detect this machine's GPU (simpletuner estimate --gpu auto)")
-    parser.add_argument("--gpu-memory", metavar="GB", help="the GPU's memory in GiB (alone: a generic card of that size)")
-    parser.add_argument("--config-path", metavar="PATH", default=DEFAULT_CONFIG,
-                        help=f"the training JSON to optimize (default: {DEFAULT_CONFIG})")
-    parser.add_argument("--target-effective-batch", metavar="N",
-                        help="samples per optimizer step to plan for: the largest micro-batch that fits, and the "
-                             "accumulation that makes N")
-    parser.add_argument("--apply", action="store_true",
-                        help="write the plan into the config (the original is kept as <file>.backup)")
+    parser.add_argument(
+        "--auto", action="store_true", help="detect this machine's GPU (simpletuner estimate --gpu auto)"
+    )
+    parser.add_argument(
+        "--gpu-memory", metavar="GB", help="the GPU's memory in GiB (alone: a generic card of that size)"
+    )
+    parser.add_argument(
+        "--config-path",
+        metavar="PATH",
+        default=DEFAULT_CONFIG,
+        help=f"the training JSON to optimize (default: {DEFAULT_CONFIG})",
+    )
+    parser.add_argument(
+        "--target-effective-batch",
+        metavar="N",
+        help="samples per optimizer step to plan for: the largest micro-batch that fits, and the "
+        "accumulation that makes N",
+    )
+    parser.add_argument(
+        "--apply", action="store_true", help="write the plan into the config (the original is kept as <file>.backup)"
+    )
     parser.add_argument("--profile", action="store_true", help="run real training steps on this GPU and compare")
     return parser
 
@@ -75,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = translate(argv)
     if command[2] == DEFAULT_CONFIG and not Path(DEFAULT_CONFIG).is_file():
-        print(f"optimize_gpu_config.py: error: no --config-path given, and the default {DEFAULT_CONFIG} does not "
-              f"exist in {Path.cwd()}: pass --config-path PATH (a training JSON)", file=sys.stderr)
+        print(
+            f"optimize_gpu_config.py: error: no --config-path given, and the default {DEFAULT_CONFIG} does not "
+            f"exist in {Path.cwd()}: pass --config-path PATH (a training JSON)",
+            file=sys.stderr,
+        )
         return 2
     # Run from a checkout without installing: the checkout's own simpletuner comes first.
     root = Path(__file__).resolve().parents[1]

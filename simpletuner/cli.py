@@ -7,7 +7,8 @@ import sys
 
 
 def _cmd_train(args) -> int:
-    from simpletuner.train import _is_single_process, end_process, main as train_main  # one parser: train.py's
+    from simpletuner.train import _is_single_process, end_process  # one parser: train.py's
+    from simpletuner.train import main as train_main
 
     code = train_main(args.args)
     if not _is_single_process():  # a rank of `accelerate launch`: ends as train.py's ranks do
@@ -85,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=version_string())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", add_help=False,
-                       help="train from a JSON config (single process; use accelerate launch for several); "
-                            "see `simpletuner train -h`")
+    p = sub.add_parser(
+        "train",
+        add_help=False,
+        help="train from a JSON config (single process; use accelerate launch for several); see `simpletuner train -h`",
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="--config cfg.json [--set KEY=VALUE] [--preset NAME] ...")
     p.set_defaults(func=_cmd_train)
 
@@ -103,29 +106,70 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--config", help="training JSON to estimate")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key for the estimate, as in `simpletuner train`")
-    p.add_argument("--gpu", default="auto", metavar="auto|NAME",
-                   help="auto (default): this machine's GPU; NAME: a card from the table "
-                        "(h100, a100-80gb, rtx4090, gb10, gh200, ...)")
-    p.add_argument("--gpu-memory", type=float, metavar="GB",
-                   help="the card's memory in GiB: overrides NAME's, or alone means a generic card of that size")
-    p.add_argument("--num-processes", type=int, default=1, metavar="N",
-                   help="processes (GPUs) training together; splits the effective batch (default: 1)")
-    p.add_argument("--target-effective-batch", type=int, metavar="N",
-                   help="auto-config: the largest micro-batch that fits and the accumulation that gives N samples per step")
-    p.add_argument("--safety-margin", type=float, metavar="F",
-                   help="plan to use at most this share of usable memory (default: 0.85)")
-    p.add_argument("--apply", action="store_true",
-                   help="write the plan into --config (backup <file>.backup first; prints the diff); "
-                        "without --target-effective-batch the config's own effective batch is kept; with --preset, "
-                        "write the preset's values for the keys the config does not set")
-    p.add_argument("--profile", action="store_true", help="run real training steps on this GPU and compare with the estimate")
-    p.add_argument("--profile-steps", type=int, default=3, metavar="N", help="optimizer steps for --profile (default: 3)")
-    p.add_argument("--preset", metavar="NAME", help="explain a preset; with --config, show how the config differs from "
-                   "it; with --config and --apply, write it into the config (keys the config sets win)")
-    p.add_argument("--list-presets", action="store_true",
-                   help="list the presets (config/presets/, bundled in the package when installed) with the machine and workload each was made for")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key for the estimate, as in `simpletuner train`",
+    )
+    p.add_argument(
+        "--gpu",
+        default="auto",
+        metavar="auto|NAME",
+        help="auto (default): this machine's GPU; NAME: a card from the table "
+        "(h100, a100-80gb, rtx4090, gb10, gh200, ...)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GB",
+        help="the card's memory in GiB: overrides NAME's, or alone means a generic card of that size",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes (GPUs) training together; splits the effective batch (default: 1)",
+    )
+    p.add_argument(
+        "--target-effective-batch",
+        type=int,
+        metavar="N",
+        help="auto-config: the largest micro-batch that fits and the accumulation that gives N samples per step",
+    )
+    p.add_argument(
+        "--safety-margin",
+        type=float,
+        metavar="F",
+        help="plan to use at most this share of usable memory (default: 0.85)",
+    )
+    p.add_argument(
+        "--apply",
+        action="store_true",
+        help="write the plan into --config (backup <file>.backup first; prints the diff); "
+        "without --target-effective-batch the config's own effective batch is kept; with --preset, "
+        "write the preset's values for the keys the config does not set",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="run real training steps on this GPU and compare with the estimate"
+    )
+    p.add_argument(
+        "--profile-steps", type=int, default=3, metavar="N", help="optimizer steps for --profile (default: 3)"
+    )
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="explain a preset; with --config, show how the config differs from "
+        "it; with --config and --apply, write it into the config (keys the config sets win)",
+    )
+    p.add_argument(
+        "--list-presets",
+        action="store_true",
+        help="list the presets (config/presets/, bundled in the package when installed) with the machine and workload each was made for",
+    )
     p.add_argument("--presets-dir", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_estimate)
@@ -136,13 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_cmd_demo)
 
-    p = sub.add_parser("cache", help="verify or clear a config's latent / text-embedding caches (see `simpletuner cache -h`)",
-                       add_help=False)
+    p = sub.add_parser(
+        "cache",
+        help="verify or clear a config's latent / text-embedding caches (see `simpletuner cache -h`)",
+        add_help=False,
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="verify|clear --config cfg.json [...]")
     p.set_defaults(func=_cmd_cache)
 
-    p = sub.add_parser("diagnose", help="check a GH200 / GB10 (or any) machine, as gh200_diagnostic.py "
-                       "(see `simpletuner diagnose -h`)", add_help=False)
+    p = sub.add_parser(
+        "diagnose",
+        help="check a GH200 / GB10 (or any) machine, as gh200_diagnostic.py (see `simpletuner diagnose -h`)",
+        add_help=False,
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="[--json] [--oversubscription-scale S] [--force]")
     p.set_defaults(func=_cmd_diagnose)
 
@@ -150,12 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
         "config-path",
         help="print the path of a bundled config file (Accelerate YAMLs, presets, examples), also when installed",
         description="Print where a file of simpletuner's config folder is: config/ in a checkout, inside the "
-                    "package when installed from a wheel. E.g. accelerate launch --config_file "
-                    "\"$(simpletuner config-path accelerate_config_gh200.yaml)\" -m simpletuner.train --config cfg.json",
+        "package when installed from a wheel. E.g. accelerate launch --config_file "
+        '"$(simpletuner config-path accelerate_config_gh200.yaml)" -m simpletuner.train --config cfg.json',
     )
-    p.add_argument("name", nargs="?", metavar="NAME",
-                   help="accelerate_config_gh200.yaml, presets/gh200.json, examples/sd15_lora.json, a file name that "
-                        "occurs once, or gh200 / gh200_fsdp for the Accelerate YAMLs; none: the folder itself")
+    p.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="accelerate_config_gh200.yaml, presets/gh200.json, examples/sd15_lora.json, a file name that "
+        "occurs once, or gh200 / gh200_fsdp for the Accelerate YAMLs; none: the folder itself",
+    )
     p.add_argument("--list", action="store_true", help="print the path of every bundled file")
     p.set_defaults(func=_cmd_config_path)
 

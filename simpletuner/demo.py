@@ -19,7 +19,13 @@ BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15)}
 VALIDATION_PROMPT = "a red circle on a white background"
 
 
-def draw_shape(shape: str, colour: tuple[int, int, int], background: tuple[int, int, int], size: tuple[int, int], rng: random.Random) -> Image.Image:
+def draw_shape(
+    shape: str,
+    colour: tuple[int, int, int],
+    background: tuple[int, int, int],
+    size: tuple[int, int],
+    rng: random.Random,
+) -> Image.Image:
     """One image of a filled shape at a random place and scale."""
     w, h = size
     img = Image.new("RGB", size, background)
@@ -56,7 +62,9 @@ def _png_bytes(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def write_shapes_dataset(out_dir: str | Path, num_images: int = 24, seed: int = 0, sizes=((64, 64), (96, 64), (64, 96))) -> Path:
+def write_shapes_dataset(
+    out_dir: str | Path, num_images: int = 24, seed: int = 0, sizes=((64, 64), (96, 64), (64, 96))
+) -> Path:
     """PNG images of coloured shapes, each with a same-named .txt caption describing it.
 
     Files that already hold the same content are left untouched (see :func:`write_if_changed`).
@@ -138,7 +146,9 @@ def write_before_after(output_dir: str | Path, prompt: str | None = None, min_ti
     indices = sorted(set(by_step[first]) & set(by_step[last]))
     if not indices:
         return None
-    pairs = [(Image.open(by_step[first][i]).convert("RGB"), Image.open(by_step[last][i]).convert("RGB")) for i in indices]
+    pairs = [
+        (Image.open(by_step[first][i]).convert("RGB"), Image.open(by_step[last][i]).convert("RGB")) for i in indices
+    ]
     w, h = pairs[0][0].size
     scale = max(1, -(-min_tile // max(w, h)))
     tw, th = w * scale, h * scale

@@ -36,8 +36,14 @@ _reached: dict[str, int] = {}
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # How the Rust (safetensors) and C++ (torch.save) writers word ENOSPC / EDQUOT when they do not
 # raise an OSError: "No space left on device (os error 28)", "StorageFull", "QuotaExceeded".
-_FULL_WORDS = ("no space left on device", "os error 28", "storagefull", "disk quota exceeded", "os error 122",
-               "quotaexceeded")
+_FULL_WORDS = (
+    "no space left on device",
+    "os error 28",
+    "storagefull",
+    "disk quota exceeded",
+    "os error 122",
+    "quotaexceeded",
+)
 
 
 def human_bytes(num_bytes: float) -> str:
@@ -55,8 +61,9 @@ class NoSpace(RuntimeError):
 
     exit_code = NO_SPACE
 
-    def __init__(self, what: str, folder: Path, needed: int | None, free: int, during_write: bool = False,
-                 agreed: bool = False):
+    def __init__(
+        self, what: str, folder: Path, needed: int | None, free: int, during_write: bool = False, agreed: bool = False
+    ):
         """``agreed``: raised on this process because another one (rank 0) ran out of space, so that
         every process of a launch stops the same way; ``simpletuner train`` prints it once."""
         self.what, self.folder, self.needed, self.free = what, Path(folder), needed, free
@@ -132,8 +139,9 @@ def remove_path(path: Path) -> None:
 
 
 @contextmanager
-def disk_full_guard(folder: str | os.PathLike[str], needed: int | None, what: str,
-                    cleanup: Iterable[str | os.PathLike[str]] = ()) -> Iterator[None]:
+def disk_full_guard(
+    folder: str | os.PathLike[str], needed: int | None, what: str, cleanup: Iterable[str | os.PathLike[str]] = ()
+) -> Iterator[None]:
     """Run a write; if the disk fills, remove ``cleanup`` (the write's temp files or folders) and
     raise :class:`NoSpace` instead of the writer's own error. Other errors pass through unchanged
     (``cleanup`` is still removed: a half-written temp file is never useful)."""

@@ -89,8 +89,9 @@ class Holder:
         command = " ".join(sys.argv) or sys.executable
         if len(command) > _MAX_COMMAND_CHARS:
             command = command[: _MAX_COMMAND_CHARS - 3] + "..."
-        return cls(os.getpid(), socket.gethostname(), datetime.now().astimezone().isoformat(timespec="seconds"),
-                   command)
+        return cls(
+            os.getpid(), socket.gethostname(), datetime.now().astimezone().isoformat(timespec="seconds"), command
+        )
 
     @classmethod
     def parse(cls, data: bytes) -> "Holder | None":
@@ -161,8 +162,10 @@ class FolderLock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
-                raise ValueError(f"cannot create the lock file {self.path}: {exc.strerror or exc}. Make "
-                                 f"{self.path.parent} writable, or point the setting that names it elsewhere") from None
+                raise ValueError(
+                    f"cannot create the lock file {self.path}: {exc.strerror or exc}. Make "
+                    f"{self.path.parent} writable, or point the setting that names it elsewhere"
+                ) from None
         return self._fd
 
     def _flock(self, blocking: bool) -> bool:
@@ -178,9 +181,12 @@ class FolderLock:
                     raise
                 if str(self.path.parent) not in _warned_unsupported:
                     _warned_unsupported.add(str(self.path.parent))
-                    logger.warning("the file system of %s does not support locks (%s): runs using it are not kept "
-                                   "apart; do not start a second run or `cache clear` on it while this one runs",
-                                   self.path.parent, exc.strerror or exc)
+                    logger.warning(
+                        "the file system of %s does not support locks (%s): runs using it are not kept "
+                        "apart; do not start a second run or `cache clear` on it while this one runs",
+                        self.path.parent,
+                        exc.strerror or exc,
+                    )
             if self._is_current(fd):
                 break
             # `cache clear` deleted the file while we waited: our lock is on an orphan; lock the new file
@@ -219,8 +225,11 @@ class FolderLock:
         previous = self.holder(retries=0)  # a name left in a lock nobody held: its holder died
         if previous is not None:
             self.took_over = previous
-            logger.warning("took over the lock %s from %s, which ended without releasing it (killed or crashed)",
-                           self.path, previous.describe())
+            logger.warning(
+                "took over the lock %s from %s, which ended without releasing it (killed or crashed)",
+                self.path,
+                previous.describe(),
+            )
         if self.shared:  # no exclusive holder can exist now: drop a dead one's name
             if previous is not None:
                 os.ftruncate(self._fd, 0)
@@ -292,24 +301,35 @@ def _hold(folder: str | os.PathLike[str], refusal: Callable[[str], str]) -> Fold
     holder = lock.holder()
     lock.release()
     who = holder.describe() if holder is not None else "a process that has not written its name yet"
-    raise FolderLocked(refusal(who) + f". The lock ({lock.path}) is released when that process ends, also when it "
-                       "is killed", lock.path, [holder] if holder else [])
+    raise FolderLocked(
+        refusal(who) + f". The lock ({lock.path}) is released when that process ends, also when it is killed",
+        lock.path,
+        [holder] if holder else [],
+    )
 
 
 def hold_output_dir(folder: str | os.PathLike[str]) -> FolderLock:
     """Lock output_dir ``folder`` for this run; :class:`FolderLocked` when another run holds it."""
-    return _hold(folder, lambda who: (
-        f"output_dir {folder} is in use by another training run: {who}. Two runs in one output_dir overwrite each "
-        "other's checkpoints. Wait for that run to end (or stop it), or give this run another output_dir"))
+    return _hold(
+        folder,
+        lambda who: (
+            f"output_dir {folder} is in use by another training run: {who}. Two runs in one output_dir overwrite each "
+            "other's checkpoints. Wait for that run to end (or stop it), or give this run another output_dir"
+        ),
+    )
 
 
 def hold_epoch_folder(folder: str | os.PathLike[str]) -> FolderLock:
     """Lock the per-epoch latents folder of ``augmentations_cache_mode: refresh_each_epoch``: each
     epoch the run removes the other epochs' latents there, so a second run must not share it."""
-    return _hold(folder, lambda who: (
-        f"the per-epoch latents folder {folder} (augmentations_cache_mode refresh_each_epoch) is in use by another "
-        f"run: {who}. Each run removes the latents of other epochs there, so two runs would delete each other's. "
-        "Give this run another cache_config.cache_dir, or wait for that run to end"))
+    return _hold(
+        folder,
+        lambda who: (
+            f"the per-epoch latents folder {folder} (augmentations_cache_mode refresh_each_epoch) is in use by another "
+            f"run: {who}. Each run removes the latents of other epochs there, so two runs would delete each other's. "
+            "Give this run another cache_config.cache_dir, or wait for that run to end"
+        ),
+    )
 
 
 # --- cache folders ---------------------------------------------------------------------------------
@@ -381,8 +401,10 @@ class CacheLocks:
         def waiting() -> None:
             holder = lock.holder()
             who = holder.describe() if holder else "another process"
-            say(f"waiting for {who} to finish filling the cache {self.base}; then only the entries still missing "
-                "are encoded")
+            say(
+                f"waiting for {who} to finish filling the cache {self.base}; then only the entries still missing "
+                "are encoded"
+            )
 
         try:
             yield lock.acquire_waiting(waiting)
@@ -427,8 +449,9 @@ class CacheLocks:
             return False
         return True
 
-    def _take(self, lock: FolderLock, wait: bool, say: Callable[[str], None],
-              holders: Callable[[], list[Holder]], doing: str) -> None:
+    def _take(
+        self, lock: FolderLock, wait: bool, say: Callable[[str], None], holders: Callable[[], list[Holder]], doing: str
+    ) -> None:
         if lock.try_acquire():
             return
         found = holders()
@@ -438,7 +461,8 @@ class CacheLocks:
             raise FolderLocked(
                 f"the cache {self.base} is {doing} a run: {who}. Removing it now would break that run. Run this "
                 "again when the run has ended, or add --wait to wait for it",
-                lock.path, found,
+                lock.path,
+                found,
             )
         say(f"waiting for the run(s) that use the cache {self.base} to end: {who}")
         lock.acquire_waiting()

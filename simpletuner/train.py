@@ -9,18 +9,38 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="simpletuner train", description="Train from a JSON config.")
     parser.add_argument("--config", required=True, help="path to the training JSON")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (dotted for nested keys; JSON values), e.g. --set max_train_steps=10")
-    parser.add_argument("--preset", metavar="NAME",
-                        help="fill the keys the config (and the launch) leave unset from a memory preset "
-                             "(`simpletuner estimate --list-presets`); the effective values are logged")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)")
-    parser.add_argument("--peak-tflops", type=positive_tflops, metavar="TFLOPS",
-                        help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and "
-                             "logs, then start afresh (without it such a run is refused; other files there are kept)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys; JSON values), e.g. --set max_train_steps=10",
+    )
+    parser.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="fill the keys the config (and the launch) leave unset from a memory preset "
+        "(`simpletuner estimate --list-presets`); the effective values are logged",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=positive_tflops,
+        metavar="TFLOPS",
+        help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and "
+        "logs, then start afresh (without it such a run is refused; other files there are kept)",
+    )
     return parser
 
 
@@ -89,13 +109,18 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path), sources, notes
 
 
-def run(config_path: str, overrides=(), log_level: str = "INFO", peak_tflops: float | None = None,
-        preset: str | None = None, overwrite: bool = False):
+def run(
+    config_path: str,
+    overrides=(),
+    log_level: str = "INFO",
+    peak_tflops: float | None = None,
+    preset: str | None = None,
+    overwrite: bool = False,
+):
     """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
     from simpletuner.state import StateTracker
-    from simpletuner.training.trainer import Trainer
-
     from simpletuner.training.runlog import configure_logging
+    from simpletuner.training.trainer import Trainer
 
     configure_logging(log_level)
     loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
@@ -154,7 +179,10 @@ def _is_main_rank() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from simpletuner.training.reliability import RunSignals, RunStopped  # standard library only: installed before the heavy imports
+    from simpletuner.training.reliability import (
+        RunSignals,
+        RunStopped,
+    )  # standard library only: installed before the heavy imports
 
     with RunSignals():  # SIGTERM / SIGINT in any phase: one line and 143 / 130, never a traceback
         try:
@@ -181,23 +209,30 @@ def _peer_stopped(exc: Exception) -> bool:
 
     text = str(exc)
     return isinstance(exc, getattr(dist, "DistError", ())) or any(
-        word in text for word in ("Connection closed by peer", "Connection reset by peer"))
+        word in text for word in ("Connection closed by peer", "Connection reset by peer")
+    )
 
 
 def _main(argv: list[str] | None) -> int:
     import signal
 
     from simpletuner.configuration import ConfigError
-    from simpletuner.training.reliability import RunSignals, RunStopped
-    from simpletuner.training.checkpoint import ResumeRefused
-    from simpletuner.training.run_folder import RunFolderTaken
-    from simpletuner.training.launch import LaunchError
     from simpletuner.diskspace import NoSpace
+    from simpletuner.training.checkpoint import ResumeRefused
+    from simpletuner.training.launch import LaunchError
+    from simpletuner.training.reliability import RunSignals, RunStopped
+    from simpletuner.training.run_folder import RunFolderTaken
 
     args = build_parser().parse_args(argv)
     try:
-        run(args.config, args.overrides, args.log_level, peak_tflops=args.peak_tflops, preset=args.preset,
-            overwrite=args.overwrite)
+        run(
+            args.config,
+            args.overrides,
+            args.log_level,
+            peak_tflops=args.peak_tflops,
+            preset=args.preset,
+            overwrite=args.overwrite,
+        )
     except NoSpace as exc:  # a full disk (exit 5): the message says how much, where, and what is free
         if _is_main_rank() or not exc.agreed:  # an agreed one is rank 0's, raised on every rank: printed once
             print(f"error: {exc}", file=sys.stderr)
@@ -208,21 +243,28 @@ def _main(argv: list[str] | None) -> int:
     except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
         if args.log_level == "DEBUG":
             raise
-        if _is_main_rank() or not isinstance(exc, (ConfigError, ResumeRefused, RunFolderTaken)):  # those: the same on every rank
+        if _is_main_rank() or not isinstance(
+            exc, (ConfigError, ResumeRefused, RunFolderTaken)
+        ):  # those: the same on every rank
             print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a bug of ours: never exit with a code that means something else
         from simpletuner.exit_codes import report_internal_error
 
         signals = RunSignals.installed()
-        if signals is not None and signals.signum is not None:  # a signal came first (e.g. the sibling ranks it stopped broke a collective)
+        if (
+            signals is not None and signals.signum is not None
+        ):  # a signal came first (e.g. the sibling ranks it stopped broke a collective)
             name = signal.Signals(signals.signum).name
             print(f"stopped by {name} during {signals.received_in}: then {type(exc).__name__}: {exc}", file=sys.stderr)
             return 128 + signals.signum
         if _peer_stopped(exc):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            print("stopped: another process of this run stopped or failed first, so this one cannot go on (that "
-                  f"process's message says why): {first}", file=sys.stderr)
+            print(
+                "stopped: another process of this run stopped or failed first, so this one cannot go on (that "
+                f"process's message says why): {first}",
+                file=sys.stderr,
+            )
             return 1
         return report_internal_error(exc, "train")
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import train
 
 from simpletuner.caching import MemoryTensorStore, ShardedTensorStore, sample_latent_key
 from simpletuner.configuration import validate_config
@@ -27,7 +28,6 @@ from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.batches import prepare_caches
 from simpletuner.training.reencode import EpochLatents
-from training_helpers import train
 
 AUG = {"flip_probability": 0.5, "crop_jitter": 0.1, "color_jitter": 0.2}
 CPU = torch.device("cpu")
@@ -154,20 +154,26 @@ def _prepare(make_config, **overrides):
     config = validate_config(raw)
     state = StateTracker(config, raw)
     datasets = build_datasets(state)
-    data, _ = prepare_caches(get_model_spec(config), datasets, Path(config.cache_config.cache_dir), CPU,
-                             torch.float32, state)
+    data, _ = prepare_caches(
+        get_model_spec(config), datasets, Path(config.cache_config.cache_dir), CPU, torch.float32, state
+    )
     return data, datasets, config
 
 
 def _sampler(datasets, config, rank=0, replicas=1):
-    return BucketSampler([s for ds in datasets for s in ds.samples], config.train_batch_size, replicas, rank, config.seed)
+    return BucketSampler(
+        [s for ds in datasets for s in ds.samples], config.train_batch_size, replicas, rank, config.seed
+    )
 
 
 def _keys(datasets, config, version) -> dict[str, str]:
     identity = get_model_spec(config).image_encoder_identity()
     augment = augmentation_key(config.augmentations, config.seed, version)
-    return {s.key: sample_latent_key(ds, s, identity, config.resolution, augment=augment)
-            for ds in datasets for s in ds.samples}
+    return {
+        s.key: sample_latent_key(ds, s, identity, config.resolution, augment=augment)
+        for ds in datasets
+        for s in ds.samples
+    }
 
 
 def _shard_files(folder: Path) -> list[Path]:
@@ -186,14 +192,17 @@ def test_static_encodes_each_image_once_under_a_key_of_its_own(make_config, enco
         next(batches)
     assert encodes["images"] == 24
     key = datasets[0].samples[0].key
-    assert not torch.equal(data.vae_cache.get(data.latent_keys[key])["latents"],
-                           plain.vae_cache.get(plain.latent_keys[key])["latents"])
+    assert not torch.equal(
+        data.vae_cache.get(data.latent_keys[key])["latents"], plain.vae_cache.get(plain.latent_keys[key])["latents"]
+    )
     again, _, _ = _prepare(make_config, augmentations=AUG)
     assert encodes["images"] == 24 and again.fill_reports["latents"].num_hits == 12
 
 
 @pytest.mark.parametrize("persistent", [True, False])
-def test_refresh_each_epoch_reencodes_per_epoch_and_removes_the_old_version(make_config, encodes, monkeypatch, persistent):
+def test_refresh_each_epoch_reencodes_per_epoch_and_removes_the_old_version(
+    make_config, encodes, monkeypatch, persistent
+):
     snapshots = {}
     real_prepare = EpochLatents.prepare
 
@@ -201,12 +210,22 @@ def test_refresh_each_epoch_reencodes_per_epoch_and_removes_the_old_version(make
         before = encodes["images"]
         keys = real_prepare(self, sampler, epoch)
         on_disk = ShardedTensorStore(self.cache.store.root)
-        snapshots[epoch] = (encodes["images"] - before, set(on_disk.keys()), on_disk.marker_names(), self._threads._pool)
+        snapshots[epoch] = (
+            encodes["images"] - before,
+            set(on_disk.keys()),
+            on_disk.marker_names(),
+            self._threads._pool,
+        )
         return keys
 
     monkeypatch.setattr(EpochLatents, "prepare", observed)
-    data, datasets, config = _prepare(make_config, augmentations=AUG, augmentations_cache_mode="refresh_each_epoch",
-                                      dataloader_num_workers=2, dataloader_persistent_workers=persistent)
+    data, datasets, config = _prepare(
+        make_config,
+        augmentations=AUG,
+        augmentations_cache_mode="refresh_each_epoch",
+        dataloader_num_workers=2,
+        dataloader_persistent_workers=persistent,
+    )
     assert encodes["images"] == 0 and not _shard_files(Path(config.cache_config.cache_dir) / "sd" / "vae")
     batches = data.iterate(_sampler(datasets, config), CPU)
     seen = [next(batches) for _ in range(18)]  # three epochs of 6 batches
@@ -228,9 +247,16 @@ def test_refresh_each_epoch_reencodes_per_epoch_and_removes_the_old_version(make
 
 
 def test_refresh_in_memory_without_persistence_writes_nothing(make_config, encodes):
-    data, datasets, config = _prepare(make_config, augmentations=AUG, augmentations_cache_mode="refresh_each_epoch",
-                                      cache_config={"cache_dir": make_config()["cache_config"]["cache_dir"],
-                                                    "vae_cache_type": "memory", "persistent_cache": False})
+    data, datasets, config = _prepare(
+        make_config,
+        augmentations=AUG,
+        augmentations_cache_mode="refresh_each_epoch",
+        cache_config={
+            "cache_dir": make_config()["cache_config"]["cache_dir"],
+            "vae_cache_type": "memory",
+            "persistent_cache": False,
+        },
+    )
     batches = data.iterate(_sampler(datasets, config), CPU)
     for _ in range(12):
         next(batches)
@@ -255,8 +281,9 @@ def test_refresh_shards_by_process_without_sharing_files(make_config, encodes):
 
 
 def test_disable_cache_encodes_every_batch_and_stores_no_latents(make_config, encodes):
-    data, datasets, config = _prepare(make_config, augmentations=AUG, augmentations_cache_mode="disable_cache",
-                                      dataloader_num_workers=1)
+    data, datasets, config = _prepare(
+        make_config, augmentations=AUG, augmentations_cache_mode="disable_cache", dataloader_num_workers=1
+    )
     assert encodes["images"] == 0
     batches = data.iterate(_sampler(datasets, config), CPU)
     seen = [next(batches) for _ in range(12)]
@@ -314,12 +341,20 @@ def test_crash_mid_refresh_is_not_read_as_complete_and_resume_is_exact(make_conf
 
 
 def test_disable_cache_resume_reproduces_the_augmentations(make_config, tmp_path):
-    common = dict(augmentations=AUG, augmentations_cache_mode="disable_cache", max_train_steps=8,
-                  gradient_accumulation_steps=2, dataloader_num_workers=1, dataloader_persistent_workers=True)
+    common = dict(
+        augmentations=AUG,
+        augmentations_cache_mode="disable_cache",
+        max_train_steps=8,
+        gradient_accumulation_steps=2,
+        dataloader_num_workers=1,
+        dataloader_persistent_workers=True,
+    )
     straight_trainer, straight = train(make_config(output_dir=str(tmp_path / "straight"), **common))
     assert straight_trainer.data._reencoder.vae is not None  # kept loaded after set-up
     out = str(tmp_path / "run")
-    train(make_config(output_dir=out, checkpointing_steps=3, checkpoint_at_end=False, **common))  # as if stopped after 6
+    train(
+        make_config(output_dir=out, checkpointing_steps=3, checkpoint_at_end=False, **common)
+    )  # as if stopped after 6
     latest = ckpt.find_latest(Path(out))
     _, resumed = train(make_config(output_dir=out, resume_from_checkpoint=str(latest), **common))
     assert latest.name == "checkpoint-6" and resumed.global_step == 8

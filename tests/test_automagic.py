@@ -197,9 +197,14 @@ def test_per_stage_groups_take_their_own_bounds():
     high = torch.nn.Parameter(torch.zeros(2))
     low = torch.nn.Parameter(torch.zeros(2))
     bounds = {
-        "lr": 0.02, "lr_bump": 0.01, "min_lr": 0.01, "max_lr": 0.05,
-        "high_noise_max_lr": 0.03, "high_noise_lr_bump": None,
-        "low_noise_lr_bump": 0.005, "low_noise_min_lr": None,
+        "lr": 0.02,
+        "lr_bump": 0.01,
+        "min_lr": 0.01,
+        "max_lr": 0.05,
+        "high_noise_max_lr": 0.03,
+        "high_noise_lr_bump": None,
+        "low_noise_lr_bump": 0.005,
+        "low_noise_min_lr": None,
         "learning_rate": 1.0,  # unrelated config keys are ignored
     }
     groups = automagic_param_groups({"high_noise": [high], "low_noise": [low]}, bounds)
@@ -222,7 +227,9 @@ def _tiny_updates(seed: int, *, stochastic_rounding: bool = True, num_steps: int
     # min == max pins the lr, and a constant gradient makes u = 1: each step subtracts 1e-4,
     # a quarter of the half-ulp (2**-9) below 1.0 in bf16.
     p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
-    opt = Automagic([p], lr=1e-4, min_lr=1e-4, max_lr=1e-4, lr_bump=1e-6, seed=seed, stochastic_rounding=stochastic_rounding)
+    opt = Automagic(
+        [p], lr=1e-4, min_lr=1e-4, max_lr=1e-4, lr_bump=1e-6, seed=seed, stochastic_rounding=stochastic_rounding
+    )
     p.grad = torch.ones_like(p)
     for _ in range(num_steps):
         opt.step()
@@ -257,7 +264,9 @@ def test_state_round_trip_is_exact(dtype, through_file):
     params = _model(dtype)
     grads = [[torch.randn(p.shape, generator=generator) for p in params] for _ in range(12)]
     options = dict(lr=1e-3, min_lr=1e-4, max_lr=1e-2, lr_bump=5e-4, weight_decay=0.01, seed=7)
-    opt = Automagic([{"params": params[:2], "name": "high_noise"}, {"params": params[2:], "name": "low_noise"}], **options)
+    opt = Automagic(
+        [{"params": params[:2], "name": "high_noise"}, {"params": params[2:], "name": "low_noise"}], **options
+    )
     _train(opt, params, grads[:6])
 
     state_dict = opt.state_dict()
@@ -332,8 +341,9 @@ def test_trainer_resumes_automagic_exactly_and_the_estimate_counts_its_state(mak
     straight, s_result = _train_cfg(make_config(max_train_steps=4, output_dir=str(tmp_path / "a"), **common))
     out = tmp_path / "b"
     _train_cfg(make_config(max_train_steps=2, checkpointing_steps=2, output_dir=str(out), **common))
-    resumed, r_result = _train_cfg(make_config(max_train_steps=4, output_dir=str(out), resume_from_checkpoint="latest",
-                                               **common))
+    resumed, r_result = _train_cfg(
+        make_config(max_train_steps=4, output_dir=str(out), resume_from_checkpoint="latest", **common)
+    )
     assert r_result.losses == s_result.losses[2:]
     want, got = load_file(s_result.output_path), load_file(r_result.output_path)
     assert all(torch.equal(want[k], got[k]) for k in want)
@@ -341,6 +351,7 @@ def test_trainer_resumes_automagic_exactly_and_the_estimate_counts_its_state(mak
     lrs = [t for st in straight.optimizer.state.values() for k, t in st.items() if k == "lr_index"]
     assert lrs and any(int(t.max()) != int(t.min()) for t in lrs)
 
-    state_bytes = sum(t.nbytes for st in straight.optimizer.state.values() for t in st.values()
-                      if isinstance(t, torch.Tensor))
+    state_bytes = sum(
+        t.nbytes for st in straight.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+    )
     assert estimate_memory(validate_config(make_config(**common)), device_kind="cpu").optimizer_state == state_bytes

@@ -142,7 +142,9 @@ def write_corpus(folder: Path) -> Path:
         "good_rgb.jpg": encode(Image.new("RGB", SIZE, COLOUR), "JPEG", quality=95),
         "good_rgb.png": encode(Image.new("RGB", SIZE, COLOUR), "PNG"),
         "cmyk.jpg": encode(Image.new("CMYK", SIZE, (0, 255, 255, 0)), "JPEG", quality=95),
-        "deep16.png": encode(Image.fromarray(np.tile(np.repeat(np.array([0, 32896, 65535], np.uint16), [16, 16, 32]), (48, 1))), "PNG"),
+        "deep16.png": encode(
+            Image.fromarray(np.tile(np.repeat(np.array([0, 32896, 65535], np.uint16), [16, 16, 32]), (48, 1))), "PNG"
+        ),
         "palette.png": encode(halves(0, 1, "P").copy(), "PNG"),
         "palette_transparent.png": None,  # written below (needs a palette)
         "rgba.png": encode(halves((0, 0, 0, 0), (255, 0, 0, 255), "RGBA"), "PNG"),
@@ -246,7 +248,9 @@ def scan_and_decode(state: StateTracker):
             load_sample_pixels(dataset, sample)
         except (OSError, ValueError) as exc:
             failures[sample.path] = str(exc)
-    dataset.metadata.drop_unreadable(dataset.id, str(dataset.backend.root), failures, state.config.max_bad_image_fraction)
+    dataset.metadata.drop_unreadable(
+        dataset.id, str(dataset.backend.root), failures, state.config.max_bad_image_fraction
+    )
     return dataset
 
 
@@ -289,7 +293,10 @@ def test_converted_pixels_are_correct_rgb(kind, corpus, locked):
     assert [deep.getpixel((x, 0)) for x in (0, 20, 60)] == [BLACK, (128, 128, 128), WHITE]  # value / 257
     assert (pixel(dataset, "palette.png", left), pixel(dataset, "palette.png", right)) == (RED, BLUE)
     # Transparency is composited on white.
-    assert (pixel(dataset, "palette_transparent.png", left), pixel(dataset, "palette_transparent.png", right)) == (WHITE, BLUE)
+    assert (pixel(dataset, "palette_transparent.png", left), pixel(dataset, "palette_transparent.png", right)) == (
+        WHITE,
+        BLUE,
+    )
     assert (pixel(dataset, "rgba.png", left), pixel(dataset, "rgba.png", right)) == (WHITE, RED)
     assert pixel(dataset, "semi_alpha.png", left) in {(255, 127, 127), (255, 128, 128)}
     assert (pixel(dataset, "la.png", left), pixel(dataset, "la.png", right)) == (WHITE, BLACK)
@@ -314,7 +321,9 @@ def test_captions_never_crash_and_bad_encodings_are_reported_once(kind, corpus, 
     assert captions["🐱_emoji.png"] == "🐱 emoji"  # from the file name
     assert captions["cafe\u0301_nfd.png"] == "cafe\u0301 nfd"
     assert {s.key for s in dataset.samples} >= {f"corpus/{n}" for n in UNICODE_NAMES}
-    messages = [r.getMessage() for r in caplog.records if "not valid UTF-8" in r.getMessage() and ".txt" in r.getMessage()]
+    messages = [
+        r.getMessage() for r in caplog.records if "not valid UTF-8" in r.getMessage() and ".txt" in r.getMessage()
+    ]
     for name in ("latin1_caption.txt", "invalid_utf8_caption.txt"):
         assert sum(name in m for m in messages) == 1, messages
     assert not any("bom_caption" in m or "utf16_caption" in m for m in messages)
@@ -344,8 +353,12 @@ def test_only_unreadable_images_is_not_reported_as_an_empty_folder(tmp_path, mon
     folder = tmp_path / "locked"
     folder.mkdir()
     (folder / "unreadable.png").write_bytes(encode(noise(), "PNG"))
-    monkeypatch.setattr(imb, "_read_file", lambda full: (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied")))
-    with pytest.raises(ValueError, match="(?s)none of the 1 image files .*unreadable.png: cannot read file: Permission denied"):
+    monkeypatch.setattr(
+        imb, "_read_file", lambda full: (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied"))
+    )
+    with pytest.raises(
+        ValueError, match="(?s)none of the 1 image files .*unreadable.png: cannot read file: Permission denied"
+    ):
         build_datasets(make_state("in_memory", folder, max_bad=1.0))
 
 

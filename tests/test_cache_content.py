@@ -85,9 +85,12 @@ def _verify_json(cfg: str, capsys, *flags: str) -> tuple[int, dict, dict[str, di
     return code, payload, {cache["name"]: cache for cache in payload["caches"]}
 
 
-def test_in_place_edit_is_reused_by_default_and_re_encoded_under_verify_content(make_config, dataset, tmp_path,
-                                                                                  capsys, caplog):
-    raw = make_config(max_train_steps=1, datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(dataset)}])
+def test_in_place_edit_is_reused_by_default_and_re_encoded_under_verify_content(
+    make_config, dataset, tmp_path, capsys, caplog
+):
+    raw = make_config(
+        max_train_steps=1, datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(dataset)}]
+    )
     cfg = tmp_path / "cfg.json"
     cfg.write_bytes(orjson.dumps(raw))
     cfg = str(cfg)
@@ -157,8 +160,12 @@ def _images(folder: Path, num: int) -> list[Path]:
 def _fill(cache: TensorCache, paths: list[Path], verify: bool):
     """A fill whose 'encoder' is the file's first byte; the source is the file itself."""
     check = SourceCheck(hash=lambda p: source_hash([p.read_bytes()]), name=str, verify=verify)
-    return cache.fill([(p.name, p) for p in paths], lambda ps: [{"x": torch.tensor([p.read_bytes()[0]])} for p in ps],
-                      batch_size=2, sources=check)
+    return cache.fill(
+        [(p.name, p) for p in paths],
+        lambda ps: [{"x": torch.tensor([p.read_bytes()[0]])} for p in ps],
+        batch_size=2,
+        sources=check,
+    )
 
 
 @pytest.mark.parametrize("kind", ["disk", "memory"])
@@ -229,6 +236,8 @@ def test_a_frame_folder_is_hashed_over_every_frame_it_takes_in_order():
     clip = SimpleNamespace(media="frames", path="clip", frame_paths=("clip/0.png", "clip/1.png"))
     before = sample_source_hash(backend, clip)
     assert before.startswith("blake2b-128:")
-    assert sample_source_hash(backend, SimpleNamespace(**{**vars(clip), "frame_paths": clip.frame_paths[::-1]})) != before
+    assert (
+        sample_source_hash(backend, SimpleNamespace(**{**vars(clip), "frame_paths": clip.frame_paths[::-1]})) != before
+    )
     files["clip/1.png"] = b"secont"  # same length, one byte changed
     assert sample_source_hash(backend, clip) != before

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import orjson
 import pytest
+from test_caching_integrity import flip_byte, truncate
 
 from simpletuner.caching import ShardedTensorStore
 from simpletuner.caching.admin import main
 from simpletuner.configuration import validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training.trainer import Trainer
-
-from test_caching_integrity import flip_byte, truncate
 
 
 def _write(raw: dict, path: Path) -> str:

@@ -155,8 +155,12 @@ def test_text_key():
     base = dict(caption="a cat", encoder_identity="clip-1", dtype="float16", max_length=77)
     key = text_cache_key(**base)
     assert key == text_cache_key(**base)
-    for field, value in [("caption", "a dog"), ("encoder_identity", "clip-2"), ("dtype", "float32"),
-                         ("max_length", None)]:
+    for field, value in [
+        ("caption", "a dog"),
+        ("encoder_identity", "clip-2"),
+        ("dtype", "float32"),
+        ("max_length", None),
+    ]:
         assert text_cache_key(**{**base, field: value}) != key
     assert text_cache_key(**base) != latent_cache_key(**LATENT)
     with pytest.raises(ValueError, match="max_length"):

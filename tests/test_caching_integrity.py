@@ -88,10 +88,12 @@ def test_shards_record_format_2_and_a_checksum_per_tensor(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.bool, torch.int64])
 def test_both_check_paths_accept_every_dtype_and_shape(tmp_path, dtype):
     store = ShardedTensorStore(tmp_path)
-    store.put_many({
-        "a": {"x": (torch.rand(3, 5) * 10).to(dtype), "scalar": torch.tensor(2.5)},
-        "b": {"x": (torch.rand(1) * 10).to(dtype), "empty": torch.zeros(0, 4, dtype=dtype)},
-    })
+    store.put_many(
+        {
+            "a": {"x": (torch.rand(3, 5) * 10).to(dtype), "scalar": torch.tensor(2.5)},
+            "b": {"x": (torch.rand(1) * 10).to(dtype), "empty": torch.zeros(0, 4, dtype=dtype)},
+        }
+    )
     report = ShardedTensorStore(tmp_path).verify()  # from the file's bytes
     assert report.is_clean and report.num_ok == 2
     read = ShardedTensorStore(tmp_path).read_checked(["a", "b"])  # from the tensors

@@ -247,7 +247,10 @@ def test_unified_store_loaded_from_disk_is_placed_in_managed_memory(tmp_path, hi
         vae2, _ = open_caches(tmp_path, "sd", vae_type="unified_memory", text_type="disk", persistent=True)
         stored = vae2.store.get("img")["latent"]
     assert reloaded.is_managed(stored) and torch.equal(stored, latent)
-    assert [(c.detail, c.location) for c in reloaded.ops("advise")] == [("preferred_location", "cpu"), ("accessed_by", 0)]
+    assert [(c.detail, c.location) for c in reloaded.ops("advise")] == [
+        ("preferred_location", "cpu"),
+        ("accessed_by", 0),
+    ]
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -256,7 +259,9 @@ def test_unified_memory_without_cuda_falls_back_with_a_warning(tmp_path, caplog,
     set_uvm_hint_override(True)
     latent, embeds = torch.randn(4, 8, 8), torch.randn(7, 16)
     with use_runtime(NoCudaRuntime(NO_CUDA_REASON)):
-        vae, text = open_caches(tmp_path, "sd", vae_type="unified_memory", text_type="unified_memory", persistent=persistent)
+        vae, text = open_caches(
+            tmp_path, "sd", vae_type="unified_memory", text_type="unified_memory", persistent=persistent
+        )
         vae.store.put_many({"img": {"latent": latent}})
         text.store.put_many({"prompt": {"embeds": embeds}})
         got_latent = vae.get_batch(["img"])["latent"][0]
@@ -295,8 +300,13 @@ def _items(n: int):
     for i in range(n):
         bucket = (64, 64) if i % 3 else (64, 32)
         key = latent_cache_key(
-            sample_key=f"img{i}.png", file_identity=f"{i}:1", bucket=bucket, crop={"top": 0},
-            resolution=64, encoder_identity="vae-a", dtype="float16",
+            sample_key=f"img{i}.png",
+            file_identity=f"{i}:1",
+            bucket=bucket,
+            crop={"top": 0},
+            resolution=64,
+            encoder_identity="vae-a",
+            dtype="float16",
         )
         items.append((key, {"id": i, "bucket": bucket}))
     return items

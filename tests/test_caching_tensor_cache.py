@@ -37,8 +37,13 @@ def _items(n: int, **overrides):
     for i in range(n):
         bucket = (64, 64) if i % 3 else (64, 32)
         fields = dict(
-            sample_key=f"img{i}.png", file_identity=f"{i}:1", bucket=bucket, crop={"top": 0},
-            resolution=64, encoder_identity="vae-a", dtype="float16",
+            sample_key=f"img{i}.png",
+            file_identity=f"{i}:1",
+            bucket=bucket,
+            crop={"top": 0},
+            resolution=64,
+            encoder_identity="vae-a",
+            dtype="float16",
         )
         if i in overrides.get("indices", ()):
             fields.update(overrides["change"])

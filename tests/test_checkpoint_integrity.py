@@ -21,12 +21,12 @@ import orjson
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import train
 
 from simpletuner import diskspace
 from simpletuner.train import main as train_main
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import run_folder
-from training_helpers import train
 
 STEPS = 4
 
@@ -38,9 +38,17 @@ def base(tiny_sd, shapes_dir, tmp_path_factory):
 
     def raw(**overrides):
         config = {
-            "pretrained_model_name_or_path": str(tiny_sd), "model_family": "sd", "resolution": 64,
-            "aspect_bucket_alignment": 16, "train_batch_size": 2, "max_train_steps": STEPS, "learning_rate": 1e-3,
-            "logging_steps": 1, "seed": 123, "checkpointing_steps": 2, "output_dir": str(root / "straight"),
+            "pretrained_model_name_or_path": str(tiny_sd),
+            "model_family": "sd",
+            "resolution": 64,
+            "aspect_bucket_alignment": 16,
+            "train_batch_size": 2,
+            "max_train_steps": STEPS,
+            "learning_rate": 1e-3,
+            "logging_steps": 1,
+            "seed": 123,
+            "checkpointing_steps": 2,
+            "output_dir": str(root / "straight"),
             "cache_config": {"cache_dir": str(root / "cache")},
             "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(shapes_dir)}],
         }
@@ -75,7 +83,7 @@ def _data_offset(file: Path) -> int:
         # A tensor's storage; the pickle for files without tensors (the schedule's state).
         storages = [i for i in members if "/data/" in i.filename]
         member = (storages or [i for i in members if i.filename.endswith(".pkl")])[-1]
-        local = file.read_bytes()[member.header_offset:]
+        local = file.read_bytes()[member.header_offset :]
         name_len, extra_len = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
         return member.header_offset + 30 + name_len + extra_len + member.file_size // 2
     return file.stat().st_size // 2
@@ -93,14 +101,28 @@ def _damage(file: Path, how: str) -> None:
         file.write_bytes(bytes(data))
 
 
-FILES = ["trainable.safetensors", "pytorch_lora_weights.safetensors", "optimizer.pt", "lr_scheduler.pt",
-         "rng_state_0.pt", "trainer_state.json", "COMPLETE"]
+FILES = [
+    "trainable.safetensors",
+    "pytorch_lora_weights.safetensors",
+    "optimizer.pt",
+    "lr_scheduler.pt",
+    "rng_state_0.pt",
+    "trainer_state.json",
+    "COMPLETE",
+]
 CASES = [(f, how) for f in FILES for how in ("truncated", "deleted", "flipped")]
 #: The cases resumed all the way to the end (about 1 s each): every file once, every kind of damage,
 #: every tensor file flipped (the damage that used to resume silently with wrong state).
-RESUMED = [("trainable.safetensors", "flipped"), ("pytorch_lora_weights.safetensors", "flipped"),
-           ("optimizer.pt", "flipped"), ("rng_state_0.pt", "flipped"), ("optimizer.pt", "truncated"),
-           ("lr_scheduler.pt", "deleted"), ("trainer_state.json", "truncated"), ("COMPLETE", "deleted")]
+RESUMED = [
+    ("trainable.safetensors", "flipped"),
+    ("pytorch_lora_weights.safetensors", "flipped"),
+    ("optimizer.pt", "flipped"),
+    ("rng_state_0.pt", "flipped"),
+    ("optimizer.pt", "truncated"),
+    ("lr_scheduler.pt", "deleted"),
+    ("trainer_state.json", "truncated"),
+    ("COMPLETE", "deleted"),
+]
 
 
 def _ids(cases):
@@ -163,8 +185,12 @@ def test_nothing_left_to_resume_from_stops_with_the_file_and_the_fix(base, tmp_p
     out = _copy_checkpoints(base, tmp_path / "out")
     _damage(out / "checkpoint-4" / "optimizer.pt", "flipped")
     _damage(out / "checkpoint-2" / "trainable.safetensors", "truncated")
-    assert train_main(["--config", str(_write_config(tmp_path, base.raw(output_dir=str(out),
-                                                                        resume_from_checkpoint="latest")))]) == 2
+    assert (
+        train_main(
+            ["--config", str(_write_config(tmp_path, base.raw(output_dir=str(out), resume_from_checkpoint="latest")))]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"no checkpoint in {out} verifies" in err and "Traceback" not in err
     assert str(out / "checkpoint-4" / "optimizer.pt") in err and "sha256" in err
@@ -269,8 +295,9 @@ def _tiny_save(out: Path, step: int, token: str = "abc123"):
     param.grad = torch.ones_like(param)
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return ckpt.save_checkpoint(_fake_accelerator(), out, step, {"p": param}, opt, sched, {"identity": {}},
-                                torch.Generator(), None, token=token)
+    return ckpt.save_checkpoint(
+        _fake_accelerator(), out, step, {"p": param}, opt, sched, {"identity": {}}, torch.Generator(), None, token=token
+    )
 
 
 def test_too_little_space_stops_before_writing(tmp_path, monkeypatch):
@@ -309,12 +336,24 @@ def test_every_rank_raises_the_same_no_space_when_rank_zero_cannot_save(tmp_path
     out = tmp_path / "out"
     rank0 = ("no_space", "checkpoint-2", str(out), 3_000_000, 1_000, False)
     monkeypatch.setattr(ckpt, "from_main_process", lambda acc, value: rank0)  # what rank 0 broadcasts
-    monkeypatch.setattr(ckpt, "from_every_process", lambda acc, value: pytest.fail("rank 1 went on to the next collective"))
+    monkeypatch.setattr(
+        ckpt, "from_every_process", lambda acc, value: pytest.fail("rank 1 went on to the next collective")
+    )
     rank1 = SimpleNamespace(is_main_process=False, process_index=1, num_processes=2)
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=0.1)
     with pytest.raises(diskspace.NoSpace, match=r"checkpoint-2: needs ~3.0 MB in .*, 1.0 KB free") as raised:
-        ckpt.save_checkpoint(rank1, out, 2, {"p": param}, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-                             {"identity": {}}, torch.Generator(), None, token="abc")
+        ckpt.save_checkpoint(
+            rank1,
+            out,
+            2,
+            {"p": param},
+            opt,
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+            {"identity": {}},
+            torch.Generator(),
+            None,
+            token="abc",
+        )
     assert raised.value.agreed  # rank 0's failure: `simpletuner train` prints it on rank 0 only
     assert not out.exists() or not any(out.iterdir())

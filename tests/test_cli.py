@@ -31,8 +31,14 @@ def test_demo_trains_and_writes_before_and_after_samples(tmp_path, capsys):
     out = tmp_path / "demo" / "output"
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     names = sorted(p.name for p in (out / "validation").glob("*.png"))
-    assert names == ["step_000000_0.png", "step_000000_1.png", "step_000000_grid.png",
-                     "step_000004_0.png", "step_000004_1.png", "step_000004_grid.png"]
+    assert names == [
+        "step_000000_0.png",
+        "step_000000_1.png",
+        "step_000000_grid.png",
+        "step_000004_0.png",
+        "step_000004_1.png",
+        "step_000004_grid.png",
+    ]
     config = orjson.loads((tmp_path / "demo" / "config.json").read_bytes())
     assert config["max_train_steps"] == 4
     printed = capsys.readouterr().out
@@ -47,7 +53,11 @@ def test_demo_trains_and_writes_before_and_after_samples(tmp_path, capsys):
     assert sheet.size == (2 * tile + gap, label + 2 * (tile + gap) - gap + label)
     for row in range(2):
         for col, step in enumerate((0, 4)):
-            want = Image.open(out / "validation" / f"step_{step:06d}_{row}.png").convert("RGB").resize((tile, tile), Image.NEAREST)
+            want = (
+                Image.open(out / "validation" / f"step_{step:06d}_{row}.png")
+                .convert("RGB")
+                .resize((tile, tile), Image.NEAREST)
+            )
             x, y = col * (tile + gap), label + row * (tile + gap)
             got = sheet.crop((x, y, x + tile, y + tile))
             assert ImageChops.difference(got, want).getbbox() is None, (row, step)

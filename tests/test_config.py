@@ -37,8 +37,10 @@ def test_every_problem_is_reported_at_once(make_config):
 
 def test_nested_paths_and_dataset_type(make_config):
     raw = make_config()
-    raw["datasets"] = [{"id": "a", "type": "s3", "instance_data_dir": "/x"},
-                       {"id": "b", "type": "local", "instance_data_dir": "/x", "crop_styl": "center"}]
+    raw["datasets"] = [
+        {"id": "a", "type": "s3", "instance_data_dir": "/x"},
+        {"id": "b", "type": "local", "instance_data_dir": "/x", "crop_styl": "center"},
+    ]
     problems = _problems(raw, check_files=False)
     assert any(p.startswith("datasets[0].type: 's3' is not one of local") for p in problems)
     assert any(p.startswith("datasets[1].crop_styl: unknown key") and "crop_style" in p for p in problems)
@@ -79,7 +81,7 @@ def test_model_folder_without_model_index(make_config, tmp_path):
 def test_load_config_file_with_overrides_and_bad_json(make_config, tmp_path):
     path = tmp_path / "cfg.json"
     path.write_bytes(orjson.dumps(make_config()))
-    loaded = load_config(path, ["max_train_steps=9", "cache_config.cache_dir=\"/tmp/x\""])
+    loaded = load_config(path, ["max_train_steps=9", 'cache_config.cache_dir="/tmp/x"'])
     assert loaded.config.max_train_steps == 9
     assert loaded.config.cache_config.cache_dir == "/tmp/x"
     assert loaded.raw["max_train_steps"] == 9

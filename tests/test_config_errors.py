@@ -37,9 +37,15 @@ def _one(problems: list[str], prefix: str) -> str:
 
 # --- one pass ---------------------------------------------------------------------------------
 
+
 def test_unknown_keys_type_errors_rules_and_paths_in_one_report(make_config, tmp_path):
-    raw = make_config(lerning_rate=1e-4, train_batch_size="four", validation_steps=5, resolution=72,
-                      pretrained_model_name_or_path=str(tmp_path / "no_model"))
+    raw = make_config(
+        lerning_rate=1e-4,
+        train_batch_size="four",
+        validation_steps=5,
+        resolution=72,
+        pretrained_model_name_or_path=str(tmp_path / "no_model"),
+    )
     raw["datasets"][0]["instance_data_dir"] = str(tmp_path / "no_images")
     problems = _problems(raw)
     _one(problems, "lerning_rate: unknown key")
@@ -53,15 +59,25 @@ def test_unknown_keys_type_errors_rules_and_paths_in_one_report(make_config, tmp
 
 def test_rule_whose_input_is_invalid_is_skipped_not_guessed(make_config):
     # resolution is invalid: the alignment rule cannot be judged, the prompt rule still can
-    raw = make_config(resolution="big", validation_steps=5, train_batch_size=3,
-                      gh200_optimizations={"enable_batch_size_rampup": True, "initial_effective_batch_size": 4,
-                                           "target_effective_batch_size": "x"})
+    raw = make_config(
+        resolution="big",
+        validation_steps=5,
+        train_batch_size=3,
+        gh200_optimizations={
+            "enable_batch_size_rampup": True,
+            "initial_effective_batch_size": 4,
+            "target_effective_batch_size": "x",
+        },
+    )
     problems = _problems(raw)
     assert not any("aspect_bucket_alignment" in p for p in problems), problems
     _one(problems, "resolution: expected a whole number, got 'big'")
     _one(problems, "(top level): `validation_steps` is set")
     # the ramp's target is invalid, its initial value is not: only the initial one is checked
-    _one(problems, "(top level): gh200_optimizations.initial_effective_batch_size 4 is not a multiple of train_batch_size 3")
+    _one(
+        problems,
+        "(top level): gh200_optimizations.initial_effective_batch_size 4 is not a multiple of train_batch_size 3",
+    )
     assert not any("target_effective_batch_size 'x' is not a multiple" in p for p in problems)
     _one(problems, "gh200_optimizations.target_effective_batch_size: expected a whole number")
 
@@ -80,9 +96,14 @@ def test_dataset_rules_run_beside_the_entrys_own_errors(make_config):
 
 
 def test_nested_ramp_rule_and_dataset_rules_with_top_level_errors(make_config):
-    raw = make_config(mixed_precison="bf16",
-                      gh200_optimizations={"enable_batch_size_rampup": True, "initial_effective_batch_size": 8,
-                                           "target_effective_batch_size": 4})
+    raw = make_config(
+        mixed_precison="bf16",
+        gh200_optimizations={
+            "enable_batch_size_rampup": True,
+            "initial_effective_batch_size": 8,
+            "target_effective_batch_size": 4,
+        },
+    )
     raw["datasets"].append({"id": "shapes", "type": "local", "instance_data_dir": "/x", "num_frames": 5})
     problems = _problems(raw, check_files=False)
     _one(problems, "mixed_precison: unknown key 'mixed_precison'; did you mean 'mixed_precision'?")
@@ -131,24 +152,39 @@ def test_documented_example_is_what_a_run_prints(make_config, tmp_path):
 
 # --- did you mean -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("typo, meant", [
-    ("learning_rat", "learning_rate"),
-    ("lerning_rate", "learning_rate"),
-    ("train_batchsize", "train_batch_size"),
-    ("gradient_acumulation_steps", "gradient_accumulation_steps"),
-    ("mixed_precison", "mixed_precision"),
-    ("lora_rnak", "lora_rank"),
-    ("Learning_Rate", "learning_rate"),
-    ("num_train_epoch", "num_train_epochs"),
-    ("gradient_checkpionting", "gradient_checkpointing"),
-    ("gradient_acumulaton_steps", "gradient_accumulation_steps"),
-])
+
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("learning_rat", "learning_rate"),
+        ("lerning_rate", "learning_rate"),
+        ("train_batchsize", "train_batch_size"),
+        ("gradient_acumulation_steps", "gradient_accumulation_steps"),
+        ("mixed_precison", "mixed_precision"),
+        ("lora_rnak", "lora_rank"),
+        ("Learning_Rate", "learning_rate"),
+        ("num_train_epoch", "num_train_epochs"),
+        ("gradient_checkpionting", "gradient_checkpointing"),
+        ("gradient_acumulaton_steps", "gradient_accumulation_steps"),
+    ],
+)
 def test_typos_get_the_right_suggestion(typo, meant):
     assert close_match(typo, TOP_KEYS) == meant
 
 
-@pytest.mark.parametrize("key", ["validation_resolution", "loss_type", "max_length", "model_name", "lr", "train_batch",
-                                 "random_key", "validation_guidance_rescale"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "validation_resolution",
+        "loss_type",
+        "max_length",
+        "model_name",
+        "lr",
+        "train_batch",
+        "random_key",
+        "validation_guidance_rescale",
+    ],
+)
 def test_lookalikes_get_no_suggestion(key):
     assert close_match(key, TOP_KEYS) is None
 
@@ -166,22 +202,28 @@ def test_lookalike_unknown_key_message_has_no_guess(make_config):
 
 # --- keys of other tools ----------------------------------------------------------------------
 
+
 def test_simpletuner_key_we_do_not_support_says_so(make_config):
     problem = _one(_problems(make_config(validation_resolution="1024x1024")), "validation_resolution:")
-    assert problem == ("validation_resolution: `validation_resolution` is a SimpleTuner key that this trainer does not "
-                       "support yet: validation images use `resolution`; remove it")
+    assert problem == (
+        "validation_resolution: `validation_resolution` is a SimpleTuner key that this trainer does not "
+        "support yet: validation images use `resolution`; remove it"
+    )
 
 
-@pytest.mark.parametrize("key, value, ours", [
-    ("checkpoint_step_interval", 500, "checkpointing_steps"),
-    ("validation_guidance", 3.0, "validation_guidance_scale"),
-    ("model_type", "lora", "training_type"),
-    ("network_dim", 16, "lora_rank"),
-    ("network_alpha", 8, "lora_alpha"),
-    ("max_train_epochs", 3, "num_train_epochs"),
-    ("lr", 1e-4, "learning_rate"),
-    ("steps", 100, "max_train_steps"),
-])
+@pytest.mark.parametrize(
+    "key, value, ours",
+    [
+        ("checkpoint_step_interval", 500, "checkpointing_steps"),
+        ("validation_guidance", 3.0, "validation_guidance_scale"),
+        ("model_type", "lora", "training_type"),
+        ("network_dim", 16, "lora_rank"),
+        ("network_alpha", 8, "lora_alpha"),
+        ("max_train_epochs", 3, "num_train_epochs"),
+        ("lr", 1e-4, "learning_rate"),
+        ("steps", 100, "max_train_steps"),
+    ],
+)
 def test_renamed_keys_name_ours(make_config, key, value, ours):
     problem = _one(_problems(make_config(**{key: value})), f"{key}:")
     assert f"use `{ours}` instead" in problem
@@ -211,8 +253,13 @@ def test_dataset_entry_keys_of_other_tools(make_config):
 
 def test_dashed_keys_are_pointed_out(make_config):
     problems = _problems(make_config(**{"--seed": 1, "--validation_guidance": 3.0}))
-    assert _one(problems, "--seed:") == "--seed: write keys without the leading `--` (SimpleTuner's command-line style): use 'seed'"
-    assert "use `validation_guidance_scale` instead (and without the leading `--`)" in _one(problems, "--validation_guidance:")
+    assert (
+        _one(problems, "--seed:")
+        == "--seed: write keys without the leading `--` (SimpleTuner's command-line style): use 'seed'"
+    )
+    assert "use `validation_guidance_scale` instead (and without the leading `--`)" in _one(
+        problems, "--validation_guidance:"
+    )
 
 
 def test_keys_given_under_another_name_are_not_also_missing_or_unset(make_config):
@@ -292,6 +339,7 @@ def test_foreign_values_map_onto_our_choices():
 
 # --- cuda_allocator ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("value", [True, "True", 1, 0.5, None, [1]])
 def test_fork_allocator_key_is_one_message_whatever_its_value(make_config, value):
     problems = _problems(make_config(cuda_allocator={"use_uvm": value}))
@@ -301,34 +349,43 @@ def test_fork_allocator_key_is_one_message_whatever_its_value(make_config, value
 
 
 def test_other_fork_and_unknown_allocator_keys(make_config):
-    problems = _problems(make_config(cuda_allocator={"uvm_oversubscription_ratio": "1.5", "uvm_prefetch": "on",
-                                                     "expandable_segment": "True"}))
+    problems = _problems(
+        make_config(
+            cuda_allocator={"uvm_oversubscription_ratio": "1.5", "uvm_prefetch": "on", "expandable_segment": "True"}
+        )
+    )
     assert len(problems) == 3, problems
     assert "--oversubscription-scale" in _one(problems, "cuda_allocator: uvm_oversubscription_ratio")
     assert "unified_memory" in _one(problems, "cuda_allocator: uvm_prefetch")
     assert "accepted keys: backend, expandable_segments" in _one(problems, "cuda_allocator: expandable_segment not")
 
 
-@pytest.mark.parametrize("settings", [
-    {"backend": "cudaMallocAsync"},
-    {"backend": "native"},
-    {"expandable_segments": False, "max_split_size_mb": 512, "garbage_collection_threshold": 0.8},
-    {"roundup_power2_divisions": 4},
-    {"roundup_power2_divisions": "[256:1,512:2,1024:4,>:8]"},
-    {"pinned_num_register_threads": 8, "pinned_use_cuda_host_register": True},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"backend": "cudaMallocAsync"},
+        {"backend": "native"},
+        {"expandable_segments": False, "max_split_size_mb": 512, "garbage_collection_threshold": 0.8},
+        {"roundup_power2_divisions": 4},
+        {"roundup_power2_divisions": "[256:1,512:2,1024:4,>:8]"},
+        {"pinned_num_register_threads": 8, "pinned_use_cuda_host_register": True},
+    ],
+)
 def test_allocator_values_pytorch_accepts(make_config, settings):
     assert validate_config(make_config(cuda_allocator=settings)).cuda_allocator == settings
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({"backend": "cudaMalloc"}, "backend takes \"native\" or \"cudaMallocAsync\", got 'cudaMalloc'"),
-    ({"expandable_segments": "True"}, "expandable_segments takes true or false"),
-    ({"max_split_size_mb": 10}, "max_split_size_mb takes a whole number of MB >= 20, got 10"),
-    ({"garbage_collection_threshold": 1.5}, "garbage_collection_threshold takes a number between 0 and 1"),
-    ({"roundup_power2_divisions": 3}, "roundup_power2_divisions takes a power of 2"),
-    ({"pinned_num_register_threads": 256}, "pinned_num_register_threads takes a power of 2 up to 128"),
-])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"backend": "cudaMalloc"}, 'backend takes "native" or "cudaMallocAsync", got \'cudaMalloc\''),
+        ({"expandable_segments": "True"}, "expandable_segments takes true or false"),
+        ({"max_split_size_mb": 10}, "max_split_size_mb takes a whole number of MB >= 20, got 10"),
+        ({"garbage_collection_threshold": 1.5}, "garbage_collection_threshold takes a number between 0 and 1"),
+        ({"roundup_power2_divisions": 3}, "roundup_power2_divisions takes a power of 2"),
+        ({"pinned_num_register_threads": 256}, "pinned_num_register_threads takes a power of 2 up to 128"),
+    ],
+)
 def test_allocator_values_pytorch_refuses(make_config, settings, expected):
     problems = _problems(make_config(cuda_allocator=settings))
     assert problems == [f"cuda_allocator: {expected}"] or (len(problems) == 1 and expected in problems[0]), problems

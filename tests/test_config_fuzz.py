@@ -39,8 +39,13 @@ from simpletuner.train import prepare_config
 EXAMPLES = sorted(examples_dir().glob("*.json"))
 #: SD 3.5 Medium's position-embedding size (patches per side); the tiny SD3 has 16, too few for 1024 px.
 SD35_POS_EMBED_MAX_SIZE = 384
-_SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # --- the world the examples run in ----------------------------------------------------------------
@@ -58,7 +63,9 @@ class World:
                 weights.unlink()  # neither validation nor the estimate reads weights
             if kind == "sd3":
                 path = folder / "transformer" / "config.json"
-                path.write_text(json.dumps({**json.loads(path.read_text()), "pos_embed_max_size": SD35_POS_EMBED_MAX_SIZE}))
+                path.write_text(
+                    json.dumps({**json.loads(path.read_text()), "pos_embed_max_size": SD35_POS_EMBED_MAX_SIZE})
+                )
             self.models[kind] = folder
         self.data = root / "data"
         self.data.mkdir()
@@ -103,8 +110,26 @@ _FIELDS_BY_SECTION = {
     ("datasets", 0): list(InMemoryDatasetConfig.model_fields),
 }
 _OTHER_TYPES = [[], {}, "text", 7, 0.5, True, None, [1, "a"], {"k": 1}]
-_EXTREMES = [0, -1, 1, 3, 1025, 16384, 10**6, 2**31, 2**63, 10**30, -(10**30), 1e308, -1e308, 5e-324, 1e-30, 1e12,
-             0.5, -0.5]
+_EXTREMES = [
+    0,
+    -1,
+    1,
+    3,
+    1025,
+    16384,
+    10**6,
+    2**31,
+    2**63,
+    10**30,
+    -(10**30),
+    1e308,
+    -1e308,
+    5e-324,
+    1e-30,
+    1e12,
+    0.5,
+    -0.5,
+]
 _NON_FINITE = ["nan", "inf", "-inf", "1e400", "-1e400", "NaN", "Infinity"]
 _LONG = ["x" * 256, "y" * 300, "é" * 200, "/tmp/" + "z" * 300, "a/" * 2100, "q" * 5000]
 _TRICKY = ["\x00", "a\x00b", "日本語", "\u202e", "🙂", "e\u0301", "..", ".", "/", "~", "a/../../b", " "]
@@ -172,7 +197,9 @@ def mutated_examples(draw, world: World, most: int = 3):
     target = {"raw": raw, "entries": entries}
     done = []
     for _ in range(draw(st.integers(1, most))):
-        existing = [("raw",) + p for p in _paths(raw)] + ([("entries",) + p for p in _paths(entries)] if entries else [])
+        existing = [("raw",) + p for p in _paths(raw)] + (
+            [("entries",) + p for p in _paths(entries)] if entries else []
+        )
         added = [("raw",) + section + (name,) for section, names in _FIELDS_BY_SECTION.items() for name in names]
         path = draw(st.sampled_from(existing + added))
         op = draw(st.sampled_from(_OPS))

@@ -115,7 +115,9 @@ def test_truncated_body_fails_to_decode():
         load_rgb(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("size,bucket", [((40, 24), (32, 16)), ((24, 40), (16, 32)), ((10, 10), (32, 32)), ((300, 100), (64, 16))])
+@pytest.mark.parametrize(
+    "size,bucket", [((40, 24), (32, 16)), ((24, 40), (16, 32)), ((10, 10), (32, 32)), ((300, 100), (64, 16))]
+)
 @pytest.mark.parametrize("style", ["center", "random"])
 def test_prepare_image_shape_range_and_info(size, bucket, style):
     pixels, info = prepare_image(gradient(size), bucket, style, crop_seed=7)

@@ -34,7 +34,15 @@ def test_list_files_recursive_sorted_and_hidden_skipped(tree):
     backend = LocalDataBackend(tree, "ds")
     everything = backend.list_files()
     assert everything == sorted(everything)
-    assert set(everything) == {"a.JPG", "b.png", "notes.txt", "sub/deeper/c.webp", "sub/d.jpeg", "sub/e.gif", "日本/猫.png"}
+    assert set(everything) == {
+        "a.JPG",
+        "b.png",
+        "notes.txt",
+        "sub/deeper/c.webp",
+        "sub/d.jpeg",
+        "sub/e.gif",
+        "日本/猫.png",
+    }
 
 
 def test_list_files_filters_by_lowercase_extension(tree):

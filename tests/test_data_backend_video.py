@@ -68,10 +68,25 @@ def write_video(path, num: int, size=SIZE) -> None:
 
 
 def config_for(data_dir, num_frames=5, frame_stride=1, model_dir="/models/wan", **overrides):
-    dataset = {"id": "clips", "type": "local", "instance_data_dir": str(data_dir), "dataset_type": "video",
-               "num_frames": num_frames, "frame_stride": frame_stride, **overrides.pop("dataset", {})}
-    raw = {"pretrained_model_name_or_path": model_dir, "model_family": "wan", "output_dir": str(data_dir.parent / f"{data_dir.name}-out"),
-           "resolution": 32, "aspect_bucket_alignment": 16, "max_train_steps": 1, "datasets": [dataset], **overrides}
+    dataset = {
+        "id": "clips",
+        "type": "local",
+        "instance_data_dir": str(data_dir),
+        "dataset_type": "video",
+        "num_frames": num_frames,
+        "frame_stride": frame_stride,
+        **overrides.pop("dataset", {}),
+    }
+    raw = {
+        "pretrained_model_name_or_path": model_dir,
+        "model_family": "wan",
+        "output_dir": str(data_dir.parent / f"{data_dir.name}-out"),
+        "resolution": 32,
+        "aspect_bucket_alignment": 16,
+        "max_train_steps": 1,
+        "datasets": [dataset],
+        **overrides,
+    }
     return raw
 
 
@@ -102,8 +117,13 @@ def test_every_clip_kind_is_found_counted_and_strided(tmp_path):
     clips, bad, stray = find_clips(backend, {})
     assert not bad and not stray
     counts = {clip.display: probe_clip(backend, clip) for clip in clips}
-    assert counts == {"walk/": (48, 32, 12), "spin.gif": (48, 32, 9), "nested/wave.webp": (48, 32, 10),
-                      "pan.mp4": (48, 32, 11), "zoom.mkv": (48, 32, 9)}
+    assert counts == {
+        "walk/": (48, 32, 12),
+        "spin.gif": (48, 32, 9),
+        "nested/wave.webp": (48, 32, 10),
+        "pan.mp4": (48, 32, 11),
+        "zoom.mkv": (48, 32, 9),
+    }
     walk = next(clip for clip in clips if clip.media == "frames")
     assert [os.path.basename(p) for p in walk.frames] == [f"f{i}.png" for i in range(1, 13)]
     assert sorted(["f10.png", "f2.png", "f1.png"], key=natural_key) == ["f1.png", "f2.png", "f10.png"]
@@ -186,8 +206,10 @@ def test_an_unreadable_frame_skips_its_folder_and_frames_must_share_a_size(tmp_p
     unreadable = {"gap/f3.png": "Permission denied", "lost.mp4": "Permission denied"}
     clips, bad, _ = find_clips(LocalDataBackend(tmp_path, "clips"), unreadable)
     assert [clip.display for clip in clips] == ["ok/"]  # not a 4-frame clip with its frames shifted
-    assert bad == [("gap/", "frame f3.png cannot be read: Permission denied"),
-                   ("lost.mp4", "cannot read file: Permission denied")]
+    assert bad == [
+        ("gap/", "frame f3.png cannot be read: Permission denied"),
+        ("lost.mp4", "cannot read file: Permission denied"),
+    ]
 
     shutil.rmtree(tmp_path / "gap")
     Image.new("RGB", (40, 40)).save(tmp_path / "ok" / "f4.png")
@@ -220,8 +242,12 @@ def test_cache_keys_see_frames_and_stride_and_images_keep_theirs(tmp_path):
     (image,) = images.samples
     assert not image.is_video and (image.num_frames, image.frame_stride) == (1, 1)
     assert sample_latent_key(images, image, "vae-id", 32) == latent_cache_key(
-        sample_key=image.key, file_identity=backend.identity("a.png"), bucket=image.bucket,
-        crop={"style": image.crop_style, "seed": image.crop_seed}, resolution=32, encoder_identity="vae-id",
+        sample_key=image.key,
+        file_identity=backend.identity("a.png"),
+        bucket=image.bucket,
+        crop={"style": image.crop_style, "seed": image.crop_seed},
+        resolution=32,
+        encoder_identity="vae-id",
         dtype="float32",
     )
     pixels, _ = load_sample_pixels(images, image)
@@ -255,9 +281,17 @@ def test_wan_lora_trains_on_five_frame_clips(tmp_path, tiny_wan):
     write_frame_folder(data / "b", 6, size=(32, 32))
     write_animation(data / "c.gif", 5, size=(32, 32))
     write_video(data / "d.mp4", 7, size=(32, 32))
-    raw = config_for(data, model_dir=str(tiny_wan), output_dir=str(tmp_path / "out"), train_batch_size=2,
-                     max_train_steps=2, learning_rate=1e-3, seed=1, dataset={"instance_prompt": "a clip"},
-                     cache_config={"cache_dir": str(tmp_path / "cache")})
+    raw = config_for(
+        data,
+        model_dir=str(tiny_wan),
+        output_dir=str(tmp_path / "out"),
+        train_batch_size=2,
+        max_train_steps=2,
+        learning_rate=1e-3,
+        seed=1,
+        dataset={"instance_prompt": "a clip"},
+        cache_config={"cache_dir": str(tmp_path / "cache")},
+    )
     trainer, result = train(raw)
     assert result.global_step == 2 and all(np.isfinite(result.losses)) and len(result.losses) == 2
     samples = trainer.state.datasets[0].samples

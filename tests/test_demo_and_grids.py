@@ -25,8 +25,14 @@ def test_prompt_file_trains_with_singles_and_a_grid_per_step_in_tensorboard(make
     folder.mkdir()
     (folder / "prompts.txt").write_text("a red circle\n\n  a blue square on a black background  \n")
     out = tmp_path / "out"
-    raw = make_config(max_train_steps=1, output_dir=str(out), report_to="tensorboard", num_validation_images=2,
-                      validation_num_inference_steps=2, validation_prompts="prompts.txt")
+    raw = make_config(
+        max_train_steps=1,
+        output_dir=str(out),
+        report_to="tensorboard",
+        num_validation_images=2,
+        validation_num_inference_steps=2,
+        validation_prompts="prompts.txt",
+    )
     (folder / "config.json").write_bytes(orjson.dumps(raw))
     monkeypatch.chdir(tmp_path)  # the prompt file is found next to the config, not in the working directory
     loaded = load_config(folder / "config.json")
@@ -36,7 +42,9 @@ def test_prompt_file_trains_with_singles_and_a_grid_per_step_in_tensorboard(make
 
     # Validation ran with no `validation_prompt` at all: at the start (step 0) and the end (step 1).
     validation = out / "validation"
-    assert sorted(p.name for p in result.validation_images) == [f"step_00000{s}_{k}.png" for s in (0, 1) for k in range(4)]
+    assert sorted(p.name for p in result.validation_images) == [
+        f"step_00000{s}_{k}.png" for s in (0, 1) for k in range(4)
+    ]
     for step in (0, 1):
         grid = Image.open(validation / f"step_{step:06d}_grid.png")
         assert grid.size == (2 * 64, 2 * 64)  # columns: num_validation_images; rows: prompts
@@ -59,8 +67,13 @@ def test_prompt_file_trains_with_singles_and_a_grid_per_step_in_tensorboard(make
 
 
 def test_validation_prompts_merge_with_validation_prompt_and_bad_input_is_refused(make_config, tmp_path):
-    both = validate_config(make_config(validation_prompt="a red circle", validation_steps=2,
-                                       validation_prompts=["a green square", "a red circle", "a blue triangle"]))
+    both = validate_config(
+        make_config(
+            validation_prompt="a red circle",
+            validation_steps=2,
+            validation_prompts=["a green square", "a red circle", "a blue triangle"],
+        )
+    )
     assert both.validation_prompt_list == ["a red circle", "a green square", "a blue triangle"]
     only_list = validate_config(make_config(validation_prompts=["a green square"], validation_steps=2))
     assert only_list.validation_prompt_list == ["a green square"]
@@ -71,7 +84,9 @@ def test_validation_prompts_merge_with_validation_prompt_and_bad_input_is_refuse
             validate_config(make_config(**overrides))
         return str(info.value)
 
-    assert "`validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`)" in problems(validation_steps=2)
+    assert "`validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`)" in problems(
+        validation_steps=2
+    )
     missing = tmp_path / "nope.txt"
     assert f"validation_prompts: prompt file {missing} does not exist" in problems(validation_prompts=str(missing))
     blank = tmp_path / "blank.txt"
@@ -79,4 +94,6 @@ def test_validation_prompts_merge_with_validation_prompt_and_bad_input_is_refuse
     assert f"prompt file {blank} holds no prompt" in problems(validation_prompts=str(blank))
     assert "validation_prompts: is an empty list" in problems(validation_prompts=[])
     assert "validation_prompts: item 1 ('') is not a prompt" in problems(validation_prompts=["a red circle", ""])
-    assert "validation_prompts: expected a list of prompts or the path of a prompt file" in problems(validation_prompts=3)
+    assert "validation_prompts: expected a list of prompts or the path of a prompt file" in problems(
+        validation_prompts=3
+    )

@@ -33,9 +33,17 @@ LORA = "pytorch_lora_weights.safetensors"
 
 def _config(root: Path, tiny_sd: Path, shapes_dir: Path, **overrides) -> dict:
     raw = {
-        "pretrained_model_name_or_path": str(tiny_sd), "model_family": "sd", "output_dir": str(root / "output"),
-        "resolution": 64, "aspect_bucket_alignment": 16, "train_batch_size": 2, "max_train_steps": 2,
-        "learning_rate": 1e-3, "logging_steps": 1, "seed": 123, "cache_config": {"cache_dir": str(root / "cache")},
+        "pretrained_model_name_or_path": str(tiny_sd),
+        "model_family": "sd",
+        "output_dir": str(root / "output"),
+        "resolution": 64,
+        "aspect_bucket_alignment": 16,
+        "train_batch_size": 2,
+        "max_train_steps": 2,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "seed": 123,
+        "cache_config": {"cache_dir": str(root / "cache")},
         "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(shapes_dir)}],
     }
     raw.update(overrides)
@@ -63,8 +71,13 @@ def _same_weights(a: Path, b: Path) -> bool:
 
 def _temp_files(*folders: Path) -> list[Path]:
     """Temp files and folders of unfinished writes (shards, final saves) under ``folders``."""
-    return [p for folder in folders if folder.exists() for p in folder.rglob("*")
-            if p.name.startswith((".tmp-shard-", FINAL_SAVE_PREFIX))]
+    return [
+        p
+        for folder in folders
+        if folder.exists()
+        for p in folder.rglob("*")
+        if p.name.startswith((".tmp-shard-", FINAL_SAVE_PREFIX))
+    ]
 
 
 def _assert_clear_failure(code: int, err: str, what: str) -> None:
@@ -89,7 +102,8 @@ def undisturbed(tiny_sd, shapes_dir, tmp_path_factory):
 
 
 def test_a_full_disk_while_writing_a_cache_shard_keeps_the_written_shards_and_the_rerun_encodes_the_rest(
-        undisturbed, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys):
+    undisturbed, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys
+):
     raw = _config(tmp_path, tiny_sd, shapes_dir)
     vae, text = tmp_path / "cache" / "sd" / "vae", tmp_path / "cache" / "sd" / "text"
     # The 1st shard (the 12 latents) is written; the 2nd (the 12 text embeddings) hits a full disk.
@@ -111,14 +125,22 @@ def test_a_full_disk_while_writing_a_cache_shard_keeps_the_written_shards_and_th
 
 
 def test_a_full_disk_during_the_final_save_keeps_the_earlier_adapter_and_the_rerun_replaces_it(
-        undisturbed, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys):
+    undisturbed, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys
+):
     output = tmp_path / "output"
     shutil.copytree(undisturbed / "two_steps", output)
     earlier = (output / LORA).read_bytes()
     # checkpointing_steps: step 3 is checkpointed before the final save fails, so the rerun has
     # nothing left to train, only the weights to save.
-    raw = _config(tmp_path, tiny_sd, shapes_dir, max_train_steps=3, resume_from_checkpoint="latest",
-                  checkpointing_steps=1, cache_config={"cache_dir": str(undisturbed / "cache")})
+    raw = _config(
+        tmp_path,
+        tiny_sd,
+        shapes_dir,
+        max_train_steps=3,
+        resume_from_checkpoint="latest",
+        checkpointing_steps=1,
+        cache_config={"cache_dir": str(undisturbed / "cache")},
+    )
     code, err = _main(raw, tmp_path, monkeypatch, capsys, "final_save")
     _assert_clear_failure(code, err, "the final adapter")
     assert f"in {output}," in err
@@ -133,13 +155,15 @@ def test_a_full_disk_during_the_final_save_keeps_the_earlier_adapter_and_the_rer
     assert _same_weights(output / LORA, undisturbed / "output" / LORA)
 
 
-def test_a_cache_that_does_not_fit_stops_before_anything_is_encoded(tiny_sd, shapes_dir, tmp_path, monkeypatch,
-                                                                   capsys):
+def test_a_cache_that_does_not_fit_stops_before_anything_is_encoded(tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys):
     """free_bytes as a nearly full disk reports it; the tmpfs test below does it for real."""
     raw = _config(tmp_path, tiny_sd, shapes_dir)
     real_free = diskspace.free_bytes
-    monkeypatch.setattr(diskspace, "free_bytes",
-                        lambda folder: 20_000 if str(folder).startswith(str(tmp_path / "cache")) else real_free(folder))
+    monkeypatch.setattr(
+        diskspace,
+        "free_bytes",
+        lambda folder: 20_000 if str(folder).startswith(str(tmp_path / "cache")) else real_free(folder),
+    )
     code, err = _main(raw, tmp_path, monkeypatch, capsys)
     _assert_clear_failure(code, err, "the VAE latent cache (12 new entries)")
     assert "needs ~15.6 KB in " in err and "20.0 KB free (nothing was written" in err
@@ -153,11 +177,14 @@ def _mount_tmpfs(folder: Path, size: str) -> None:
     mount = shutil.which("mount")
     if mount is None:
         pytest.skip("no `mount` command to make a small file system")
-    done = subprocess.run([mount, "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [mount, "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
+    )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a {size} tmpfs here ({done.stderr.strip() or done.returncode}); "
-                    "the injected-fault tests cover the same paths")
+        pytest.skip(
+            f"cannot mount a {size} tmpfs here ({done.stderr.strip() or done.returncode}); "
+            "the injected-fault tests cover the same paths"
+        )
 
 
 @pytest.fixture
@@ -172,8 +199,9 @@ def small_disk(tmp_path):
             subprocess.run(["umount", "-l", str(folder)], check=True)  # busy: detach now, freed when closed
 
 
-def test_on_a_real_small_disk_the_cache_fill_stops_with_the_message(small_disk, tiny_sd, shapes_dir, tmp_path,
-                                                                    monkeypatch, capsys):
+def test_on_a_real_small_disk_the_cache_fill_stops_with_the_message(
+    small_disk, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys
+):
     raw = _config(tmp_path, tiny_sd, shapes_dir, cache_config={"cache_dir": str(small_disk / "cache")})
     code, err = _main(raw, tmp_path, monkeypatch, capsys)
     _assert_clear_failure(code, err, "the VAE latent cache (12 new entries)")
@@ -181,8 +209,7 @@ def test_on_a_real_small_disk_the_cache_fill_stops_with_the_message(small_disk, 
     assert not list(small_disk.rglob("*.safetensors")) and _temp_files(small_disk) == []
 
 
-def test_a_real_enospc_during_a_shard_write_removes_its_temp_file_and_keeps_the_earlier_shards(small_disk,
-                                                                                               monkeypatch):
+def test_a_real_enospc_during_a_shard_write_removes_its_temp_file_and_keeps_the_earlier_shards(small_disk, monkeypatch):
     """The check before passed and someone else filled the disk since: safetensors' own error."""
     import simpletuner.caching.store as store_module
 

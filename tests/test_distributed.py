@@ -25,10 +25,26 @@ def _free_port() -> int:
 
 
 def _launch(config: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()),
-           str(ROOT / "simpletuner" / "train.py"), "--config", str(config), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(ROOT / "simpletuner" / "train.py"),
+        "--config",
+        str(config),
+        *extra,
+    ]
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
@@ -103,9 +119,25 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(mak
     raw = make_config(max_train_steps=total, output_dir=str(tmp_path / "run"), logging_steps=1)
     cfg = tmp_path / "run.json"
     cfg.write_bytes(orjson.dumps(raw))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), str(ROOT / "simpletuner" / "train.py"), "--config", str(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(ROOT / "simpletuner" / "train.py"),
+        "--config",
+        str(cfg),
+    ]
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -140,8 +172,13 @@ def test_two_processes_train_both_wan22_experts(make_config, tmp_path):
     from simpletuner.models.zoo import write_tiny_model
 
     model = write_tiny_model("wan22", tmp_path / "wan22")
-    raw = make_config(pretrained_model_name_or_path=str(model), model_family="wan", max_train_steps=6,
-                      train_batch_size=1, checkpointing_steps=6)
+    raw = make_config(
+        pretrained_model_name_or_path=str(model),
+        model_family="wan",
+        max_train_steps=6,
+        train_batch_size=1,
+        checkpointing_steps=6,
+    )
     path = tmp_path / "cfg.json"
     path.write_bytes(orjson.dumps(raw))
     proc = _launch(path)

@@ -67,23 +67,38 @@ def test_the_matrix_covers_the_examples_and_precisions():
 def test_every_example_estimates_in_every_precision(example, precision, config_only_model, capsys):
     raw = json.loads(example.read_text())
     folder = config_only_model(_zoo_kind(raw))
-    code = main(["estimate", "--config", str(example), "--json",
-                 "--set", f"pretrained_model_name_or_path={folder}", "--set", f"mixed_precision={precision}"])
+    code = main(
+        [
+            "estimate",
+            "--config",
+            str(example),
+            "--json",
+            "--set",
+            f"pretrained_model_name_or_path={folder}",
+            "--set",
+            f"mixed_precision={precision}",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, f"exit {code}: {err}"
     data = json.loads(out)
     est = data["estimate"]
     # The estimate is of the example as written, at the precision asked for.
     assert (est["model_family"], est["resolution"], est["micro_batch_size"], est["mixed_precision"]) == (
-        raw["model_family"], raw["resolution"], raw["train_batch_size"], precision)
+        raw["model_family"],
+        raw["resolution"],
+        raw["train_batch_size"],
+        precision,
+    )
     assert est["gradient_checkpointing"] == raw.get("gradient_checkpointing", False)
     lora = raw.get("training_type", "lora") == "lora"
     assert est["weight_dtype"] == (WEIGHT_DTYPE[precision] if lora else "float32")
     # A sane total: every part there, the parts add up, and a tiny model needs little beyond the CUDA context.
     assert min(est["weights"], est["gradients"], est["optimizer_state"], est["activations"], est["batch_data"]) > 0
     step_peak = est["activations"] + est["gradients"] + est["optimizer_transient"] + est["not_live_at_once"]
-    assert est["total"] == (est["weights"] + est["optimizer_state"] + step_peak + est["batch_data"]
-                            + est["framework_overhead"])
+    assert est["total"] == (
+        est["weights"] + est["optimizer_state"] + step_peak + est["batch_data"] + est["framework_overhead"]
+    )
     assert data["total_bytes"] == est["total"] + sum(data["extras"].values())
     assert CUDA_CONTEXT_BYTES < data["total_bytes"] < 4 * GiB
 

@@ -23,8 +23,15 @@ def test_user_errors_keep_their_code(tmp_path, capsys):
 
 
 def test_codes_are_distinct():
-    codes = [exit_codes.OK, exit_codes.DOES_NOT_FIT, exit_codes.BAD_INPUT, exit_codes.NON_FINITE,
-             exit_codes.OUT_OF_MEMORY, exit_codes.NO_SPACE, exit_codes.INTERNAL_ERROR]
+    codes = [
+        exit_codes.OK,
+        exit_codes.DOES_NOT_FIT,
+        exit_codes.BAD_INPUT,
+        exit_codes.NON_FINITE,
+        exit_codes.OUT_OF_MEMORY,
+        exit_codes.NO_SPACE,
+        exit_codes.INTERNAL_ERROR,
+    ]
     assert len(set(codes)) == len(codes)
 
 
@@ -33,11 +40,14 @@ def test_piping_into_head_is_not_an_internal_error(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom simpletuner.exit_codes import report_internal_error\n"
-            "try:\n    [print('line', i) for i in range(200000)]\n"
-            "except BaseException as exc:\n    sys.exit(report_internal_error(exc, 'estimate'))\n")
-    proc = subprocess.run(f"{sys.executable} -c \"{code}\" | head -1", shell=True, capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys\nfrom simpletuner.exit_codes import report_internal_error\n"
+        "try:\n    [print('line', i) for i in range(200000)]\n"
+        "except BaseException as exc:\n    sys.exit(report_internal_error(exc, 'estimate'))\n"
+    )
+    proc = subprocess.run(
+        f'{sys.executable} -c "{code}" | head -1', shell=True, capture_output=True, text=True, timeout=60
+    )
     assert proc.stdout == "line 0\n"
     assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
 
@@ -50,6 +60,7 @@ def test_a_full_disk_rank_zero_reported_is_printed_once(monkeypatch, capsys, tmp
     def full(agreed):
         def run(*args, **kwargs):
             raise NoSpace("checkpoint-4", tmp_path, 10**9, 10**6, during_write=True, agreed=agreed)
+
         return run
 
     for rank, agreed, printed in [("0", False, True), ("1", True, False), ("1", False, True)]:

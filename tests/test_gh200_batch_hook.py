@@ -38,8 +38,16 @@ def _no_hint_env(monkeypatch):
 
 def _samples() -> list[Sample]:
     return [
-        Sample(key=f"ds/{i}.png", dataset_id="ds", path=f"{i}.png", caption=CAPTIONS[i % 2], original_size=(64, 64),
-               bucket=(64, 64), crop_style="center", crop_seed=0)
+        Sample(
+            key=f"ds/{i}.png",
+            dataset_id="ds",
+            path=f"{i}.png",
+            caption=CAPTIONS[i % 2],
+            original_size=(64, 64),
+            bucket=(64, 64),
+            crop_style="center",
+            crop_seed=0,
+        )
         for i in range(NUM_SAMPLES)
     ]
 
@@ -50,10 +58,16 @@ def _cached_data(tmp_path, kind: str = "unified_memory") -> tuple[CachedData, li
     vae, text = open_caches(tmp_path / "cache", "sd", None, kind, kind, persistent=False)
     latent_keys = {s.key: f"latent-{s.key}" for s in samples}
     text_keys = {c: f"text-{c}" for c in CAPTIONS}
-    vae.fill([(latent_keys[s.key], i) for i, s in enumerate(samples)],
-             lambda ids: [{"latents": torch.full(LATENT_SHAPE, float(i))} for i in ids], batch_size=8)
-    text.fill([(text_keys[c], i) for i, c in enumerate(CAPTIONS)],
-              lambda ids: [{"prompt_embeds": torch.full(EMBED_SHAPE, float(i))} for i in ids], batch_size=8)
+    vae.fill(
+        [(latent_keys[s.key], i) for i, s in enumerate(samples)],
+        lambda ids: [{"latents": torch.full(LATENT_SHAPE, float(i))} for i in ids],
+        batch_size=8,
+    )
+    text.fill(
+        [(text_keys[c], i) for i, c in enumerate(CAPTIONS)],
+        lambda ids: [{"prompt_embeds": torch.full(EMBED_SHAPE, float(i))} for i in ids],
+        batch_size=8,
+    )
     return CachedData(vae, text, latent_keys, text_keys, {}), samples
 
 
@@ -118,8 +132,11 @@ def test_eval_batches_go_through_the_same_hook(fake_runtime, tmp_path):
     data, samples = _cached_data(tmp_path)
     fake_runtime.calls.clear()
     batch = data.batch(samples[:2], CPU)
-    hook = [(c.op, c.detail, c.location) for c in fake_runtime.calls if c.ptr in (_ptr(batch.latents),
-                                                                                   _ptr(batch.conditioning["prompt_embeds"]))]
+    hook = [
+        (c.op, c.detail, c.location)
+        for c in fake_runtime.calls
+        if c.ptr in (_ptr(batch.latents), _ptr(batch.conditioning["prompt_embeds"]))
+    ]
     assert hook == [
         ("managed_alloc", (2, *LATENT_SHAPE), None),
         ("managed_alloc", (2, *EMBED_SHAPE), None),
@@ -136,7 +153,10 @@ def test_hints_off_by_default_the_hook_and_the_store_make_no_calls(fake_runtime,
     data, _ = _cached_data(tmp_path)
     for batch, calls in _read_batches(data, fake_runtime, 2):
         assert [c.op for c in calls] == ["managed_alloc", "managed_alloc"]
-        assert torch.equal(batch.conditioning["prompt_embeds"][0], torch.full(EMBED_SHAPE, float(CAPTIONS.index(batch.samples[0].caption))))
+        assert torch.equal(
+            batch.conditioning["prompt_embeds"][0],
+            torch.full(EMBED_SHAPE, float(CAPTIONS.index(batch.samples[0].caption))),
+        )
 
 
 @pytest.mark.parametrize("kind", ["disk", "memory"])
@@ -192,8 +212,11 @@ def test_hook_goes_to_the_training_device_on_the_given_stream(fake_runtime):
     mask = fake_runtime.managed_empty((2, 3), torch.int64)
     fake_runtime.calls.clear()
     stream = type("Stream", (), {"cuda_stream": 99})()
-    optimize_batch_for_gh200({"latents": lat, "conditioning": {"encoder_hidden_states": emb, "attention_mask": mask}},
-                             torch.device("cuda:2"), stream)
+    optimize_batch_for_gh200(
+        {"latents": lat, "conditioning": {"encoder_hidden_states": emb, "attention_mask": mask}},
+        torch.device("cuda:2"),
+        stream,
+    )
     assert [(c.op, c.ptr, c.detail, c.location) for c in fake_runtime.calls] == [
         ("advise", _ptr(lat), "preferred_location", "cpu"),
         ("advise", _ptr(lat), "accessed_by", 2),
@@ -236,7 +259,10 @@ def test_real_cuda_stacks_a_unified_batch_into_managed_memory_and_places_it():
             rows = [to_unified(torch.full((256,), float(i)), "cpu") for i in range(3)]  # 3 KiB in all
             stacked = stack_unified(rows)
             assert rt.is_managed(stacked) and stacked.shape == (3, 256)
-            fields = {"latents": stacked, "conditioning": {"prompt_embeds": stack_unified([to_unified(torch.ones(8), "gpu")])}}
+            fields = {
+                "latents": stacked,
+                "conditioning": {"prompt_embeds": stack_unified([to_unified(torch.ones(8), "gpu")])},
+            }
             assert optimize_batch_for_gh200(fields, torch.device("cuda", rt.current_device())) is fields
             rt.synchronize()
             assert [float(v) for v in stacked[:, 0].cpu()] == [0.0, 1.0, 2.0]

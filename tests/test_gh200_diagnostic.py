@@ -11,8 +11,8 @@ import weakref
 from pathlib import Path
 
 import pytest
-
 from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
+
 from simpletuner.gh200 import diagnostic
 from simpletuner.gh200.diagnostic import main
 from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
@@ -20,7 +20,13 @@ from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup_gh200_env.sh"
 MIB = 1024**2
-SETUP_VARS = ("SIMPLETUNER_GH200_UVM_HINTS", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+SETUP_VARS = (
+    "SIMPLETUNER_GH200_UVM_HINTS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+)
 #: Read by the script but never set by it: cleared from the environment of its test shells too.
 CLEARED_VARS = ("SIMPLETUNER_GH200_ENABLE_UVM_HINTS",)
 
@@ -187,7 +193,12 @@ def test_invalid_scale_is_an_argparse_error(scale):
 def test_top_level_script_prints_json(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "gh200_diagnostic.py"), "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, str(ROOT / "gh200_diagnostic.py"), "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
@@ -201,13 +212,19 @@ def test_top_level_script_prints_json(tmp_path):
 
 def bash(script: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in SETUP_VARS + CLEARED_VARS}
-    return subprocess.run(["bash", "-c", script], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_setup_script_sets_defaults_and_prints_them():
     result = bash(f'source "{SETUP}" && echo "rc=$?" && env')
     assert result.returncode == 0, result.stderr
-    values = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line and not line.startswith(("set ", "kept ")))
+    values = dict(
+        line.split("=", 1)
+        for line in result.stdout.splitlines()
+        if "=" in line and not line.startswith(("set ", "kept "))
+    )
     assert values["SIMPLETUNER_GH200_UVM_HINTS"] == "1"
     assert values["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert diagnostic.alloc_conf_problems(values["PYTORCH_CUDA_ALLOC_CONF"]) == []
@@ -280,7 +297,9 @@ def test_setup_script_fix_is_unset_when_nothing_else_remains():
     assert "  Run: unset PYTORCH_CUDA_ALLOC_CONF" in result.stderr.splitlines()
 
 
-@pytest.mark.parametrize("value", ["expandable_segments:True", "", "max_split_size_mb:128, garbage_collection_threshold:0.8"])
+@pytest.mark.parametrize(
+    "value", ["expandable_segments:True", "", "max_split_size_mb:128, garbage_collection_threshold:0.8"]
+)
 def test_setup_script_is_quiet_about_accepted_allocator_keys(value):
     result = bash(f'source "{SETUP}"; echo "rc=$?"', PYTORCH_CUDA_ALLOC_CONF=value)
     assert "rc=0" in result.stdout and result.stderr == ""
@@ -299,17 +318,23 @@ def test_setup_script_accepts_exactly_the_keys_python_accepts():
 
 
 def test_setup_script_keeps_the_forks_hint_variable_instead_of_adding_the_other_name():
-    result = bash(f'source "{SETUP}"; echo "rc=$?"; echo "canonical=${{SIMPLETUNER_GH200_UVM_HINTS-unset}}"',
-                  SIMPLETUNER_GH200_ENABLE_UVM_HINTS="0")
+    result = bash(
+        f'source "{SETUP}"; echo "rc=$?"; echo "canonical=${{SIMPLETUNER_GH200_UVM_HINTS-unset}}"',
+        SIMPLETUNER_GH200_ENABLE_UVM_HINTS="0",
+    )
     assert "rc=0" in result.stdout and "canonical=unset" in result.stdout
     assert "kept  SIMPLETUNER_GH200_ENABLE_UVM_HINTS=0" in result.stdout
 
 
 def test_setup_script_flags_disagreeing_hint_variables():
-    result = bash(f'source "{SETUP}"; echo "rc=$?"', SIMPLETUNER_GH200_UVM_HINTS="1", SIMPLETUNER_GH200_ENABLE_UVM_HINTS="off")
+    result = bash(
+        f'source "{SETUP}"; echo "rc=$?"', SIMPLETUNER_GH200_UVM_HINTS="1", SIMPLETUNER_GH200_ENABLE_UVM_HINTS="off"
+    )
     assert "rc=1" in result.stdout
     assert "SIMPLETUNER_GH200_UVM_HINTS=1 and SIMPLETUNER_GH200_ENABLE_UVM_HINTS=off disagree" in result.stderr
-    agreeing = bash(f'source "{SETUP}"; echo "rc=$?"', SIMPLETUNER_GH200_UVM_HINTS="1", SIMPLETUNER_GH200_ENABLE_UVM_HINTS="true")
+    agreeing = bash(
+        f'source "{SETUP}"; echo "rc=$?"', SIMPLETUNER_GH200_UVM_HINTS="1", SIMPLETUNER_GH200_ENABLE_UVM_HINTS="true"
+    )
     assert "rc=0" in agreeing.stdout and agreeing.stderr == ""
 
 
@@ -325,7 +350,9 @@ def test_diagnostic_says_what_replaces_each_fork_key(capsys, monkeypatch):
     assert all(f"`{key}`: {advice}" in warning for key, advice in FORK_ONLY_KEYS.items())
     assert 'export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"' in warning
     [verdict] = [v for v in summary["verdicts"] if "PYTORCH_CUDA_ALLOC_CONF" in v["what"]]
-    assert not verdict["ready"] and verdict["fix"].startswith('export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"')
+    assert not verdict["ready"] and verdict["fix"].startswith(
+        'export PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"'
+    )
 
 
 def test_diagnostic_reports_the_hint_alias_and_a_conflict(capsys, monkeypatch):
@@ -334,9 +361,14 @@ def test_diagnostic_reports_the_hint_alias_and_a_conflict(capsys, monkeypatch):
     with use_runtime(FakeRuntime()):
         _, summary = run_json(capsys)
         assert summary["environment"]["variables"]["SIMPLETUNER_GH200_ENABLE_UVM_HINTS"] == "1"
-        assert summary["environment"]["uvm_hints"] == {"requested": True, "source": "SIMPLETUNER_GH200_ENABLE_UVM_HINTS=1",
-                                                       "error": None}
-        assert any(v["ready"] and v["what"].startswith("SIMPLETUNER_GH200_ENABLE_UVM_HINTS=1") for v in summary["verdicts"])
+        assert summary["environment"]["uvm_hints"] == {
+            "requested": True,
+            "source": "SIMPLETUNER_GH200_ENABLE_UVM_HINTS=1",
+            "error": None,
+        }
+        assert any(
+            v["ready"] and v["what"].startswith("SIMPLETUNER_GH200_ENABLE_UVM_HINTS=1") for v in summary["verdicts"]
+        )
 
         monkeypatch.setenv("SIMPLETUNER_GH200_UVM_HINTS", "0")
         code, summary = run_json(capsys)

@@ -42,7 +42,9 @@ def _state(make_config, tmp_path, **overrides) -> StateTracker:
 
 
 def _fill(cache, n: int = 3) -> None:
-    cache.fill([(f"k{i}", i) for i in range(n)], lambda ids: [{"x": torch.full((2, 3), float(i))} for i in ids], batch_size=4)
+    cache.fill(
+        [(f"k{i}", i) for i in range(n)], lambda ids: [{"x": torch.full((2, 3), float(i))} for i in ids], batch_size=4
+    )
 
 
 def _warnings(caplog, text: str) -> list[str]:
@@ -85,8 +87,9 @@ def test_an_invalid_alias_value_is_ignored_with_a_warning(fake_runtime, monkeypa
     assert _warnings(caplog, f"{ENV_ALIAS}='maybe' is not 1/0")
 
 
-def test_run_start_stops_on_disagreeing_names_even_when_the_config_decides(fake_runtime, make_config, tmp_path,
-                                                                            monkeypatch):
+def test_run_start_stops_on_disagreeing_names_even_when_the_config_decides(
+    fake_runtime, make_config, tmp_path, monkeypatch
+):
     monkeypatch.setenv(ENV_VAR, "0")
     monkeypatch.setenv(ENV_ALIAS, "1")
     state = _state(make_config, tmp_path, gh200_optimizations={"enable_uvm_hints": True})
@@ -110,7 +113,8 @@ def test_the_config_overriding_the_environment_is_said(fake_runtime, make_config
     state = _state(make_config, tmp_path, gh200_optimizations={"enable_uvm_hints": True})
     configure_runtime(state, 1, False, tmp_path / "out")
     assert state.gh200_runtime_config["uvm_hints_setting"] == (
-        f"gh200_optimizations.enable_uvm_hints=true (the config overrides {ENV_VAR}=0)")
+        f"gh200_optimizations.enable_uvm_hints=true (the config overrides {ENV_VAR}=0)"
+    )
 
 
 # --- hints forced off: unified_memory caches are CPU memory caches ---
@@ -158,15 +162,19 @@ def test_a_persistent_unified_cache_reloads_as_a_memory_cache_with_hints_off(fak
     assert torch.equal(again.get("k1")["x"], torch.full((2, 3), 1.0))
 
 
-@pytest.mark.parametrize("config_hint, env, in_use", [
-    (False, None, "memory"),            # the config forces them off
-    (None, "0", "memory"),              # the environment forces them off: it beats the cache type
-    (None, "1", "unified_memory"),
-    (None, None, "unified_memory"),     # nothing says: the cache type turns hints on
-    (True, "0", "unified_memory"),      # the config beats the environment
-])
-def test_run_start_records_the_cache_types_in_use(fake_runtime, make_config, tmp_path, monkeypatch, caplog,
-                                                  config_hint, env, in_use):
+@pytest.mark.parametrize(
+    "config_hint, env, in_use",
+    [
+        (False, None, "memory"),  # the config forces them off
+        (None, "0", "memory"),  # the environment forces them off: it beats the cache type
+        (None, "1", "unified_memory"),
+        (None, None, "unified_memory"),  # nothing says: the cache type turns hints on
+        (True, "0", "unified_memory"),  # the config beats the environment
+    ],
+)
+def test_run_start_records_the_cache_types_in_use(
+    fake_runtime, make_config, tmp_path, monkeypatch, caplog, config_hint, env, in_use
+):
     caplog.set_level(logging.INFO)
     if env is not None:
         monkeypatch.setenv(ENV_ALIAS, env)
@@ -184,8 +192,13 @@ def test_training_with_unified_caches_and_hints_forced_off_uses_cpu_memory(fake_
     from simpletuner.training.trainer import Trainer
 
     caplog.set_level(logging.INFO)
-    state = _state(make_config, tmp_path, max_train_steps=2, cache_config={**UNIFIED, "cache_dir": str(tmp_path / "c")},
-                   gh200_optimizations={"enable_uvm_hints": False})
+    state = _state(
+        make_config,
+        tmp_path,
+        max_train_steps=2,
+        cache_config={**UNIFIED, "cache_dir": str(tmp_path / "c")},
+        gh200_optimizations={"enable_uvm_hints": False},
+    )
     trainer = Trainer(state)
     result = trainer.train()
     assert result.global_step == 2

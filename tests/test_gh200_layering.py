@@ -26,6 +26,9 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("path", sorted(GH200.glob("*.py")), ids=lambda p: p.name)
 def test_gh200_never_imports_the_layers_above_it(path):
-    bad = [f"{path.name}:{line} imports {name}" for line, name in _imports(path)
-           if any(name == top or name.startswith(top + ".") for top in ABOVE)]
+    bad = [
+        f"{path.name}:{line} imports {name}"
+        for line, name in _imports(path)
+        if any(name == top or name.startswith(top + ".") for top in ABOVE)
+    ]
     assert not bad, "simpletuner/gh200 must not import training or the entry points: " + "; ".join(bad)

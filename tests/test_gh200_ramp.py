@@ -44,22 +44,33 @@ def test_steps_for_epochs():
     assert count_steps(ramp, 23) == 5  # 2+3+4+6+8 = 23 micro-batches
 
 
-@pytest.mark.parametrize("args, message", [
-    ((16, 8, 10, 2, 1), "only grows"),
-    ((4, 18, 10, 2, 2), "not a multiple of train_batch_size 2 x 2 process"),
-    ((2, 16, 10, 4, 1), "smaller than one micro-batch"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((16, 8, 10, 2, 1), "only grows"),
+        ((4, 18, 10, 2, 2), "not a multiple of train_batch_size 2 x 2 process"),
+        ((2, 16, 10, 4, 1), "smaller than one micro-batch"),
+    ],
+)
 def test_invalid_combinations(args, message):
     with pytest.raises(ValueError, match=message):
         GH200GradientRamp(*args)
 
 
 def test_config_errors_before_anything_loads(make_config):
-    raw = make_config(train_batch_size=3, gh200_optimizations={
-        "enable_batch_size_rampup": True, "initial_effective_batch_size": 4, "target_effective_batch_size": 16})
+    raw = make_config(
+        train_batch_size=3,
+        gh200_optimizations={
+            "enable_batch_size_rampup": True,
+            "initial_effective_batch_size": 4,
+            "target_effective_batch_size": 16,
+        },
+    )
     with pytest.raises(ConfigError) as info:
         validate_config(raw)
-    assert any("initial_effective_batch_size 4 is not a multiple of train_batch_size 3" in p for p in info.value.problems)
+    assert any(
+        "initial_effective_batch_size 4 is not a multiple of train_batch_size 3" in p for p in info.value.problems
+    )
     raw = make_config(gh200_optimizations={"enable_batch_size_rampup": True, "target_effective_batch_size": 16})
     with pytest.raises(ConfigError, match="needs initial_effective_batch_size"):
         validate_config(raw)
@@ -70,8 +81,12 @@ def _train(raw):
     return trainer, trainer.train()
 
 
-RAMP = {"enable_batch_size_rampup": True, "initial_effective_batch_size": 2,
-        "target_effective_batch_size": 6, "batch_rampup_steps": 6}
+RAMP = {
+    "enable_batch_size_rampup": True,
+    "initial_effective_batch_size": 2,
+    "target_effective_batch_size": 6,
+    "batch_rampup_steps": 6,
+}
 
 
 def test_trainer_follows_the_ramp_logs_and_records(make_config, caplog):
@@ -92,11 +107,19 @@ def test_trainer_follows_the_ramp_logs_and_records(make_config, caplog):
 
 
 def test_resume_mid_ramp_continues_the_same_sequence(make_config, tmp_path):
-    straight, s_result = _train(make_config(max_train_steps=6, output_dir=str(tmp_path / "a"), gh200_optimizations=RAMP))
+    straight, s_result = _train(
+        make_config(max_train_steps=6, output_dir=str(tmp_path / "a"), gh200_optimizations=RAMP)
+    )
     out = tmp_path / "b"
     _train(make_config(max_train_steps=6, output_dir=str(out), checkpointing_steps=3, gh200_optimizations=RAMP))
-    resumed, r_result = _train(make_config(max_train_steps=6, output_dir=str(out), gh200_optimizations=RAMP,
-                                           resume_from_checkpoint=str(out / "checkpoint-3")))
+    resumed, r_result = _train(
+        make_config(
+            max_train_steps=6,
+            output_dir=str(out),
+            gh200_optimizations=RAMP,
+            resume_from_checkpoint=str(out / "checkpoint-3"),
+        )
+    )
     assert resumed.progress == straight.progress
     assert r_result.losses == s_result.losses[3:]
     want, got = load_file(s_result.output_path), load_file(r_result.output_path)

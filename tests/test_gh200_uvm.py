@@ -290,7 +290,9 @@ def test_optimize_batch_keeps_tuples_and_namedtuples(fake_runtime):
     assert type(inner) is Pair and inner.first is b and inner.second is plain
     assert type(out["prompt_embeds"]) is Pair and out["prompt_embeds"] == Pair(c, "text")
     # The role comes from the nearest key and reaches into tuples.
-    preferred = {(nbytes, location) for advice, location, nbytes in _advice(fake_runtime) if advice == "preferred_location"}
+    preferred = {
+        (nbytes, location) for advice, location, nbytes in _advice(fake_runtime) if advice == "preferred_location"
+    }
     assert preferred == {(16, "cpu"), (32, "cpu"), (64, 0)}
     assert sorted(c.nbytes for c in fake_runtime.ops("prefetch")) == [16, 32, 64]
 
@@ -438,7 +440,11 @@ def test_unified_memory_status_without_cuda():
 
 @pytest.mark.parametrize(
     "info, unified, integrated, kind_word",
-    [(gh200_info, True, False, "coherent"), (gb10_info, True, True, "integrated"), (discrete_info, False, False, "discrete")],
+    [
+        (gh200_info, True, False, "coherent"),
+        (gb10_info, True, True, "integrated"),
+        (discrete_info, False, False, "discrete"),
+    ],
     ids=["gh200", "gb10", "discrete"],
 )
 def test_device_memory_info_unified_and_kind(info, unified, integrated, kind_word):

@@ -17,8 +17,12 @@ from simpletuner.state import StateTracker
 from simpletuner.training.trainer import Trainer
 
 UNIFIED = {"vae_cache_type": "unified_memory", "text_cache_type": "unified_memory", "persistent_cache": False}
-RAMP = {"enable_batch_size_rampup": True, "initial_effective_batch_size": 2,
-        "target_effective_batch_size": 4, "batch_rampup_steps": 2}
+RAMP = {
+    "enable_batch_size_rampup": True,
+    "initial_effective_batch_size": 2,
+    "target_effective_batch_size": 4,
+    "batch_rampup_steps": 2,
+}
 
 
 def _write(tmp_path, raw) -> str:
@@ -33,8 +37,9 @@ def _trainer(path) -> Trainer:
 
 
 def test_json_config_drives_unified_caches_hints_and_ramp(fake_runtime, make_config, tmp_path):
-    raw = make_config(max_train_steps=3, cache_config={**UNIFIED, "cache_dir": str(tmp_path / "cache")},
-                      gh200_optimizations=RAMP)
+    raw = make_config(
+        max_train_steps=3, cache_config={**UNIFIED, "cache_dir": str(tmp_path / "cache")}, gh200_optimizations=RAMP
+    )
     trainer = _trainer(_write(tmp_path, raw))
     result = trainer.train()
 
@@ -50,8 +55,12 @@ def test_json_config_drives_unified_caches_hints_and_ramp(fake_runtime, make_con
     # Every cached tensor went into managed memory, advised to its side.
     reports = trainer.data.fill_reports
     stored = reports["latents"].num_computed + reports["text"].num_computed
-    entries = {t.untyped_storage().data_ptr() for cache in (trainer.data.vae_cache, trainer.data.text_cache)
-               for entry in cache.store._entries.values() for t in entry.values()}
+    entries = {
+        t.untyped_storage().data_ptr()
+        for cache in (trainer.data.vae_cache, trainer.data.text_cache)
+        for entry in cache.store._entries.values()
+        for t in entry.values()
+    }
     assert len(entries) == stored
     entry_advice = [c for c in fake_runtime.ops("advise") if c.ptr in entries and c.detail == "preferred_location"]
     assert sum(c.location == "cpu" for c in entry_advice) == reports["latents"].num_computed > 0
@@ -62,9 +71,14 @@ def test_json_config_drives_unified_caches_hints_and_ramp(fake_runtime, make_con
     stacked = [c for c in fake_runtime.ops("managed_alloc") if c.ptr not in entries]
     assert len(stacked) == 2 * (micro + 1)
     for alloc in stacked:
-        hook = [(c.op, c.detail, c.location) for c in fake_runtime.calls if c.ptr == alloc.ptr and c.op != "managed_alloc"]
-        role = [("advise", "preferred_location", "cpu"), ("advise", "accessed_by", 0)] if len(alloc.detail) == 4 else \
-            [("advise", "preferred_location", 0)]
+        hook = [
+            (c.op, c.detail, c.location) for c in fake_runtime.calls if c.ptr == alloc.ptr and c.op != "managed_alloc"
+        ]
+        role = (
+            [("advise", "preferred_location", "cpu"), ("advise", "accessed_by", 0)]
+            if len(alloc.detail) == 4
+            else [("advise", "preferred_location", 0)]
+        )
         assert hook == role + [("prefetch", None, "cpu")]  # to the training device (the CPU in this test)
     # Before stacking, each entry a micro-batch reads was prefetched to the GPU, once per batch.
     to_gpu = [c for c in fake_runtime.ops("prefetch") if c.location == 0]
@@ -85,9 +99,15 @@ def test_unified_memory_without_cuda_warns_falls_back_and_trains(make_config, tm
         trainer = _trainer(_write(tmp_path, raw))
         result = trainer.train()
     uvm._reset_for_tests()
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "unified memory unavailable" in r.getMessage()]
-    assert warnings == ["unified memory unavailable (no CUDA device (torch.cuda.is_available() is False)); "
-                        "keeping the cache in plain CPU memory"]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "unified memory unavailable" in r.getMessage()
+    ]
+    assert warnings == [
+        "unified memory unavailable (no CUDA device (torch.cuda.is_available() is False)); "
+        "keeping the cache in plain CPU memory"
+    ]
     assert result.global_step == 2
     status = trainer.state.gh200_runtime_config["unified_memory"]
     assert status["managed_memory_available"] is False and "no CUDA" in status["reason"]
@@ -95,24 +115,29 @@ def test_unified_memory_without_cuda_warns_falls_back_and_trains(make_config, tm
 
 def test_persistent_unified_cache_is_loaded_next_run(fake_runtime, make_config, tmp_path):
     cache = {**UNIFIED, "persistent_cache": True, "cache_dir": str(tmp_path / "cache")}
-    first = _trainer(_write(tmp_path, make_config(max_train_steps=1, cache_config=cache,
-                                                  output_dir=str(tmp_path / "a"))))
+    first = _trainer(
+        _write(tmp_path, make_config(max_train_steps=1, cache_config=cache, output_dir=str(tmp_path / "a")))
+    )
     first.train()
     assert first.data.fill_reports["latents"].num_computed > 0
-    second = _trainer(_write(tmp_path, make_config(max_train_steps=1, cache_config=cache,
-                                                   output_dir=str(tmp_path / "b"))))
+    second = _trainer(
+        _write(tmp_path, make_config(max_train_steps=1, cache_config=cache, output_dir=str(tmp_path / "b")))
+    )
     second.train()
     reports = second.data.fill_reports
     assert reports["latents"].num_computed == 0 and reports["text"].num_computed == 0
     assert reports["latents"].num_hits == first.data.fill_reports["latents"].num_items
 
 
-@pytest.mark.parametrize("config_hint, env, expected", [
-    (None, None, False),     # default off
-    (None, "1", True),       # environment turns them on
-    (False, "1", False),     # config beats environment
-    (True, "0", True),
-])
+@pytest.mark.parametrize(
+    "config_hint, env, expected",
+    [
+        (None, None, False),  # default off
+        (None, "1", True),  # environment turns them on
+        (False, "1", False),  # config beats environment
+        (True, "0", True),
+    ],
+)
 def test_hint_precedence(fake_runtime, make_config, tmp_path, monkeypatch, config_hint, env, expected):
     if env is None:
         monkeypatch.delenv(uvm.ENV_VAR, raising=False)

@@ -50,9 +50,16 @@ def tiny_models(tmp_path_factory):
 
 def _config(tmp_path: Path, model: Path, data: Path, family: str, **overrides) -> Path:
     raw = {
-        "pretrained_model_name_or_path": str(model), "model_family": family, "output_dir": str(tmp_path / "out"),
-        "resolution": 64, "aspect_bucket_alignment": 16, "train_batch_size": 2, "max_train_steps": 1,
-        "learning_rate": 1e-3, "seed": 1, "cache_config": {"cache_dir": str(tmp_path / "cache")},
+        "pretrained_model_name_or_path": str(model),
+        "model_family": family,
+        "output_dir": str(tmp_path / "out"),
+        "resolution": 64,
+        "aspect_bucket_alignment": 16,
+        "train_batch_size": 2,
+        "max_train_steps": 1,
+        "learning_rate": 1e-3,
+        "seed": 1,
+        "cache_config": {"cache_dir": str(tmp_path / "cache")},
         "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(data)}],
     }
     raw.update(overrides)
@@ -86,16 +93,25 @@ def _nothing_written(tmp_path: Path) -> bool:
 
 
 # --- resolution ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("setting, message", [
-    ("resolution=1000000000000", "resolution: must be <= 16384, got 1000000000000"),
-    ('datasets=[{"id": "s", "type": "local", "instance_data_dir": "DATA", "resolution": 1000000000000}]',
-     "datasets[0].resolution: must be <= 16384"),
-    ('datasets=[{"id": "s", "type": "local", "instance_data_dir": "DATA", "resolution": 1}]',
-     "datasets[0].resolution 1 is not a multiple of `aspect_bucket_alignment` 16 (bucket sides are, so it would "
-     "train at another size): use 16"),
-    ('datasets=[{"id": "s", "type": "local", "instance_data_dir": "DATA", "resolution": 40}]',
-     "datasets[0].resolution 40 is not a multiple of `aspect_bucket_alignment` 16"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("resolution=1000000000000", "resolution: must be <= 16384, got 1000000000000"),
+        (
+            'datasets=[{"id": "s", "type": "local", "instance_data_dir": "DATA", "resolution": 1000000000000}]',
+            "datasets[0].resolution: must be <= 16384",
+        ),
+        (
+            'datasets=[{"id": "s", "type": "local", "instance_data_dir": "DATA", "resolution": 1}]',
+            "datasets[0].resolution 1 is not a multiple of `aspect_bucket_alignment` 16 (bucket sides are, so it would "
+            "train at another size): use 16",
+        ),
+        (
+            'datasets=[{"id": "s", "type": "local", "instance_data_dir": "DATA", "resolution": 40}]',
+            "datasets[0].resolution 40 is not a multiple of `aspect_bucket_alignment` 16",
+        ),
+    ],
+)
 def test_resolutions_no_run_can_use_are_refused(tiny_sd, shapes_dir, tmp_path, capsys, setting, message):
     """1e12 overflowed in the resize after the scan; a dataset's resolution 1 trained at 16x16 silently."""
     config = _config(tmp_path, tiny_sd, shapes_dir, "sd")
@@ -108,20 +124,33 @@ def test_resolutions_no_run_can_use_are_refused(tiny_sd, shapes_dir, tmp_path, c
 
 
 # --- latent grid --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family, alignment, message", [
-    ("sd3", 8, "aspect_bucket_alignment 8 does not fit model_family 'sd3': the VAE encodes 8x8 pixels per latent and "
-               "the sd3 denoiser takes 2x2 latents per token, so bucket sides must be multiples of 16 (16, 32, 48, "
-               "64, ...); use 16"),
-    ("wan", 24, "bucket sides must be multiples of 16 (16, 32, 48, 64, ...); use 16 or 32"),
-    ("flux", 40, "use 32 or 48"),
-    ("sd", 12, "aspect_bucket_alignment 12 does not fit model_family 'sd': the VAE encodes 8x8 pixels per latent, "
-               "so bucket sides must be multiples of 8 (8, 16, 24, 32, ...); use 8 or 16"),
-])
-def test_an_alignment_that_splits_latent_patches_is_refused_before_loading(tiny_models, shapes_dir, tmp_path, capsys,
-                                                                           family, alignment, message):
+@pytest.mark.parametrize(
+    "family, alignment, message",
+    [
+        (
+            "sd3",
+            8,
+            "aspect_bucket_alignment 8 does not fit model_family 'sd3': the VAE encodes 8x8 pixels per latent and "
+            "the sd3 denoiser takes 2x2 latents per token, so bucket sides must be multiples of 16 (16, 32, 48, "
+            "64, ...); use 16",
+        ),
+        ("wan", 24, "bucket sides must be multiples of 16 (16, 32, 48, 64, ...); use 16 or 32"),
+        ("flux", 40, "use 32 or 48"),
+        (
+            "sd",
+            12,
+            "aspect_bucket_alignment 12 does not fit model_family 'sd': the VAE encodes 8x8 pixels per latent, "
+            "so bucket sides must be multiples of 8 (8, 16, 24, 32, ...); use 8 or 16",
+        ),
+    ],
+)
+def test_an_alignment_that_splits_latent_patches_is_refused_before_loading(
+    tiny_models, shapes_dir, tmp_path, capsys, family, alignment, message
+):
     """sd3 / wan buckets with odd latent sides failed with a shape mismatch after the whole cache fill."""
-    config = _config(tmp_path, tiny_models(family), shapes_dir, family, resolution=alignment * 4,
-                     aspect_bucket_alignment=alignment)
+    config = _config(
+        tmp_path, tiny_models(family), shapes_dir, family, resolution=alignment * 4, aspect_bucket_alignment=alignment
+    )
     code, err = _train(capsys, config)
     assert code == 2 and message in err, err
     assert _nothing_written(tmp_path)
@@ -141,8 +170,10 @@ def test_a_folder_with_other_factors_is_checked_against_its_own_configs(tiny_mod
     config = _config(tmp_path, model, shapes_dir, "sd3", resolution=48, aspect_bucket_alignment=16)
     code, err = _train(capsys, config)
     assert code == 2, err
-    assert (f"aspect_bucket_alignment 16 does not fit model_family 'sd3': the VAE of {model} encodes 16x16 pixels per "
-            "latent and the sd3 denoiser takes 2x2 latents per token, so bucket sides must be multiples of 32") in err
+    assert (
+        f"aspect_bucket_alignment 16 does not fit model_family 'sd3': the VAE of {model} encodes 16x16 pixels per "
+        "latent and the sd3 denoiser takes 2x2 latents per token, so bucket sides must be multiples of 32"
+    ) in err
     assert _nothing_written(tmp_path)
 
 
@@ -155,9 +186,14 @@ def test_the_config_rule_and_the_model_specs_agree_on_every_family(tiny_models):
     for kind in ("sd", "sdxl", "sd3", "flux", "wan", "wan22"):
         model = tiny_models(kind)
         family = "wan" if kind == "wan22" else kind
-        raw = {"pretrained_model_name_or_path": str(model), "model_family": family, "resolution": 64,
-               "aspect_bucket_alignment": 16, "max_train_steps": 1,
-               "datasets": [{"id": "d", "type": "local", "instance_data_dir": "unused"}]}
+        raw = {
+            "pretrained_model_name_or_path": str(model),
+            "model_family": family,
+            "resolution": 64,
+            "aspect_bucket_alignment": 16,
+            "max_train_steps": 1,
+            "datasets": [{"id": "d", "type": "local", "instance_data_dir": "unused"}],
+        }
         spec = get_model_spec(validate_config(raw, check_files=False))
         assert (spec.vae_scale_from_folder(), spec.latent_patch_from_folder()) == FAMILY_LATENT_GRID[family], kind
 
@@ -166,17 +202,26 @@ def test_the_config_rule_and_the_model_specs_agree_on_every_family(tiny_models):
 LONG_NAME = "n" * 256  # one byte over the 255 of ext4, xfs, btrfs, tmpfs
 
 
-@pytest.mark.parametrize("key, where", [
-    ("output_dir", "output_dir: the name 'nnnnnnnnnnnnnnnnnnnn...nnnnnnnnnnnn' is 256 bytes long, and the filesystem "
-                   "allows 255 bytes for one file or folder name: shorten it"),
-    ("cache_config.cache_dir", "cache_config.cache_dir: the name"),
-    ("resume_from_checkpoint", "resume_from_checkpoint: the name"),
-    ("validation_prompts", "validation_prompts: prompt file: the name"),
-    ("data_backend_config", "data_backend_config"),
-    ("tracker_project_name", "tracker_project_name: 'nnnnnnnnnnnnnnnnnnnn...nnnnnnnnnnnn' is 256 bytes long, and a "
-                             "folder name may have at most 255 bytes on most filesystems: shorten it"),
-    ("datasets", "datasets[0].instance_data_dir: the name"),
-])
+@pytest.mark.parametrize(
+    "key, where",
+    [
+        (
+            "output_dir",
+            "output_dir: the name 'nnnnnnnnnnnnnnnnnnnn...nnnnnnnnnnnn' is 256 bytes long, and the filesystem "
+            "allows 255 bytes for one file or folder name: shorten it",
+        ),
+        ("cache_config.cache_dir", "cache_config.cache_dir: the name"),
+        ("resume_from_checkpoint", "resume_from_checkpoint: the name"),
+        ("validation_prompts", "validation_prompts: prompt file: the name"),
+        ("data_backend_config", "data_backend_config"),
+        (
+            "tracker_project_name",
+            "tracker_project_name: 'nnnnnnnnnnnnnnnnnnnn...nnnnnnnnnnnn' is 256 bytes long, and a "
+            "folder name may have at most 255 bytes on most filesystems: shorten it",
+        ),
+        ("datasets", "datasets[0].instance_data_dir: the name"),
+    ],
+)
 def test_a_name_over_the_filesystem_limit_is_a_config_error(tiny_sd, shapes_dir, tmp_path, capsys, key, where):
     """Each crashed with ``OSError: [Errno 36] File name too long`` (the tracker's at its first log)."""
     config = _config(tmp_path, tiny_sd, shapes_dir, "sd")
@@ -199,15 +244,18 @@ def test_a_tracker_name_must_be_one_folder_name(tiny_sd, shapes_dir, tmp_path, c
 
 
 # --- numbers ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("setting, message", [
-    ("learning_rate=1e308", "learning_rate: must be <= 1.0, got 1e+308"),
-    ("adam_epsilon=1e400", "adam_epsilon: input should be a finite number (got '1e400')"),
-    ('adam_epsilon="1e400"', "adam_epsilon: input should be a finite number (got '1e400')"),
-    ('max_grad_norm="nan"', "max_grad_norm: input should be a finite number (got 'nan')"),
-    ('flow_shift="inf"', "flow_shift: input should be a finite number (got 'inf')"),
-    ("mode_scale=3", "mode_scale: must be <= 1.75, got 3"),
-    ("seed=-1", "seed: must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("learning_rate=1e308", "learning_rate: must be <= 1.0, got 1e+308"),
+        ("adam_epsilon=1e400", "adam_epsilon: input should be a finite number (got '1e400')"),
+        ('adam_epsilon="1e400"', "adam_epsilon: input should be a finite number (got '1e400')"),
+        ('max_grad_norm="nan"', "max_grad_norm: input should be a finite number (got 'nan')"),
+        ('flow_shift="inf"', "flow_shift: input should be a finite number (got 'inf')"),
+        ("mode_scale=3", "mode_scale: must be <= 1.75, got 3"),
+        ("seed=-1", "seed: must be >= 0, got -1"),
+    ],
+)
 def test_non_finite_and_absurd_numbers_are_refused(tiny_sd, shapes_dir, tmp_path, capsys, setting, message):
     code, err = _train(capsys, _config(tmp_path, tiny_sd, shapes_dir, "sd"), setting)
     assert code == 2 and message in err, err
@@ -247,11 +295,21 @@ def test_qint8_base_trains_under_bf16_on_cpu(tiny_models, shapes_dir, tmp_path):
     The child checks that product against the unquantised one, then trains the tiny wan; a child,
     so a regression fails this test instead of killing the suite."""
     pytest.importorskip("optimum.quanto")
-    config = _config(tmp_path, tiny_models("wan"), shapes_dir, "wan", base_model_precision="qint8",
-                     mixed_precision="bf16", lora_rank=4, max_train_steps=1, resolution=32)
+    config = _config(
+        tmp_path,
+        tiny_models("wan"),
+        shapes_dir,
+        "wan",
+        base_model_precision="qint8",
+        mixed_precision="bf16",
+        lora_rank=4,
+        max_train_steps=1,
+        resolution=32,
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(config)], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert (tmp_path / "out" / "pytorch_lora_weights.safetensors").is_file()
 

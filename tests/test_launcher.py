@@ -44,7 +44,9 @@ def test_launcher_precision_fills_an_unset_key(no_default_accelerate_config):
 def test_launcher_flag_conflict_names_both_values_and_sources(no_default_accelerate_config):
     env = {**no_default_accelerate_config, "ACCELERATE_MIXED_PRECISION": "fp16"}
     with pytest.raises(ConfigError) as err:
-        resolve_launcher_settings({"mixed_precision": "bf16"}, env, _command(["--mixed_precision", "fp16"], env), "cfg.json")
+        resolve_launcher_settings(
+            {"mixed_precision": "bf16"}, env, _command(["--mixed_precision", "fp16"], env), "cfg.json"
+        )
     (problem,) = err.value.problems
     assert "cfg.json says 'bf16'" in problem
     assert "`accelerate launch --mixed_precision fp16` says 'fp16'" in problem
@@ -54,7 +56,9 @@ def test_launcher_flag_conflict_names_both_values_and_sources(no_default_acceler
 def test_launcher_default_is_not_a_request(no_default_accelerate_config):
     """`accelerate launch` told nothing writes mixed_precision=no; the JSON's bf16 stands, and says so."""
     env = {**no_default_accelerate_config, "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO"}
-    out = resolve_launcher_settings({"mixed_precision": "bf16", "enable_compile": True}, env, _command([], env), "cfg.json")
+    out = resolve_launcher_settings(
+        {"mixed_precision": "bf16", "enable_compile": True}, env, _command([], env), "cfg.json"
+    )
     assert out.overrides == []
     assert out.settings["mixed_precision"].source == "from cfg.json"
 
@@ -77,8 +81,9 @@ def test_environment_variable_counts_without_a_launcher():
 
 def test_unsupported_launcher_values_stop():
     with pytest.raises(ConfigError) as err:
-        resolve_launcher_settings({}, {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_BACKEND": "aot_eager"},
-                                  None, "cfg.json")
+        resolve_launcher_settings(
+            {}, {"ACCELERATE_MIXED_PRECISION": "fp8", "ACCELERATE_DYNAMO_BACKEND": "aot_eager"}, None, "cfg.json"
+        )
     text = str(err.value)
     assert "'fp8', which this trainer does not support" in text
     assert "'aot_eager' backend" in text and "enable_compile" in text
@@ -110,7 +115,11 @@ def test_find_launch_command_walks_up_to_the_launcher():
 def test_prepare_config_injects_and_reports_in_one_pass(make_config, tmp_path, no_default_accelerate_config):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(make_config()))
-    env = {**no_default_accelerate_config, "ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"}
+    env = {
+        **no_default_accelerate_config,
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2",
+    }
     loaded, sources, _ = prepare_config(str(path), environ=env, launch_command=None)
     assert loaded.config.mixed_precision == "bf16" and loaded.config.gradient_accumulation_steps == 2
     assert loaded.raw["mixed_precision"] == "bf16"  # written to output_dir/config.json as in force
@@ -152,8 +161,15 @@ def _launch(tmp_path, cfg: dict, *launch_args: str) -> subprocess.CompletedProce
     path.write_text(json.dumps(cfg))
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("ACCELERATE_MIXED_PRECISION", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(REPO / "simpletuner" / "train.py"),
-           "--config", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch_args,
+        str(REPO / "simpletuner" / "train.py"),
+        "--config",
+        str(path),
+    ]
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
 
 
@@ -164,8 +180,10 @@ def test_seed_launch_line_trains_in_bf16_and_says_so(make_config, tmp_path):
     cfg.pop("mixed_precision", None)
     proc = _launch(tmp_path, cfg, "--config_file", str(GH200_YAML))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (f"mixed precision bf16 in force, from the Accelerate config file {GH200_YAML} (mixed_precision: bf16)"
-            in proc.stderr)
+    assert (
+        f"mixed precision bf16 in force, from the Accelerate config file {GH200_YAML} (mixed_precision: bf16)"
+        in proc.stderr
+    )
     written = json.loads((Path(cfg["output_dir"]) / "config.json").read_text())
     assert written["mixed_precision"] == "bf16"
 

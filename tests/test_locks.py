@@ -17,15 +17,14 @@ import orjson
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import train
 
 from simpletuner import locks
-from simpletuner.caching import ShardedTensorStore
-from simpletuner.caching import admin
+from simpletuner.caching import ShardedTensorStore, admin
 from simpletuner.configuration import ConfigError, validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training import batches
 from simpletuner.training.trainer import Trainer
-from training_helpers import train
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
@@ -46,8 +45,14 @@ time.sleep(120)
 
 def _holder(kind: str, folder: Path) -> subprocess.Popen:
     """A child process that holds a lock until killed; returns once it holds it."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, kind, str(folder)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, kind, str(folder)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline() == "held\n", proc.stderr.read()
     return proc
 
@@ -175,8 +180,9 @@ def test_output_dir_and_dataset_folder_may_not_hold_each_other(make_config, tmp_
 def test_cache_dir_in_the_data_is_refused_and_relative_paths_resolve_from_the_config(make_config, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
-    raw = make_config(cache_config={"cache_dir": "data/cache"},
-                      datasets=[{"id": "d", "type": "local", "instance_data_dir": "data"}])
+    raw = make_config(
+        cache_config={"cache_dir": "data/cache"}, datasets=[{"id": "d", "type": "local", "instance_data_dir": "data"}]
+    )
     with pytest.raises(ConfigError) as refused:
         validate_config(raw, base_dir=tmp_path, check_files=False)
     expected = f"cache_config.cache_dir {data / 'cache'} is inside datasets[0].instance_data_dir {data}"
@@ -191,8 +197,14 @@ def _write(raw: dict, path: Path) -> str:
 
 
 def _launch(config: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "simpletuner/train.py", "--config", config], cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "simpletuner/train.py", "--config", config],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen, text: str, seen: list[str]) -> None:
@@ -239,8 +251,13 @@ def test_concurrent_launches_one_output_dir_refused_one_cache_filled_once(make_c
         assert needed is None or len(keys) == needed
     assert ShardedTensorStore(base / "vae").verify().problems == {}
 
-    _, solo = train(make_config(max_train_steps=3, output_dir=str(tmp_path / "solo"),
-                                cache_config={"cache_dir": str(tmp_path / "solo_cache")}))
+    _, solo = train(
+        make_config(
+            max_train_steps=3,
+            output_dir=str(tmp_path / "solo"),
+            cache_config={"cache_dir": str(tmp_path / "solo_cache")},
+        )
+    )
     weights_a, weights_solo = load_file(tmp_path / "a" / solo.output_path.name), load_file(solo.output_path)
     assert weights_a.keys() == weights_solo.keys()
     assert all(torch.equal(weights_a[k], weights_solo[k]) for k in weights_a)

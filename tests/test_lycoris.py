@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 
 pytest.importorskip("lycoris", reason="the lycoris extra is not installed")
 
+from training_helpers import fixed_loss, train  # noqa: E402
+
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.models import get_model_spec  # noqa: E402
 from simpletuner.training import checkpoint as ckpt  # noqa: E402
 from simpletuner.training.lora import prepare_for_training, trainable_state  # noqa: E402
 from simpletuner.training.lycoris_adapter import load_lycoris, lycoris_network, save_lycoris  # noqa: E402
-from training_helpers import fixed_loss, train  # noqa: E402
 
 ALGOS = ["locon", "loha", "lokr"]
 _PARAM_NAMES = {"locon": "lora_down.weight", "loha": "hada_w1_a", "lokr": "lokr_w1"}
@@ -68,8 +69,10 @@ def test_lycoris_trains_only_its_adapter_and_reloads_onto_a_fresh_base(make_conf
     assert meta["lycoris_algo"] == algo and meta["ss_network_module"] == "lycoris.kohya"
     assert meta["simpletuner_model_family"] == "sd"
     assert json.loads(meta["ss_network_args"])["algo"] == algo and meta["ss_network_dim"] == "4"
-    assert all(k.startswith("lycoris_down_blocks_") or k.startswith("lycoris_up_blocks_") or
-               k.startswith("lycoris_mid_block_") for k in keys), keys[:3]
+    assert all(
+        k.startswith("lycoris_down_blocks_") or k.startswith("lycoris_up_blocks_") or k.startswith("lycoris_mid_block_")
+        for k in keys
+    ), keys[:3]
     fresh = _fresh_unet(raw)
     loaded = load_lycoris(fresh, result.output_path)
     assert len(loaded.loras) == 32 and not any(p.requires_grad for p in fresh.parameters())
@@ -84,15 +87,28 @@ def test_lycoris_trains_only_its_adapter_and_reloads_onto_a_fresh_base(make_conf
 
 def test_lycoris_resume_is_bit_identical(make_config, tmp_path):
     common = dict(gradient_accumulation_steps=2, lr_scheduler="linear", lr_warmup_steps=1)
-    _, straight = train(_lycoris_config(make_config, "lokr", max_train_steps=5, output_dir=str(tmp_path / "straight"),
-                                        **common))
+    _, straight = train(
+        _lycoris_config(make_config, "lokr", max_train_steps=5, output_dir=str(tmp_path / "straight"), **common)
+    )
     out = str(tmp_path / "resumed")
-    train(_lycoris_config(make_config, "lokr", max_train_steps=5, output_dir=out, checkpointing_steps=3,
-                          checkpoint_at_end=False, **common))  # as if stopped after step 3
+    train(
+        _lycoris_config(
+            make_config,
+            "lokr",
+            max_train_steps=5,
+            output_dir=out,
+            checkpointing_steps=3,
+            checkpoint_at_end=False,
+            **common,
+        )
+    )  # as if stopped after step 3
     latest = ckpt.find_latest(Path(out))
     assert latest.name == "checkpoint-3"
-    _, resumed = train(_lycoris_config(make_config, "lokr", max_train_steps=5, output_dir=out,
-                                       resume_from_checkpoint=str(latest), **common))
+    _, resumed = train(
+        _lycoris_config(
+            make_config, "lokr", max_train_steps=5, output_dir=out, resume_from_checkpoint=str(latest), **common
+        )
+    )
     assert resumed.losses == pytest.approx(straight.losses[3:], rel=0, abs=0)
     want, got = load_file(straight.output_path), load_file(resumed.output_path)
     assert want.keys() == got.keys()

@@ -22,18 +22,47 @@ from simpletuner.memory.estimator import GiB, MemoryBreakdown
 MiB = 1 << 20
 
 
-def _breakdown(batch: int, checkpointing: bool, *, weights=2 * GiB, trainable=64 * MiB, optimizer_state=128 * MiB,
-               per_sample=(300 * MiB, 80 * MiB), overhead=800 * MiB, **assumed) -> MemoryBreakdown:
+def _breakdown(
+    batch: int,
+    checkpointing: bool,
+    *,
+    weights=2 * GiB,
+    trainable=64 * MiB,
+    optimizer_state=128 * MiB,
+    per_sample=(300 * MiB, 80 * MiB),
+    overhead=800 * MiB,
+    **assumed,
+) -> MemoryBreakdown:
     """A synthetic breakdown: activations linear in the batch, smaller with checkpointing."""
     activations = batch * per_sample[1 if checkpointing else 0]
     total = weights + trainable + optimizer_state + activations + overhead
     fields = dict(
-        weights=weights, trainable_weights=trainable, gradients=trainable, optimizer_state=optimizer_state,
-        activations=activations, batch_data=0, framework_overhead=overhead, total=total, optimizer_transient=0,
-        backward_peak=activations + trainable, not_live_at_once=0, cuda_context=overhead, workspaces=0,
-        fragmentation=0, model_family="sd", micro_batch_size=batch, resolution=512, latent_shape=(4, 64, 64),
-        weight_dtype="bfloat16", trainable_dtype="float32", adapter="lora r16", optimizer="adamw",
-        gradient_checkpointing=checkpointing, mixed_precision="bf16", device_kind="cuda", num_parameters=1,
+        weights=weights,
+        trainable_weights=trainable,
+        gradients=trainable,
+        optimizer_state=optimizer_state,
+        activations=activations,
+        batch_data=0,
+        framework_overhead=overhead,
+        total=total,
+        optimizer_transient=0,
+        backward_peak=activations + trainable,
+        not_live_at_once=0,
+        cuda_context=overhead,
+        workspaces=0,
+        fragmentation=0,
+        model_family="sd",
+        micro_batch_size=batch,
+        resolution=512,
+        latent_shape=(4, 64, 64),
+        weight_dtype="bfloat16",
+        trainable_dtype="float32",
+        adapter="lora r16",
+        optimizer="adamw",
+        gradient_checkpointing=checkpointing,
+        mixed_precision="bf16",
+        device_kind="cuda",
+        num_parameters=1,
         num_trainable_parameters=1,
     )
     fields.update(assumed)
@@ -133,8 +162,11 @@ def test_checkpointing_only_when_it_buys_a_larger_micro_batch(config):
     assert tight.gradient_checkpointing and tight.micro_batch_size == 16
     assert tight.without_checkpointing is not None and tight.without_checkpointing.micro_batch_size == 4
     assert any("without it micro-batch 4 fits" in note for note in tight.notes)
-    assert tight.config_updates() == {"train_batch_size": 16, "gradient_accumulation_steps": 1,
-                                      "gradient_checkpointing": True}
+    assert tight.config_updates() == {
+        "train_batch_size": 16,
+        "gradient_accumulation_steps": 1,
+        "gradient_checkpointing": True,
+    }
 
 
 def test_does_not_fit_names_the_dominant_part_and_only_useful_switches(config):
@@ -152,8 +184,9 @@ def test_does_not_fit_names_the_dominant_part_and_only_useful_switches(config):
 
     lora = config(training_type="lora", mixed_precision="bf16", optimizer="sgd")
     switches = suggest_switches(lora, _breakdown(1, True))
-    assert not any(s.startswith(("training_type", "mixed_precision", "optimizer", "gradient_checkpointing"))
-                   for s in switches)
+    assert not any(
+        s.startswith(("training_type", "mixed_precision", "optimizer", "gradient_checkpointing")) for s in switches
+    )
 
 
 def test_overhead_alone_too_big_says_the_gpu_is_too_small(config):
@@ -163,8 +196,12 @@ def test_overhead_alone_too_big_says_the_gpu_is_too_small(config):
 
 
 def test_ramp_keeps_its_target_and_limits_the_micro_batch(config):
-    ramp = {"enable_batch_size_rampup": True, "initial_effective_batch_size": 8, "target_effective_batch_size": 64,
-            "batch_rampup_steps": 10}
+    ramp = {
+        "enable_batch_size_rampup": True,
+        "initial_effective_batch_size": 8,
+        "target_effective_batch_size": 64,
+        "batch_rampup_steps": 10,
+    }
     cfg = config(train_batch_size=2, gh200_optimizations=ramp)
     cache = EstimateCache(cfg, estimate_fn=FakeEstimates())
     plan = plan_batch(cfg, 80 * GiB, estimates=cache)
@@ -175,8 +212,12 @@ def test_ramp_keeps_its_target_and_limits_the_micro_batch(config):
     with pytest.raises(ValueError, match="ramps the effective batch from 8 to 64"):
         plan_batch(cfg, 80 * GiB, 32, estimates=cache)
     with pytest.raises(ValueError, match="no micro-batch splits both ends of the ramp"):
-        plan_batch(config(train_batch_size=1, gh200_optimizations={**ramp, "initial_effective_batch_size": 2}),
-                   80 * GiB, num_processes=4, estimates=None)
+        plan_batch(
+            config(train_batch_size=1, gh200_optimizations={**ramp, "initial_effective_batch_size": 2}),
+            80 * GiB,
+            num_processes=4,
+            estimates=None,
+        )
 
 
 def test_extras_validation_models_and_ddp_buckets(config):
@@ -197,7 +238,8 @@ def test_extras_validation_models_and_ddp_buckets(config):
     low = config(validation_prompt="a red square", mixed_precision="bf16", low_vram=True)
     breakdown = plan.estimate.breakdown
     assert extra_bytes(low, breakdown, validation_bytes=validation).get(VALIDATION_MODELS, 0) == max(
-        0, validation - breakdown.activations)
+        0, validation - breakdown.activations
+    )
     assert extra_bytes(low, breakdown, validation_bytes=breakdown.activations + 5) == {VALIDATION_MODELS: 5}
 
 

@@ -77,23 +77,33 @@ def test_auto_config_needs_a_memory_size(cfg_file, capsys, no_gpu):
 
 def test_apply_writes_backup_and_diff_and_keeps_everything_else(cfg_file, capsys):
     original = cfg_file.read_text()
-    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--target-effective-batch", "4", "--apply"]) == 0
+    assert (
+        main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--target-effective-batch", "4", "--apply"]) == 0
+    )
     out = capsys.readouterr().out
     backup = cfg_file.with_name("cfg.json.backup")
     assert backup.read_text() == original
-    assert "train_batch_size: 2 -> 4" in out and '-    "train_batch_size": 2,' in out and '+    "train_batch_size": 4,' in out
+    assert (
+        "train_batch_size: 2 -> 4" in out
+        and '-    "train_batch_size": 2,' in out
+        and '+    "train_batch_size": 4,' in out
+    )
     new = cfg_file.read_text()
     assert new == original.replace('"train_batch_size": 2', '"train_batch_size": 4')  # nothing else moved
     old_raw, new_raw = json.loads(original), json.loads(new)
     assert list(new_raw) == list(old_raw) and {**old_raw, "train_batch_size": 4} == new_raw
 
-    assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--target-effective-batch", "8", "--apply"]) == 0
+    assert (
+        main(["estimate", "--config", str(cfg_file), "--gpu", "h100", "--target-effective-batch", "8", "--apply"]) == 0
+    )
     capsys.readouterr()
     assert backup.read_text() == original, "an existing backup is never overwritten"
     assert cfg_file.with_name("cfg.json.backup.1").read_text() == new
     # 12 images in 3 buckets: the largest holds 4, so 8 splits as 4 x 2 (train refuses a micro-batch of 8)
     assert {k: json.loads(cfg_file.read_text())[k] for k in ("train_batch_size", "gradient_accumulation_steps")} == {
-        "train_batch_size": 4, "gradient_accumulation_steps": 2}
+        "train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+    }
 
 
 def test_apply_refuses_a_read_only_file(cfg_file, capsys):
@@ -166,8 +176,14 @@ def test_profile_runs_the_trainers_steps_in_a_throwaway_output_dir(tmp_path, mak
 
         def __init__(self):
             self.calls = []
-            self.values = {"is_available": True, "max_memory_allocated": GiB // 4, "max_memory_reserved": GiB // 2,
-                           "mem_get_info": (GiB, 2 * GiB), "memory_reserved": GiB // 2, "get_device_name": "Fake GPU"}
+            self.values = {
+                "is_available": True,
+                "max_memory_allocated": GiB // 4,
+                "max_memory_reserved": GiB // 2,
+                "mem_get_info": (GiB, 2 * GiB),
+                "memory_reserved": GiB // 2,
+                "get_device_name": "Fake GPU",
+            }
 
         def __getattr__(self, name):
             return lambda *args, **kwargs: self.calls.append(name) or self.values.get(name)
@@ -175,13 +191,24 @@ def test_profile_runs_the_trainers_steps_in_a_throwaway_output_dir(tmp_path, mak
     cuda = FakeCuda()
     monkeypatch.setattr(profile, "torch", types.SimpleNamespace(cuda=cuda))
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(make_config(gradient_accumulation_steps=3, validation_prompt="a red square",
-                                           validation_steps=1, checkpointing_steps=1)))
+    path.write_text(
+        json.dumps(
+            make_config(
+                gradient_accumulation_steps=3,
+                validation_prompt="a red square",
+                validation_steps=1,
+                checkpointing_steps=1,
+            )
+        )
+    )
     breakdown = estimate_memory(load_config(path).config)
     result = profile.profile_training(str(path), [], breakdown, steps=2)
     assert cuda.calls.index("reset_peak_memory_stats") < cuda.calls.index("max_memory_allocated")
     assert (result.measured_allocated, result.measured_reserved, result.measured_outside_allocator) == (
-        GiB // 4, GiB // 2, GiB // 2)
+        GiB // 4,
+        GiB // 2,
+        GiB // 2,
+    )
     assert result.estimated_total == breakdown.total and result.measured_total == GiB
     assert "Fake GPU" in result.table()
     assert not (tmp_path / "output").exists(), "no checkpoints, validation images or weights in the config's output_dir"
@@ -228,8 +255,12 @@ def test_an_internal_error_exits_70_with_the_traceback_and_what_to_report(cfg_fi
 def test_fork_only_alloc_conf_keys_stop_the_estimate(cfg_file, capsys, monkeypatch):
     from simpletuner.memory import autoconfig
 
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "use_uvm:True,uvm_oversubscription_ratio:1.5,expandable_segments:True")
-    monkeypatch.setattr(autoconfig, "estimate_memory", lambda *a, **k: pytest.fail("estimated despite the bad variable"))
+    monkeypatch.setenv(
+        "PYTORCH_CUDA_ALLOC_CONF", "use_uvm:True,uvm_oversubscription_ratio:1.5,expandable_segments:True"
+    )
+    monkeypatch.setattr(
+        autoconfig, "estimate_memory", lambda *a, **k: pytest.fail("estimated despite the bad variable")
+    )
     assert main(["estimate", "--config", str(cfg_file), "--gpu", "h100"]) == 2
     err = capsys.readouterr().err.splitlines()
     errors = [line for line in err if line.startswith("error: ")]
@@ -245,8 +276,9 @@ def test_unknown_alloc_conf_keys_warn_and_the_estimate_goes_on(cfg_file, capsys,
     assert "warning: PYTORCH_CUDA_ALLOC_CONF sets `fancy_new_knob`" in err and "error" not in err
 
 
-def test_estimate_uses_the_precision_train_would_use_and_says_where_it_came_from(tmp_path, make_config, capsys,
-                                                                                  monkeypatch, no_gpu):
+def test_estimate_uses_the_precision_train_would_use_and_says_where_it_came_from(
+    tmp_path, make_config, capsys, monkeypatch, no_gpu
+):
     raw = make_config(train_batch_size=2)
     raw.pop("mixed_precision", None)
     path = tmp_path / "cfg.json"
@@ -264,4 +296,6 @@ def test_estimate_uses_the_precision_train_would_use_and_says_where_it_came_from
     assert "mixed precision bf16:" in out
 
     assert main(["estimate", "--config", str(path), "--set", "mixed_precision=no"]) == 2
-    assert "says 'no' but the environment variable ACCELERATE_MIXED_PRECISION=bf16 says 'bf16'" in capsys.readouterr().err
+    assert (
+        "says 'no' but the environment variable ACCELERATE_MIXED_PRECISION=bf16 says 'bf16'" in capsys.readouterr().err
+    )

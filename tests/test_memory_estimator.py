@@ -83,7 +83,14 @@ def _real_counts(cfg) -> dict[str, int]:
         {"training_type": "lora", "mixed_precision": "bf16", "optimizer": "sgd", "lora_rank": 4},
         {"training_type": "full", "mixed_precision": "bf16", "optimizer": "sgd"},
     ],
-    ids=["full-fp32-adamw", "lora-fp32-adamw", "lora-bf16-adamw", "lora-fp16-adam", "lora-bf16-sgd-r4", "full-bf16-sgd"],
+    ids=[
+        "full-fp32-adamw",
+        "lora-fp32-adamw",
+        "lora-bf16-adamw",
+        "lora-fp16-adam",
+        "lora-bf16-sgd-r4",
+        "full-bf16-sgd",
+    ],
 )
 def test_exact_counts_match_a_real_model(config, overrides):
     cfg = config(**overrides)
@@ -95,7 +102,9 @@ def test_exact_counts_match_a_real_model(config, overrides):
     assert est.optimizer_state == real["optimizer_state"]
     assert est.num_parameters == real["num_parameters"]
     assert est.trainable_dtype == "float32"
-    assert est.weight_dtype == ("float32" if overrides["training_type"] == "full" else str(_DTYPES[overrides["mixed_precision"]])[6:])
+    assert est.weight_dtype == (
+        "float32" if overrides["training_type"] == "full" else str(_DTYPES[overrides["mixed_precision"]])[6:]
+    )
 
 
 # The real step is measured with torch.profiler (profile_memory=True): the CPU allocator's own
@@ -149,8 +158,16 @@ def test_gradient_checkpointing_lowers_activations(config):
 
 def test_breakdown_adds_up_and_table_renders(config):
     est = estimate_memory(config(mixed_precision="bf16", optimizer="adam"))
-    parts = (est.weights + est.gradients + est.optimizer_state + est.activations + est.optimizer_transient
-             + est.not_live_at_once + est.batch_data + est.framework_overhead)
+    parts = (
+        est.weights
+        + est.gradients
+        + est.optimizer_state
+        + est.activations
+        + est.optimizer_transient
+        + est.not_live_at_once
+        + est.batch_data
+        + est.framework_overhead
+    )
     assert parts == est.total
     assert est.not_live_at_once <= 0
     assert est.framework_overhead == est.cuda_context + est.workspaces + est.fragmentation
@@ -161,7 +178,16 @@ def test_breakdown_adds_up_and_table_renders(config):
     assert est.headroom(usable) == usable - est.total
     assert est.headroom(est.total // 2) < 0
     text = est.table(usable)
-    for word in ("weights", "gradients", "optimizer state", "activations", "batch data", "framework overhead", "total", "headroom"):
+    for word in (
+        "weights",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "batch data",
+        "framework overhead",
+        "total",
+        "headroom",
+    ):
         assert word in text
     assert f"{est.total / GiB:.2f}" in text
     assert f"{est.headroom(usable) / GiB:.2f}" in text
@@ -213,7 +239,9 @@ def test_flops_match_a_real_step(config):
     model = apply_lora(spec.load_denoiser(torch.float32), spec.lora_targets, cfg, base_dtype=torch.float32)
     counter = FlopCounterMode(display=False)
     with counter:
-        loss = spec.training_loss(model, torch.randn(2, 4, 8, 8), {"prompt_embeds": torch.randn(2, 77, 32)}, torch.Generator())
+        loss = spec.training_loss(
+            model, torch.randn(2, 4, 8, 8), {"prompt_embeds": torch.randn(2, 77, 32)}, torch.Generator()
+        )
         (loss.sum() / 2).backward()
     assert est == counter.get_total_flops() > 0
     assert flops_per_step(cfg, 4) == pytest.approx(2 * est, rel=0.05)
@@ -237,7 +265,9 @@ def test_sd15_config_only_estimate_in_a_fresh_process(tmp_path):
                           "cuda_initialized": torch.cuda.is_initialized()}}))
     """)
     env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600, check=True
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     est = result["est"]
     assert est["num_parameters"] - est["num_trainable_parameters"] == 859_520_964  # SD1.5 UNet

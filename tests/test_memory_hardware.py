@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
 
 from simpletuner.gh200.runtime import DeviceMemoryInfo, NoCudaRuntime
 from simpletuner.memory.hardware import (
@@ -17,7 +18,6 @@ from simpletuner.memory.hardware import (
     mfu,
     resolve_gpu_name,
 )
-from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
 
 KIB = 1024
 

@@ -22,9 +22,19 @@ from simpletuner.memory.presets import (
     preset_names,
 )
 
-EXPECTED = {"gb10_conservative", "gb10_optimized", "gb10_experimental", "gh200",
-            "gb10_sd15_conservative", "gb10_sd15_optimized", "gb10_sd15_experimental",
-            "discrete_24gb", "discrete_32gb", "discrete_40gb", "discrete_80gb"}
+EXPECTED = {
+    "gb10_conservative",
+    "gb10_optimized",
+    "gb10_experimental",
+    "gh200",
+    "gb10_sd15_conservative",
+    "gb10_sd15_optimized",
+    "gb10_sd15_experimental",
+    "discrete_24gb",
+    "discrete_32gb",
+    "discrete_40gb",
+    "discrete_80gb",
+}
 #: What each preset's description must name: the model its values were chosen for.
 WORKLOAD_WORDS = {"wan": "Wan 2.2", "sd": "SD 1.5"}
 
@@ -47,7 +57,9 @@ def test_every_preset_loads_and_validates(name, make_config, tiny_sd, tiny_wan22
     assert WORKLOAD_WORDS[preset.model_family] in preset.workload, "every preset says which workload it was made for"
     assert WORKLOAD_WORDS[preset.model_family] in preset.description
     model = tiny_wan22 if preset.model_family == "wan" else str(tiny_sd)
-    raw = merge_settings(make_config(model_family=preset.model_family, pretrained_model_name_or_path=model), preset.settings)
+    raw = merge_settings(
+        make_config(model_family=preset.model_family, pretrained_model_name_or_path=model), preset.settings
+    )
     config = validate_config(raw)
     for key, value in preset.flat_settings().items():  # every setting is a real key, applied as written
         current = config
@@ -68,8 +80,9 @@ def test_merge_updates_nested_sections_key_by_key(make_config):
     merged = merge_settings(raw, {"cache_config": {"vae_cache_type": "memory"}, "train_batch_size": 8})
     assert merged["cache_config"] == {**raw["cache_config"], "vae_cache_type": "memory"}
     assert merged["train_batch_size"] == 8 and raw["train_batch_size"] == 2  # the input is not changed
-    assert flatten_settings({"cuda_allocator": {"expandable_segments": True}, "cache_config": {"vae_cache_type": "disk"}}) == {
-        "cuda_allocator": {"expandable_segments": True}, "cache_config.vae_cache_type": "disk"}
+    assert flatten_settings(
+        {"cuda_allocator": {"expandable_segments": True}, "cache_config": {"vae_cache_type": "disk"}}
+    ) == {"cuda_allocator": {"expandable_segments": True}, "cache_config.vae_cache_type": "disk"}
 
 
 def test_bad_presets_are_refused(tmp_path):
@@ -90,11 +103,14 @@ def test_bad_presets_are_refused(tmp_path):
         load_preset("gh200", tmp_path)
 
 
-@pytest.mark.parametrize("name, micro_batch, accumulation, low_vram, text_cache", [
-    ("gb10_conservative", 1, 4, True, "disk"),
-    ("gb10_optimized", 1, 8, False, "disk"),
-    ("gb10_experimental", 2, 4, False, "memory"),
-])
+@pytest.mark.parametrize(
+    "name, micro_batch, accumulation, low_vram, text_cache",
+    [
+        ("gb10_conservative", 1, 4, True, "disk"),
+        ("gb10_optimized", 1, 8, False, "disk"),
+        ("gb10_experimental", 2, 4, False, "memory"),
+    ],
+)
 def test_gb10_presets_carry_the_guides_values_for_wan22(name, micro_batch, accumulation, low_vram, text_cache):
     """The GB10 guide's three Wan 2.2 T2V A14B LoRA configs (original, optimized, experimental)."""
     preset = load_preset(name)
@@ -109,17 +125,23 @@ def test_gb10_presets_carry_the_guides_values_for_wan22(name, micro_batch, accum
 
 
 def test_sd15_gb10_presets_keep_their_values_under_names_that_say_so():
-    assert {p: load_preset(p).model_family for p in ("gb10_sd15_conservative", "gb10_sd15_optimized",
-                                                     "gb10_sd15_experimental")} == dict.fromkeys(
-        ("gb10_sd15_conservative", "gb10_sd15_optimized", "gb10_sd15_experimental"), "sd")
+    assert {
+        p: load_preset(p).model_family
+        for p in ("gb10_sd15_conservative", "gb10_sd15_optimized", "gb10_sd15_experimental")
+    } == dict.fromkeys(("gb10_sd15_conservative", "gb10_sd15_optimized", "gb10_sd15_experimental"), "sd")
     assert load_preset("gb10_sd15_conservative").settings["train_batch_size"] == 2
     assert load_preset("gb10_sd15_optimized").settings["train_batch_size"] == 8
     assert load_preset("gb10_sd15_experimental").settings["gh200_optimizations"]["target_effective_batch_size"] == 64
 
 
 def test_apply_preset_keeps_what_the_config_sets_and_says_where_each_value_came_from(make_config, tiny_wan22):
-    raw = make_config(model_family="wan", pretrained_model_name_or_path=tiny_wan22, train_batch_size=3, low_vram=False,
-                      cache_config={"cache_dir": "/tmp/c", "text_cache_type": "memory"})
+    raw = make_config(
+        model_family="wan",
+        pretrained_model_name_or_path=tiny_wan22,
+        train_batch_size=3,
+        low_vram=False,
+        cache_config={"cache_dir": "/tmp/c", "text_cache_type": "memory"},
+    )
     before = json.loads(json.dumps(raw))
     merged, lines = apply_preset(raw, "gb10_conservative")
     assert raw == before, "the input is not changed"
@@ -128,7 +150,8 @@ def test_apply_preset_keeps_what_the_config_sets_and_says_where_each_value_came_
     # nested sections merge key by key: the config's cache_dir and text_cache_type, the preset's vae_cache_type
     assert merged["cache_config"] == {"cache_dir": "/tmp/c", "text_cache_type": "memory", "vae_cache_type": "disk"}
     assert {k: merged[k] for k in raw if k not in ("train_batch_size", "low_vram", "cache_config")} == {
-        k: v for k, v in raw.items() if k not in ("train_batch_size", "low_vram", "cache_config")}
+        k: v for k, v in raw.items() if k not in ("train_batch_size", "low_vram", "cache_config")
+    }
     text = "\n".join(lines)
     assert "train_batch_size = 3  (config; the preset's 1 not used)" in text
     assert "gradient_accumulation_steps = 4  (preset gb10_conservative)" in text
@@ -140,7 +163,9 @@ def test_apply_preset_keeps_what_the_config_sets_and_says_where_each_value_came_
 
 
 def test_apply_preset_refuses_an_unknown_name_and_another_model_family(make_config, tmp_path):
-    with pytest.raises(ValueError, match="unknown preset 'gb10_fast': known presets are .*gb10_conservative.*--list-presets"):
+    with pytest.raises(
+        ValueError, match="unknown preset 'gb10_fast': known presets are .*gb10_conservative.*--list-presets"
+    ):
         apply_preset(make_config(model_family="wan"), "gb10_fast")
     with pytest.raises(ValueError) as info:
         apply_preset(make_config(model_family="sdxl"), "gb10_optimized")
@@ -150,7 +175,9 @@ def test_apply_preset_refuses_an_unknown_name_and_another_model_family(make_conf
     assert "--target-effective-batch" in message
     raw = make_config(model_family="wan")
     del raw["model_family"]  # the schema's default, sd: named as the default
-    with pytest.raises(ValueError, match=r"model_family 'sd' \(the default.*use a preset made for 'sd' \(discrete_24gb"):
+    with pytest.raises(
+        ValueError, match=r"model_family 'sd' \(the default.*use a preset made for 'sd' \(discrete_24gb"
+    ):
         apply_preset(raw, "gb10_optimized")
     (tmp_path / "mine.json").write_text((PRESETS_DIR / "gh200.json").read_text().replace('"gh200"', '"mine"', 1))
     raw = make_config()
@@ -177,7 +204,9 @@ def test_cli_lists_explains_and_compares(tmp_path, capsys, make_config):
 
     assert main(["estimate", "--preset", "gb10_conservative"]) == 0
     out = capsys.readouterr().out
-    assert "dataloader_num_workers = 0" in out and 'base_model_precision = "qfloat8"' in out and "low_vram = true" in out
+    assert (
+        "dataloader_num_workers = 0" in out and 'base_model_precision = "qfloat8"' in out and "low_vram = true" in out
+    )
     assert "made for: Wan 2.2 T2V A14B" in out and "--gpu gb10" in out
 
     path = tmp_path / "cfg.json"
@@ -200,7 +229,12 @@ def test_cli_lists_explains_and_compares(tmp_path, capsys, make_config):
 
 
 def _wan_config_file(tmp_path, make_config, model):
-    raw = make_config(model_family="wan", pretrained_model_name_or_path=model, train_batch_size=2, cache_config={"cache_dir": "cache/wan"})
+    raw = make_config(
+        model_family="wan",
+        pretrained_model_name_or_path=model,
+        train_batch_size=2,
+        cache_config={"cache_dir": "cache/wan"},
+    )
     path = tmp_path / "wan.json"
     path.write_text(json.dumps(raw, indent=2) + "\n")
     return path, raw
@@ -216,8 +250,12 @@ def test_cli_apply_writes_the_preset_into_the_config(tmp_path, capsys, make_conf
     assert written["train_batch_size"] == 2  # the config's own value wins
     assert written["gradient_accumulation_steps"] == 4 and written["base_model_precision"] == "qfloat8"
     assert written["low_vram"] is False and written["dataloader_num_workers"] == 0
-    assert written["cache_config"] == {"cache_dir": "cache/wan", "vae_cache_type": "disk", "text_cache_type": "memory",
-                                       "persistent_cache": True}
+    assert written["cache_config"] == {
+        "cache_dir": "cache/wan",
+        "vae_cache_type": "disk",
+        "text_cache_type": "memory",
+        "persistent_cache": True,
+    }
     assert {k: v for k, v in written.items() if k in raw} == {**raw, "cache_config": written["cache_config"]}
     assert "train_batch_size = 2  (config; the same as the preset)" in out
     assert "gradient_accumulation_steps = 4  (preset gb10_experimental)" in out
@@ -239,7 +277,10 @@ def test_cli_apply_refuses_bad_presets_before_touching_the_file(tmp_path, capsys
     assert "'gb10_optimized' was made for Wan 2.2" in err and "trains model_family 'sd'" in err
     assert main(["estimate", "--preset", "nope", "--config", str(path), "--apply"]) == 2
     assert "unknown preset 'nope'" in capsys.readouterr().err
-    assert main(["estimate", "--preset", "gb10_optimized", "--config", str(path), "--apply", "--set", "low_vram=true"]) == 2
+    assert (
+        main(["estimate", "--preset", "gb10_optimized", "--config", str(path), "--apply", "--set", "low_vram=true"])
+        == 2
+    )
     assert "--set changes would not be written" in capsys.readouterr().err
     assert main(["estimate", "--preset", "gb10_optimized", "--apply"]) == 2
     assert "add --config" in capsys.readouterr().err

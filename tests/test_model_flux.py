@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import FluxSpec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.flux import FLUX_TRAINING_GUIDANCE, T5_MAX_LENGTH, pack_latents, unpack_latents
 from simpletuner.models.zoo import TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_T5_WIDTH
-from training_helpers import fixed_loss, train
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,10 @@ def flux_config(make_config, tiny_flux):
 
 
 def _cond(gen, batch=2):
-    return {"prompt_embeds": torch.randn(batch, T5_MAX_LENGTH, TINY_FLUX_T5_WIDTH, generator=gen),
-            "pooled_prompt_embeds": torch.randn(batch, TINY_FLUX_CLIP_HIDDEN, generator=gen)}
+    return {
+        "prompt_embeds": torch.randn(batch, T5_MAX_LENGTH, TINY_FLUX_T5_WIDTH, generator=gen),
+        "pooled_prompt_embeds": torch.randn(batch, TINY_FLUX_CLIP_HIDDEN, generator=gen),
+    }
 
 
 def _call(model, packed, timestep, cond, h, w):
@@ -42,11 +44,16 @@ def _call(model, packed, timestep, cond, h, w):
     from diffusers import FluxPipeline
 
     b = packed.shape[0]
-    return model(hidden_states=packed, timestep=timestep, guidance=torch.full((b,), FLUX_TRAINING_GUIDANCE),
-                 pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=cond["prompt_embeds"],
-                 txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3),
-                 img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", torch.float32),
-                 return_dict=False)[0]
+    return model(
+        hidden_states=packed,
+        timestep=timestep,
+        guidance=torch.full((b,), FLUX_TRAINING_GUIDANCE),
+        pooled_projections=cond["pooled_prompt_embeds"],
+        encoder_hidden_states=cond["prompt_embeds"],
+        txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3),
+        img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", torch.float32),
+        return_dict=False,
+    )[0]
 
 
 def test_zoo_folder_loads_and_is_checked(flux_config, tiny_flux):
@@ -97,8 +104,14 @@ def test_prompts_match_the_diffusers_pipeline(flux_config, tiny_flux):
 
     sampler = spec.build_pipeline(spec.load_denoiser(), spec.load_vae(torch.device("cpu"), torch.float32), encoders)
     sampler.set_progress_bar_config(disable=True)
-    images = sampler("a red square", num_inference_steps=2, guidance_scale=3.5, height=64, width=64,
-                     generator=torch.Generator().manual_seed(0)).images
+    images = sampler(
+        "a red square",
+        num_inference_steps=2,
+        guidance_scale=3.5,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images[0].size == (64, 64)
 
 
@@ -106,8 +119,9 @@ def test_prompts_match_the_diffusers_pipeline(flux_config, tiny_flux):
 def test_loss_is_the_flow_matching_formula(flux_config, weighting, flow_shift):
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    cfg = validate_config(flux_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=flow_shift,
-                                      loss_weighting=weighting))
+    cfg = validate_config(
+        flux_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=flow_shift, loss_weighting=weighting)
+    )
     spec = get_model_spec(cfg)
     model = spec.load_denoiser().eval()
     gen = torch.Generator().manual_seed(7)
@@ -146,8 +160,14 @@ def test_lora_overfits_and_reloads_in_diffusers(flux_config, tiny_flux, tmp_path
     raw = flux_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
     trainer, _ = train(raw)
     before = fixed_loss(trainer)
-    raw = flux_config(max_train_steps=40, learning_rate=1e-2, lora_rank=16, lora_alpha=8,
-                      output_dir=str(tmp_path / "long"), logging_steps=10)
+    raw = flux_config(
+        max_train_steps=40,
+        learning_rate=1e-2,
+        lora_rank=16,
+        lora_alpha=8,
+        output_dir=str(tmp_path / "long"),
+        logging_steps=10,
+    )
     trainer, result = train(raw)
     after = fixed_loss(trainer)
     assert result.global_step == 40 and len(result.losses) == 40
@@ -163,7 +183,9 @@ def test_lora_overfits_and_reloads_in_diffusers(flux_config, tiny_flux, tmp_path
     with torch.no_grad():
         want = _call(trained, packed, t, cond, 8, 8)
         got = _call(loaded.transformer, packed, t, cond, 8, 8)
-        base = _call(FluxPipeline.from_pretrained(str(tiny_flux), use_safetensors=True).transformer, packed, t, cond, 8, 8)
+        base = _call(
+            FluxPipeline.from_pretrained(str(tiny_flux), use_safetensors=True).transformer, packed, t, cond, 8, 8
+        )
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
 

@@ -25,12 +25,14 @@ def _write(path, raw):
 
 def test_family_contradicting_the_folder_stops_at_config_time_with_the_fix(make_config, tiny_sd, tmp_path, capsys):
     # The dataset folder does not exist: the family is refused without scanning (or needing) any data.
-    raw = make_config(model_family="sdxl", datasets=[{"id": "x", "type": "local", "instance_data_dir": str(tmp_path / "none")}])
+    raw = make_config(
+        model_family="sdxl", datasets=[{"id": "x", "type": "local", "instance_data_dir": str(tmp_path / "none")}]
+    )
     with pytest.raises(ConfigError) as info:
         validate_config(raw, check_files=False)
     (line,) = [p for p in info.value.problems if p.startswith("model_family:")]
     assert "'sdxl'" in line and "StableDiffusionPipeline" in line and str(tiny_sd / "model_index.json") in line
-    assert "set `model_family: \"sd\"`" in line and "remove `model_family`" in line
+    assert 'set `model_family: "sd"`' in line and "remove `model_family`" in line
 
     # The entry point: exit 2 and the message, not "tokenizer_2 does not exist" after caching.
     code = main(["--config", str(_write(tmp_path / "cfg.json", raw))])

@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import torch
+from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusion3Spec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd3 import T5_MAX_LENGTH
 from simpletuner.models.zoo import TINY_SD3_CLIP_PROJECTION, TINY_SD3_T5_WIDTH
-from training_helpers import fixed_loss, train
 
 POOLED = sum(TINY_SD3_CLIP_PROJECTION)
 SEQ = 77 + T5_MAX_LENGTH
@@ -53,7 +53,14 @@ def test_zoo_folder_loads_and_is_checked(sd3_config, tiny_sd3, tmp_path):
     assert type(transformer).__name__ == "SD3Transformer2DModel"
     assert transformer.config.in_channels == 16 and transformer.config.joint_attention_dim == TINY_SD3_T5_WIDTH
     encoders = spec.load_text_encoders(torch.device("cpu"), torch.float32)
-    assert sorted(encoders) == ["text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"]
+    assert sorted(encoders) == [
+        "text_encoder",
+        "text_encoder_2",
+        "text_encoder_3",
+        "tokenizer",
+        "tokenizer_2",
+        "tokenizer_3",
+    ]
     vae = spec.load_vae(torch.device("cpu"), torch.float32)
     assert vae.config.latent_channels == 16 and vae.config.shift_factor
     assert spec.shift == 3.0
@@ -87,7 +94,9 @@ def test_prompts_match_the_diffusers_pipeline_with_and_without_t5(sd3_config, ti
         extra = {} if spec.has_t5 else {"text_encoder_3": None, "tokenizer_3": None}
         pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), use_safetensors=True, **extra)
         with torch.no_grad():  # as in the pipeline's __call__
-            embeds, _, pooled, _ = pipe.encode_prompt(captions, None, None, device="cpu", do_classifier_free_guidance=False)
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                captions, None, None, device="cpu", do_classifier_free_guidance=False
+            )
         got = torch.stack([c["prompt_embeds"] for c in out])
         assert torch.allclose(got, embeds, atol=1e-6)
         assert torch.allclose(torch.stack([c["pooled_prompt_embeds"] for c in out]), pooled, atol=1e-6)
@@ -98,21 +107,30 @@ def test_prompts_match_the_diffusers_pipeline_with_and_without_t5(sd3_config, ti
         # The validation pipeline samples with the (untrained) model.
         sampler = spec.build_pipeline(spec.load_denoiser(), spec.load_vae(torch.device("cpu"), torch.float32), encoders)
         sampler.set_progress_bar_config(disable=True)
-        images = sampler("a red square", num_inference_steps=2, guidance_scale=3.0, height=64, width=64,
-                         generator=torch.Generator().manual_seed(0)).images
+        images = sampler(
+            "a red square",
+            num_inference_steps=2,
+            guidance_scale=3.0,
+            height=64,
+            width=64,
+            generator=torch.Generator().manual_seed(0),
+        ).images
         assert images[0].size == (64, 64)
 
 
 @pytest.mark.parametrize("weighting", ["none", "sigma_sqrt", "cosmap"])
 def test_loss_is_the_flow_matching_formula(sd3_config, weighting):
-    cfg = validate_config(sd3_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=2.0,
-                                     loss_weighting=weighting))
+    cfg = validate_config(
+        sd3_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=2.0, loss_weighting=weighting)
+    )
     spec = get_model_spec(cfg)
     model = spec.load_denoiser().eval()
     gen = torch.Generator().manual_seed(7)
     latents = torch.randn(3, 16, 8, 8, generator=gen)
-    cond = {"prompt_embeds": torch.randn(3, SEQ, TINY_SD3_T5_WIDTH, generator=gen),
-            "pooled_prompt_embeds": torch.randn(3, POOLED, generator=gen)}
+    cond = {
+        "prompt_embeds": torch.randn(3, SEQ, TINY_SD3_T5_WIDTH, generator=gen),
+        "pooled_prompt_embeds": torch.randn(3, POOLED, generator=gen),
+    }
     with torch.no_grad():
         got = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
 
@@ -122,8 +140,13 @@ def test_loss_is_the_flow_matching_formula(sd3_config, weighting):
         sigmas = 2.0 * u / (1 + (2.0 - 1) * u)
         s = sigmas.view(-1, 1, 1, 1)
         noisy = (1 - s) * latents + s * noise
-        pred = model(hidden_states=noisy, timestep=sigmas * 1000, encoder_hidden_states=cond["prompt_embeds"],
-                     pooled_projections=cond["pooled_prompt_embeds"], return_dict=False)[0]
+        pred = model(
+            hidden_states=noisy,
+            timestep=sigmas * 1000,
+            encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
         want = ((pred - (noise - latents)) ** 2).mean(dim=(1, 2, 3))
         if weighting != "none":
             want = want * noise_lib.flow_weights(sigmas, weighting)
@@ -148,8 +171,14 @@ def test_lora_overfits_and_reloads_in_diffusers(sd3_config, tiny_sd3, tmp_path):
     raw = sd3_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
     trainer, _ = _train(raw)
     before = _fixed_loss(trainer)
-    raw = sd3_config(max_train_steps=40, learning_rate=1e-2, lora_rank=16, lora_alpha=8,
-                     output_dir=str(tmp_path / "long"), logging_steps=10)
+    raw = sd3_config(
+        max_train_steps=40,
+        learning_rate=1e-2,
+        lora_rank=16,
+        lora_alpha=8,
+        output_dir=str(tmp_path / "long"),
+        logging_steps=10,
+    )
     trainer, result = _train(raw)
     after = _fixed_loss(trainer)
     assert result.global_step == 40 and len(result.losses) == 40
@@ -160,9 +189,13 @@ def test_lora_overfits_and_reloads_in_diffusers(sd3_config, tiny_sd3, tmp_path):
     loaded.load_lora_weights(str(result.output_path.parent))
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     gen = torch.Generator().manual_seed(1)
-    kwargs = dict(hidden_states=torch.randn(2, 16, 8, 8, generator=gen), timestep=torch.tensor([10.0, 500.0]),
-                  encoder_hidden_states=torch.randn(2, SEQ, TINY_SD3_T5_WIDTH, generator=gen),
-                  pooled_projections=torch.randn(2, POOLED, generator=gen), return_dict=False)
+    kwargs = dict(
+        hidden_states=torch.randn(2, 16, 8, 8, generator=gen),
+        timestep=torch.tensor([10.0, 500.0]),
+        encoder_hidden_states=torch.randn(2, SEQ, TINY_SD3_T5_WIDTH, generator=gen),
+        pooled_projections=torch.randn(2, POOLED, generator=gen),
+        return_dict=False,
+    )
     with torch.no_grad():
         want = trained(**kwargs)[0]
         got = loaded.transformer(**kwargs)[0]

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
+from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusionXLSpec, get_model_spec
 from simpletuner.models.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
-from training_helpers import fixed_loss, train
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +80,23 @@ def test_prompts_and_time_ids_match_the_diffusers_pipeline(sdxl_config, pipe):
 
     # Time ids of a 48x64 (h x w) bucket: what the pipeline passes when sampling at that size.
     latents = torch.zeros(3, 4, 6, 8)
-    want = pipe._get_add_time_ids((48, 64), (0, 0), (48, 64), torch.float32, text_encoder_projection_dim=TINY_SDXL_PROJECTION)
+    want = pipe._get_add_time_ids(
+        (48, 64), (0, 0), (48, 64), torch.float32, text_encoder_projection_dim=TINY_SDXL_PROJECTION
+    )
     assert torch.equal(spec.time_ids(latents), want.expand(3, 6))
 
     # The validation pipeline samples with the (untrained) model, classifier-free guidance on.
     vae = spec.load_vae(torch.device("cpu"), torch.float32)
     sampler = spec.build_pipeline(spec.load_denoiser(), vae, encoders)
     sampler.set_progress_bar_config(disable=True)
-    images = sampler("a red square", num_inference_steps=2, guidance_scale=3.0, height=64, width=64,
-                     generator=torch.Generator().manual_seed(0)).images
+    images = sampler(
+        "a red square",
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images[0].size == (64, 64)
 
 
@@ -98,8 +106,14 @@ def test_lora_overfits_and_reloads_in_diffusers(sdxl_config, tiny_sdxl, tmp_path
     raw = sdxl_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
     trainer, _ = _train(raw)
     before = _fixed_loss(trainer)
-    raw = sdxl_config(max_train_steps=60, learning_rate=1e-2, lora_rank=16, lora_alpha=8,
-                      output_dir=str(tmp_path / "long"), logging_steps=10)
+    raw = sdxl_config(
+        max_train_steps=60,
+        learning_rate=1e-2,
+        lora_rank=16,
+        lora_alpha=8,
+        output_dir=str(tmp_path / "long"),
+        logging_steps=10,
+    )
     trainer, result = _train(raw)
     after = _fixed_loss(trainer)
     assert result.global_step == 60 and len(result.losses) == 60
@@ -118,8 +132,11 @@ def test_lora_overfits_and_reloads_in_diffusers(sdxl_config, tiny_sdxl, tmp_path
     with torch.no_grad():
         want = trained(x, t, ctx, added_cond_kwargs=added).sample
         got = loaded.unet(x, t, ctx, added_cond_kwargs=added).sample
-        base = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True).unet(
-            x, t, ctx, added_cond_kwargs=added).sample
+        base = (
+            StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True)
+            .unet(x, t, ctx, added_cond_kwargs=added)
+            .sample
+        )
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
 

@@ -9,13 +9,14 @@ import shutil
 
 import pytest
 import torch
+from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import WanSpec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.wan import WAN_MAX_LENGTH
-from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C, TINY_WAN_T5_WIDTH as WIDTH
-from training_helpers import fixed_loss, train
+from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C
+from simpletuner.models.zoo import TINY_WAN_T5_WIDTH as WIDTH
 
 
 @pytest.fixture(scope="module")
@@ -69,23 +70,34 @@ def test_prompts_match_wan_pipeline_and_validation_samples(wan_config, tiny_wan)
     assert all(c["prompt_embeds"].shape == (WAN_MAX_LENGTH, WIDTH) for c in out)
     pipe = WanPipeline.from_pretrained(str(tiny_wan), use_safetensors=True)
     with torch.no_grad():
-        want, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=WAN_MAX_LENGTH,
-                                     device="cpu")
+        want, _ = pipe.encode_prompt(
+            captions, do_classifier_free_guidance=False, max_sequence_length=WAN_MAX_LENGTH, device="cpu"
+        )
     got = torch.stack([c["prompt_embeds"] for c in out])
     assert torch.allclose(got, want, atol=1e-6)
     assert torch.count_nonzero(got[0, 20:]) == 0 and torch.count_nonzero(got[0, :5]) > 0  # zero padding
 
     sampler = spec.build_pipeline(spec.load_denoiser(), spec.load_vae(torch.device("cpu"), torch.float32), encoders)
     sampler.set_progress_bar_config(disable=True)
-    images = sampler("a red square", num_images_per_prompt=2, num_inference_steps=2, guidance_scale=3.0, height=64,
-                     width=64, generator=torch.Generator().manual_seed(0)).images
+    images = sampler(
+        "a red square",
+        num_images_per_prompt=2,
+        num_inference_steps=2,
+        guidance_scale=3.0,
+        height=64,
+        width=64,
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert len(images) == 2 and images[0].size == (64, 64)
 
 
 @pytest.mark.parametrize("weighting", ["none", "cosmap"])
 def test_loss_is_the_flow_matching_formula(wan_config, weighting):
-    spec = get_model_spec(validate_config(wan_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=2.0,
-                                                     loss_weighting=weighting)))
+    spec = get_model_spec(
+        validate_config(
+            wan_config(timestep_sampling="logit_normal", logit_mean=0.2, flow_shift=2.0, loss_weighting=weighting)
+        )
+    )
     model = spec.load_denoiser().eval()
     gen = torch.Generator().manual_seed(7)
     latents = torch.randn(3, C, 1, 8, 8, generator=gen)
@@ -97,8 +109,12 @@ def test_loss_is_the_flow_matching_formula(wan_config, weighting):
         u = torch.sigmoid(torch.randn(3, generator=g) + 0.2)
         sigmas = 2.0 * u / (1 + u)
         s = sigmas.view(-1, 1, 1, 1, 1)
-        pred = model(hidden_states=(1 - s) * latents + s * noise, timestep=sigmas * 1000,
-                     encoder_hidden_states=cond["prompt_embeds"], return_dict=False)[0]
+        pred = model(
+            hidden_states=(1 - s) * latents + s * noise,
+            timestep=sigmas * 1000,
+            encoder_hidden_states=cond["prompt_embeds"],
+            return_dict=False,
+        )[0]
         want = ((pred - (noise - latents)) ** 2).mean(dim=(1, 2, 3, 4))
         if weighting != "none":
             want = want * noise_lib.flow_weights(sigmas, weighting)
@@ -120,8 +136,12 @@ def test_lora_overfits_and_reloads_in_diffusers(wan_config, tiny_wan, tmp_path):
     loaded.load_lora_weights(str(result.output_path.parent))
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     gen = torch.Generator().manual_seed(1)
-    kwargs = dict(hidden_states=torch.randn(2, C, 1, 8, 8, generator=gen), timestep=torch.tensor([10.0, 500.0]),
-                  encoder_hidden_states=torch.randn(2, WAN_MAX_LENGTH, WIDTH, generator=gen), return_dict=False)
+    kwargs = dict(
+        hidden_states=torch.randn(2, C, 1, 8, 8, generator=gen),
+        timestep=torch.tensor([10.0, 500.0]),
+        encoder_hidden_states=torch.randn(2, WAN_MAX_LENGTH, WIDTH, generator=gen),
+        return_dict=False,
+    )
     with torch.no_grad():
         want = trained(**kwargs)[0]
         got = loaded.transformer(**kwargs)[0]
@@ -145,8 +165,13 @@ def test_memory_estimate_of_a_video_dataset_counts_its_frames(wan_config, tmp_pa
     from simpletuner.memory.estimator import batch_shapes
 
     (tmp_path / "clips").mkdir()  # beside output_dir, not holding it
-    video = {"id": "clips", "type": "local", "instance_data_dir": str(tmp_path / "clips"), "dataset_type": "video",
-             "num_frames": 9}
+    video = {
+        "id": "clips",
+        "type": "local",
+        "instance_data_dir": str(tmp_path / "clips"),
+        "dataset_type": "video",
+        "num_frames": 9,
+    }
     cfg = validate_config(wan_config(datasets=[video]))
     latents, _ = batch_shapes(cfg, 2)
     assert latents.shape == (2, C, 3, 8, 8)  # 9 frames -> (9 - 1) / 4 + 1 latent frames

@@ -9,15 +9,22 @@ import shutil
 
 import pytest
 import torch
+from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import get_model_spec
 from simpletuner.models.wan import WAN_MAX_LENGTH
-from simpletuner.models.wan22 import (LORA_FILES, Wan22Spec, WanExperts, expert_of_key, split_expert_state_dict,
-                                      stage_from_filename)
-from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C, TINY_WAN_T5_WIDTH as WIDTH
+from simpletuner.models.wan22 import (
+    LORA_FILES,
+    Wan22Spec,
+    WanExperts,
+    expert_of_key,
+    split_expert_state_dict,
+    stage_from_filename,
+)
+from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C
+from simpletuner.models.zoo import TINY_WAN_T5_WIDTH as WIDTH
 from simpletuner.training.optim import build_optimizer
-from training_helpers import fixed_loss, train
 
 BOUNDARY = 875.0  # the zoo's boundary_ratio 0.875 x 1000 training timesteps
 
@@ -39,8 +46,10 @@ def wan22_config(make_config, tiny_wan22):
 
 def _inputs(batch: int, seed: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(batch, C, 1, 8, 8, generator=gen),
-                encoder_hidden_states=torch.randn(batch, WAN_MAX_LENGTH, WIDTH, generator=gen))
+    return dict(
+        hidden_states=torch.randn(batch, C, 1, 8, 8, generator=gen),
+        encoder_hidden_states=torch.randn(batch, WAN_MAX_LENGTH, WIDTH, generator=gen),
+    )
 
 
 def test_a_two_expert_folder_gets_the_wan22_spec(wan22_config, tiny_wan22, make_config, tmp_path):
@@ -105,8 +114,15 @@ def test_timesteps_land_on_the_trained_side(wan22_config, stages):
 
 
 def test_parameter_groups_carry_per_expert_rates(wan22_config):
-    raw = wan22_config(optimizer="automagic", learning_rate=1e-4, high_noise_learning_rate=2e-4, low_noise_max_lr=5e-4,
-                       high_noise_min_lr=1e-5, lr_bump=2e-6, low_noise_lr_bump=3e-6)
+    raw = wan22_config(
+        optimizer="automagic",
+        learning_rate=1e-4,
+        high_noise_learning_rate=2e-4,
+        low_noise_max_lr=5e-4,
+        high_noise_min_lr=1e-5,
+        lr_bump=2e-6,
+        low_noise_lr_bump=3e-6,
+    )
     cfg = validate_config(raw)
     spec = get_model_spec(cfg)
     model = spec.prepare_denoiser(spec.load_denoiser(), torch.float32)
@@ -135,7 +151,9 @@ def test_both_experts_train_and_reload_in_wan_pipeline(wan22_config, tiny_wan22,
     opts = dict(learning_rate=1e-2, lora_rank=8, train_batch_size=4, high_noise_learning_rate=2e-2)
     trainer, _ = train(wan22_config(max_train_steps=1, **opts))
     before = fixed_loss(trainer)
-    trainer, result = train(wan22_config(max_train_steps=25, output_dir=str(tmp_path / "long"), logging_steps=25, **opts))
+    trainer, result = train(
+        wan22_config(max_train_steps=25, output_dir=str(tmp_path / "long"), logging_steps=25, **opts)
+    )
     after = fixed_loss(trainer)
     assert after < before * 0.9, (before, after)
     by_name = {g["name"]: g["lr"] for g in trainer.optimizer.param_groups}
@@ -162,8 +180,15 @@ def test_both_experts_train_and_reload_in_wan_pipeline(wan22_config, tiny_wan22,
 
 
 def test_one_stage_trains_one_expert_and_low_vram_parks_the_other(wan22_config, tmp_path):
-    trainer, result = train(wan22_config(train_stages="high", low_vram=True, max_train_steps=3,
-                                         validation_prompt="a red square", validation_num_inference_steps=2))
+    trainer, result = train(
+        wan22_config(
+            train_stages="high",
+            low_vram=True,
+            max_train_steps=3,
+            validation_prompt="a red square",
+            validation_num_inference_steps=2,
+        )
+    )
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert list(model.parked) == ["transformer_2"]  # out of the module tree, in CPU RAM
     assert all(n.startswith("transformer.") for n, _ in model.named_parameters())
@@ -177,7 +202,9 @@ def test_checkpoint_resume_is_exact_for_two_experts(wan22_config, tmp_path):
     opts = dict(optimizer="automagic", learning_rate=1e-4, high_noise_max_lr=2e-3, lr_bump=1e-5, train_batch_size=2)
     _, full = train(wan22_config(max_train_steps=4, output_dir=str(tmp_path / "full"), **opts))
     train(wan22_config(max_train_steps=2, checkpointing_steps=2, output_dir=str(tmp_path / "cut"), **opts))
-    _, resumed = train(wan22_config(max_train_steps=4, resume_from_checkpoint="latest", output_dir=str(tmp_path / "cut"), **opts))
+    _, resumed = train(
+        wan22_config(max_train_steps=4, resume_from_checkpoint="latest", output_dir=str(tmp_path / "cut"), **opts)
+    )
     assert resumed.losses == full.losses[2:]
     from safetensors.torch import load_file
 
@@ -210,7 +237,10 @@ def test_keys_are_matched_to_their_expert_over_naming_schemes():
     assert list(split_expert_state_dict({f"lycoris_{ly}": t}, default_stage="low")) == ["low"]
     # transformer. keys follow the file's stage; beside transformer_2. keys they are the high expert's.
     assert list(split_expert_state_dict({f"transformer.{lora}": t}, default_stage="low")) == ["low"]
-    assert list(split_expert_state_dict({f"lycoris_transformer_{ly}": t, f"low_noise_model.{lora}": t})) == ["high", "low"]
+    assert list(split_expert_state_dict({f"lycoris_transformer_{ly}": t, f"low_noise_model.{lora}": t})) == [
+        "high",
+        "low",
+    ]
     with pytest.raises(ValueError, match="neither high- nor low-noise"):
         split_expert_state_dict({f"transformer.{lora}": t})
     with pytest.raises(ValueError, match="neither high- nor low-noise.*default_stage"):
@@ -239,8 +269,9 @@ def test_memory_estimate_counts_both_experts(wan22_config, make_config):
     from simpletuner.memory.estimator import estimate_memory
 
     both = estimate_memory(validate_config(wan22_config(mixed_precision="no")), device_kind="cpu")
-    parked = estimate_memory(validate_config(wan22_config(mixed_precision="no", train_stages="high", low_vram=True)),
-                             device_kind="cpu")
+    parked = estimate_memory(
+        validate_config(wan22_config(mixed_precision="no", train_stages="high", low_vram=True)), device_kind="cpu"
+    )
     one = estimate_memory(validate_config(wan22_config(mixed_precision="no", train_stages="high")), device_kind="cpu")
     # Both stages: an adapter on each expert; one stage: one adapter, the other expert frozen on the
     # device, or (low_vram) in CPU RAM and out of the estimate.
@@ -263,8 +294,9 @@ def test_lycoris_adapters_save_per_expert_and_reload(wan22_config, tmp_path):
     pytest.importorskip("lycoris", reason="the lycoris extra is not installed")
     from simpletuner.training.lycoris_adapter import load_lycoris
 
-    trainer, result = train(wan22_config(lora_type="lycoris", lycoris={"algo": "lokr"}, lora_rank=4, max_train_steps=3,
-                                         learning_rate=1e-2))
+    trainer, result = train(
+        wan22_config(lora_type="lycoris", lycoris={"algo": "lokr"}, lora_rank=4, max_train_steps=3, learning_rate=1e-2)
+    )
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
     out = result.output_path.parent
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(LORA_FILES.values())
@@ -294,7 +326,11 @@ def test_resume_refuses_another_base_precision_or_stage(wan22_config, tmp_path):
     out = str(tmp_path / "run")
     train(wan22_config(max_train_steps=2, checkpointing_steps=2, output_dir=out))
     with pytest.raises(ValueError, match="base_model_precision: checkpoint has 'no_change', config has 'qint8'"):
-        train(wan22_config(max_train_steps=3, output_dir=out, resume_from_checkpoint="latest", base_model_precision="qint8"))
+        train(
+            wan22_config(
+                max_train_steps=3, output_dir=out, resume_from_checkpoint="latest", base_model_precision="qint8"
+            )
+        )
     with pytest.raises(ValueError, match="train_stages: checkpoint has 'both', config has 'high'"):
         train(wan22_config(max_train_steps=3, output_dir=out, resume_from_checkpoint="latest", train_stages="high"))
 
@@ -305,8 +341,14 @@ def test_checkpoints_from_before_the_adapter_keys_still_resume():
     from simpletuner.training.checkpoint import check_compatible
 
     old = {"world_size": 1, "identity": {"training_type": "lora", "lora_rank": 16}}
-    new = {"training_type": "lora", "lora_rank": 16, "lora_type": "standard", "lycoris_algo": None,
-           "base_model_precision": "no_change", "train_stages": "both"}
+    new = {
+        "training_type": "lora",
+        "lora_rank": 16,
+        "lora_type": "standard",
+        "lycoris_algo": None,
+        "base_model_precision": "no_change",
+        "train_stages": "both",
+    }
     check_compatible(old, new, 1, Path("ckpt"))
     full_old = {"world_size": 1, "identity": {"training_type": "full"}}
     check_compatible(full_old, dict(new, training_type="full", lora_type=None, lora_rank=None), 1, Path("ckpt"))

@@ -9,22 +9,28 @@ import sys
 import pytest
 import torch
 from torch import nn
+from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import get_model_spec
 from simpletuner.training.lora import prepare_for_training, trainable_state
-from simpletuner.training.quantize import parameter_bytes, quantize_base, quantizable_linears, tensor_bytes
-from training_helpers import fixed_loss, train
+from simpletuner.training.quantize import parameter_bytes, quantizable_linears, quantize_base, tensor_bytes
 
 QUANTO = ["qint8", "qfloat8"]
 TORCHAO = ["int8_torchao", "fp8_torchao"]
-_DATA_DTYPES = {"qint8": torch.int8, "qfloat8": torch.float8_e4m3fn, "int8_torchao": torch.int8,
-                "fp8_torchao": torch.float8_e4m3fn}
+_DATA_DTYPES = {
+    "qint8": torch.int8,
+    "qfloat8": torch.float8_e4m3fn,
+    "int8_torchao": torch.int8,
+    "fp8_torchao": torch.float8_e4m3fn,
+}
 
 
 def _needs(precision):
-    pytest.importorskip("optimum.quanto" if precision in QUANTO else "torchao.quantization",
-                        reason=f"the extra for {precision} is not installed")
+    pytest.importorskip(
+        "optimum.quanto" if precision in QUANTO else "torchao.quantization",
+        reason=f"the extra for {precision} is not installed",
+    )
 
 
 def _prepared(make_config, precision, **overrides):
@@ -92,8 +98,14 @@ def test_quantised_base_lora_trains_in_the_trainer_and_loads_into_diffusers(make
     from diffusers import StableDiffusionPipeline
     from peft.utils import get_peft_model_state_dict
 
-    raw = make_config(base_model_precision=precision, mixed_precision="bf16", max_train_steps=16, learning_rate=1e-2,
-                      lora_rank=4, output_dir=str(tmp_path / precision))
+    raw = make_config(
+        base_model_precision=precision,
+        mixed_precision="bf16",
+        max_train_steps=16,
+        learning_rate=1e-2,
+        lora_rank=4,
+        output_dir=str(tmp_path / precision),
+    )
     trainer, result = train(raw)
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert parameter_bytes(model) < parameter_bytes(get_model_spec(trainer.config).load_denoiser(torch.bfloat16))
@@ -161,12 +173,15 @@ def test_dora_on_a_quanto_base_is_refused(make_config):
         _prepared(make_config, "qint8", lora_use_dora=True)
 
 
-@pytest.mark.parametrize("precision, modules, extra", [
-    ("qint8", ["optimum.quanto", "optimum.quanto.nn"], "quanto"),
-    ("qfloat8", ["optimum.quanto", "optimum.quanto.nn"], "quanto"),
-    ("int8_torchao", ["torchao", "torchao.quantization"], "torchao"),
-    ("fp8_torchao", ["torchao", "torchao.quantization"], "torchao"),
-])
+@pytest.mark.parametrize(
+    "precision, modules, extra",
+    [
+        ("qint8", ["optimum.quanto", "optimum.quanto.nn"], "quanto"),
+        ("qfloat8", ["optimum.quanto", "optimum.quanto.nn"], "quanto"),
+        ("int8_torchao", ["torchao", "torchao.quantization"], "torchao"),
+        ("fp8_torchao", ["torchao", "torchao.quantization"], "torchao"),
+    ],
+)
 def test_a_missing_library_names_its_extra(make_config, monkeypatch, precision, modules, extra):
     for name in modules:  # importing them now fails, as where the extra is not installed
         monkeypatch.setitem(sys.modules, name, None)

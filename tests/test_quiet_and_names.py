@@ -50,25 +50,52 @@ def test_ordinary_run_says_one_debug_line_about_gh200_and_writes_no_file(make_co
     assert policy.state_dict() == {"kind": "fixed", "steps": 1}
     assert not (out / RUNTIME_FILE).exists()
     assert state.gh200_runtime_config["uvm_hints_active"] is False  # still recorded for the run
-    about_gh200 = [r for r in caplog.records if "gh200" in r.getMessage().lower() or "unified" in r.getMessage().lower()]
+    about_gh200 = [
+        r for r in caplog.records if "gh200" in r.getMessage().lower() or "unified" in r.getMessage().lower()
+    ]
     assert [(r.levelno, r.getMessage()) for r in about_gh200] == [
-        (logging.DEBUG, "GH200 unified-memory hints are off: off by default "
-                        f"(set {uvm.ENV_VAR}=1 or gh200_optimizations.enable_uvm_hints)")]
+        (
+            logging.DEBUG,
+            "GH200 unified-memory hints are off: off by default "
+            f"(set {uvm.ENV_VAR}=1 or gh200_optimizations.enable_uvm_hints)",
+        )
+    ]
 
 
-@pytest.mark.parametrize("overrides, env, named", [
-    ({"cache_config": {"vae_cache_type": "memory", "persistent_cache": False}}, None, "cache_config.vae_cache_type=memory"),
-    ({"cache_config": {"text_cache_type": "unified_memory", "persistent_cache": False}}, None,
-     "cache_config.text_cache_type=unified_memory"),
-    ({"in_memory_dataset": True}, None, "datasets[0].type=in_memory"),
-    ({"gh200_optimizations": {"enable_uvm_hints": False}}, None, "gh200_optimizations.enable_uvm_hints=false"),
-    ({"gh200_optimizations": {"enable_batch_size_rampup": True, "initial_effective_batch_size": 2,
-                              "target_effective_batch_size": 4, "batch_rampup_steps": 2}}, None,
-     "gh200_optimizations.enable_batch_size_rampup=true"),
-    ({}, (uvm.ENV_VAR, "0"), uvm.ENV_VAR),
-    ({}, (uvm.ENV_ALIAS, "1"), uvm.ENV_ALIAS),
-])
-def test_configured_gh200_layer_writes_runtime_json(make_config, tmp_path, no_hint_env, monkeypatch, overrides, env, named):
+@pytest.mark.parametrize(
+    "overrides, env, named",
+    [
+        (
+            {"cache_config": {"vae_cache_type": "memory", "persistent_cache": False}},
+            None,
+            "cache_config.vae_cache_type=memory",
+        ),
+        (
+            {"cache_config": {"text_cache_type": "unified_memory", "persistent_cache": False}},
+            None,
+            "cache_config.text_cache_type=unified_memory",
+        ),
+        ({"in_memory_dataset": True}, None, "datasets[0].type=in_memory"),
+        ({"gh200_optimizations": {"enable_uvm_hints": False}}, None, "gh200_optimizations.enable_uvm_hints=false"),
+        (
+            {
+                "gh200_optimizations": {
+                    "enable_batch_size_rampup": True,
+                    "initial_effective_batch_size": 2,
+                    "target_effective_batch_size": 4,
+                    "batch_rampup_steps": 2,
+                }
+            },
+            None,
+            "gh200_optimizations.enable_batch_size_rampup=true",
+        ),
+        ({}, (uvm.ENV_VAR, "0"), uvm.ENV_VAR),
+        ({}, (uvm.ENV_ALIAS, "1"), uvm.ENV_ALIAS),
+    ],
+)
+def test_configured_gh200_layer_writes_runtime_json(
+    make_config, tmp_path, no_hint_env, monkeypatch, overrides, env, named
+):
     raw = make_config()
     if overrides.pop("in_memory_dataset", False):
         raw["datasets"][0]["type"] = "in_memory"
@@ -107,7 +134,9 @@ def test_model_libraries_load_without_torchao_or_torchvision_notices():
     assert "PEFT_SEES_TORCHAO False" in out.stdout
     assert "PEFT_SEES_TORCHAO_WHEN_USED True" in out.stdout
     before_torchao = out.stderr.split("NOW-IMPORTING-TORCHAO")[0]
-    assert "torchao" not in before_torchao  # no "Failed to load .../torchao/_C_mxfp8...", no "Unable to import `torchao`"
+    assert (
+        "torchao" not in before_torchao
+    )  # no "Failed to load .../torchao/_C_mxfp8...", no "Unable to import `torchao`"
     assert "requires torchvision" not in out.stderr
 
 
@@ -116,8 +145,12 @@ def test_torchvision_filter_drops_only_the_fallback_notice():
         return logging.LogRecord(TRANSFORMERS_IMPORT_LOGGER, logging.WARNING, __file__, 1, message, None, None)
 
     keep = TorchvisionFallbackFilter().filter
-    assert not keep(record("`CLIPImageProcessor` requires torchvision (not installed); falling back to "
-                           "`CLIPImageProcessorPil` for backward compatibility."))
+    assert not keep(
+        record(
+            "`CLIPImageProcessor` requires torchvision (not installed); falling back to "
+            "`CLIPImageProcessorPil` for backward compatibility."
+        )
+    )
     assert keep(record("Could not import module 'CLIPTextModel'"))
     assert keep(record("`VideoProcessor` requires torchvision"))  # any other torchvision message stays
     assert any(isinstance(f, TorchvisionFallbackFilter) for f in logging.getLogger(TRANSFORMERS_IMPORT_LOGGER).filters)
@@ -146,9 +179,17 @@ def test_distribution_name_is_not_the_other_projects_and_no_install_line_points_
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == DISTRIBUTION == "simpletuner-gh200"
     assert project["scripts"]["simpletuner"] == "simpletuner.cli:main"  # the command keeps its name
-    texts = [ROOT / "README.md", *sorted((ROOT / "documentation").glob("*.md")), *sorted((ROOT / "simpletuner").rglob("*.py"))]
-    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in texts for n, line in enumerate(p.read_text().splitlines(), 1)
-                 if "simpletuner[" in line or _FROM_INDEX.search(line)]
+    texts = [
+        ROOT / "README.md",
+        *sorted((ROOT / "documentation").glob("*.md")),
+        *sorted((ROOT / "simpletuner").rglob("*.py")),
+    ]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in texts
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "simpletuner[" in line or _FROM_INDEX.search(line)
+    ]
     assert offenders == []
 
 
@@ -160,8 +201,11 @@ def test_version_flag_names_the_distribution(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out.strip()
     # Installed under the new name (a wheel): its metadata; here (a checkout): the package's own version.
-    assert out in (f"simpletuner-gh200 {importlib.metadata.version('simpletuner-gh200')}"
-                   if _installed("simpletuner-gh200") else f"simpletuner-gh200 {__version__} (source)",)
+    assert out in (
+        f"simpletuner-gh200 {importlib.metadata.version('simpletuner-gh200')}"
+        if _installed("simpletuner-gh200")
+        else f"simpletuner-gh200 {__version__} (source)",
+    )
 
 
 def _installed(name: str) -> bool:
@@ -185,8 +229,12 @@ def test_run_outputs_checkpoints_and_caches_are_0644(make_config, tmp_path, umas
     raw = make_config(max_train_steps=2, checkpointing_steps=1, validation_prompt=None)
     state = _state(tmp_path, raw)
     Trainer(state).train()
-    files = [p for root in (Path(raw["output_dir"]), Path(raw["cache_config"]["cache_dir"])) for p in root.rglob("*")
-             if p.is_file()]
+    files = [
+        p
+        for root in (Path(raw["output_dir"]), Path(raw["cache_config"]["cache_dir"]))
+        for p in root.rglob("*")
+        if p.is_file()
+    ]
     assert any(p.name == "pytorch_lora_weights.safetensors" for p in files)
     assert any(p.name == "trainable.safetensors" for p in files)
     assert any(p.suffix == ".safetensors" and Path(raw["cache_config"]["cache_dir"]) in p.parents for p in files)
@@ -195,10 +243,10 @@ def test_run_outputs_checkpoints_and_caches_are_0644(make_config, tmp_path, umas
 
 
 def test_ordinary_permissions_respect_the_umask(tmp_path):
-    from simpletuner.file_modes import ordinary_permissions
-
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
+
+    from simpletuner.file_modes import ordinary_permissions
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(1)}, str(path))

@@ -81,10 +81,16 @@ def test_nonfinite_stop_saves_the_last_good_state(make_config, tmp_path, monkeyp
     assert state["global_step"] == 2 and state["skipped_steps"] == 1
 
 
-def test_nonfinite_skip_drops_the_window_without_advancing_scheduler_or_ramp(make_config, tmp_path, monkeypatch, caplog):
+def test_nonfinite_skip_drops_the_window_without_advancing_scheduler_or_ramp(
+    make_config, tmp_path, monkeypatch, caplog
+):
     _poison(monkeypatch, {3})  # step 2's first try
-    ramp = {"enable_batch_size_rampup": True, "initial_effective_batch_size": 2,
-            "target_effective_batch_size": 6, "batch_rampup_steps": 6}
+    ramp = {
+        "enable_batch_size_rampup": True,
+        "initial_effective_batch_size": 2,
+        "target_effective_batch_size": 6,
+        "batch_rampup_steps": 6,
+    }
     raw = make_config(max_train_steps=4, nonfinite_policy="skip", lr_scheduler="linear", gh200_optimizations=ramp)
     trainer = _trainer(raw)
     result = trainer.train()
@@ -151,8 +157,14 @@ def test_checkpoint_of_another_model_is_refused(make_config, tmp_path, tiny_sd):
     unet_cfg.write_text(json.dumps(cfg))
     out = tmp_path / "out"
     _trainer(make_config(max_train_steps=2, checkpointing_steps=2, output_dir=str(out))).train()
-    resumed = _trainer(make_config(max_train_steps=4, output_dir=str(out), pretrained_model_name_or_path=str(other),
-                                   resume_from_checkpoint="latest"))
+    resumed = _trainer(
+        make_config(
+            max_train_steps=4,
+            output_dir=str(out),
+            pretrained_model_name_or_path=str(other),
+            resume_from_checkpoint="latest",
+        )
+    )
     with pytest.raises(ValueError, match="denoiser_config: checkpoint has"):
         resumed.train()
 
@@ -164,8 +176,9 @@ def test_amp_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    path = ckpt.save_checkpoint(acc, tmp_path, 1, {"p": param}, opt, sched, {"identity": {}}, torch.Generator(), None,
-                                scaler=scaler)
+    path = ckpt.save_checkpoint(
+        acc, tmp_path, 1, {"p": param}, opt, sched, {"identity": {}}, torch.Generator(), None, scaler=scaler
+    )
     loaded = ckpt.load_tensors(path, 0)
     restored = torch.amp.GradScaler("cpu")
     restored.load_state_dict(loaded["scaler"])
@@ -176,7 +189,10 @@ def test_amp_scaler_state_round_trips_through_a_checkpoint(tmp_path):
 def _spawn(config: Path, **env) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "simpletuner.train", "--config", str(config)],
-        cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **env),
     )
 
@@ -212,8 +228,10 @@ def test_preemption_saves_at_a_step_boundary_and_resumes_exactly(make_config, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", ["checkpoint:files_written", "checkpoint:marker_written", "checkpoint:renamed",
-                                   "checkpoint:latest_written"])
+@pytest.mark.parametrize(
+    "point",
+    ["checkpoint:files_written", "checkpoint:marker_written", "checkpoint:renamed", "checkpoint:latest_written"],
+)
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(make_config, tmp_path, point):
     straight = _trainer(make_config(max_train_steps=6, output_dir=str(tmp_path / "straight"))).train()
     out = tmp_path / "run"

@@ -50,7 +50,9 @@ def test_accelerate_config_short_and_file_names():
 
 
 def test_unknown_or_escaping_names_say_what_exists():
-    with pytest.raises(FileNotFoundError, match=r"no config file 'presets/gh300.json' in .*Files there: .*presets/gh200.json"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no config file 'presets/gh300.json' in .*Files there: .*presets/gh200.json"
+    ):
         resources.config_file("presets/gh300.json")
     with pytest.raises(FileNotFoundError, match="inside simpletuner's config folder"):
         resources.config_file("../pyproject.toml")

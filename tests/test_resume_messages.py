@@ -19,7 +19,9 @@ def test_identity_mismatch_ends_with_the_fix():
         check_compatible(state, dict(IDENTITY, lora_rank=8), 1, Path("out/checkpoint-2"))
     text = str(info.value)
     assert "lora_rank: checkpoint has 4, config has 8" in text
-    assert "put the settings above back" in text and "new `output_dir`" in text and "resume_from_checkpoint: null" in text
+    assert (
+        "put the settings above back" in text and "new `output_dir`" in text and "resume_from_checkpoint: null" in text
+    )
     assert "--num_processes" not in text  # the world size is fine: no launch advice
 
 

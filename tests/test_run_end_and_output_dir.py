@@ -8,9 +8,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from training_helpers import train
 
 from simpletuner.training import checkpoint as ckpt
-from training_helpers import train
 
 
 def _snapshot(folder: Path) -> dict[str, int]:
@@ -55,8 +55,9 @@ def test_every_checkpoint_carries_an_adapter_diffusers_loads(make_config, tmp_pa
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    raw = make_config(max_train_steps=4, checkpointing_steps=2, learning_rate=1e-2, lora_rank=8, lora_alpha=4,
-                      output_dir=str(out))
+    raw = make_config(
+        max_train_steps=4, checkpointing_steps=2, learning_rate=1e-2, lora_rank=8, lora_alpha=4, output_dir=str(out)
+    )
     _, result = train(raw)
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     # The last checkpoint's adapter is the final adapter, file for file.
@@ -87,8 +88,9 @@ def test_lycoris_checkpoints_carry_the_lycoris_file(make_config, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    _, result = train(make_config(lora_type="lycoris", lycoris={"algo": "lokr"}, lora_rank=4, max_train_steps=1,
-                                  output_dir=str(out)))
+    _, result = train(
+        make_config(lora_type="lycoris", lycoris={"algo": "lokr"}, lora_rank=4, max_train_steps=1, output_dir=str(out))
+    )
     saved = load_file(out / "checkpoint-1" / "pytorch_lora_weights.safetensors")
     final = load_file(result.output_path)
     assert saved.keys() == final.keys() and all(k.startswith("lycoris_") for k in saved)
@@ -118,7 +120,7 @@ def test_an_output_dir_holding_a_finished_run_is_refused_until_resume_or_overwri
     # Another config: it cannot be resumed, so that is not offered; the difference is named.
     assert main(["--config", _write(tmp_path, make_config(max_train_steps=3, output_dir=str(out), lora_rank=8))]) == 2
     err = capsys.readouterr().err
-    assert "lora_rank: checkpoint has 16, config has 8" in err and "resume_from_checkpoint \"latest\" (" not in err
+    assert "lora_rank: checkpoint has 16, config has 8" in err and 'resume_from_checkpoint "latest" (' not in err
     assert _snapshot(out) == before
 
     # --overwrite replaces the run's files (not the user's) and trains afresh.
@@ -131,7 +133,9 @@ def test_an_output_dir_holding_a_finished_run_is_refused_until_resume_or_overwri
 def test_resume_latest_over_weights_without_a_checkpoint_is_refused(make_config, tmp_path):
     out = tmp_path / "run"
     train(make_config(max_train_steps=1, output_dir=str(out), checkpoint_at_end=False))
-    with pytest.raises(ValueError, match="no checkpoint, so resume_from_checkpoint \"latest\" has nothing to continue from"):
+    with pytest.raises(
+        ValueError, match='no checkpoint, so resume_from_checkpoint "latest" has nothing to continue from'
+    ):
         train(make_config(max_train_steps=2, output_dir=str(out), resume_from_checkpoint="latest"))
     assert ckpt.list_checkpoints(out) == []
 
@@ -152,6 +156,19 @@ def test_the_readme_demo_commands_train_longer_and_rerun(tmp_path):
     assert ckpt.find_latest(demo / "output").name == "checkpoint-2"
     assert not (demo / "output" / "checkpoint-3").exists()
     # `simpletuner train --overwrite` reaches the trainer too.
-    assert main(["train", "--config", config, "--overwrite", "--set", "max_train_steps=1",
-                 "--set", "validation_prompt=null"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                config,
+                "--overwrite",
+                "--set",
+                "max_train_steps=1",
+                "--set",
+                "validation_prompt=null",
+            ]
+        )
+        == 0
+    )
     assert [p.name for p in ckpt.list_checkpoints(demo / "output")] == ["checkpoint-1"]

@@ -7,12 +7,12 @@ import logging
 
 import orjson
 import pytest
+from training_helpers import train
 
 from simpletuner.configuration import validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training.runlog import RunLog, configure_logging
 from simpletuner.training.trainer import Trainer
-from training_helpers import train
 
 #: What every metrics line carries on a CPU run (MFU and memory figures need a GPU or a known peak).
 WINDOW_KEYS = {"step", "loss", "lr", "samples_per_s", "step_time_s", "data_wait_share", "tflops", "time"}
@@ -48,13 +48,15 @@ def test_training_log_and_metrics_are_appended_across_a_resume(make_config, tmp_
     log = (out / "training.log").read_text(encoding="utf-8")
     # Appended, not truncated: the first run's lines, then the second run's.
     assert log.startswith(first_log)
-    second = log[len(first_log):]
+    second = log[len(first_log) :]
     assert "resumed from" in second and "checkpoint-4" in second and "step 6/6" in second
     assert second.index("resumed from") < second.index("step 5/6") < second.index("step 6/6")
     # The same lines as the console, formatted the same way ("<time> INFO <logger>: <message>").
     assert log == console.getvalue()
-    assert any(line.split(" ", 3)[2:3] == ["INFO"] and "simpletuner.training.trainer: step 1/4" in line
-               for line in log.splitlines())
+    assert any(
+        line.split(" ", 3)[2:3] == ["INFO"] and "simpletuner.training.trainer: step 1/4" in line
+        for line in log.splitlines()
+    )
 
     assert (out / "metrics.jsonl").read_text(encoding="utf-8").startswith(first_metrics)
     lines = _metrics(out / "metrics.jsonl")

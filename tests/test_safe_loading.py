@@ -83,7 +83,11 @@ def test_every_torch_load_passes_weights_only_true():
     offenders, seen = [], 0
     for rel, tree in _trees():
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "torch"
+                and any(a.name == "load" for a in node.names)
+            ):
                 offenders.append(f"{rel}:{node.lineno}: `from torch import load` hides torch.load from this check")
         for call in _calls(tree):
             if _dotted(call.func) in ("torch.load", "torch.serialization.load"):
@@ -111,7 +115,8 @@ def test_no_pickle_eval_exec_or_dynamic_import():
                 if name.endswith("import_module") and rel not in IMPORT_MODULE_ALLOWED:
                     offenders.append(f"{rel}:{node.lineno}: {name}(...) outside {sorted(IMPORT_MODULE_ALLOWED)}")
                 if name in ("np.load", "numpy.load") and not any(
-                    k.arg == "allow_pickle" and isinstance(k.value, ast.Constant) and k.value.value is False for k in node.keywords
+                    k.arg == "allow_pickle" and isinstance(k.value, ast.Constant) and k.value.value is False
+                    for k in node.keywords
                 ):
                     offenders.append(f"{rel}:{node.lineno}: {name} without allow_pickle=False")
                 if name.split(".")[-1] in ("load", "loads") and name.split(".")[0] in PICKLE_MODULES:
@@ -187,8 +192,12 @@ def no_unpickling(monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
 
 
-@pytest.mark.parametrize("component,weights", [("unet", "diffusion_pytorch_model.bin"), ("text_encoder", "pytorch_model.bin")])
-def test_a_pickle_only_model_folder_is_refused_with_the_fix(component, weights, tiny_sd, tmp_path, make_config, no_unpickling):
+@pytest.mark.parametrize(
+    "component,weights", [("unet", "diffusion_pytorch_model.bin"), ("text_encoder", "pytorch_model.bin")]
+)
+def test_a_pickle_only_model_folder_is_refused_with_the_fix(
+    component, weights, tiny_sd, tmp_path, make_config, no_unpickling
+):
     model = _copy_model(tiny_sd, tmp_path / "model")
     _resave_as_pickle(model, component)
     assert pickle_only_weights(model / component) == [weights]
@@ -207,7 +216,9 @@ def test_a_pickle_only_model_folder_is_refused_with_the_fix(component, weights, 
     assert not (tmp_path / "cache").exists()
 
 
-def test_use_safetensors_refuses_pickle_even_past_the_folder_check(tiny_sd, tmp_path, make_config, monkeypatch, no_unpickling):
+def test_use_safetensors_refuses_pickle_even_past_the_folder_check(
+    tiny_sd, tmp_path, make_config, monkeypatch, no_unpickling
+):
     model = _copy_model(tiny_sd, tmp_path / "model")
     _resave_as_pickle(model, "unet")
     spec_cls = MODEL_FAMILIES["sd"]

@@ -46,17 +46,25 @@ IN_PROCESS = {
 
 def _raw(tiny_sd, shapes_dir, base: Path, name: str, variant: str, cache: str | None = None) -> dict:
     raw = {
-        "pretrained_model_name_or_path": str(tiny_sd), "model_family": "sd", "output_dir": str(base / name),
-        "resolution": 64, "aspect_bucket_alignment": 16, "train_batch_size": 2, "max_train_steps": 4,
-        "learning_rate": 1e-3, "logging_steps": 1, "seed": 123,
+        "pretrained_model_name_or_path": str(tiny_sd),
+        "model_family": "sd",
+        "output_dir": str(base / name),
+        "resolution": 64,
+        "aspect_bucket_alignment": 16,
+        "train_batch_size": 2,
+        "max_train_steps": 4,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "seed": 123,
         "cache_config": {"cache_dir": str(base / (cache or f"cache_{name}"))},
         "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(shapes_dir)}],
     }
     if variant == "validation":
         raw.update(validation_prompt="a red circle", validation_num_inference_steps=1)
     if variant == "loop_validation":  # two prompts, rendered at step 0 and, inside the loop, at step 2
-        raw.update(validation_prompts=["a red circle", "a blue square"], validation_steps=2,
-                   validation_num_inference_steps=1)
+        raw.update(
+            validation_prompts=["a red circle", "a blue square"], validation_steps=2, validation_num_inference_steps=1
+        )
     return raw
 
 
@@ -77,8 +85,11 @@ def runs(tiny_sd, shapes_dir, tmp_path_factory):
         config = base / f"{name}.json"
         config.write_bytes(orjson.dumps(raw))
         procs[name] = subprocess.Popen(
-            [sys.executable, "simpletuner/train.py", "--config", str(config)], cwd=ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "simpletuner/train.py", "--config", str(config)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", SIMPLETUNER_FAULT=fault),
         )
     reference = _train(_raw(tiny_sd, shapes_dir, base, "reference", "plain", cache="cache"))
@@ -86,8 +97,13 @@ def runs(tiny_sd, shapes_dir, tmp_path_factory):
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=240)  # a thread left running would hang here
         results[name] = (proc.returncode, err)
-    return {"reference": load_file(reference.output_dir / WEIGHTS), "raws": raws, "results": results,
-            "base": base, "model": (tiny_sd, shapes_dir)}
+    return {
+        "reference": load_file(reference.output_dir / WEIGHTS),
+        "raws": raws,
+        "results": results,
+        "base": base,
+        "model": (tiny_sd, shapes_dir),
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -114,6 +130,7 @@ class _Unhandled(Exception):
 def guarded_signals():
     """While a case sends signals to this process: if the run's handlers were not in force, the
     signal fails the test instead of ending the test session."""
+
     def fail(signum, frame):
         raise _Unhandled(f"{signal.Signals(signum).name} reached the test process unhandled")
 
@@ -123,14 +140,19 @@ def guarded_signals():
         signal.signal(sig, handler)
 
 
-@pytest.mark.parametrize("name, words", [
-    ("scan", "stopped by SIGINT during the dataset scan: nothing trained yet, nothing to save"),
-    ("first_validation", "stopped by SIGTERM during the first validation: nothing trained yet, nothing to save; "
-                         "the caches are complete"),
-    ("final_validation", "stopped by SIGINT during the final validation: the final weights are saved"),
-])
-def test_a_signal_outside_the_loop_stops_at_once_with_one_line(runs, name, words, monkeypatch, capsys,
-                                                               guarded_signals):
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("scan", "stopped by SIGINT during the dataset scan: nothing trained yet, nothing to save"),
+        (
+            "first_validation",
+            "stopped by SIGTERM during the first validation: nothing trained yet, nothing to save; "
+            "the caches are complete",
+        ),
+        ("final_validation", "stopped by SIGINT during the final validation: the final weights are saved"),
+    ],
+)
+def test_a_signal_outside_the_loop_stops_at_once_with_one_line(runs, name, words, monkeypatch, capsys, guarded_signals):
     from simpletuner.faults import reset_fault_counts
     from simpletuner.train import main as train_main
 
@@ -152,8 +174,10 @@ def test_a_signal_outside_the_loop_stops_at_once_with_one_line(runs, name, words
 
 def test_sigterm_during_the_cache_fill_keeps_the_entries_and_the_rerun_reuses_them(runs):
     line = _stop_line(runs, "cache_fill")
-    assert line == ("stopped by SIGTERM during the cache fill: nothing trained yet, nothing to save; the 12 cache "
-                    "entries written so far are kept and the next run reuses them")
+    assert line == (
+        "stopped by SIGTERM during the cache fill: nothing trained yet, nothing to save; the 12 cache "
+        "entries written so far are kept and the next run reuses them"
+    )
     raw = runs["raws"]["cache_fill"]
     cache = Path(raw["cache_config"]["cache_dir"])
     assert not list(cache.rglob(".tmp-*")), list(cache.rglob("*"))  # no half shard left to be taken for data
@@ -167,8 +191,10 @@ def test_sigterm_during_the_cache_fill_keeps_the_entries_and_the_rerun_reuses_th
 def test_sigint_during_the_final_save_completes_it_first(runs):
     line = _stop_line(runs, "final_save")
     out = Path(runs["raws"]["final_save"]["output_dir"])
-    assert line == (f"stopped by SIGINT during the final save: the final weights were saved ({out / WEIGHTS}); "
-                    "the final validation is skipped")
+    assert line == (
+        f"stopped by SIGINT during the final save: the final weights were saved ({out / WEIGHTS}); "
+        "the final validation is skipped"
+    )
     assert _same(load_file(out / WEIGHTS), runs["reference"])  # whole, and the undisturbed run's
     assert (out / "latest").read_text() == "checkpoint-4"  # checkpoint_at_end, inside the save, completed too
 
@@ -224,7 +250,8 @@ def test_fault_specs_parse_points_with_colons():
 
     assert parse_faults("checkpoint:renamed@2") == [("checkpoint:renamed", 2, signal.SIGKILL)]
     assert parse_faults("cache:shard_written:SIGTERM, validation:prompt@3:SIGINT") == [
-        ("cache:shard_written", 1, signal.SIGTERM), ("validation:prompt", 3, signal.SIGINT)]
+        ("cache:shard_written", 1, signal.SIGTERM),
+        ("validation:prompt", 3, signal.SIGINT),
+    ]
     with pytest.raises(ValueError, match="positive integer"):
         parse_faults("phase:training@x")
-

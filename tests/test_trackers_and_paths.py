@@ -20,8 +20,11 @@ def _write(path, raw):
 
 # --- trackers ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tracker, modules", [("tensorboard", ("tensorboard", "tensorboardX")), ("wandb", ("wandb",))])
-def test_missing_tracker_package_stops_with_the_install_command(make_config, tmp_path, monkeypatch, capsys, tracker, modules):
+def test_missing_tracker_package_stops_with_the_install_command(
+    make_config, tmp_path, monkeypatch, capsys, tracker, modules
+):
     for module in modules:
         monkeypatch.setitem(sys.modules, module, None)  # import fails, as when not installed
     path = _write(tmp_path / "cfg.json", make_config(report_to=tracker))
@@ -43,13 +46,18 @@ def test_installed_tracker_passes(make_config, tmp_path):
 
 # --- relative paths ------------------------------------------------------------------------
 
+
 def test_relative_paths_resolve_against_the_config_folder(make_config, shapes_dir, tmp_path, monkeypatch):
     project = tmp_path / "project"
     project.mkdir()
     (project / "data").symlink_to(shapes_dir, target_is_directory=True)
     (project / "out" / "checkpoint-2").mkdir(parents=True)
-    raw = make_config(output_dir="out", cache_config={"cache_dir": "cache"}, resume_from_checkpoint="out/checkpoint-2",
-                      datasets=[{"id": "shapes", "type": "local", "instance_data_dir": "data"}])
+    raw = make_config(
+        output_dir="out",
+        cache_config={"cache_dir": "cache"},
+        resume_from_checkpoint="out/checkpoint-2",
+        datasets=[{"id": "shapes", "type": "local", "instance_data_dir": "data"}],
+    )
     path = _write(project / "cfg.json", raw)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -71,7 +79,9 @@ def test_relative_paths_resolve_against_the_config_folder(make_config, shapes_di
     assert not (elsewhere / "output").exists() and not (elsewhere / "cache").exists()
 
 
-def test_datasets_of_a_data_backend_config_resolve_against_the_config_folder(make_config, shapes_dir, tmp_path, monkeypatch):
+def test_datasets_of_a_data_backend_config_resolve_against_the_config_folder(
+    make_config, shapes_dir, tmp_path, monkeypatch
+):
     project = tmp_path / "project"
     project.mkdir()
     (project / "data").symlink_to(shapes_dir, target_is_directory=True)
@@ -93,5 +103,7 @@ def test_missing_relative_dataset_names_the_resolved_folder(make_config, tmp_pat
     raw = make_config(datasets=[{"id": "x", "type": "local", "instance_data_dir": "missing"}])
     path = _write(tmp_path / "project" / "cfg.json", raw)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=f"datasets\\[0\\].instance_data_dir: {tmp_path / 'project' / 'missing'} is not a folder"):
+    with pytest.raises(
+        ConfigError, match=f"datasets\\[0\\].instance_data_dir: {tmp_path / 'project' / 'missing'} is not a folder"
+    ):
         load_config(path)

@@ -28,14 +28,15 @@ def test_config_keys_win_and_every_effective_value_is_said(make_config, tmp_path
     assert cfg.gradient_checkpointing is False and cfg.train_batch_size == 2  # the config wins
     assert sources["mixed_precision"].startswith("from preset gb10_sd15_conservative")
     text = "\n".join(notes)
-    assert "mixed_precision = \"bf16\"  (preset gb10_sd15_conservative)" in text
+    assert 'mixed_precision = "bf16"  (preset gb10_sd15_conservative)' in text
     assert "gradient_checkpointing = false  (config; the preset's true not used)" in text
 
 
 def test_the_launch_beats_the_preset(make_config, tmp_path):
     path = _write(tmp_path, make_config())
-    loaded, sources, _ = prepare_config(path, environ={"ACCELERATE_MIXED_PRECISION": "no"}, launch_command=None,
-                                        preset="gb10_sd15_conservative")
+    loaded, sources, _ = prepare_config(
+        path, environ={"ACCELERATE_MIXED_PRECISION": "no"}, launch_command=None, preset="gb10_sd15_conservative"
+    )
     assert loaded.config.mixed_precision == "no"
     assert "ACCELERATE_MIXED_PRECISION" in sources["mixed_precision"]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from simpletuner.training import checkpoint as ckpt
 from training_helpers import fixed_loss, train
 
+from simpletuner.training import checkpoint as ckpt
 
 _train, _fixed_loss = train, fixed_loss
 
@@ -19,8 +18,14 @@ def test_lora_overfits_and_reloads_in_diffusers(make_config, tmp_path):
     raw = make_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
     trainer, _ = _train(raw)
     before = _fixed_loss(trainer)
-    raw = make_config(max_train_steps=80, learning_rate=1e-2, lora_rank=16, lora_alpha=8,
-                      output_dir=str(tmp_path / "long"), logging_steps=10)
+    raw = make_config(
+        max_train_steps=80,
+        learning_rate=1e-2,
+        lora_rank=16,
+        lora_alpha=8,
+        output_dir=str(tmp_path / "long"),
+        logging_steps=10,
+    )
     trainer, result = _train(raw)
     after = _fixed_loss(trainer)
     assert result.global_step == 80 and len(result.losses) == 80
@@ -38,7 +43,11 @@ def test_lora_overfits_and_reloads_in_diffusers(make_config, tmp_path):
     with torch.no_grad():
         want = trained(x, t, ctx).sample
         got = pipe.unet(x, t, ctx).sample
-        base = StableDiffusionPipeline.from_pretrained(raw["pretrained_model_name_or_path"], safety_checker=None).unet(x, t, ctx).sample
+        base = (
+            StableDiffusionPipeline.from_pretrained(raw["pretrained_model_name_or_path"], safety_checker=None)
+            .unet(x, t, ctx)
+            .sample
+        )
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
 
@@ -104,8 +113,9 @@ def test_caches_are_reused_and_invalidated(make_config, tmp_path):
 
 
 def test_validation_images_before_and_after(make_config, tmp_path):
-    raw = make_config(max_train_steps=2, validation_prompt="a red circle", validation_num_inference_steps=2,
-                      num_validation_images=2)
+    raw = make_config(
+        max_train_steps=2, validation_prompt="a red circle", validation_num_inference_steps=2, num_validation_images=2
+    )
     _, result = _train(raw)
     names = sorted(p.name for p in result.validation_images)
     assert names == ["step_000000_0.png", "step_000000_1.png", "step_000002_0.png", "step_000002_1.png"]
@@ -115,8 +125,15 @@ def test_validation_images_before_and_after(make_config, tmp_path):
 def test_full_finetune_and_v_prediction(make_config, tmp_path):
     from diffusers import UNet2DConditionModel
 
-    _, result = _train(make_config(max_train_steps=2, training_type="full", prediction_type="v_prediction",
-                                   mixed_precision="bf16", gradient_checkpointing=True))
+    _, result = _train(
+        make_config(
+            max_train_steps=2,
+            training_type="full",
+            prediction_type="v_prediction",
+            mixed_precision="bf16",
+            gradient_checkpointing=True,
+        )
+    )
     unet = UNet2DConditionModel.from_pretrained(result.output_path)
     assert sum(p.numel() for p in unet.parameters()) > 0
     assert all(torch.isfinite(torch.tensor(result.losses)))
@@ -133,12 +150,15 @@ def test_bad_data_errors(make_config, tmp_path):
         _train(make_config(train_batch_size=8))
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
-    ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4"),
-    ({"PMI_SIZE": "2"}, "PMI_SIZE=2"),
-    ({"MASTER_ADDR": "127.0.0.1", "ACCELERATE_USE_CPU": "True"}, "starts ONE process"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
+        ({"OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4"),
+        ({"PMI_SIZE": "2"}, "PMI_SIZE=2"),
+        ({"MASTER_ADDR": "127.0.0.1", "ACCELERATE_USE_CPU": "True"}, "starts ONE process"),
+    ],
+)
 def test_launch_mismatches_are_caught(env, message):
     from simpletuner.training.launch import LaunchError, check_launch_matches
 
@@ -152,8 +172,15 @@ def test_tensorboard_receives_scalars_and_validation_images(make_config, tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    _train(make_config(max_train_steps=2, output_dir=str(out), report_to="tensorboard",
-                       validation_prompt="a red circle", validation_num_inference_steps=2))
+    _train(
+        make_config(
+            max_train_steps=2,
+            output_dir=str(out),
+            report_to="tensorboard",
+            validation_prompt="a red circle",
+            validation_num_inference_steps=2,
+        )
+    )
     events = list((out / "logs").rglob("events.out.tfevents.*"))
     assert events, "no tensorboard event file written"
     acc = EventAccumulator(str(events[0].parent), size_guidance={"images": 0}).Reload()

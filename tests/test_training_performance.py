@@ -53,8 +53,9 @@ def test_bf16_falls_back_to_fp16_where_unsupported(caplog):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_tf32_switch(enabled):
-    backends = SimpleNamespace(cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=None)),
-                               cudnn=SimpleNamespace(allow_tf32=None))
+    backends = SimpleNamespace(
+        cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=None)), cudnn=SimpleNamespace(allow_tf32=None)
+    )
     perf.apply_tf32(enabled, backends)
     assert backends.cuda.matmul.allow_tf32 is enabled and backends.cudnn.allow_tf32 is enabled
 
@@ -62,9 +63,14 @@ def test_tf32_switch(enabled):
 def test_allocator_settings_merge_into_the_environment(caplog):
     env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False"}
     caplog.set_level(logging.INFO)
-    value = perf.apply_cuda_allocator({"expandable_segments": True, "garbage_collection_threshold": 0.8}, env, FakeCuda())
-    assert value == env["PYTORCH_CUDA_ALLOC_CONF"] == \
-        "max_split_size_mb:128,expandable_segments:True,garbage_collection_threshold:0.8"
+    value = perf.apply_cuda_allocator(
+        {"expandable_segments": True, "garbage_collection_threshold": 0.8}, env, FakeCuda()
+    )
+    assert (
+        value
+        == env["PYTORCH_CUDA_ALLOC_CONF"]
+        == "max_split_size_mb:128,expandable_segments:True,garbage_collection_threshold:0.8"
+    )
     assert "overrides False from the environment" in caplog.text
     assert perf.apply_cuda_allocator({}, env, FakeCuda()) == value  # nothing asked: untouched
 
@@ -79,8 +85,10 @@ def test_allocator_settings_after_cuda_started_are_reported(caplog):
 def test_unknown_allocator_key_is_a_config_error(make_config):
     with pytest.raises(ConfigError) as info:
         validate_config(make_config(cuda_allocator={"use_uvm": True}))
-    assert any(p.startswith("cuda_allocator") and "use_uvm not accepted" in p and "expandable_segments" in p
-               for p in info.value.problems), info.value.problems
+    assert any(
+        p.startswith("cuda_allocator") and "use_uvm not accepted" in p and "expandable_segments" in p
+        for p in info.value.problems
+    ), info.value.problems
 
 
 def test_throughput_window_figures():
@@ -149,14 +157,16 @@ def test_mfu_uses_the_peak_of_the_runs_precision(make_config, tmp_path, caplog, 
     from simpletuner.memory.hardware import hardware_for_gpu
 
     caplog.set_level(logging.INFO, logger="simpletuner")
-    trainer, metrics = _mfu_run(make_config, tmp_path, "h100", hardware=hardware_for_gpu("h100"),
-                                mixed_precision=precision, enable_tf32=tf32)
+    trainer, metrics = _mfu_run(
+        make_config, tmp_path, "h100", hardware=hardware_for_gpu("h100"), mixed_precision=precision, enable_tf32=tf32
+    )
     logs = trainer.last_logs
     assert logs["mfu"] == pytest.approx(logs["tflops"] / peak)
     assert [m["mfu"] == pytest.approx(m["tflops"] / peak) for m in metrics] == [True, True]  # grep mfu metrics.jsonl
     said = [r.getMessage() for r in caplog.records if "MFU is measured against" in r.getMessage()]
-    assert said == [f"MFU is measured against {peak:g} TFLOPS, the H100 SXM's dense {kind} peak "
-                    "(--peak-tflops overrides it)"]
+    assert said == [
+        f"MFU is measured against {peak:g} TFLOPS, the H100 SXM's dense {kind} peak (--peak-tflops overrides it)"
+    ]
 
 
 def test_a_gpu_not_in_the_table_says_peak_unknown_once(make_config, tmp_path, caplog):
@@ -173,8 +183,9 @@ def test_a_gpu_not_in_the_table_says_peak_unknown_once(make_config, tmp_path, ca
     assert len(unknown) == 1 and unknown[0].levelno == logging.WARNING
     assert "NVIDIA Mystery 9000 is not in the GPU table" in unknown[0].getMessage()
     assert "mfu" not in trainer.last_logs and all("mfu" not in m and m["tflops"] > 0 for m in metrics)
-    assert "WARNING simpletuner.training.performance: MFU left out: peak unknown: pass --peak-tflops" in \
-        (tmp_path / "mystery" / "training.log").read_text(encoding="utf-8")
+    assert "WARNING simpletuner.training.performance: MFU left out: peak unknown: pass --peak-tflops" in (
+        tmp_path / "mystery" / "training.log"
+    ).read_text(encoding="utf-8")
 
 
 def test_peak_tflops_flag_overrides_the_table(make_config, tmp_path):
@@ -198,8 +209,10 @@ def test_peak_tflops_on_the_command_line(make_config, tmp_path, capsys):
         root.handlers[:] = saved[1]
         ours.setLevel(saved[2])
     out = tmp_path / "output"
-    assert all(m["mfu"] == pytest.approx(m["tflops"] / 0.25)
-               for m in map(orjson.loads, (out / "metrics.jsonl").read_bytes().splitlines()))
+    assert all(
+        m["mfu"] == pytest.approx(m["tflops"] / 0.25)
+        for m in map(orjson.loads, (out / "metrics.jsonl").read_bytes().splitlines())
+    )
     assert "MFU is measured against 0.25 TFLOPS (--peak-tflops)" in (out / "training.log").read_text(encoding="utf-8")
     for bad in ("0", "-3", "fast"):
         with pytest.raises(SystemExit):
@@ -212,8 +225,9 @@ def test_flop_counting_and_eval_do_not_change_training(make_config, tmp_path, mo
         patch.setattr(Trainer, "_flops_per_sample", lambda self, model: None)  # no counting pass at all
         plain_trainer, plain = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "a")))
     assert "tflops" not in plain_trainer.last_logs
-    _, measured = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "b"), eval_steps=1, eval_iters=1,
-                                     logging_steps=1))
+    _, measured = _train(
+        make_config(max_train_steps=3, output_dir=str(tmp_path / "b"), eval_steps=1, eval_iters=1, logging_steps=1)
+    )
     assert plain.losses == measured.losses
     a, b = load_file(plain.output_path), load_file(measured.output_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -221,9 +235,19 @@ def test_flop_counting_and_eval_do_not_change_training(make_config, tmp_path, mo
 
 def test_loader_threads_give_the_same_latents(make_config, tmp_path):
     def latents(workers, name):
-        trainer = Trainer(StateTracker(validate_config(raw := make_config(
-            max_train_steps=1, dataloader_num_workers=workers, output_dir=str(tmp_path / name),
-            cache_config={"cache_dir": str(tmp_path / name / "cache")})), raw))
+        trainer = Trainer(
+            StateTracker(
+                validate_config(
+                    raw := make_config(
+                        max_train_steps=1,
+                        dataloader_num_workers=workers,
+                        output_dir=str(tmp_path / name),
+                        cache_config={"cache_dir": str(tmp_path / name / "cache")},
+                    )
+                ),
+                raw,
+            )
+        )
         trainer.setup()
         store = trainer.data.vae_cache.store
         return {k: store.get(k)["latents"] for k in store.keys()}
@@ -273,4 +297,3 @@ def test_compile_knob_compiles_the_denoiser(make_config, monkeypatch):
     assert result.global_step == 2 and all(torch.isfinite(torch.tensor(result.losses)))
     assert "tflops" not in trainer.last_logs  # the FLOP counter is skipped under compile
     assert result.output_path.is_file()
-

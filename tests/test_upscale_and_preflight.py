@@ -33,8 +33,12 @@ def mixed_sizes(tmp_path_factory):
 
 
 def _config(make_config, folder, resolution=64, **dataset):
-    return validate_config(make_config(resolution=resolution, datasets=[
-        {"id": "shapes", "type": "local", "instance_data_dir": str(folder), **dataset}]))
+    return validate_config(
+        make_config(
+            resolution=resolution,
+            datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(folder), **dataset}],
+        )
+    )
 
 
 def _scan(config):
@@ -50,7 +54,9 @@ def _cache_files(config):
 
 
 def test_far_upscaling_stops_the_run_before_caching_naming_how_many_and_by_how_much(make_config, mixed_sizes):
-    raw = make_config(resolution=4096, datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes)}])
+    raw = make_config(
+        resolution=4096, datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes)}]
+    )
     trainer = Trainer(StateTracker(validate_config(raw), raw))
     with pytest.raises(ValueError) as exc:
         trainer.setup()
@@ -87,8 +93,12 @@ def test_minimum_image_size_and_no_upscale_skip_and_count(make_config, mixed_siz
 
 def test_a_few_far_upscaled_images_are_named_in_a_warning_not_a_stop(make_config, mixed_sizes, caplog):
     """Up to max_bad_image_fraction of the dataset (a few odd files, not a wrong resolution) trains with a warning."""
-    config = validate_config({**make_config(resolution=128, max_bad_image_fraction=0.5),
-                              "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes)}]})
+    config = validate_config(
+        {
+            **make_config(resolution=128, max_bad_image_fraction=0.5),
+            "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes)}],
+        }
+    )
     with caplog.at_level(logging.WARNING, logger="simpletuner.data_backend.metadata"):
         assert len(_scan(config).samples) == 12
     assert "6 of 12 image files would be upscaled more than 2x" in caplog.text and "set `allow_upscale`" in caplog.text
@@ -96,18 +106,22 @@ def test_a_few_far_upscaled_images_are_named_in_a_warning_not_a_stop(make_config
 
 def _small_machine(host_available, gpu_free=None):
     if gpu_free is None:
-        return dataclasses.replace(detect_hardware(), device_name=None, gpu_free_bytes=None,
-                                   host_ram_available_bytes=host_available)
-    return dataclasses.replace(hardware_for_gpu("h100"), gpu_free_bytes=gpu_free, host_ram_available_bytes=host_available)
+        return dataclasses.replace(
+            detect_hardware(), device_name=None, gpu_free_bytes=None, host_ram_available_bytes=host_available
+        )
+    return dataclasses.replace(
+        hardware_for_gpu("h100"), gpu_free_bytes=gpu_free, host_ram_available_bytes=host_available
+    )
 
 
 def test_a_run_larger_than_this_machine_stops_before_the_cache_fill(make_config, mixed_sizes):
     """A machine with 256 MiB available against latents of 16384 px images (the largest resolution
     the schema allows) held in RAM: 64 MiB each, computed from the shapes, never allocated."""
-    raw = make_config(resolution=16384, cache_config={"cache_dir": str(make_config()["cache_config"]["cache_dir"]),
-                                                      "vae_cache_type": "memory"},
-                      datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes),
-                                 "allow_upscale": True}])
+    raw = make_config(
+        resolution=16384,
+        cache_config={"cache_dir": str(make_config()["cache_config"]["cache_dir"]), "vae_cache_type": "memory"},
+        datasets=[{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes), "allow_upscale": True}],
+    )
     machine = dataclasses.replace(detect_hardware(), host_ram_available_bytes=256 * 2**20)
     trainer = Trainer(StateTracker(validate_config(raw), raw), hardware=dataclasses.replace(machine, device_name=None))
     with pytest.raises(NotEnoughMemory) as exc:
@@ -121,8 +135,11 @@ def test_a_run_larger_than_this_machine_stops_before_the_cache_fill(make_config,
 
 
 def test_host_and_device_checks_against_a_small_machine(make_config, shapes_dir, caplog):
-    config = validate_config(make_config(cache_config={"cache_dir": "unused", "vae_cache_type": "memory",
-                                                       "text_cache_type": "unified_memory"}))
+    config = validate_config(
+        make_config(
+            cache_config={"cache_dir": "unused", "vae_cache_type": "memory", "text_cache_type": "unified_memory"}
+        )
+    )
     spec = get_model_spec(config)
 
     class Dataset:

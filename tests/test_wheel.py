@@ -34,7 +34,9 @@ def _run(cmd, *, env, cwd, timeout=300) -> subprocess.CompletedProcess:
 
 def _checked(cmd, **kwargs) -> subprocess.CompletedProcess:
     result = _run(cmd, **kwargs)
-    assert result.returncode == 0, f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
     return result
 
 
@@ -54,21 +56,30 @@ def installed(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
     env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     dist = base / "dist"
-    _checked([sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "--no-index", "-w", dist],
-             env=env, cwd=base)
+    _checked(
+        [sys.executable, "-m", "pip", "wheel", src, "--no-deps", "--no-build-isolation", "--no-index", "-w", dist],
+        env=env,
+        cwd=base,
+    )
     (wheel,) = dist.glob("simpletuner_gh200-*.whl")  # the distribution name (pyproject.toml)
 
     venv = base / "venv"
     _checked([sys.executable, "-m", "venv", "--without-pip", venv], env=env, cwd=base)
     python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
-    purelib = Path(_checked([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                            env=env, cwd=base).stdout.strip())
+    purelib = Path(
+        _checked(
+            [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], env=env, cwd=base
+        ).stdout.strip()
+    )
     # The dependencies come from this environment, appended after the venv's own site-packages, as
     # plain paths: their .pth files (among them an editable install's finder) are not run.
     deps = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
     (purelib / "_simpletuner_test_deps.pth").write_text("\n".join(deps) + "\n")
-    _checked([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel],
-             env=env, cwd=base)
+    _checked(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", wheel],
+        env=env,
+        cwd=base,
+    )
 
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
     cwd = base / "elsewhere"
@@ -80,8 +91,13 @@ def test_wheel_carries_the_config_files(installed):
     wheel = installed[0]
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"{BUNDLED}/{p.relative_to(CONFIG).as_posix()}" for p in CONFIG.rglob("*") if p.is_file()}
-    assert {f"{BUNDLED}/presets/gh200.json", f"{BUNDLED}/examples/sd15_lora.json", f"{BUNDLED}/datasets/sd_local.json",
-            f"{BUNDLED}/accelerate_config_gh200.yaml", f"{BUNDLED}/accelerate_config_gh200_fsdp.yaml"} <= expected
+    assert {
+        f"{BUNDLED}/presets/gh200.json",
+        f"{BUNDLED}/examples/sd15_lora.json",
+        f"{BUNDLED}/datasets/sd_local.json",
+        f"{BUNDLED}/accelerate_config_gh200.yaml",
+        f"{BUNDLED}/accelerate_config_gh200_fsdp.yaml",
+    } <= expected
     assert sorted(expected - names) == []
     modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "simpletuner").rglob("*.py")}
     assert sorted(modules - names) == [], "modules missing from the wheel: add their package to pyproject.toml"
@@ -89,8 +105,15 @@ def test_wheel_carries_the_config_files(installed):
 
 def test_installed_copy_is_the_one_imported(installed):
     _, python, purelib, env, cwd = installed
-    out = _checked([python, "-c", "import simpletuner, simpletuner.resources as r; print(simpletuner.__file__); "
-                                  "print(r.config_dir())"], env=env, cwd=cwd).stdout.split()
+    out = _checked(
+        [
+            python,
+            "-c",
+            "import simpletuner, simpletuner.resources as r; print(simpletuner.__file__); print(r.config_dir())",
+        ],
+        env=env,
+        cwd=cwd,
+    ).stdout.split()
     assert Path(out[0]) == purelib / "simpletuner" / "__init__.py"
     assert Path(out[1]) == (purelib / BUNDLED).resolve()
 
@@ -124,8 +147,21 @@ def test_documented_launch_line_for_installed_users(installed):
     _, python, _, env, cwd = installed
     yaml = _checked(["simpletuner", "config-path", "accelerate_config_gh200.yaml"], env=env, cwd=cwd).stdout.strip()
     # `python -m accelerate.commands.accelerate_cli` is the `accelerate` command of this venv's interpreter.
-    result = _checked([python, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", yaml,
-                       "-m", "simpletuner.train", "--help"], env=env, cwd=cwd)
+    result = _checked(
+        [
+            python,
+            "-m",
+            "accelerate.commands.accelerate_cli",
+            "launch",
+            "--config_file",
+            yaml,
+            "-m",
+            "simpletuner.train",
+            "--help",
+        ],
+        env=env,
+        cwd=cwd,
+    )
     assert "usage: simpletuner train" in result.stdout and "--config" in result.stdout
 
 
@@ -133,7 +169,7 @@ def _sections(report: str) -> tuple[list[str], list[str]]:
     """The report's section headers, and its verdict lines (the same on the same machine)."""
     lines = report.splitlines()
     headers = [line for line in lines if line.startswith("== ")]
-    return headers, lines[lines.index("== verdict ==") + 1:]
+    return headers, lines[lines.index("== verdict ==") + 1 :]
 
 
 def test_diagnose_is_the_diagnostic_script(installed, capsys):
@@ -153,9 +189,13 @@ def test_diagnose_takes_the_script_flags_and_exit_codes(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["diagnose", "--oversubscription-scale", "0"])
     assert exc.value.code == 2
-    assert "simpletuner diagnose: error: argument --oversubscription-scale: must be a number > 0" in capsys.readouterr().err
+    assert (
+        "simpletuner diagnose: error: argument --oversubscription-scale: must be a number > 0"
+        in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit) as exc:
         cli.main(["diagnose", "--help"])
     assert exc.value.code == 0
     assert "usage: simpletuner diagnose [-h] [--json] [--oversubscription-scale S] [--force]" in " ".join(
-        capsys.readouterr().out.split())
+        capsys.readouterr().out.split()
+    )

@@ -35,8 +35,8 @@ import orjson
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.tensor_cache import map_threads
 from simpletuner.caching.text_cache import caption_text_key
-from simpletuner.locks import CacheLocks
 from simpletuner.caching.vae_cache import sample_latent_key, sample_source_hash, sample_source_name
+from simpletuner.locks import CacheLocks
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -91,8 +91,13 @@ class CacheSummary:
     @property
     def num_removable(self) -> int:
         """What ``clear --stale-only`` would remove: entries, superseded copies and damaged files."""
-        return (len(self.stale or ()) + len(self.corrupt) + self.num_superseded + len(self.unreadable_shards)
-                + len(self.quarantined_files))
+        return (
+            len(self.stale or ())
+            + len(self.corrupt)
+            + self.num_superseded
+            + len(self.unreadable_shards)
+            + len(self.quarantined_files)
+        )
 
 
 def cache_base(config: "TrainingConfig") -> Path:
@@ -163,8 +168,9 @@ def check_sources(summary: CacheSummary, store: ShardedTensorStore, sources: dic
     hashes = map_threads(current, to_check, _HASH_WORKERS, None, f"hashing {summary.name} sources")
     summary.num_content_checked = len(to_check)
     summary.num_content_unhashed = len(keys) - len(to_check)
-    summary.content_changed = {key: sample_source_name(*sources[key])
-                               for key, now in zip(to_check, hashes) if now != recorded[key]}
+    summary.content_changed = {
+        key: sample_source_name(*sources[key]) for key, now in zip(to_check, hashes) if now != recorded[key]
+    }
 
 
 @contextlib.contextmanager
@@ -184,7 +190,12 @@ def inspect_cache(name: str, folder: Path, needed: set[str] | None) -> tuple[Cac
     summary = CacheSummary(name=name, folder=str(folder), exists=folder.is_dir())
     if not summary.exists:
         if needed is not None:
-            summary.num_needed, summary.num_present, summary.num_missing, summary.stale = len(needed), 0, len(needed), []
+            summary.num_needed, summary.num_present, summary.num_missing, summary.stale = (
+                len(needed),
+                0,
+                len(needed),
+                [],
+            )
         return summary, None
     with _quiet_store_warnings():
         store = ShardedTensorStore(folder)
@@ -239,8 +250,11 @@ def _print_summary(s: CacheSummary, out: TextIO) -> None:
     for path, reason in s.unreadable_shards.items():
         print(f"  unreadable shard {Path(path).name}: {reason}", file=out)
     if s.stale:
-        print(f"  stale: {len(s.stale)} entries not needed by this config (e.g. made by another VAE, resolution "
-              "or caption; another config sharing this cache folder may still use them)", file=out)
+        print(
+            f"  stale: {len(s.stale)} entries not needed by this config (e.g. made by another VAE, resolution "
+            "or caption; another config sharing this cache folder may still use them)",
+            file=out,
+        )
     if s.num_superseded:
         print(f"  superseded: {s.num_superseded} old copies of re-encoded entries", file=out)
     if s.quarantined_files:
@@ -295,9 +309,12 @@ def _as_json(summary: CacheSummary) -> dict[str, Any]:
 
 def _print_content(s: CacheSummary, out: TextIO) -> None:
     """The ``--content`` lines of one cache (its sources, as hashed now)."""
-    unhashed = (f", {s.num_content_unhashed} without a recorded hash (encoded before source hashes were stored: "
-                "cannot be checked; a run with cache_config.verify_content re-encodes them)"
-                if s.num_content_unhashed else "")
+    unhashed = (
+        f", {s.num_content_unhashed} without a recorded hash (encoded before source hashes were stored: "
+        "cannot be checked; a run with cache_config.verify_content re-encodes them)"
+        if s.num_content_unhashed
+        else ""
+    )
     unchanged = (s.num_content_checked or 0) - len(s.content_changed)
     print(f"  sources: {unchanged} unchanged, {len(s.content_changed)} changed since encoded{unhashed}", file=out)
     for key, path in list(s.content_changed.items())[:_MAX_LISTED]:
@@ -335,8 +352,11 @@ def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     content, fix = getattr(args, "content", False), getattr(args, "fix", False)
     if fix and not content:
-        print("error: --fix goes with --content (it removes latents whose source file changed). Corrupt entries are "
-              "re-encoded by the next run, or removed by `simpletuner cache clear --stale-only`", file=sys.stderr)
+        print(
+            "error: --fix goes with --content (it removes latents whose source file changed). Corrupt entries are "
+            "re-encoded by the next run, or removed by `simpletuner cache clear --stale-only`",
+            file=sys.stderr,
+        )
         return 2
     config = _load(args)
     inspection = _inspect_all(config, content=content)
@@ -348,9 +368,13 @@ def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
     num_changed = sum(len(s.content_changed) for s in summaries if s.has_changed_content)
     status = 1 if is_corrupt else 2 if content_error else 1 if num_changed else 0
     if args.json:
-        payload: dict[str, Any] = {"config": str(args.config), "is_clean": not is_corrupt and not num_changed,
-                                   "needed_keys_error": why_not, "content_checked": content and not content_error,
-                                   "caches": [_as_json(s) for s in summaries]}
+        payload: dict[str, Any] = {
+            "config": str(args.config),
+            "is_clean": not is_corrupt and not num_changed,
+            "needed_keys_error": why_not,
+            "content_checked": content and not content_error,
+            "caches": [_as_json(s) for s in summaries],
+        }
         out.write(orjson.dumps(payload, option=orjson.OPT_INDENT_2).decode() + "\n")
         return status
     if why_not:
@@ -362,18 +386,25 @@ def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if content_error:
         print(f"error: --content cannot find the source files of the latents: {content_error}", file=sys.stderr)
     if num_changed:
-        print(f"{num_changed} cached latent(s) no longer match their source file (edited in place with its size and "
-              f"modification time kept). Remove them with `simpletuner cache verify --config {args.config} --content "
-              "--fix` (the next run re-encodes them), or train with `cache_config.verify_content: true`.", file=out)
+        print(
+            f"{num_changed} cached latent(s) no longer match their source file (edited in place with its size and "
+            f"modification time kept). Remove them with `simpletuner cache verify --config {args.config} --content "
+            "--fix` (the next run re-encodes them), or train with `cache_config.verify_content: true`.",
+            file=out,
+        )
     if is_corrupt:
-        print(f"corruption found. Damaged entries are re-encoded on the next training run; or remove them now with "
-              f"`simpletuner cache clear --config {args.config} --stale-only` (or everything without --stale-only).",
-              file=out)
+        print(
+            f"corruption found. Damaged entries are re-encoded on the next training run; or remove them now with "
+            f"`simpletuner cache clear --config {args.config} --stale-only` (or everything without --stale-only).",
+            file=out,
+        )
     if status:
         return status
     if any(s.stale or s.num_superseded for s in summaries):
-        print(f"all entries are sound. `simpletuner cache clear --config {args.config} --stale-only` frees the stale ones.",
-              file=out)
+        print(
+            f"all entries are sound. `simpletuner cache clear --config {args.config} --stale-only` frees the stale ones.",
+            file=out,
+        )
     else:
         print("all entries are sound.", file=out)
     return 0
@@ -402,8 +433,11 @@ def cmd_clear(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO
     config = _load(args)
     base = cache_base(config)
     locks = CacheLocks(base)
-    held = locks.clearing(wait=args.wait, say=lambda line: print(line, file=out, flush=True)) if base.is_dir() \
-        else contextlib.nullcontext()  # nothing there to protect; locking would create the folder
+    held = (
+        locks.clearing(wait=args.wait, say=lambda line: print(line, file=out, flush=True))
+        if base.is_dir()
+        else contextlib.nullcontext()
+    )  # nothing there to protect; locking would create the folder
     with held:
         if args.stale_only:
             return _clear_stale(config, args, stdin, out)
@@ -436,10 +470,15 @@ def _clear_stale(config: "TrainingConfig", args: argparse.Namespace, stdin: Text
     inspection = _inspect_all(config)
     needed = inspection.needed
     if needed is None:
-        print(f"error: cannot tell which entries this config needs ({inspection.why_not_needed}); --stale-only needs that. "
-              "Fix the config, or remove everything without --stale-only", file=sys.stderr)
+        print(
+            f"error: cannot tell which entries this config needs ({inspection.why_not_needed}); --stale-only needs that. "
+            "Fix the config, or remove everything without --stale-only",
+            file=sys.stderr,
+        )
         return 2
-    plan = [(s, store) for s, store in zip(inspection.summaries, inspection.stores) if store is not None and s.num_removable]
+    plan = [
+        (s, store) for s, store in zip(inspection.summaries, inspection.stores) if store is not None and s.num_removable
+    ]
     if not plan:
         print("nothing to remove: every stored entry is sound and needed by this config", file=out)
         return 0
@@ -455,8 +494,11 @@ def _clear_stale(config: "TrainingConfig", args: argparse.Namespace, stdin: Text
         return status
     for s, store in plan:
         report = store.compact(keep=needed[s.name])
-        print(f"{s.name} cache: removed {report.num_entries_removed} entries, rewrote {report.num_shards_rewritten} "
-              f"shard(s); {_size(report.bytes_before)} -> {_size(report.bytes_after)}", file=out)
+        print(
+            f"{s.name} cache: removed {report.num_entries_removed} entries, rewrote {report.num_shards_rewritten} "
+            f"shard(s); {_size(report.bytes_before)} -> {_size(report.bytes_after)}",
+            file=out,
+        )
     return 0
 
 
@@ -466,29 +508,49 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", required=True, help="the training JSON whose caches to act on")
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, as `simpletuner train --set` does")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, as `simpletuner train --set` does",
+        )
 
     p = sub.add_parser("verify", help="list the caches and check every entry's checksum (exit 1 on corruption)")
     common(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--content", action="store_true",
-                   help="also hash the source file of every latent this config needs and compare it with the hash "
-                        "recorded when it was encoded (finds files edited in place with size and mtime kept; reads "
-                        "every image once); exit 1 when some changed")
-    p.add_argument("--fix", action="store_true",
-                   help="with --content: remove the latents whose source changed, so the next run re-encodes them "
-                        "(refuses while a run uses the cache); exit 0 once removed")
-    p.add_argument("--wait", action="store_true", help="with --fix: wait for runs using the cache to end instead of refusing")
+    p.add_argument(
+        "--content",
+        action="store_true",
+        help="also hash the source file of every latent this config needs and compare it with the hash "
+        "recorded when it was encoded (finds files edited in place with size and mtime kept; reads "
+        "every image once); exit 1 when some changed",
+    )
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="with --content: remove the latents whose source changed, so the next run re-encodes them "
+        "(refuses while a run uses the cache); exit 0 once removed",
+    )
+    p.add_argument(
+        "--wait", action="store_true", help="with --fix: wait for runs using the cache to end instead of refusing"
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("clear", help="remove the caches (asks first; --yes when not on a terminal)")
     common(p)
-    p.add_argument("--stale-only", action="store_true",
-                   help="keep the sound entries this config needs; remove stale, corrupt and superseded ones")
+    p.add_argument(
+        "--stale-only",
+        action="store_true",
+        help="keep the sound entries this config needs; remove stale, corrupt and superseded ones",
+    )
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--wait", action="store_true",
-                   help="while a training run uses the cache, wait for it to end (without it: refuse, exit 2)")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="while a training run uses the cache, wait for it to end (without it: refuse, exit 2)",
+    )
     p.set_defaults(func=cmd_clear)
     return parser
 
@@ -496,7 +558,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``simpletuner cache ...``; returns the exit status."""
     from simpletuner.configuration import ConfigError
-
     from simpletuner.diskspace import NoSpace
 
     args = build_parser().parse_args(argv)

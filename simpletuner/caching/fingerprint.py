@@ -54,9 +54,7 @@ def _canonical(value: Any, where: str) -> Any:
         out = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                raise TypeError(
-                    f"fingerprint: dict key {key!r} at {where} is {type(key).__name__}; keys must be str"
-                )
+                raise TypeError(f"fingerprint: dict key {key!r} at {where} is {type(key).__name__}; keys must be str")
             safe_key = _TAG_PREFIX + key if key.startswith(_TAG_PREFIX) else key
             out[safe_key] = _canonical(item, f"{where}.{key}")
         return out

@@ -29,13 +29,26 @@ _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 # Safetensors' names of the dtypes it stores: part of every checksum, so a header whose
 # dtype was altered to one of the same width (F16 -> I16) does not pass.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
 }
 for _attr, _name in (
-    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-    ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
 ):
     if hasattr(torch, _attr):
         _DTYPE_NAMES[getattr(torch, _attr)] = _name
@@ -163,7 +176,9 @@ def read_header(path: Path, allow_truncated: bool = False) -> ShardHeader:
             raise BadShard(f"corrupt header (bad entry for tensor {name!r})")
         data_end = max(data_end, end)
     data_start = 8 + header_size
-    parsed = ShardHeader(header, metadata if isinstance(metadata, dict) else {}, data_start, data_start + data_end, file_size)
+    parsed = ShardHeader(
+        header, metadata if isinstance(metadata, dict) else {}, data_start, data_start + data_end, file_size
+    )
     if parsed.truncation and not allow_truncated:
         raise BadShard(parsed.truncation)
     return parsed

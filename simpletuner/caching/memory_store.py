@@ -71,11 +71,21 @@ class MemoryTensorStore:
             backing.discard(read.problems)  # the disk index must not serve them either
             num_unverified += read.num_unverified
         if keys:
-            logger.info("%s cache: loaded %d entries from %s into memory%s", self.name, len(self._entries), backing.root,
-                        f" ({num_unverified} unverified: written before checksums)" if num_unverified else "")
+            logger.info(
+                "%s cache: loaded %d entries from %s into memory%s",
+                self.name,
+                len(self._entries),
+                backing.root,
+                f" ({num_unverified} unverified: written before checksums)" if num_unverified else "",
+            )
         if self._rejected:
-            logger.warning("%s cache: %d corrupt entries in %s were not loaded; they are misses, re-encoded when needed: %s",
-                           self.name, len(self._rejected), backing.root, summarise_problems(self._rejected))
+            logger.warning(
+                "%s cache: %d corrupt entries in %s were not loaded; they are misses, re-encoded when needed: %s",
+                self.name,
+                len(self._rejected),
+                backing.root,
+                summarise_problems(self._rejected),
+            )
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
@@ -116,8 +126,9 @@ class MemoryTensorStore:
     def _missing(self, key: str) -> KeyError:
         return KeyError(f"{key!r} is not in the {self.name} cache ({self.root})")
 
-    def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]],
-                 source_hashes: Mapping[str, str] | None = None) -> Path | None:
+    def put_many(
+        self, entries: Mapping[str, Mapping[str, torch.Tensor]], source_hashes: Mapping[str, str] | None = None
+    ) -> Path | None:
         """Store in memory (placed) and, when persistent, on disk too (with ``source_hashes``, see
         :meth:`ShardedTensorStore.put_many`); returns the shard written."""
         if self.backing is not None:

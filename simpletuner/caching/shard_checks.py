@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import orjson
-
 import torch
 from safetensors import SafetensorError
 from tqdm import tqdm
@@ -48,7 +47,9 @@ _VERIFY_WORKERS = min(8, (os.cpu_count() or 1) // 2)
 def check_marker_name(name: str) -> str:
     """``name`` when it is a plain file name part (letters, digits, ``._-``); else ValueError."""
     if not isinstance(name, str) or not _MARKER_NAME.match(name):
-        raise ValueError(f"marker name {name!r} must be letters, digits, '.', '_' or '-' (not starting with '.' or '-')")
+        raise ValueError(
+            f"marker name {name!r} must be letters, digits, '.', '_' or '-' (not starting with '.' or '-')"
+        )
     return name
 
 
@@ -182,14 +183,18 @@ class ShardChecks:
         return CheckedRead(entries, problems, num_unverified)
 
     @staticmethod
-    def _check_entry(metadata: Mapping[str, str], shard: Path, key: str, entry: Mapping[str, torch.Tensor]) -> str | None:
+    def _check_entry(
+        metadata: Mapping[str, str], shard: Path, key: str, entry: Mapping[str, torch.Tensor]
+    ) -> str | None:
         for name, tensor in entry.items():
             expected = metadata.get(f"{CHECKSUM_PREFIX}{key}{KEY_SEPARATOR}{name}")
             if expected is None:
                 return f"no checksum recorded for tensor {name!r} in shard {shard.name}"
             actual = tensor_checksum(tensor)
             if actual != expected:
-                return f"checksum mismatch in tensor {name!r} of shard {shard.name} (recorded {expected}, read {actual})"
+                return (
+                    f"checksum mismatch in tensor {name!r} of shard {shard.name} (recorded {expected}, read {actual})"
+                )
         return None
 
     def discard(self, keys: Iterable[str]) -> None:

@@ -153,7 +153,9 @@ class ShardedTensorStore(ShardChecks):
             logger.warning(
                 "%d unfinished temp file(s) from interrupted writes in %s (e.g. %s); they are ignored "
                 "and safe to delete when no writer is running",
-                len(leftovers), self.root, leftovers[0].name,
+                len(leftovers),
+                self.root,
+                leftovers[0].name,
             )
         new_shards = [p for p in self.root.glob(SHARD_GLOB) if p not in self._indexed_shards]
         readable = []
@@ -203,8 +205,9 @@ class ShardedTensorStore(ShardChecks):
         order = int(written_ns) if written_ns.isdigit() else shard.stat().st_mtime_ns
         return (order, shard.name), entries
 
-    def _mark_unreadable(self, shard: Path, error: Exception | None, reason: str | None = None,
-                         is_corrupt: bool = True) -> None:
+    def _mark_unreadable(
+        self, shard: Path, error: Exception | None, reason: str | None = None, is_corrupt: bool = True
+    ) -> None:
         keys: tuple[str, ...] = ()
         if is_corrupt:  # say what is wrong more plainly than safetensors, and which entries are lost
             try:
@@ -364,8 +367,9 @@ class ShardedTensorStore(ShardChecks):
         return total
 
     # --- writes ---
-    def put_many(self, entries: Mapping[str, Mapping[str, torch.Tensor]],
-                 source_hashes: Mapping[str, str] | None = None) -> Path:
+    def put_many(
+        self, entries: Mapping[str, Mapping[str, torch.Tensor]], source_hashes: Mapping[str, str] | None = None
+    ) -> Path:
         """Write ``entries`` as one new shard, atomically, and index them. Returns the shard path.
 
         Tensors are detached, moved to CPU and made contiguous; dtypes are kept. A key that
@@ -393,8 +397,9 @@ class ShardedTensorStore(ShardChecks):
             "written_ns": str(time.time_ns()),
         }
         metadata.update({CHECKSUM_PREFIX + name: tensor_checksum(tensor) for name, tensor in flat.items()})
-        metadata.update({SOURCE_HASH_PREFIX + key: str(value) for key, value in (source_hashes or {}).items()
-                         if key in entries})
+        metadata.update(
+            {SOURCE_HASH_PREFIX + key: str(value) for key, value in (source_hashes or {}).items() if key in entries}
+        )
         # Space: checked before the write (a disk filled since the fill's own check stops here,
         # nothing written); an ENOSPC during it removes the temp file and raises NoSpace. Shards
         # already written stay: they are complete, and the next fill reuses them.

@@ -158,8 +158,13 @@ class _SpaceCheck:
     def _require(self, needed: int) -> None:
         self.done = True
         require_space(self.folder, needed, self.what)
-        logger.info("%s needs ~%s in %s; %s free", self.what, human_bytes(needed), self.folder,
-                    human_bytes(free_bytes(self.folder)))
+        logger.info(
+            "%s needs ~%s in %s; %s free",
+            self.what,
+            human_bytes(needed),
+            self.folder,
+            human_bytes(free_bytes(self.folder)),
+        )
 
 
 def _plan_batches(
@@ -181,7 +186,10 @@ def _plan_batches(
 
 
 def _prepared(
-    batches: list[list[str]], misses: Mapping[str, Any], prepare: Callable[[list[Any]], Any] | None, workers: int,
+    batches: list[list[str]],
+    misses: Mapping[str, Any],
+    prepare: Callable[[list[Any]], Any] | None,
+    workers: int,
     pool: Executor | None = None,
 ) -> Iterator[tuple[list[str], Any]]:
     """``(keys, prepare(payloads))`` per batch, in order; ``prepare`` runs on ``workers`` threads
@@ -359,13 +367,20 @@ class TensorCache:
         )
         logger.info(
             "%s cache: %d items, %d hits, %d computed (%d of them corrupt before), %d failed in %.2fs (%s)",
-            self.name, report.num_items, report.num_hits, report.num_computed, len(corrupt), len(failed),
-            report.seconds, self.store.root,
+            self.name,
+            report.num_items,
+            report.num_hits,
+            report.num_computed,
+            len(corrupt),
+            len(failed),
+            report.seconds,
+            self.store.root,
         )
         reencoded = {key: reason for key, reason in corrupt.items() if key in self.store}
         if reencoded:
-            logger.warning("%s cache: re-encoded %d corrupt entries: %s", self.name, len(reencoded),
-                           summarise_problems(reencoded))
+            logger.warning(
+                "%s cache: re-encoded %d corrupt entries: %s", self.name, len(reencoded), summarise_problems(reencoded)
+            )
         self._log_source_reencodes(changed, unhashed)
         return report
 
@@ -376,8 +391,9 @@ class TensorCache:
             self.store.put_many(pending)
         fault_point("cache:shard_written")  # tests: a signal (or kill) with whole shards on disk
 
-    def _find_changed_sources(self, unique: Mapping[str, Any], sources: SourceCheck, workers: int,
-                              pool: Executor | None) -> tuple[dict[str, str], dict[str, str]]:
+    def _find_changed_sources(
+        self, unique: Mapping[str, Any], sources: SourceCheck, workers: int, pool: Executor | None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         """Hash the source of every entry ``unique`` would hit and compare it with the hash recorded
         when the entry was written; drop (as misses) those that differ or have none. Returns
         ``({key: source name}, {key: source name})`` of the changed and the unhashed ones."""
@@ -388,25 +404,36 @@ class TensorCache:
         recorded = self.store.source_hashes(hits)
         unhashed = {key: sources.name(unique[key]) for key in hits if recorded.get(key) is None}
         to_check = [key for key in hits if key not in unhashed]
-        current = map_threads(lambda key: _hash_or_none(sources, unique[key]), to_check, workers, pool,
-                              f"checking {self.name} sources")
+        current = map_threads(
+            lambda key: _hash_or_none(sources, unique[key]), to_check, workers, pool, f"checking {self.name} sources"
+        )
         changed = {key: sources.name(unique[key]) for key, now in zip(to_check, current) if now != recorded[key]}
-        logger.info("%s cache: verify_content hashed the sources of %d cached entries in %.2fs: %d changed, "
-                    "%d without a recorded hash", self.name, len(to_check), time.perf_counter() - started,
-                    len(changed), len(unhashed))
+        logger.info(
+            "%s cache: verify_content hashed the sources of %d cached entries in %.2fs: %d changed, "
+            "%d without a recorded hash",
+            self.name,
+            len(to_check),
+            time.perf_counter() - started,
+            len(changed),
+            len(unhashed),
+        )
         self.store.discard([*changed, *unhashed])
         return changed, unhashed
 
     def _log_source_reencodes(self, changed: Mapping[str, str], unhashed: Mapping[str, str]) -> None:
         names = [name for key, name in changed.items() if key in self.store]
         if names:
-            logger.warning("%s cache: re-encoded %d entries whose source changed: %s", self.name, len(names), _names(names))
+            logger.warning(
+                "%s cache: re-encoded %d entries whose source changed: %s", self.name, len(names), _names(names)
+            )
         names = [name for key, name in unhashed.items() if key in self.store]
         if names:
             logger.warning(
                 "%s cache: re-encoded %d entries written before source hashes were recorded (verify_content "
                 "re-encodes them once, since an earlier in-place edit cannot be ruled out): %s",
-                self.name, len(names), _names(names, limit=3),
+                self.name,
+                len(names),
+                _names(names, limit=3),
             )
 
     def _find_corrupt(self, unique: Mapping[str, Any]) -> dict[str, str]:
@@ -417,7 +444,9 @@ class TensorCache:
         if corrupt:
             logger.info(
                 "%s cache: %d stored entries failed their integrity check and will be encoded again: %s",
-                self.name, len(corrupt), summarise_problems(corrupt),
+                self.name,
+                len(corrupt),
+                summarise_problems(corrupt),
             )
             self.store.discard(corrupt)
         self.store.quarantine_unreadable()
@@ -474,8 +503,9 @@ class TensorCache:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
 
 
-def map_threads(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, pool: Executor | None,
-                desc: str) -> list[Any]:
+def map_threads(
+    fn: Callable[[Any], Any], items: Sequence[Any], workers: int, pool: Executor | None, desc: str
+) -> list[Any]:
     """``[fn(item) for item in items]`` on ``pool``, else on ``workers`` threads (file reads and
     blake2b release the GIL), else inline; with a progress bar on a terminal."""
     progress = tqdm(total=len(items), desc=desc, unit="file", disable=None)
@@ -515,7 +545,9 @@ def cache_type_in_use(kind: str) -> str:
     return "memory" if unified_caches_fall_back_to_cpu() else kind
 
 
-def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> ShardedTensorStore | MemoryTensorStore:
+def _open_store(
+    folder: Path, kind: str, name: str, persistent: bool, prefer: str
+) -> ShardedTensorStore | MemoryTensorStore:
     """A disk store, or a memory store (optionally backed by disk) placed per ``kind``."""
     kind = cache_type_in_use(kind)
     if kind == "disk":
@@ -526,13 +558,24 @@ def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: st
     if kind == "unified_memory":
         from simpletuner.gh200.uvm import prefetch_to_device, stack_unified, to_unified
 
-        return MemoryTensorStore(name, place=lambda t: to_unified(t, prefer), prefetch=prefetch_to_device,
-                                 backing=backing, stack=stack_unified)
+        return MemoryTensorStore(
+            name,
+            place=lambda t: to_unified(t, prefer),
+            prefetch=prefetch_to_device,
+            backing=backing,
+            stack=stack_unified,
+        )
     raise ValueError(f"cache type {kind!r} is not one of disk, memory, unified_memory")
 
 
-def open_tensor_cache(folder: str | os.PathLike[str], kind: str, name: str, persistent: bool = True,
-                      prefer: str = "cpu", verify: bool = True) -> TensorCache:
+def open_tensor_cache(
+    folder: str | os.PathLike[str],
+    kind: str,
+    name: str,
+    persistent: bool = True,
+    prefer: str = "cpu",
+    verify: bool = True,
+) -> TensorCache:
     """One :class:`TensorCache` in ``folder`` of cache type ``kind`` (`disk`, `memory`,
     `unified_memory`; memory ones written through to ``folder`` when ``persistent``). A
     `unified_memory` cache is a `memory` one while hints are forced off (:func:`cache_type_in_use`).

@@ -49,9 +49,8 @@ def latent_cache_key(
         ValueError: ``bucket`` is not two positive ints.
         TypeError: a value cannot be fingerprinted.
     """
-    if (
-        len(bucket) != 2
-        or not all(isinstance(side, int) and not isinstance(side, bool) and side > 0 for side in bucket)
+    if len(bucket) != 2 or not all(
+        isinstance(side, int) and not isinstance(side, bool) and side > 0 for side in bucket
     ):
         raise ValueError(f"bucket must be (width, height) of positive ints, got {bucket!r}")
     return fingerprint(
@@ -70,8 +69,9 @@ def latent_cache_key(
 LATENT_DTYPE = "float32"
 
 
-def sample_latent_key(dataset, sample, encoder_identity: str, default_resolution: int,
-                      augment: Mapping[str, Any] | None = None) -> str:
+def sample_latent_key(
+    dataset, sample, encoder_identity: str, default_resolution: int, augment: Mapping[str, Any] | None = None
+) -> str:
     """The latent key of ``sample`` of a registered ``dataset`` (its backend gives the file
     identity; its config may override the resolution). The trainer and ``simpletuner cache``
     both call this, so they always agree on what is cached. ``augment`` describes the

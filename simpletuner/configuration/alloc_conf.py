@@ -36,7 +36,7 @@ CUDA_ALLOC_CONF_KEYS: tuple[str, ...] = (
 FORK_ONLY_KEYS: dict[str, str] = {
     "use_uvm": (
         "unified memory on stock PyTorch comes from simpletuner's managed-memory pool: set "
-        "cache_config.vae_cache_type / text_cache_type to \"unified_memory\" (needs the gh200 extra)"
+        'cache_config.vae_cache_type / text_cache_type to "unified_memory" (needs the gh200 extra)'
     ),
     "uvm_oversubscription_ratio": (
         "stock PyTorch has no oversubscription setting; `python gh200_diagnostic.py --oversubscription-scale 1.5` "
@@ -64,7 +64,7 @@ class AllocConfCheck:
     def errors(self) -> list[str]:
         """One line per fork-only key: PyTorch would refuse to start CUDA with it."""
         kept = [item for item in _items(self.value) if _key(item) not in FORK_ONLY_KEYS]
-        fix = (f"export {ALLOC_CONF_VAR}=\"{','.join(kept)}\"" if kept else f"unset {ALLOC_CONF_VAR}")
+        fix = f'export {ALLOC_CONF_VAR}="{",".join(kept)}"' if kept else f"unset {ALLOC_CONF_VAR}"
         return [
             f"{ALLOC_CONF_VAR} sets `{key}`, a key of a patched PyTorch build (the ai-toolkit GH200 fork) that stock "
             f"PyTorch rejects when CUDA starts; {FORK_ONLY_KEYS[key]}. Fix: {fix}"
@@ -100,12 +100,21 @@ def check_alloc_conf(value: str | None) -> AllocConfCheck:
 # --- the `cuda_allocator` table of a training config -----------------------------------------
 # What each key's value must be, as PyTorch's parser (c10 AllocatorConfig / CUDAAllocatorConfig)
 # reads it from the variable. Booleans are written there as True/False, everything else as is.
-_BOOL_KEYS = frozenset({
-    "expandable_segments", "pinned_use_background_threads", "pinned_use_cuda_host_register", "release_lock_on_cudamalloc",
-})
+_BOOL_KEYS = frozenset(
+    {
+        "expandable_segments",
+        "pinned_use_background_threads",
+        "pinned_use_cuda_host_register",
+        "release_lock_on_cudamalloc",
+    }
+)
 _MB_KEYS = {  # key -> smallest value PyTorch accepts
-    "large_segment_size_mb": 1, "max_non_split_rounding_mb": 20, "max_split_size_mb": 20,
-    "pinned_max_cached_size_mb": 1, "pinned_max_round_threshold_mb": 1, "pinned_reserve_segment_size_mb": 1,
+    "large_segment_size_mb": 1,
+    "max_non_split_rounding_mb": 20,
+    "max_split_size_mb": 20,
+    "pinned_max_cached_size_mb": 1,
+    "pinned_max_round_threshold_mb": 1,
+    "pinned_reserve_segment_size_mb": 1,
 }
 _BACKENDS = ("native", "cudaMallocAsync")
 _MAX_REGISTER_THREADS = 128
@@ -129,7 +138,7 @@ def _value_problem(key: str, value: object) -> str | None:
             return None
         return f"takes a whole number of MB >= {low}, got {value!r}"
     if key == "backend":
-        return None if value in _BACKENDS else f"takes \"native\" or \"cudaMallocAsync\", got {value!r}"
+        return None if value in _BACKENDS else f'takes "native" or "cudaMallocAsync", got {value!r}'
     if key == "garbage_collection_threshold":
         if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1:
             return None
@@ -143,7 +152,7 @@ def _value_problem(key: str, value: object) -> str | None:
             return None
         if isinstance(value, str) and _is_division_list(value):
             return None
-        return f"takes a power of 2 or a list such as \"[256:1,512:2,>:4]\", got {value!r}"
+        return f'takes a power of 2 or a list such as "[256:1,512:2,>:4]", got {value!r}'
     return None
 
 

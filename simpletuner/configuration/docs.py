@@ -129,8 +129,12 @@ def foreign_tables() -> str:
         where = "top level" if e.section == "top" else "dataset entry"
         ours = f"`{e.ours}`" if e.ours else "—"
         rows.append(f"| `{e.key}` | {e.tool} | {where} | {ours} | {e.kind} | {_cell(e.note)} |")
-    rows += ["", "Values of keys we share, spelled differently there:\n",
-             "| key | value | tool | here | note |", "| --- | --- | --- | --- | --- |"]
+    rows += [
+        "",
+        "Values of keys we share, spelled differently there:\n",
+        "| key | value | tool | here | note |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for v in FOREIGN_VALUES:
         ours = f"`{v.ours}`" if v.ours else "—"
         rows.append(f"| `{v.key}` | `{v.value}` | {v.tool} | {ours} | {_cell(v.note)} |")
@@ -149,9 +153,9 @@ def render() -> str:
         model_table(GH200Optimizations),
         "\n## Dataset entries (`datasets[]`)\n",
         "Each entry is an object whose `type` picks the storage backend.\n",
-        "### `type: \"local\"`\n",
+        '### `type: "local"`\n',
         model_table(LocalDatasetConfig),
-        "\n### `type: \"in_memory\"`\n",
+        '\n### `type: "in_memory"`\n',
         "The same keys as `local`, plus `in_memory`:\n",
         model_table(InMemoryDatasetConfig),
         "\n#### `in_memory`\n",

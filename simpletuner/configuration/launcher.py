@@ -92,14 +92,18 @@ def _launch_args(argv: Sequence[str]) -> list[str] | None:
     for i, token in enumerate(argv):
         name = os.path.basename(token)
         if name == "accelerate-launch" or token == "accelerate.commands.launch":
-            return list(argv[i + 1:])
+            return list(argv[i + 1 :])
         if name == "accelerate" and i + 1 < len(argv) and argv[i + 1] == "launch":
-            return list(argv[i + 2:])
+            return list(argv[i + 2 :])
     return None
 
 
-def find_launch_command(pid: int | None = None, read: Callable[[int], list[str] | None] = _read_cmdline,
-                        parent: Callable[[int], int | None] = _parent_pid, levels: int = 4) -> list[str] | None:
+def find_launch_command(
+    pid: int | None = None,
+    read: Callable[[int], list[str] | None] = _read_cmdline,
+    parent: Callable[[int], int | None] = _parent_pid,
+    levels: int = 4,
+) -> list[str] | None:
     """The arguments of the ``accelerate launch`` among this process's ancestors (None if none).
 
     A one-process launch starts the script as its child; a multi-process one starts it from
@@ -152,7 +156,10 @@ def parse_launch_command(args: Sequence[str], environ: Mapping[str, str] = os.en
         parsed = launch_command_parser().parse_args(list(args))
     except SystemExit:
         return None
-    flags = {name: getattr(parsed, name, None) for name in ("mixed_precision", "dynamo_backend", "gradient_accumulation_steps")}
+    flags = {
+        name: getattr(parsed, name, None)
+        for name in ("mixed_precision", "dynamo_backend", "gradient_accumulation_steps")
+    }
     config_file, is_default = None, False
     if parsed.config_file:
         config_file = Path(parsed.config_file)
@@ -172,8 +179,9 @@ def parse_launch_command(args: Sequence[str], environ: Mapping[str, str] = os.en
 
 
 # --- merging -----------------------------------------------------------------------------------
-def _launcher_request(option: str, var: str, environ: Mapping[str, str], command: LauncherCommand | None
-                      ) -> tuple[str, str] | None:
+def _launcher_request(
+    option: str, var: str, environ: Mapping[str, str], command: LauncherCommand | None
+) -> tuple[str, str] | None:
     """(value, where it came from) when the user asked the launcher for ``option``; else None."""
     value = environ.get(var)
     if value is None or value == "":
@@ -199,8 +207,12 @@ def _normalise(key: str, value: str) -> Any:
     return value.strip().lower() not in ("no", "none", "")  # enable_compile <- dynamo backend
 
 
-def resolve_launcher_settings(raw: Mapping[str, Any], environ: Mapping[str, str] = os.environ,
-                              command: LauncherCommand | None = None, config_source: str = "the config") -> LaunchResolution:
+def resolve_launcher_settings(
+    raw: Mapping[str, Any],
+    environ: Mapping[str, str] = os.environ,
+    command: LauncherCommand | None = None,
+    config_source: str = "the config",
+) -> LaunchResolution:
     """Merge what the launcher was asked for with the config's keys (see the module docstring).
 
     Raises ConfigError listing every key set differently in both places (or a launcher value
@@ -223,19 +235,28 @@ def resolve_launcher_settings(raw: Mapping[str, Any], environ: Mapping[str, str]
         launcher_raw, where = request
         value = _normalise(key, launcher_raw)
         if key == "mixed_precision" and value not in _PRECISIONS:
-            problems.append(f"mixed_precision: {where} asks for {value!r}, which this trainer does not support "
-                            f"({', '.join(_PRECISIONS)}): launch with --mixed_precision bf16 (or fp16 / no)")
+            problems.append(
+                f"mixed_precision: {where} asks for {value!r}, which this trainer does not support "
+                f"({', '.join(_PRECISIONS)}): launch with --mixed_precision bf16 (or fp16 / no)"
+            )
             continue
         if key == "enable_compile" and value and launcher_raw.strip().lower() != "inductor":
-            problems.append(f"enable_compile: {where} asks torch dynamo for the {launcher_raw!r} backend; this trainer "
-                            "compiles with inductor through `enable_compile: true`. Launch with --dynamo_backend no "
-                            "(or inductor) and set enable_compile in the config")
+            problems.append(
+                f"enable_compile: {where} asks torch dynamo for the {launcher_raw!r} backend; this trainer "
+                "compiles with inductor through `enable_compile: true`. Launch with --dynamo_backend no "
+                "(or inductor) and set enable_compile in the config"
+            )
             continue
-        if key == "gradient_accumulation_steps" and isinstance(raw.get("gh200_optimizations"), dict) \
-                and raw["gh200_optimizations"].get("enable_batch_size_rampup"):
-            problems.append(f"gradient_accumulation_steps: {where} sets {value}, but gh200_optimizations."
-                            "enable_batch_size_rampup decides the accumulation window of every step: drop it from "
-                            "the launch, or turn the ramp off")
+        if (
+            key == "gradient_accumulation_steps"
+            and isinstance(raw.get("gh200_optimizations"), dict)
+            and raw["gh200_optimizations"].get("enable_batch_size_rampup")
+        ):
+            problems.append(
+                f"gradient_accumulation_steps: {where} sets {value}, but gh200_optimizations."
+                "enable_batch_size_rampup decides the accumulation window of every step: drop it from "
+                "the launch, or turn the ramp off"
+            )
             continue
         if in_config:
             if raw[key] != value:

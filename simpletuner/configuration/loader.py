@@ -141,10 +141,12 @@ def _tracker_package(config) -> Iterator[str]:
     """Accelerate drops a tracker whose package is missing with one warning and trains unlogged."""
     modules, extra = _TRACKER_PACKAGES.get(config.report_to, ((), ""))
     if modules and not any(_is_installed(m) for m in modules):
-        yield (f"report_to: {config.report_to!r} needs the {modules[0]} package, which this Python "
-               f"({sys.executable}) does not have: install it with `pip install -e \".[{extra}]\"` in the "
-               f"simpletuner checkout (or `pip install {modules[0]}`), or set `report_to: \"none\"` to train "
-               "without a tracker")
+        yield (
+            f"report_to: {config.report_to!r} needs the {modules[0]} package, which this Python "
+            f'({sys.executable}) does not have: install it with `pip install -e ".[{extra}]"` in the '
+            f'simpletuner checkout (or `pip install {modules[0]}`), or set `report_to: "none"` to train '
+            "without a tracker"
+        )
 
 
 _PATH_CHECKS = (_model_folder, _output_dir, _cache_dir, _dataset_dirs, _resume_dir, _tracker_package)
@@ -206,13 +208,16 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
     if isinstance(datasets, list):
         out["datasets"] = [
             {**d, "instance_data_dir": _from_base(d["instance_data_dir"], base_dir)}
-            if isinstance(d, dict) and "instance_data_dir" in d else d
+            if isinstance(d, dict) and "instance_data_dir" in d
+            else d
             for d in datasets
         ]
     return out
 
 
-def validate_config(raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None, check_files: bool = True) -> TrainingConfig:
+def validate_config(
+    raw: dict[str, Any], base_dir: Path | None = None, source: str | None = None, check_files: bool = True
+) -> TrainingConfig:
     """Validate a raw dict into a TrainingConfig or raise ConfigError listing every problem.
 
     One pass: unknown keys, wrong types and values, cross-field rules (those whose inputs are

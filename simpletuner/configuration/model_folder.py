@@ -86,14 +86,24 @@ def settle_model_family(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
         if found.family is None:  # "sd" only so the other rules can run; the problem refuses the config
             raw = {**raw, "model_family": HUB_DEFAULT_FAMILY}
             what = f"names pipeline class {found.class_name!r}" if found.class_name else "has no `_class_name`"
-            return raw, [f"model_family: not set, and {found.index_file} {what}, which no model family trains "
-                         f"(known: {_known_pipelines()}); set `model_family` to one of sd, sdxl, sd3, flux, wan, "
-                         "or point `pretrained_model_name_or_path` at a folder of one of those pipelines"]
+            return raw, [
+                f"model_family: not set, and {found.index_file} {what}, which no model family trains "
+                f"(known: {_known_pipelines()}); set `model_family` to one of sd, sdxl, sd3, flux, wan, "
+                "or point `pretrained_model_name_or_path` at a folder of one of those pipelines"
+            ]
         logger.info("model_family %r taken from %s (_class_name %s)", found.family, found.index_file, found.class_name)
         return {**raw, "model_family": found.family}, []
     # isinstance first: a list or object given as the family is the schema's to report (and unhashable)
-    if found is not None and found.family is not None and isinstance(given, str) and given in FAMILIES and given != found.family:
-        return raw, [f"model_family: the config says {given!r}, but {found.index_file} names {found.class_name}, "
-                     f"a {found.family!r} pipeline; set `model_family: \"{found.family}\"` (or remove `model_family` "
-                     f"to take it from the folder), or point `pretrained_model_name_or_path` at a {given} folder"]
+    if (
+        found is not None
+        and found.family is not None
+        and isinstance(given, str)
+        and given in FAMILIES
+        and given != found.family
+    ):
+        return raw, [
+            f"model_family: the config says {given!r}, but {found.index_file} names {found.class_name}, "
+            f'a {found.family!r} pipeline; set `model_family: "{found.family}"` (or remove `model_family` '
+            f"to take it from the folder), or point `pretrained_model_name_or_path` at a {given} folder"
+        ]
     return raw, []

@@ -21,7 +21,9 @@ def read_prompt_file(path: str) -> list[str]:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"prompt file {p} does not exist (give a text file with one prompt per line, or a list of prompts)") from None
+        raise ValueError(
+            f"prompt file {p} does not exist (give a text file with one prompt per line, or a list of prompts)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, ...
         raise ValueError(f"prompt file {p} cannot be read as UTF-8 text: {exc}") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip()]

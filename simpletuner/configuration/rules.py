@@ -29,8 +29,10 @@ def _video_frames(ds) -> Iterator[str]:
             yield "dataset_type 'video' needs `num_frames` (4k+1: 1, 5, 9, 13, ..., 81)"
         elif ds.num_frames % 4 != 1:
             lower, upper = ds.num_frames - (ds.num_frames - 1) % 4, ds.num_frames + (5 - ds.num_frames % 4) % 4
-            yield (f"num_frames {ds.num_frames} is not of the form 4k+1 (the video VAE packs 4 frames per "
-                   f"latent frame after the first): use {lower} or {upper}")
+            yield (
+                f"num_frames {ds.num_frames} is not of the form 4k+1 (the video VAE packs 4 frames per "
+                f"latent frame after the first): use {lower} or {upper}"
+            )
     elif ds.num_frames is not None or ds.frame_stride != 1:
         yield "`num_frames` / `frame_stride` apply to dataset_type 'video' only: remove them or set dataset_type 'video'"
 
@@ -42,8 +44,10 @@ def _ramp_bounds(ramp) -> Iterator[str]:
     if missing:
         yield f"enable_batch_size_rampup needs {' and '.join(missing)}: set them or turn the ramp off"
     elif ramp.initial_effective_batch_size > ramp.target_effective_batch_size:
-        yield (f"initial_effective_batch_size {ramp.initial_effective_batch_size} is larger than "
-               f"target_effective_batch_size {ramp.target_effective_batch_size}: the ramp only grows")
+        yield (
+            f"initial_effective_batch_size {ramp.initial_effective_batch_size} is larger than "
+            f"target_effective_batch_size {ramp.target_effective_batch_size}: the ramp only grows"
+        )
 
 
 def _stop_condition(cfg) -> Iterator[str]:
@@ -88,8 +92,10 @@ def _automagic_lr_range(cfg) -> Iterator[str]:
     if cfg.min_lr > cfg.max_lr:
         yield f"min_lr {cfg.min_lr} is greater than max_lr {cfg.max_lr}: set min_lr <= max_lr"
     elif not cfg.min_lr <= cfg.learning_rate <= cfg.max_lr:
-        yield (f"learning_rate {cfg.learning_rate} is outside [min_lr {cfg.min_lr}, max_lr {cfg.max_lr}]: with "
-               "optimizer automagic it is each element's starting learning rate")
+        yield (
+            f"learning_rate {cfg.learning_rate} is outside [min_lr {cfg.min_lr}, max_lr {cfg.max_lr}]: with "
+            "optimizer automagic it is each element's starting learning rate"
+        )
 
 
 def _automagic_stage_ranges(cfg) -> Iterator[str]:
@@ -104,14 +110,18 @@ def _automagic_stage_ranges(cfg) -> Iterator[str]:
 
 def _stages_need_wan(cfg) -> Iterator[str]:
     if cfg.train_stages != "both" and cfg.model_family != "wan":
-        yield (f"train_stages {cfg.train_stages!r} picks one expert of a two-expert model (Wan 2.2), but model_family "
-               f"{cfg.model_family!r} has one denoiser: remove train_stages")
+        yield (
+            f"train_stages {cfg.train_stages!r} picks one expert of a two-expert model (Wan 2.2), but model_family "
+            f"{cfg.model_family!r} has one denoiser: remove train_stages"
+        )
 
 
 def _full_not_quantised(cfg) -> Iterator[str]:
     if cfg.training_type == "full" and cfg.base_model_precision != "no_change":
-        yield (f"base_model_precision {cfg.base_model_precision!r} quantises frozen base weights, but training_type "
-               "'full' trains every weight: use training_type 'lora' or base_model_precision 'no_change'")
+        yield (
+            f"base_model_precision {cfg.base_model_precision!r} quantises frozen base weights, but training_type "
+            "'full' trains every weight: use training_type 'lora' or base_model_precision 'no_change'"
+        )
 
 
 def _video_needs_wan(cfg) -> Iterator[str]:
@@ -122,17 +132,23 @@ def _video_needs_wan(cfg) -> Iterator[str]:
 def _loss_weighting_fits_family(cfg) -> Iterator[str]:
     flow_family = cfg.model_family in FLOW_MATCHING_FAMILIES
     if flow_family and cfg.loss_weighting == "min_snr":
-        yield (f"loss_weighting min_snr is for DDPM schedules, but model_family {cfg.model_family!r} trains with "
-               "flow matching: use none, sigma_sqrt or cosmap")
+        yield (
+            f"loss_weighting min_snr is for DDPM schedules, but model_family {cfg.model_family!r} trains with "
+            "flow matching: use none, sigma_sqrt or cosmap"
+        )
     if not flow_family and cfg.loss_weighting in ("sigma_sqrt", "cosmap"):
-        yield (f"loss_weighting {cfg.loss_weighting} is a flow-matching weighting, but model_family "
-               f"{cfg.model_family!r} uses a DDPM schedule: use none or min_snr")
+        yield (
+            f"loss_weighting {cfg.loss_weighting} is a flow-matching weighting, but model_family "
+            f"{cfg.model_family!r} uses a DDPM schedule: use none or min_snr"
+        )
 
 
 def _validation_prompt_given(cfg) -> Iterator[str]:
     if cfg.validation_steps is not None and not cfg.validation_prompt and not cfg.validation_prompts:
-        yield ("`validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`): add a prompt "
-               "or remove validation_steps")
+        yield (
+            "`validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`): add a prompt "
+            "or remove validation_steps"
+        )
 
 
 def _real_path(value: Any) -> Path | None:
@@ -147,13 +163,13 @@ def _real_path(value: Any) -> Path | None:
 # Why a run's folder may not overlap a dataset folder, each way round.
 _PLACE_INSIDE_DATA = {
     "output_dir": "the run writes validation images and weights there, and the next run would train on them "
-                  "(captioned from their file names)",
+    "(captioned from their file names)",
     "cache_config.cache_dir": "the dataset scan would walk the cache files, and `simpletuner cache clear` would "
-                              "delete inside the dataset folder",
+    "delete inside the dataset folder",
 }
 _DATA_INSIDE_PLACE = {
     "output_dir": "the run's results and `--overwrite` (which removes them) would share a folder with the "
-                  "training images",
+    "training images",
     "cache_config.cache_dir": "`simpletuner cache clear` removes folders there",
 }
 
@@ -169,11 +185,14 @@ def _places_apart(cfg) -> Iterator[str]:
                 continue
             where = f"datasets[{index}].instance_data_dir {data}"
             if place == data:
-                yield (f"{key} {place} is the dataset folder {where}: {_PLACE_INSIDE_DATA[key]}. Give {key} a folder "
-                       "outside the dataset")
+                yield (
+                    f"{key} {place} is the dataset folder {where}: {_PLACE_INSIDE_DATA[key]}. Give {key} a folder "
+                    "outside the dataset"
+                )
             elif data in place.parents:
-                yield (f"{key} {place} is inside {where}: {_PLACE_INSIDE_DATA[key]}. Move {key} out of the dataset "
-                       "folder")
+                yield (
+                    f"{key} {place} is inside {where}: {_PLACE_INSIDE_DATA[key]}. Move {key} out of the dataset folder"
+                )
             elif place in data.parents:
                 yield f"{where} is inside {key} {place}: {_DATA_INSIDE_PLACE[key]}. Keep the dataset outside {key}"
 
@@ -187,7 +206,11 @@ def _places_apart(cfg) -> Iterator[str]:
 #: spec checks again against the folder's own configs before anything loads
 #: (``ModelSpec.check_alignment``), for a folder whose factors differ.
 FAMILY_LATENT_GRID: dict[str, tuple[int, int]] = {
-    "sd": (8, 1), "sdxl": (8, 1), "sd3": (8, 2), "flux": (8, 2), "wan": (8, 2),
+    "sd": (8, 1),
+    "sdxl": (8, 1),
+    "sd3": (8, 2),
+    "flux": (8, 2),
+    "wan": (8, 2),
 }
 
 
@@ -201,13 +224,17 @@ def alignment_problem(family: str, alignment: int, vae_factor: int, patch: int, 
         return None
     lower, upper = max(step, alignment - alignment % step), alignment - alignment % step + step
     if patch > 1:
-        why = (f"the VAE{where} encodes {vae_factor}x{vae_factor} pixels per latent and the {family} denoiser takes "
-               f"{patch}x{patch} latents per token")
+        why = (
+            f"the VAE{where} encodes {vae_factor}x{vae_factor} pixels per latent and the {family} denoiser takes "
+            f"{patch}x{patch} latents per token"
+        )
     else:
         why = f"the VAE{where} encodes {vae_factor}x{vae_factor} pixels per latent"
     valid = ", ".join(str(step * k) for k in range(1, 5))
-    return (f"aspect_bucket_alignment {alignment} does not fit model_family {family!r}: {why}, so bucket sides must be "
-            f"multiples of {step} ({valid}, ...); use {lower}" + (f" or {upper}" if upper != lower else ""))
+    return (
+        f"aspect_bucket_alignment {alignment} does not fit model_family {family!r}: {why}, so bucket sides must be "
+        f"multiples of {step} ({valid}, ...); use {lower}" + (f" or {upper}" if upper != lower else "")
+    )
 
 
 def _alignment_fits_family(cfg) -> Iterator[str]:
@@ -227,9 +254,11 @@ def _dataset_resolution_aligned(cfg) -> Iterator[str]:
         if resolution is not None and resolution % alignment:
             below = resolution - resolution % alignment
             lower, upper = max(alignment, below), below + alignment
-            yield (f"datasets[{index}].resolution {resolution} is not a multiple of `aspect_bucket_alignment` "
-                   f"{alignment} (bucket sides are, so it would train at another size): use {lower}"
-                   + (f" or {upper}" if upper != lower else ""))
+            yield (
+                f"datasets[{index}].resolution {resolution} is not a multiple of `aspect_bucket_alignment` "
+                f"{alignment} (bucket sides are, so it would train at another size): use {lower}"
+                + (f" or {upper}" if upper != lower else "")
+            )
 
 
 # --- names the run turns into files and folders --------------------------------------------------------
@@ -271,12 +300,15 @@ def path_problem(value: str) -> str | None:
     for part in Path(expanded).parts:
         size = len(os.fsencode(part))
         if size > name_max:
-            return (f"the name {_short(part)} is {size} bytes long, and the filesystem allows {name_max} bytes for one "
-                    "file or folder name: shorten it")
+            return (
+                f"the name {_short(part)} is {size} bytes long, and the filesystem allows {name_max} bytes for one "
+                "file or folder name: shorten it"
+            )
     size = len(os.fsencode(os.path.abspath(expanded)))
     if size >= path_max:
-        return (f"{_short(value)} is {size} bytes long as a full path, and the filesystem allows {path_max - 1}: "
-                "shorten it")
+        return (
+            f"{_short(value)} is {size} bytes long as a full path, and the filesystem allows {path_max - 1}: shorten it"
+        )
     return None
 
 
@@ -285,12 +317,16 @@ def folder_name_problem(value: str) -> str | None:
     if not value.strip() or value in (".", ".."):
         return f"{value!r} is not a folder name: give a name such as 'my-project'"
     if any(sep in value for sep in ("/", "\\", "\x00")):
-        return (f"{_short(value)} is not one folder name: it becomes a folder of that name under output_dir/logs, "
-                "so it may not hold '/', '\\' or NUL; use a name such as 'my-project'")
+        return (
+            f"{_short(value)} is not one folder name: it becomes a folder of that name under output_dir/logs, "
+            "so it may not hold '/', '\\' or NUL; use a name such as 'my-project'"
+        )
     size = len(os.fsencode(value))
     if size > DEFAULT_NAME_MAX:
-        return (f"{_short(value)} is {size} bytes long, and a folder name may have at most {DEFAULT_NAME_MAX} "
-                "bytes on most filesystems: shorten it")
+        return (
+            f"{_short(value)} is {size} bytes long, and a folder name may have at most {DEFAULT_NAME_MAX} "
+            "bytes on most filesystems: shorten it"
+        )
     return None
 
 
@@ -299,8 +335,20 @@ def folder_name_problem(value: str) -> str | None:
 DATASET_RULES: tuple[Rule, ...] = (_caption_prompt, _video_frames)
 RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds,)
 TRAINING_RULES: tuple[Rule, ...] = (
-    _stop_condition, _one_dataset_source, _datasets_listed, _unique_dataset_ids, _resolution_aligned,
-    _ramp_batch_multiple, _automagic_lr_range, _automagic_stage_ranges, _stages_need_wan, _full_not_quantised,
-    _video_needs_wan, _loss_weighting_fits_family, _validation_prompt_given, _places_apart,
-    _alignment_fits_family, _dataset_resolution_aligned,
+    _stop_condition,
+    _one_dataset_source,
+    _datasets_listed,
+    _unique_dataset_ids,
+    _resolution_aligned,
+    _ramp_batch_multiple,
+    _automagic_lr_range,
+    _automagic_stage_ranges,
+    _stages_need_wan,
+    _full_not_quantised,
+    _video_needs_wan,
+    _loss_weighting_fits_family,
+    _validation_prompt_given,
+    _places_apart,
+    _alignment_fits_family,
+    _dataset_resolution_aligned,
 )

@@ -75,10 +75,17 @@ class _FolderDatasetConfig(_Strict):
         ),
     )
     num_frames: Optional[int] = Field(
-        None, ge=1, le=1025,
+        None,
+        ge=1,
+        le=1025,
         description="Video datasets: frames per training clip, of the form 4k+1 (1, 5, 9, ..., 81). Required for `video`.",
     )
-    frame_stride: int = Field(1, ge=1, le=100, description="Video datasets: take every N-th frame of the source clip (1: consecutive frames; at most 100).")
+    frame_stride: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="Video datasets: take every N-th frame of the source clip (1: consecutive frames; at most 100).",
+    )
     caption_strategy: CaptionStrategy = Field(
         "textfile",
         description=(
@@ -89,9 +96,13 @@ class _FolderDatasetConfig(_Strict):
             "`instance_prompt`: every image gets `instance_prompt`."
         ),
     )
-    instance_prompt: Optional[str] = Field(None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback.")
+    instance_prompt: Optional[str] = Field(
+        None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback."
+    )
     resolution: Optional[int] = Field(
-        None, gt=0, le=MAX_RESOLUTION,
+        None,
+        gt=0,
+        le=MAX_RESOLUTION,
         description="Overrides the top-level `resolution` for this dataset; like it, a multiple of `aspect_bucket_alignment`.",
     )
     crop_style: Literal["center", "random"] = Field(
@@ -100,7 +111,8 @@ class _FolderDatasetConfig(_Strict):
     )
     repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
     minimum_image_size: Optional[int] = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description=(
             "Skip images (clips: their first frame) whose shorter side is below this many pixels, whatever "
             "`resolution` is; the scan reports how many were skipped. Unset: none skipped for size."
@@ -138,18 +150,26 @@ class InMemoryOptions(_Strict):
             "images (JPEG/PNG/WebP) are kept as they are unless `compress_encoded_images` is true."
         ),
     )
-    compress_encoded_images: bool = Field(False, description="Also compress JPEG/PNG/WebP bytes (usually gains ~0% and costs CPU).")
+    compress_encoded_images: bool = Field(
+        False, description="Also compress JPEG/PNG/WebP bytes (usually gains ~0% and costs CPU)."
+    )
     num_workers: Optional[int] = Field(None, ge=1, description="Parallel loader threads; default min(72, CPU count).")
     memory_limit_gb: Optional[float] = Field(
-        None, gt=0, description="Refuse to stage (before reading anything) when the estimated bytes exceed this many GB."
+        None,
+        gt=0,
+        description="Refuse to stage (before reading anything) when the estimated bytes exceed this many GB.",
     )
 
 
 class InMemoryDatasetConfig(_FolderDatasetConfig):
     """A folder of images staged whole in CPU RAM at start-up (GH200 / GB10: no disk I/O while training)."""
 
-    type: Literal["in_memory"] = Field(..., description="Storage backend: `in_memory` stages every file in RAM at start-up.")
-    in_memory: InMemoryOptions = Field(default_factory=InMemoryOptions, description="Staging options; see the table below.")
+    type: Literal["in_memory"] = Field(
+        ..., description="Storage backend: `in_memory` stages every file in RAM at start-up."
+    )
+    in_memory: InMemoryOptions = Field(
+        default_factory=InMemoryOptions, description="Staging options; see the table below."
+    )
 
 
 # Discriminated on ``type``. A new storage backend adds its config class here and one line to
@@ -163,7 +183,10 @@ CacheType = Literal["disk", "memory", "unified_memory"]
 class CacheConfig(_Strict):
     """Where VAE latents and text embeddings are cached."""
 
-    cache_dir: PathText = Field("cache", description="Root folder of the latent and text-embedding caches. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
+    cache_dir: PathText = Field(
+        "cache",
+        description="Root folder of the latent and text-embedding caches. A relative path is taken from the config file's folder (not the working directory; `--set` values too).",
+    )
     vae_cache_type: CacheType = Field(
         "disk",
         description=(
@@ -174,10 +197,12 @@ class CacheConfig(_Strict):
         ),
     )
     text_cache_type: CacheType = Field(
-        "disk", description="As `vae_cache_type`, for text embeddings; `unified_memory` advises them to stay in GPU memory."
+        "disk",
+        description="As `vae_cache_type`, for text embeddings; `unified_memory` advises them to stay in GPU memory.",
     )
     persistent_cache: bool = Field(
-        True, description="Also write `memory` / `unified_memory` caches to `cache_dir` and load them from there next run."
+        True,
+        description="Also write `memory` / `unified_memory` caches to `cache_dir` and load them from there next run.",
     )
     verify_content: bool = Field(
         False,
@@ -206,10 +231,19 @@ class GH200Optimizations(_Strict):
             "standard CPU-backed `memory` caches, logged once at start."
         ),
     )
-    enable_batch_size_rampup: bool = Field(False, description="Ramp the effective batch from `initial_effective_batch_size` to `target_effective_batch_size`.")
-    initial_effective_batch_size: Optional[int] = Field(None, ge=1, description="Effective batch (samples per optimizer step, all processes) at the start of the ramp.")
-    target_effective_batch_size: Optional[int] = Field(None, ge=1, description="Effective batch at the end of the ramp; a multiple of train_batch_size x processes.")
-    batch_rampup_steps: int = Field(0, ge=0, description="Micro-batches over which the ramp goes from initial to target (0: target at once).")
+    enable_batch_size_rampup: bool = Field(
+        False,
+        description="Ramp the effective batch from `initial_effective_batch_size` to `target_effective_batch_size`.",
+    )
+    initial_effective_batch_size: Optional[int] = Field(
+        None, ge=1, description="Effective batch (samples per optimizer step, all processes) at the start of the ramp."
+    )
+    target_effective_batch_size: Optional[int] = Field(
+        None, ge=1, description="Effective batch at the end of the ramp; a multiple of train_batch_size x processes."
+    )
+    batch_rampup_steps: int = Field(
+        0, ge=0, description="Micro-batches over which the ramp goes from initial to target (0: target at once)."
+    )
 
     @model_validator(mode="after")
     def _ramp_complete(self) -> "GH200Optimizations":
@@ -221,11 +255,15 @@ class Augmentations(_Strict):
 
     flip_probability: float = Field(0.0, ge=0, le=1, description="Chance of a horizontal flip.")
     crop_jitter: float = Field(
-        0.0, ge=0, lt=0.5,
+        0.0,
+        ge=0,
+        lt=0.5,
         description="Move the crop window by up to this fraction of the bucket side (the image is scaled up just enough to allow it).",
     )
     color_jitter: float = Field(
-        0.0, ge=0, lt=1,
+        0.0,
+        ge=0,
+        lt=1,
         description="Change brightness, contrast and saturation each by a random factor in [1 - x, 1 + x].",
     )
 
@@ -243,18 +281,26 @@ class LycorisOptions(_Strict):
         "lokr",
         description="`locon` (LoRA on linear and conv layers), `loha` (Hadamard product of two low-rank pairs), `lokr` (Kronecker product).",
     )
-    factor: int = Field(-1, description="LoKr: the size of the smaller Kronecker factor of each weight dimension (-1: as square a split as possible).")
-    full_matrix: bool = Field(False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair.")
+    factor: int = Field(
+        -1,
+        description="LoKr: the size of the smaller Kronecker factor of each weight dimension (-1: as square a split as possible).",
+    )
+    full_matrix: bool = Field(
+        False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair."
+    )
 
 
 class TrainingConfig(_Strict):
     """One training run. Load it with ``simpletuner.configuration.load_config``."""
 
     # --- model ---
-    pretrained_model_name_or_path: PathText = Field(..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network).")
+    pretrained_model_name_or_path: PathText = Field(
+        ..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network)."
+    )
     model_family: Literal["sd", "sdxl", "sd3", "flux", "wan"] = Field(
-        None, validate_default=True,
-        description="Omit it to take the family from the model folder's `model_index.json` (`_class_name`: `StableDiffusionPipeline` -> `sd`, `StableDiffusionXLPipeline` -> `sdxl`, `StableDiffusion3Pipeline` -> `sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`; the start-up log says where it came from); omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split at the pipeline's `boundary_ratio`)."
+        None,
+        validate_default=True,
+        description="Omit it to take the family from the model folder's `model_index.json` (`_class_name`: `StableDiffusionPipeline` -> `sd`, `StableDiffusionXLPipeline` -> `sdxl`, `StableDiffusion3Pipeline` -> `sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`; the start-up log says where it came from); omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), `sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split at the pipeline's `boundary_ratio`).",
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."
@@ -290,17 +336,28 @@ class TrainingConfig(_Strict):
     )
 
     # --- output ---
-    output_dir: PathText = Field("output", description="Folder for checkpoints, logs, validation images and the final weights. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
+    output_dir: PathText = Field(
+        "output",
+        description="Folder for checkpoints, logs, validation images and the final weights. A relative path is taken from the config file's folder (not the working directory; `--set` values too).",
+    )
 
     # --- data ---
-    datasets: Optional[list[DatasetConfig]] = Field(None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`.")
-    data_backend_config: Optional[PathText] = Field(None, description="Path to a JSON file holding the list of dataset entries (relative to the config file).")
+    datasets: Optional[list[DatasetConfig]] = Field(
+        None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`."
+    )
+    data_backend_config: Optional[PathText] = Field(
+        None, description="Path to a JSON file holding the list of dataset entries (relative to the config file)."
+    )
     resolution: int = Field(
-        512, gt=0, le=MAX_RESOLUTION,
+        512,
+        gt=0,
+        le=MAX_RESOLUTION,
         description="Training resolution: images are resized so their area is about resolution², then bucketed by aspect. At most 16384.",
     )
     aspect_bucket_alignment: int = Field(
-        64, gt=0, le=MAX_RESOLUTION,
+        64,
+        gt=0,
+        le=MAX_RESOLUTION,
         description=(
             "Bucket sides are multiples of this. It must be a multiple of the VAE's pixels per latent times the "
             "latents the denoiser takes per token along a side: 8 for sd / sdxl (the VAE's 8; 64 is usual, so "
@@ -308,30 +365,42 @@ class TrainingConfig(_Strict):
             "otherwise at config time, and checked again against the model folder's own configs before it loads."
         ),
     )
-    max_bad_image_fraction: float = Field(0.05, ge=0, le=1, description="Abort when more than this fraction of a dataset's images cannot be read.")
-    cache_config: CacheConfig = Field(default_factory=CacheConfig, description="Cache placement; see the cache table below.")
+    max_bad_image_fraction: float = Field(
+        0.05, ge=0, le=1, description="Abort when more than this fraction of a dataset's images cannot be read."
+    )
+    cache_config: CacheConfig = Field(
+        default_factory=CacheConfig, description="Cache placement; see the cache table below."
+    )
     gh200_optimizations: GH200Optimizations = Field(
-        default_factory=GH200Optimizations, description="Unified-memory hints and the accumulation ramp; see the table below."
+        default_factory=GH200Optimizations,
+        description="Unified-memory hints and the accumulation ramp; see the table below.",
     )
 
     # --- schedule ---
     train_batch_size: int = Field(1, ge=1, description="Micro-batch size per process.")
     gradient_accumulation_steps: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description=(
             "Micro-batches per optimizer step. Unset: `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` when the launch sets it "
             "(DeepSpeed launches), else 1; both set and different: the run stops, naming both."
         ),
     )
-    max_train_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`.")
-    num_train_epochs: Optional[int] = Field(None, ge=1, description="Epochs to train when `max_train_steps` is not set.")
-    seed: int = Field(42, ge=0, le=2**32 - 1, description="Seed for initialisation, data order, noise and timesteps (0 to 2^32 - 1).")
+    max_train_steps: Optional[int] = Field(
+        None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`."
+    )
+    num_train_epochs: Optional[int] = Field(
+        None, ge=1, description="Epochs to train when `max_train_steps` is not set."
+    )
+    seed: int = Field(
+        42, ge=0, le=2**32 - 1, description="Seed for initialisation, data order, noise and timesteps (0 to 2^32 - 1)."
+    )
 
     # --- optimisation ---
     learning_rate: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate (at most 1).")
-    lr_scheduler: Literal["constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
-        "constant", description="Learning-rate schedule (diffusers' `get_scheduler`)."
-    )
+    lr_scheduler: Literal[
+        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
+    ] = Field("constant", description="Learning-rate schedule (diffusers' `get_scheduler`).")
     lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
     optimizer: Literal["adamw", "adam", "sgd", "automagic"] = Field(
         "adamw",
@@ -342,22 +411,66 @@ class TrainingConfig(_Strict):
             "weight instead of AdamW's 8), decoupled weight decay, stochastic rounding into bf16 weights."
         ),
     )
-    lr_bump: float = Field(1e-6, gt=0, le=MAX_LEARNING_RATE, description="Automagic: how much an element's learning rate moves per step.")
+    lr_bump: float = Field(
+        1e-6, gt=0, le=MAX_LEARNING_RATE, description="Automagic: how much an element's learning rate moves per step."
+    )
     min_lr: float = Field(1e-7, gt=0, le=MAX_LEARNING_RATE, description="Automagic: lowest per-element learning rate.")
     max_lr: float = Field(1e-3, gt=0, le=MAX_LEARNING_RATE, description="Automagic: highest per-element learning rate.")
-    high_noise_learning_rate: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2: `learning_rate` of the high-noise expert's adapter (default: `learning_rate`).")
-    high_noise_lr_bump: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `lr_bump` of the high-noise expert (default: `lr_bump`).")
-    high_noise_min_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `min_lr` of the high-noise expert (default: `min_lr`).")
-    high_noise_max_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `max_lr` of the high-noise expert (default: `max_lr`).")
-    low_noise_learning_rate: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2: `learning_rate` of the low-noise expert's adapter (default: `learning_rate`).")
-    low_noise_lr_bump: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `lr_bump` of the low-noise expert (default: `lr_bump`).")
-    low_noise_min_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `min_lr` of the low-noise expert (default: `min_lr`).")
-    low_noise_max_lr: Optional[float] = Field(None, gt=0, le=MAX_LEARNING_RATE, description="Wan 2.2, Automagic: `max_lr` of the low-noise expert (default: `max_lr`).")
+    high_noise_learning_rate: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2: `learning_rate` of the high-noise expert's adapter (default: `learning_rate`).",
+    )
+    high_noise_lr_bump: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2, Automagic: `lr_bump` of the high-noise expert (default: `lr_bump`).",
+    )
+    high_noise_min_lr: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2, Automagic: `min_lr` of the high-noise expert (default: `min_lr`).",
+    )
+    high_noise_max_lr: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2, Automagic: `max_lr` of the high-noise expert (default: `max_lr`).",
+    )
+    low_noise_learning_rate: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2: `learning_rate` of the low-noise expert's adapter (default: `learning_rate`).",
+    )
+    low_noise_lr_bump: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2, Automagic: `lr_bump` of the low-noise expert (default: `lr_bump`).",
+    )
+    low_noise_min_lr: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2, Automagic: `min_lr` of the low-noise expert (default: `min_lr`).",
+    )
+    low_noise_max_lr: Optional[float] = Field(
+        None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Wan 2.2, Automagic: `max_lr` of the low-noise expert (default: `max_lr`).",
+    )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     adam_epsilon: float = Field(1e-8, gt=0, le=1, description="Adam epsilon.")
     weight_decay: float = Field(1e-2, ge=0, le=1, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
-    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="Clip the gradient norm to this; null disables clipping.")
+    max_grad_norm: Optional[float] = Field(
+        1.0, gt=0, description="Clip the gradient norm to this; null disables clipping."
+    )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform",
         description=(
@@ -365,10 +478,19 @@ class TrainingConfig(_Strict):
             "`logit_mean`, `logit_std`: more samples mid-schedule); `mode` (SD3's mode sampling, `mode_scale`)."
         ),
     )
-    logit_mean: float = Field(0.0, ge=-10, le=10, description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).")
-    logit_std: float = Field(1.0, gt=0, le=10, description="Standard deviation of the normal behind `logit_normal` sampling.")
+    logit_mean: float = Field(
+        0.0,
+        ge=-10,
+        le=10,
+        description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).",
+    )
+    logit_std: float = Field(
+        1.0, gt=0, le=10, description="Standard deviation of the normal behind `logit_normal` sampling."
+    )
     mode_scale: float = Field(
-        1.29, ge=-1, le=1.75,
+        1.29,
+        ge=-1,
+        le=1.75,
         description="Shape of `mode` sampling (SD3's default 1.29); outside [-1, 1.75] the sampled noise levels would leave (0, 1).",
     )
     loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
@@ -381,7 +503,9 @@ class TrainingConfig(_Strict):
         ),
     )
     flow_shift: Optional[float] = Field(
-        None, gt=0, le=100,
+        None,
+        gt=0,
+        le=100,
         description=(
             "Flow-matching resolution shift applied to the sampled noise levels (`shift * s / (1 + (shift - 1) * s)`; "
             "1.0: none). Default (null): the `shift` of the model's scheduler config. Flow families (sd3) only."
@@ -397,15 +521,23 @@ class TrainingConfig(_Strict):
             "force and its source are logged at start."
         ),
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, ~30% more compute.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, ~30% more compute."
+    )
 
     # --- adapter ---
-    training_type: Literal["lora", "full"] = Field("lora", description="`lora`: train an adapter on the denoiser (`lora_type` says which); `full`: train every denoiser weight.")
+    training_type: Literal["lora", "full"] = Field(
+        "lora",
+        description="`lora`: train an adapter on the denoiser (`lora_type` says which); `full`: train every denoiser weight.",
+    )
     lora_type: Literal["standard", "lycoris"] = Field(
         "standard",
         description="`standard`: a peft LoRA (optionally DoRA), saved for diffusers' `load_lora_weights`; `lycoris`: a LyCORIS adapter (`lycoris` table; the `lycoris` extra), saved in LyCORIS' own format.",
     )
-    lycoris: LycorisOptions = Field(default_factory=LycorisOptions, description="LyCORIS options; see the table below. Rank and alpha come from `lora_rank` / `lora_alpha`.")
+    lycoris: LycorisOptions = Field(
+        default_factory=LycorisOptions,
+        description="LyCORIS options; see the table below. Rank and alpha come from `lora_rank` / `lora_alpha`.",
+    )
     lora_rank: int = Field(16, ge=1, description="LoRA rank.")
     lora_alpha: Optional[float] = Field(None, gt=0, description="LoRA alpha; default: equal to `lora_rank` (scale 1).")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
@@ -413,7 +545,9 @@ class TrainingConfig(_Strict):
         False,
         description="DoRA: also learn a magnitude per output channel (peft `use_dora`); often closer to a full fine-tune at the same rank; each step costs more (a weight norm per adapted layer).",
     )
-    lora_target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; default: the family's attention projections.")
+    lora_target_modules: Optional[list[str]] = Field(
+        None, description="Module names to adapt; default: the family's attention projections."
+    )
 
     # --- faults ---
     nonfinite_policy: Literal["stop", "skip"] = Field(
@@ -424,16 +558,31 @@ class TrainingConfig(_Strict):
             "the ramp do not advance), stopping after `max_consecutive_nonfinite` in a row."
         ),
     )
-    max_consecutive_nonfinite: int = Field(5, ge=1, description="With `nonfinite_policy: skip`, stop after this many non-finite windows in a row.")
+    max_consecutive_nonfinite: int = Field(
+        5, ge=1, description="With `nonfinite_policy: skip`, stop after this many non-finite windows in a row."
+    )
 
     # --- checkpoints ---
-    checkpointing_steps: Optional[int] = Field(None, ge=1, description="Save a resumable checkpoint every N optimizer steps.")
-    checkpoints_total_limit: Optional[int] = Field(None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete).")
-    checkpoint_at_end: bool = Field(True, description="Also save a resumable checkpoint at the run's last step (unless checkpointing_steps already did), so raising max_train_steps with resume_from_checkpoint 'latest' continues from the end instead of re-training the tail. false: only the final adapter is written at the end.")
-    resume_from_checkpoint: Optional[PathText] = Field(None, description="`latest`, or a checkpoint folder to resume from. A relative path is taken from the config file's folder (not the working directory; `--set` values too).")
+    checkpointing_steps: Optional[int] = Field(
+        None, ge=1, description="Save a resumable checkpoint every N optimizer steps."
+    )
+    checkpoints_total_limit: Optional[int] = Field(
+        None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete)."
+    )
+    checkpoint_at_end: bool = Field(
+        True,
+        description="Also save a resumable checkpoint at the run's last step (unless checkpointing_steps already did), so raising max_train_steps with resume_from_checkpoint 'latest' continues from the end instead of re-training the tail. false: only the final adapter is written at the end.",
+    )
+    resume_from_checkpoint: Optional[PathText] = Field(
+        None,
+        description="`latest`, or a checkpoint folder to resume from. A relative path is taken from the config file's folder (not the working directory; `--set` values too).",
+    )
 
     # --- validation ---
-    validation_prompt: Optional[str] = Field(None, description="Prompt for validation images; with neither it nor `validation_prompts` there is no validation.")
+    validation_prompt: Optional[str] = Field(
+        None,
+        description="Prompt for validation images; with neither it nor `validation_prompts` there is no validation.",
+    )
     validation_prompts: Optional[Union[list[str], str]] = Field(
         None,
         description=(
@@ -444,10 +593,18 @@ class TrainingConfig(_Strict):
             "one grid, `validation/step_NNNNNN_grid.png`: a row per prompt, `num_validation_images` columns."
         ),
     )
-    validation_steps: Optional[int] = Field(None, ge=1, description="Generate validation images every N optimizer steps (and at the start and end).")
-    num_validation_images: int = Field(1, ge=1, description="Images per prompt at each validation (the columns of the grid); every prompt's images start from the same seed (`seed`).")
+    validation_steps: Optional[int] = Field(
+        None, ge=1, description="Generate validation images every N optimizer steps (and at the start and end)."
+    )
+    num_validation_images: int = Field(
+        1,
+        ge=1,
+        description="Images per prompt at each validation (the columns of the grid); every prompt's images start from the same seed (`seed`).",
+    )
     validation_num_inference_steps: int = Field(20, ge=1, description="Sampler steps for validation images.")
-    validation_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance scale for validation images.")
+    validation_guidance_scale: float = Field(
+        7.5, ge=0, description="Classifier-free guidance scale for validation images."
+    )
 
     # --- performance ---
     enable_tf32: bool = Field(
@@ -467,7 +624,9 @@ class TrainingConfig(_Strict):
         ),
     )
     dataloader_num_workers: int = Field(
-        0, ge=0, le=256,
+        0,
+        ge=0,
+        le=256,
         description=(
             "Threads that read and decode images ahead of the VAE while the latent cache fills (0: decode in the "
             "training process between VAE batches). Helps large datasets at start-up; costs CPU RAM for "
@@ -482,7 +641,9 @@ class TrainingConfig(_Strict):
             "(only matters with `augmentations_cache_mode` `refresh_each_epoch` or `disable_cache`)."
         ),
     )
-    augmentations: Augmentations = Field(default_factory=Augmentations, description="Image augmentations; see the table below.")
+    augmentations: Augmentations = Field(
+        default_factory=Augmentations, description="Image augmentations; see the table below."
+    )
     augmentations_cache_mode: Literal["disable_cache", "static", "refresh_each_epoch"] = Field(
         "static",
         description=(
@@ -496,7 +657,8 @@ class TrainingConfig(_Strict):
         ),
     )
     dataloader_pin_memory: bool = Field(
-        False, description="Pin decoded image batches (CUDA only) so their copy to the GPU is faster; costs page-locked RAM."
+        False,
+        description="Pin decoded image batches (CUDA only) so their copy to the GPU is faster; costs page-locked RAM.",
     )
     cuda_allocator: dict[str, Any] = Field(
         default_factory=dict,
@@ -505,32 +667,42 @@ class TrainingConfig(_Strict):
             "(keys given here win over the environment's). Only keys a stock PyTorch accepts: "
             "`expandable_segments` (less fragmentation with changing shapes), `max_split_size_mb`, "
             "`garbage_collection_threshold`, `roundup_power2_divisions`, `backend`, ...; each value as PyTorch reads it "
-            "(true/false, whole MB, a threshold between 0 and 1, `backend` \"native\" or \"cudaMallocAsync\"). Keys of "
+            '(true/false, whole MB, a threshold between 0 and 1, `backend` "native" or "cudaMallocAsync"). Keys of '
             "patched builds (`use_uvm`, `uvm_*`) are refused with what to use instead."
         ),
     )
 
     # --- logging ---
-    logging_steps: int = Field(10, ge=1, description="Log loss, lr, samples/s, step time, data-wait share and MFU every N optimizer steps (one host sync per log).")
+    logging_steps: int = Field(
+        10,
+        ge=1,
+        description="Log loss, lr, samples/s, step time, data-wait share and MFU every N optimizer steps (one host sync per log).",
+    )
     eval_steps: Optional[int] = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description=(
             "Every N optimizer steps, log `eval_loss`: the loss on `eval_iters` fixed micro-batches with fixed "
             "noise and timesteps, without gradients. Comparable across steps, unlike the noisy training loss."
         ),
     )
     eval_iters: int = Field(4, ge=1, description="Micro-batches in each `eval_loss` (more: steadier, slower).")
-    report_to: Literal["none", "tensorboard", "wandb"] = Field("none", description="Experiment tracker (through Accelerate).")
+    report_to: Literal["none", "tensorboard", "wandb"] = Field(
+        "none", description="Experiment tracker (through Accelerate)."
+    )
     tracker_project_name: FolderName = Field(
-        "simpletuner", description="Project name for the tracker; also the name of its log folder under `output_dir/logs`."
+        "simpletuner",
+        description="Project name for the tracker; also the name of its log folder under `output_dir/logs`.",
     )
 
     @field_validator("model_family", mode="before")
     @classmethod
     def _family_settled(cls, value: Any) -> Any:
         if value is None:  # the loader fills it from the folder; only a bare model_validate gets here
-            raise ValueError("not set, and no model folder was read to take it from: set `model_family` "
-                             "(sd, sdxl, sd3, flux, wan), or load the config with simpletuner.configuration.load_config")
+            raise ValueError(
+                "not set, and no model folder was read to take it from: set `model_family` "
+                "(sd, sdxl, sd3, flux, wan), or load the config with simpletuner.configuration.load_config"
+            )
         return value
 
     @field_validator("cuda_allocator")

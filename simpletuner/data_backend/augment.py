@@ -79,9 +79,7 @@ def draw_params(augmentations, seed: int, sample_key: str, version: int | str) -
 
 def _check_pixels(pixels: torch.Tensor) -> None:
     if pixels.dim() not in (3, 4) or pixels.shape[0] != 3:
-        raise ValueError(
-            f"augmentations take pixels shaped [3, H, W] or [3, F, H, W], got {tuple(pixels.shape)}"
-        )
+        raise ValueError(f"augmentations take pixels shaped [3, H, W] or [3, F, H, W], got {tuple(pixels.shape)}")
 
 
 def crop_window(height: int, width: int, params: AugmentParams) -> tuple[int, int, int, int]:

@@ -23,8 +23,19 @@ from tqdm.auto import tqdm
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
 from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_for, bucket_name, upscale_factor
 from simpletuner.data_backend.images import image_size_of
-from simpletuner.data_backend.video import CLIP_KINDS, FRAME_FOLDER, VIDEO_FILE, Clip, find_clips, frame_indices
-from simpletuner.data_backend.video import frames_needed, probe_clip, require_av, stray_images_error, too_short_error
+from simpletuner.data_backend.video import (
+    CLIP_KINDS,
+    FRAME_FOLDER,
+    VIDEO_FILE,
+    Clip,
+    find_clips,
+    frame_indices,
+    frames_needed,
+    probe_clip,
+    require_av,
+    stray_images_error,
+    too_short_error,
+)
 from simpletuner.faults import fault_point
 
 if TYPE_CHECKING:
@@ -95,8 +106,10 @@ class DatasetMetadata:
         _check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit, self.noun)
         _warn_skipped(dataset_id, self.num_files, new, len(self.bad_files), "while decoding", self.noun)
         if not self.samples:
-            raise ValueError(f"dataset {dataset_id!r}: none of the {self.noun} under {root} could be decoded:\n"
-                             f"{_format_bad(self.bad_files)}")
+            raise ValueError(
+                f"dataset {dataset_id!r}: none of the {self.noun} under {root} could be decoded:\n"
+                f"{_format_bad(self.bad_files)}"
+            )
 
 
 def caption_from_filename(path: str, *, is_folder: bool = False) -> str:
@@ -329,8 +342,9 @@ def build_metadata(
         )
 
     if too_short:
-        raise too_short_error(backend.id, root, too_short, result.num_files, dataset_cfg.num_frames,
-                              dataset_cfg.frame_stride)
+        raise too_short_error(
+            backend.id, root, too_short, result.num_files, dataset_cfg.num_frames, dataset_cfg.frame_stride
+        )
     _check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction, noun)
     sizes.report(backend.id, root, result.num_files, noun, has_kept=bool(unique))
     result.num_skipped_small = sizes.num_skipped
@@ -393,17 +407,22 @@ class _SizeRules:
     def report(self, dataset_id: str, root: str, total: int, noun: str, has_kept: bool) -> None:
         """Warn about skipped images; stop on far upscales (``allow_upscale`` unset) or when the
         rules left nothing to train on."""
-        shown = {"minimum_image_size": f"with a shorter side below minimum_image_size {self.minimum} px",
-                 "allow_upscale": "smaller than their bucket (allow_upscale: false)"}
+        shown = {
+            "minimum_image_size": f"with a shorter side below minimum_image_size {self.minimum} px",
+            "allow_upscale": "smaller than their bucket (allow_upscale: false)",
+        }
         lines = []
         for rule, found in self.skipped.items():
             if found:
                 examples = ", ".join(f"{p} ({w}x{h})" for p, w, h in found[:3])
                 lines.append(f"{len(found)} of {total} {noun} {shown[rule]}, e.g. {examples}")
         if lines and not has_kept:
-            raise ValueError(f"dataset {dataset_id!r}: every image under {root} was skipped by its size rules: "
-                             + "; ".join(lines) + ". Lower `minimum_image_size`, set `allow_upscale` to true "
-                             "(or leave it unset), or lower `resolution`")
+            raise ValueError(
+                f"dataset {dataset_id!r}: every image under {root} was skipped by its size rules: "
+                + "; ".join(lines)
+                + ". Lower `minimum_image_size`, set `allow_upscale` to true "
+                "(or leave it unset), or lower `resolution`"
+            )
         for line in lines:
             logger.warning("dataset %r: skipped %s", dataset_id, line)
         if not self.far:
@@ -411,13 +430,18 @@ class _SizeRules:
         self.far.sort(reverse=True)
         factor, path, width, height, bucket = self.far[0]
         median_side = sorted(min(w, h) for _, _, w, h, _ in self.far)[len(self.far) // 2]
-        what = (f"{len(self.far)} of {total} {noun} would be upscaled more than {MAX_UPSCALE_FACTOR:g}x to cover "
-                f"their buckets at resolution {self.resolution} (up to {factor:.1f}x: {path} is {width}x{height}, "
-                f"its bucket {bucket_name(bucket)}; their median shorter side is {median_side} px)")
+        what = (
+            f"{len(self.far)} of {total} {noun} would be upscaled more than {MAX_UPSCALE_FACTOR:g}x to cover "
+            f"their buckets at resolution {self.resolution} (up to {factor:.1f}x: {path} is {width}x{height}, "
+            f"its bucket {bucket_name(bucket)}; their median shorter side is {median_side} px)"
+        )
         if self.allow_upscale or len(self.far) <= self.tolerance * total:
-            why = ("allow_upscale: true" if self.allow_upscale else
-                   f"no more than max_bad_image_fraction {self.tolerance:g} of the dataset; set `allow_upscale` or "
-                   "`minimum_image_size` to decide")
+            why = (
+                "allow_upscale: true"
+                if self.allow_upscale
+                else f"no more than max_bad_image_fraction {self.tolerance:g} of the dataset; set `allow_upscale` or "
+                "`minimum_image_size` to decide"
+            )
             logger.warning("dataset %r: %s; training on them upscaled (%s)", dataset_id, what, why)
             return
         raise ValueError(

@@ -93,7 +93,7 @@ def require_av() -> Any:
         import av
     except ImportError:
         raise ImportError(
-            "reading .mp4/.webm/.mov/.mkv clips needs PyAV: `pip install -e \".[video]\"` in the simpletuner checkout (or `pip install av`). "
+            'reading .mp4/.webm/.mov/.mkv clips needs PyAV: `pip install -e ".[video]"` in the simpletuner checkout (or `pip install av`). '
             "Animated .gif/.webp and frame folders need nothing extra"
         ) from None
     return av
@@ -234,7 +234,9 @@ def read_clip_frames(backend: DataBackend, sample: Any) -> list[Image.Image]:
             if frames[-1].size != frames[0].size:
                 (w, h), (w0, h0) = frames[-1].size, frames[0].size
                 first = PurePosixPath(sample.frame_paths[0]).name
-                raise ValueError(f"frame {name} is {w}x{h} but {first} is {w0}x{h0}; every frame of a clip must have one size")
+                raise ValueError(
+                    f"frame {name} is {w}x{h} but {first} is {w0}x{h0}; every frame of a clip must have one size"
+                )
         return frames
     data = backend.read(sample.path)
     if not data:

@@ -51,7 +51,9 @@ def collect_versions(runtime) -> dict:
     if versions.get("cuda_build") is None:
         missing.append({"what": f"this PyTorch build ({versions.get('torch')}) has no CUDA", "fix": TORCH_CUDA_FIX})
     elif not runtime.cuda_available() or runtime.device_info() is None:
-        missing.append({"what": f"no CUDA device ({runtime.unavailable_reason() or 'none visible'})", "fix": DEVICE_FIX})
+        missing.append(
+            {"what": f"no CUDA device ({runtime.unavailable_reason() or 'none visible'})", "fix": DEVICE_FIX}
+        )
     if versions.get("cuda_bindings") is None:
         missing.append({"what": "cuda-bindings not installed (managed memory needs it)", "fix": INSTALL_HINT})
     return {**versions, "missing": missing}
@@ -114,7 +116,7 @@ def alloc_conf_problems(value: str | None) -> list[str]:
 
 def _alloc_conf_fix(value: str, bad: list[str]) -> str:
     kept = [item.strip() for item in value.split(",") if item.strip() and item.partition(":")[0].strip() not in bad]
-    return f"export {ALLOC_CONF_VAR}=\"{','.join(kept)}\"" if kept else f"unset {ALLOC_CONF_VAR}"
+    return f'export {ALLOC_CONF_VAR}="{",".join(kept)}"' if kept else f"unset {ALLOC_CONF_VAR}"
 
 
 def collect_environment(environ=None) -> dict:
@@ -171,13 +173,20 @@ def verdicts(summary: dict) -> list[dict]:
         reasons = "; ".join(m["what"] for m in summary["versions"]["missing"] if "cuda-bindings" not in m["what"])
         add(False, f"CUDA device: {reasons or 'none'}", device_fix, applies=has_gpu)
     else:
-        add(True, f"CUDA device: {device['name']} (sm_{device['compute_capability'][0]}{device['compute_capability'][1]})")
+        add(
+            True,
+            f"CUDA device: {device['name']} (sm_{device['compute_capability'][0]}{device['compute_capability'][1]})",
+        )
     if "cuda-bindings" in pool["status"]:
         pool_fix = INSTALL_HINT
     else:
         pool_fix = device_fix if device is None else "use a GPU that supports managed memory"
-    add(pool["status"] == "available", f"managed memory pool: {pool['status']}", pool_fix,
-        applies=device is not None or has_gpu)
+    add(
+        pool["status"] == "available",
+        f"managed memory pool: {pool['status']}",
+        pool_fix,
+        applies=device is not None or has_gpu,
+    )
     if device is not None:
         add(
             device["unified"],
@@ -371,7 +380,9 @@ def build_parser(prog: str = "gh200_diagnostic.py") -> argparse.ArgumentParser:
         metavar="S",
         help="allocate S x device memory as managed memory, prefetch it both ways and report GB/s (unified memory only)",
     )
-    parser.add_argument("--force", action="store_true", help="run the oversubscription test on a discrete GPU too (can hang it)")
+    parser.add_argument(
+        "--force", action="store_true", help="run the oversubscription test on a discrete GPU too (can hang it)"
+    )
     return parser
 
 

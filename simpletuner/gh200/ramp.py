@@ -65,7 +65,9 @@ class GH200GradientRamp:
         num_processes: int = 1,
     ):
         per_micro = micro_batch_size * num_processes
-        where = f"train_batch_size {micro_batch_size} x {num_processes} process(es) = {per_micro} samples per micro-batch"
+        where = (
+            f"train_batch_size {micro_batch_size} x {num_processes} process(es) = {per_micro} samples per micro-batch"
+        )
         if initial_effective_batch_size > target_effective_batch_size:
             raise ValueError(
                 f"gh200_optimizations.initial_effective_batch_size {initial_effective_batch_size} is larger than "
@@ -93,7 +95,11 @@ class GH200GradientRamp:
         logger.info(
             "GH200 gradient accumulation ramp enabled: effective batch %d -> %d over %d micro-batches "
             "(accumulation %d -> %d)",
-            self.initial, self.target, self.rampup_micro_batches, self.min_window, self.max_window,
+            self.initial,
+            self.target,
+            self.rampup_micro_batches,
+            self.min_window,
+            self.max_window,
         )
 
     def window_for(self, micro_batches_seen: int) -> int:

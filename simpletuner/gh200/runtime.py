@@ -29,7 +29,7 @@ Location = Literal["cpu"] | int
 #: The advice kinds we use (cudaMemAdviseSet*).
 Advice = Literal["preferred_location", "accessed_by", "read_mostly"]
 
-INSTALL_HINT = "pip install -e \".[gh200]\" in the simpletuner checkout (or pip install cuda-bindings)"
+INSTALL_HINT = 'pip install -e ".[gh200]" in the simpletuner checkout (or pip install cuda-bindings)'
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,13 @@ class CudaBindingsRuntime:
             }
         except ImportError:
             attrs = dict.fromkeys(
-                ("managed_memory", "concurrent_managed_access", "pageable_memory_access", "pageable_uses_host_page_tables"), False
+                (
+                    "managed_memory",
+                    "concurrent_managed_access",
+                    "pageable_memory_access",
+                    "pageable_uses_host_page_tables",
+                ),
+                False,
             )
         return DeviceMemoryInfo(
             index=index,
@@ -332,7 +338,12 @@ class CudaBindingsRuntime:
         return int(free), int(total)
 
     def versions(self) -> dict[str, str | None]:
-        out: dict[str, str | None] = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "driver": None, "cuda_bindings": None}
+        out: dict[str, str | None] = {
+            "torch": torch.__version__,
+            "cuda_build": torch.version.cuda,
+            "driver": None,
+            "cuda_bindings": None,
+        }
         try:
             import cuda.bindings  # type: ignore[import-not-found]
 

@@ -45,7 +45,9 @@ def uvm_hint_decision(config, environ: Mapping[str, str] | None = None) -> tuple
         return opts.enable_uvm_hints, setting
     if from_env is not None:
         return None, env_source
-    unified = [f"{name}_cache_type" for name in ("vae", "text") if getattr(cache, f"{name}_cache_type") == "unified_memory"]
+    unified = [
+        f"{name}_cache_type" for name in ("vae", "text") if getattr(cache, f"{name}_cache_type") == "unified_memory"
+    ]
     if unified:
         return True, f"cache_config.{' and '.join(unified)} = unified_memory"
     return None, "nothing asks for them"
@@ -65,10 +67,16 @@ def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> li
 
     environ = os.environ if environ is None else environ
     cache, opts = config.cache_config, config.gh200_optimizations
-    found = [f"cache_config.{name}_cache_type={getattr(cache, f'{name}_cache_type')}" for name in ("vae", "text")
-             if getattr(cache, f"{name}_cache_type") in ("memory", "unified_memory")]
-    found += [f"datasets[{i}].type=in_memory" for i, dataset in enumerate(config.datasets or [])
-              if getattr(dataset, "type", None) == "in_memory"]
+    found = [
+        f"cache_config.{name}_cache_type={getattr(cache, f'{name}_cache_type')}"
+        for name in ("vae", "text")
+        if getattr(cache, f"{name}_cache_type") in ("memory", "unified_memory")
+    ]
+    found += [
+        f"datasets[{i}].type=in_memory"
+        for i, dataset in enumerate(config.datasets or [])
+        if getattr(dataset, "type", None) == "in_memory"
+    ]
     if opts.enable_uvm_hints is not None:
         found.append(f"gh200_optimizations.enable_uvm_hints={str(opts.enable_uvm_hints).lower()}")
     if opts.enable_batch_size_rampup:
@@ -96,7 +104,9 @@ def build_accumulation(config, num_processes: int) -> AccumulationPolicy:
     )
 
 
-def configure_runtime(state: StateTracker, num_processes: int, is_main_process: bool, output_dir: Path) -> AccumulationPolicy:
+def configure_runtime(
+    state: StateTracker, num_processes: int, is_main_process: bool, output_dir: Path
+) -> AccumulationPolicy:
     """Apply hints, build the accumulation policy, record the decisions; returns the policy."""
     from simpletuner.caching.tensor_cache import cache_type_in_use
     from simpletuner.gh200.uvm import gh200_uvm_enabled, set_uvm_hint_override, unified_memory_status

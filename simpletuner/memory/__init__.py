@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from simpletuner.memory.apply import ApplyError, apply_updates
+from simpletuner.memory.autoconfig import DoesNotFit, EstimateCache, Plan, plan_batch
 from simpletuner.memory.hardware import (
     GPU_SPECS,
     GpuSpec,
@@ -25,9 +27,6 @@ from simpletuner.memory.hardware import (
     mfu,
     resolve_gpu_name,
 )
-
-from simpletuner.memory.apply import ApplyError, apply_updates
-from simpletuner.memory.autoconfig import DoesNotFit, EstimateCache, Plan, plan_batch
 from simpletuner.memory.presets import Preset, apply_preset, load_preset, load_presets
 
 __all__ = [

@@ -52,29 +52,51 @@ def suggest_switches(
     activations = breakdown.activations
     if config.training_type == "full":
         saving = breakdown.gradients + breakdown.optimizer_state
-        found.append((saving, f"training_type: lora (gradients and optimizer state, {format_bytes(saving)} now, "
-                              "shrink to the adapter's few MiB; the frozen base is held in the mixed precision)"))
+        found.append(
+            (
+                saving,
+                f"training_type: lora (gradients and optimizer state, {format_bytes(saving)} now, "
+                "shrink to the adapter's few MiB; the frozen base is held in the mixed precision)",
+            )
+        )
     if config.mixed_precision == "no":
         if config.training_type == "lora":
             base = breakdown.weights - breakdown.trainable_weights
-            found.append((base // 2, f"mixed_precision: bf16 (halves the frozen base, {format_bytes(base)} in fp32, "
-                                     "and the activations autocast produces)"))
+            found.append(
+                (
+                    base // 2,
+                    f"mixed_precision: bf16 (halves the frozen base, {format_bytes(base)} in fp32, "
+                    "and the activations autocast produces)",
+                )
+            )
         else:
             found.append((activations // 2, "mixed_precision: bf16 (16-bit activations; the fp32 master weights stay)"))
     if not breakdown.gradient_checkpointing:
-        found.append((activations // 2, f"gradient_checkpointing: true (activations, {format_bytes(activations)} now, "
-                                        "are recomputed in the backward pass instead of kept)"))
+        found.append(
+            (
+                activations // 2,
+                f"gradient_checkpointing: true (activations, {format_bytes(activations)} now, "
+                "are recomputed in the backward pass instead of kept)",
+            )
+        )
     if config.optimizer in ("adam", "adamw"):
         saving = breakdown.optimizer_state // 2
-        found.append((saving, f"optimizer: sgd (one state per trainable element instead of two: saves "
-                              f"{format_bytes(saving)})"))
+        found.append(
+            (saving, f"optimizer: sgd (one state per trainable element instead of two: saves {format_bytes(saving)})")
+        )
     if breakdown.micro_batch_size > 1:
         saving = activations - activations // breakdown.micro_batch_size
-        found.append((saving, f"a smaller train_batch_size (now {breakdown.micro_batch_size}) with more "
-                              "gradient_accumulation_steps: --target-effective-batch N picks the split"))
+        found.append(
+            (
+                saving,
+                f"a smaller train_batch_size (now {breakdown.micro_batch_size}) with more "
+                "gradient_accumulation_steps: --target-effective-batch N picks the split",
+            )
+        )
     if activations > 0.1 * breakdown.total and config.resolution > 256:
-        found.append((activations // 2, f"a lower resolution (now {config.resolution}; activations grow with the "
-                                        "pixel count)"))
+        found.append(
+            (activations // 2, f"a lower resolution (now {config.resolution}; activations grow with the pixel count)")
+        )
     validation = (extras or {}).get(VALIDATION_MODELS, 0)
     if validation:
         found.append((validation, f"no validation_prompt (frees the VAE and text encoder: {format_bytes(validation)})"))
@@ -103,7 +125,9 @@ def does_not_fit_message(
     ]
     switches = suggest_switches(config, breakdown, estimate.extras)
     if breakdown.cuda_context + breakdown.workspaces >= budget:
-        lines.append("The CUDA context and library workspaces alone exceed the budget: this GPU is too small to train on.")
+        lines.append(
+            "The CUDA context and library workspaces alone exceed the budget: this GPU is too small to train on."
+        )
     elif switches:
         lines.append("Switches that would help, biggest saving first:")
         lines += [f"  - {switch}" for switch in switches]

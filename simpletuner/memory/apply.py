@@ -243,6 +243,6 @@ def apply_updates(path: str | os.PathLike, updates: dict[str, Any]) -> ApplyResu
 def describe_changes(changed: dict[str, tuple[Any, Any]]) -> list[str]:
     """``key: old -> new`` lines (``(absent)`` for a key the file did not have)."""
     return [
-        f"  {key}: {'(absent)' if old is None else json.dumps(old)} -> {json.dumps(new)}" for key, (old, new) in changed.items()
+        f"  {key}: {'(absent)' if old is None else json.dumps(old)} -> {json.dumps(new)}"
+        for key, (old, new) in changed.items()
     ]
-

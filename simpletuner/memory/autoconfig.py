@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 DEFAULT_SAFETY_MARGIN = 0.85
 
+
 class DoesNotFit(ValueError):
     """Even the smallest plan does not fit; the message says what dominates and what would help."""
 
@@ -91,8 +92,9 @@ def validation_model_bytes(config: "TrainingConfig") -> int | None:
     return None if vae is None or text is None else vae + text
 
 
-def extra_bytes(config: "TrainingConfig", breakdown: MemoryBreakdown, num_processes: int = 1,
-                validation_bytes: int | None = None) -> dict[str, int]:
+def extra_bytes(
+    config: "TrainingConfig", breakdown: MemoryBreakdown, num_processes: int = 1, validation_bytes: int | None = None
+) -> dict[str, int]:
     """What the run keeps on each GPU beside the denoiser's breakdown, by name (zero rows left out).
 
     ``validation models``: see :func:`validation_model_bytes` (pass it to avoid rebuilding); with
@@ -158,8 +160,9 @@ class EstimateCache:
             if self._validation_bytes is None:
                 self._validation_bytes = validation_model_bytes(self.config) or 0
             extras = extra_bytes(variant, breakdown, self.num_processes, self._validation_bytes)
-            self._done[key] = Estimate(micro_batch_size, gradient_checkpointing, breakdown, extras,
-                                       time.perf_counter() - start)
+            self._done[key] = Estimate(
+                micro_batch_size, gradient_checkpointing, breakdown, extras, time.perf_counter() - start
+            )
         return self._done[key]
 
     @property
@@ -349,19 +352,30 @@ class Plan:
             "estimate": self.estimate.breakdown.as_dict(),
             "candidates": list(self.candidates),
             "tried": [
-                {"micro_batch_size": e.micro_batch_size, "gradient_checkpointing": e.gradient_checkpointing,
-                 "total_bytes": e.total, "fits": e.total <= self.budget_bytes} for e in self.tried
+                {
+                    "micro_batch_size": e.micro_batch_size,
+                    "gradient_checkpointing": e.gradient_checkpointing,
+                    "total_bytes": e.total,
+                    "fits": e.total <= self.budget_bytes,
+                }
+                for e in self.tried
             ],
-            "without_checkpointing": None if alt is None else {"micro_batch_size": alt.micro_batch_size,
-                                                               "total_bytes": alt.total},
-            "ramp": None if self.ramp is None else {"initial": self.ramp.initial, "target": self.ramp.target,
-                                                    "windows": list(self.ramp_windows)},
+            "without_checkpointing": None
+            if alt is None
+            else {"micro_batch_size": alt.micro_batch_size, "total_bytes": alt.total},
+            "ramp": None
+            if self.ramp is None
+            else {"initial": self.ramp.initial, "target": self.ramp.target, "windows": list(self.ramp_windows)},
             "config_updates": self.config_updates(),
             "notes": list(self.notes),
-            "data_cap": None if self.data is None else {**self.data.as_dict(),
-                                                        "micro_batch_limit": self.data.micro_batch_limit(self.num_processes),
-                                                        "left_out": list(self.capped_by_data),
-                                                        "limited": self.is_capped_by_data},
+            "data_cap": None
+            if self.data is None
+            else {
+                **self.data.as_dict(),
+                "micro_batch_limit": self.data.micro_batch_limit(self.num_processes),
+                "left_out": list(self.capped_by_data),
+                "limited": self.is_capped_by_data,
+            },
         }
 
     @property
@@ -450,8 +464,12 @@ def plan_batch(
         best_on = largest_fitting(above, fits(True))
     if best_off is None and best_on is None:
         smallest = lookup(candidates[0], True)
-        raise DoesNotFit(does_not_fit_message(config, smallest, budget, usable_bytes, safety_margin, even=True),
-                         smallest.breakdown, smallest.total, budget)
+        raise DoesNotFit(
+            does_not_fit_message(config, smallest, budget, usable_bytes, safety_margin, even=True),
+            smallest.breakdown,
+            smallest.total,
+            budget,
+        )
     use_checkpointing = best_on is not None and (best_off is None or best_on > best_off)
     micro = best_on if use_checkpointing else best_off
     plan = Plan(
@@ -490,8 +508,11 @@ def _plan_notes(plan: Plan) -> list[str]:
     else:
         notes.append("gradient checkpointing: not needed (off: no recomputation)")
     validation = plan.estimate.extras.get(VALIDATION_MODELS, 0)
-    kept = (f"; validation_prompt is set, so they stay loaded for validation images ({format_bytes(validation)}, counted)"
-            if validation else "")
+    kept = (
+        f"; validation_prompt is set, so they stay loaded for validation images ({format_bytes(validation)}, counted)"
+        if validation
+        else ""
+    )
     notes.append(
         "cached embeddings: always on in this trainer: latents and text embeddings are encoded once before "
         f"training and the VAE and text encoder are released before the denoiser trains{kept}"
@@ -519,22 +540,28 @@ def _data_notes(plan: Plan) -> list[str]:
     if data is None:
         return []
     if data.largest is None:
-        return [f"data cap: {data.describe()}: the micro-batch is not checked against the buckets; train needs one "
-                f"aspect bucket to hold micro-batch x processes samples ({plan.micro_batch_size * plan.num_processes} "
-                "here): run the estimate where the datasets are to check"]
+        return [
+            f"data cap: {data.describe()}: the micro-batch is not checked against the buckets; train needs one "
+            f"aspect bucket to hold micro-batch x processes samples ({plan.micro_batch_size * plan.num_processes} "
+            "here): run the estimate where the datasets are to check"
+        ]
     limit = data.micro_batch_limit(plan.num_processes)
     if plan.is_capped_by_data:
-        line = (f"data cap: limited the micro-batch to {plan.micro_batch_size}: {data.describe()}, and train needs one "
-                f"bucket to fill micro-batch x {plan.num_processes} process(es); micro-batch "
-                f"{', '.join(map(str, plan.capped_by_data))} left out (not estimated); more images per aspect "
-                "ratio allow more")
+        line = (
+            f"data cap: limited the micro-batch to {plan.micro_batch_size}: {data.describe()}, and train needs one "
+            f"bucket to fill micro-batch x {plan.num_processes} process(es); micro-batch "
+            f"{', '.join(map(str, plan.capped_by_data))} left out (not estimated); more images per aspect "
+            "ratio allow more"
+        )
     else:
         line = f"data cap: {data.describe()}: micro-batches up to {limit} per process; not the limit here"
     need = plan.micro_batch_size * plan.num_processes
     never = sum(n for n in data.group_sizes if n < need)
     if never:
-        line += (f"; at micro-batch {plan.micro_batch_size}, {never} sample(s) in buckets smaller than {need} are never "
-                 "trained on")
+        line += (
+            f"; at micro-batch {plan.micro_batch_size}, {never} sample(s) in buckets smaller than {need} are never "
+            "trained on"
+        )
     return [line]
 
 

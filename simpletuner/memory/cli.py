@@ -35,8 +35,11 @@ class Machine:
     lines: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "usable_bytes": self.usable_bytes,
-                "hardware": None if self.hardware is None else self.hardware.as_dict()}
+        return {
+            "kind": self.kind,
+            "usable_bytes": self.usable_bytes,
+            "hardware": None if self.hardware is None else self.hardware.as_dict(),
+        }
 
 
 def resolve_machine(gpu: str | None, gpu_memory_gb: float | None, detect=None) -> Machine:
@@ -50,19 +53,32 @@ def resolve_machine(gpu: str | None, gpu_memory_gb: float | None, detect=None) -
     if gpu in (None, "auto"):
         if gpu_memory_gb is not None:
             usable = int(gpu_memory_gb * GiB)
-            return Machine(None, usable, "generic", [
-                f"GPU: hypothetical card with {gpu_memory_gb:g} GiB (--gpu-memory; not a table entry: no peak FLOPS)",
-            ])
+            return Machine(
+                None,
+                usable,
+                "generic",
+                [
+                    f"GPU: hypothetical card with {gpu_memory_gb:g} GiB (--gpu-memory; not a table entry: no peak FLOPS)",
+                ],
+            )
         hw = (detect or detect_hardware)()
         if not hw.has_gpu:
-            return Machine(hw, None, "none", hw.describe() + [
-                "no CUDA device here: the table is what one training process would need on a GPU, without headroom. "
-                "Pass --gpu NAME or --gpu-memory GB to judge it against a card.",
-            ])
+            return Machine(
+                hw,
+                None,
+                "none",
+                hw.describe()
+                + [
+                    "no CUDA device here: the table is what one training process would need on a GPU, without headroom. "
+                    "Pass --gpu NAME or --gpu-memory GB to judge it against a card.",
+                ],
+            )
         lines = hw.describe()
         if hw.gpu_free_bytes is not None and hw.usable_memory_bytes and hw.gpu_free_bytes < 0.9 * hw.gpu_memory_bytes:
-            lines.append(f"note: {_gib(hw.gpu_free_bytes)} free now; something else holds GPU memory, and the estimate "
-                         "is judged against the whole")
+            lines.append(
+                f"note: {_gib(hw.gpu_free_bytes)} free now; something else holds GPU memory, and the estimate "
+                "is judged against the whole"
+            )
         return Machine(hw, hw.usable_memory_bytes, "detected", lines + _memory_notes(hw))
     hw = hardware_for_gpu(gpu, gpu_memory_gb)
     lines = [line for line in hw.describe() if not (line.startswith("host:") and hw.host_ram_bytes is None)]
@@ -71,11 +87,15 @@ def resolve_machine(gpu: str | None, gpu_memory_gb: float | None, detect=None) -
 
 def _memory_notes(hw) -> list[str]:
     if hw.memory_kind.startswith("integrated"):
-        return ["shared memory: the OS, datasets staged in RAM (in_memory) and `memory` / `unified_memory` caches use "
-                "the same memory as training; the safety margin has to cover them"]
+        return [
+            "shared memory: the OS, datasets staged in RAM (in_memory) and `memory` / `unified_memory` caches use "
+            "the same memory as training; the safety margin has to cover them"
+        ]
     if hw.unified_memory:
-        return ["usable is the GPU's own memory (HBM); managed memory can spill into the host's LPDDR5X, at the "
-                "NVLink-C2C's speed, not the HBM's: plan for the HBM"]
+        return [
+            "usable is the GPU's own memory (HBM); managed memory can spill into the host's LPDDR5X, at the "
+            "NVLink-C2C's speed, not the HBM's: plan for the HBM"
+        ]
     return []
 
 
@@ -87,8 +107,20 @@ def _presets(args) -> int:
     if args.list_presets:
         found = P.load_presets(directory)
         if args.json:
-            _print_json([{"name": p.name, "hardware": p.hardware, "model_family": p.model_family, "workload": p.workload,
-                          "description": p.description, "gpu": p.gpu, "gpu_memory_gb": p.gpu_memory_gb} for p in found])
+            _print_json(
+                [
+                    {
+                        "name": p.name,
+                        "hardware": p.hardware,
+                        "model_family": p.model_family,
+                        "workload": p.workload,
+                        "description": p.description,
+                        "gpu": p.gpu,
+                        "gpu_memory_gb": p.gpu_memory_gb,
+                    }
+                    for p in found
+                ]
+            )
             return 0
         width = max((len(p.name) for p in found), default=0) + 2
         for p in found:
@@ -101,9 +133,19 @@ def _presets(args) -> int:
         if args.apply:
             raise ValueError(f"--preset {preset.name} --apply writes the preset into a config: add --config CFG.json")
         if args.json:
-            _print_json({"name": preset.name, "hardware": preset.hardware, "model_family": preset.model_family,
-                         "workload": preset.workload, "description": preset.description, "gpu": preset.gpu,
-                         "gpu_memory_gb": preset.gpu_memory_gb, "settings": preset.settings, "why": preset.why})
+            _print_json(
+                {
+                    "name": preset.name,
+                    "hardware": preset.hardware,
+                    "model_family": preset.model_family,
+                    "workload": preset.workload,
+                    "description": preset.description,
+                    "gpu": preset.gpu,
+                    "gpu_memory_gb": preset.gpu_memory_gb,
+                    "settings": preset.settings,
+                    "why": preset.why,
+                }
+            )
         else:
             print("\n".join(P.explain_preset(preset)))
         return 0
@@ -119,17 +161,35 @@ def _presets(args) -> int:
     except ValueError as exc:
         fit_note = str(exc)
     if args.json:
-        _print_json({"preset": preset.name, "model_family": preset.model_family, "workload": preset.workload,
-                     "fits_model_family": fit_note is None, "differences": [
-            {"key": d.key, "config": d.config_value, "preset": d.preset_value, "config_is_default": d.is_default,
-             "same": d.is_same, "why": preset.why[d.key]} for d in differences]})
+        _print_json(
+            {
+                "preset": preset.name,
+                "model_family": preset.model_family,
+                "workload": preset.workload,
+                "fits_model_family": fit_note is None,
+                "differences": [
+                    {
+                        "key": d.key,
+                        "config": d.config_value,
+                        "preset": d.preset_value,
+                        "config_is_default": d.is_default,
+                        "same": d.is_same,
+                        "why": preset.why[d.key],
+                    }
+                    for d in differences
+                ],
+            }
+        )
     else:
         lines = P.describe_comparison(preset, differences, args.config)
         if fit_note:
             lines += ["", f"note: {fit_note}"]
         else:
-            lines += ["", f"  write the preset's values for the keys the config does not set: simpletuner estimate "
-                          f"--preset {preset.name} --config {args.config} --apply"]
+            lines += [
+                "",
+                f"  write the preset's values for the keys the config does not set: simpletuner estimate "
+                f"--preset {preset.name} --config {args.config} --apply",
+            ]
         print("\n".join(lines))
     return 0
 
@@ -144,8 +204,10 @@ def _apply_preset(args, preset) -> int:
     from simpletuner.memory.apply import apply_updates, check_writable, describe_changes
 
     if args.overrides:
-        raise ValueError("--apply writes the preset into the config file, and --set changes would not be written: "
-                         "put them in the file first")
+        raise ValueError(
+            "--apply writes the preset into the config file, and --set changes would not be written: "
+            "put them in the file first"
+        )
     path = Path(args.config)
     check_writable(path)
     raw = load_config(path, check_files=False).raw  # the config's own problems first
@@ -155,18 +217,39 @@ def _apply_preset(args, preset) -> int:
     updates = {k: v for k, v in merged.items() if k not in raw or raw[k] != v}
     result = apply_updates(path, updates)
     if args.json:
-        _print_json({"preset": preset.name, "config": str(path), "effective": lines,
-                     "applied": {"backup": str(result.backup) if result.backup else None, "diff": result.diff,
-                                 "changed": {k: list(v) for k, v in result.changed.items()}}})
+        _print_json(
+            {
+                "preset": preset.name,
+                "config": str(path),
+                "effective": lines,
+                "applied": {
+                    "backup": str(result.backup) if result.backup else None,
+                    "diff": result.diff,
+                    "changed": {k: list(v) for k, v in result.changed.items()},
+                },
+            }
+        )
         return 0
     text = list(lines)
     if not result.changed:
-        text += ["", f"--apply: {path} already has every value of preset {preset.name} or sets its own; nothing written"]
+        text += [
+            "",
+            f"--apply: {path} already has every value of preset {preset.name} or sets its own; nothing written",
+        ]
     else:
-        text += ["", f"--apply: wrote {path} (original kept as {result.backup}):", *describe_changes(result.changed),
-                 "", result.diff.rstrip("\n")]
-    text += ["", f"check that it fits: simpletuner estimate --config {path}" + (f" --gpu {preset.gpu}" if preset.gpu else "")
-             + (f" --gpu-memory {preset.gpu_memory_gb:g}" if preset.gpu_memory_gb is not None else "")]
+        text += [
+            "",
+            f"--apply: wrote {path} (original kept as {result.backup}):",
+            *describe_changes(result.changed),
+            "",
+            result.diff.rstrip("\n"),
+        ]
+    text += [
+        "",
+        f"check that it fits: simpletuner estimate --config {path}"
+        + (f" --gpu {preset.gpu}" if preset.gpu else "")
+        + (f" --gpu-memory {preset.gpu_memory_gb:g}" if preset.gpu_memory_gb is not None else ""),
+    ]
     print("\n".join(text))
     return 0
 
@@ -182,8 +265,10 @@ def _extras_lines(estimate, usable: int | None) -> list[str]:
     lines = ["beside the denoiser, on the same GPU:"]
     for name, nbytes in estimate.extras.items():
         lines.append(f"  {name:<40}{nbytes / GiB:>8.2f} GiB")
-    lines.append(f"  {'total with these':<40}{estimate.total / GiB:>8.2f} GiB"
-                 + (f", headroom {_gib(usable - estimate.total)}" if usable else ""))
+    lines.append(
+        f"  {'total with these':<40}{estimate.total / GiB:>8.2f} GiB"
+        + (f", headroom {_gib(usable - estimate.total)}" if usable else "")
+    )
     return lines
 
 
@@ -199,33 +284,46 @@ def _verdict(estimate, usable: int, margin: float) -> tuple[bool, str]:
 
 def _plan_lines(plan, config) -> list[str]:
     per = f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.num_processes} process" + (
-        "es" if plan.num_processes > 1 else "")
+        "es" if plan.num_processes > 1 else ""
+    )
     lines = [
         f"auto-config: effective batch {plan.effective_batch_size}, budget {_gib(plan.budget_bytes)} "
         f"({plan.safety_margin:.0%} of {_gib(plan.usable_bytes)} usable)",
         f"  train_batch_size              {plan.micro_batch_size:<6}(was {config.train_batch_size})",
     ]
     if plan.ramp is None:
-        lines.append(f"  gradient_accumulation_steps   {plan.gradient_accumulation_steps:<6}"
-                     f"(was {config.gradient_accumulation_steps}; {per} = {plan.effective_batch_size})")
+        lines.append(
+            f"  gradient_accumulation_steps   {plan.gradient_accumulation_steps:<6}"
+            f"(was {config.gradient_accumulation_steps}; {per} = {plan.effective_batch_size})"
+        )
     else:
         start, end = plan.ramp_windows
-        lines.append(f"  accumulation                  {start} -> {end} (the ramp, "
-                     f"{plan.ramp.initial} -> {plan.ramp.target} samples per step; gradient_accumulation_steps is ignored)")
-    lines.append(f"  gradient_checkpointing        {str(plan.gradient_checkpointing).lower():<6}"
-                 f"(was {str(config.gradient_checkpointing).lower()})")
+        lines.append(
+            f"  accumulation                  {start} -> {end} (the ramp, "
+            f"{plan.ramp.initial} -> {plan.ramp.target} samples per step; gradient_accumulation_steps is ignored)"
+        )
+    lines.append(
+        f"  gradient_checkpointing        {str(plan.gradient_checkpointing).lower():<6}"
+        f"(was {str(config.gradient_checkpointing).lower()})"
+    )
     lines.append(f"  needs {_gib(plan.estimate.total)} of the {_gib(plan.budget_bytes)} budget")
     lines += [f"  {note}" for note in plan.notes]
     tried = ", ".join(
         f"{e.micro_batch_size}{'+ckpt' if e.gradient_checkpointing else ''} {e.total / GiB:.2f}"
-        f"{'' if e.total <= plan.budget_bytes else ' (over)'}" for e in plan.tried
+        f"{'' if e.total <= plan.budget_bytes else ' (over)'}"
+        for e in plan.tried
     )
     made = sum(e.seconds for e in plan.tried)
-    split = (f"both ends of the ramp, {plan.ramp.initial} and {plan.ramp.target}," if plan.ramp
-             else f"{plan.effective_batch_size}")
+    split = (
+        f"both ends of the ramp, {plan.ramp.initial} and {plan.ramp.target},"
+        if plan.ramp
+        else f"{plan.effective_batch_size}"
+    )
     filled = "" if not plan.capped_by_data else " and the largest bucket fills"
-    lines.append(f"  searched micro-batches {', '.join(map(str, plan.candidates))} (those that split {split} exactly"
-                 f"{filled}); estimated GiB: {tried} ({made:.1f} s)")
+    lines.append(
+        f"  searched micro-batches {', '.join(map(str, plan.candidates))} (those that split {split} exactly"
+        f"{filled}); estimated GiB: {tried} ({made:.1f} s)"
+    )
     return lines
 
 
@@ -244,32 +342,40 @@ def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, li
     setting = launch.settings.get("mixed_precision")
     if setting is not None:
         return f"precision: {setting.value} ({setting.source})", launch.overrides
-    return ("precision: no (fp32): the config leaves mixed_precision to the launch, and estimate cannot see a "
-            "launch line; a launch asking for bf16 (`accelerate launch --mixed_precision bf16`, or the GH200 "
-            "Accelerate config) trains in bf16: estimate that with --set mixed_precision=bf16"), launch.overrides
+    return (
+        "precision: no (fp32): the config leaves mixed_precision to the launch, and estimate cannot see a "
+        "launch line; a launch asking for bf16 (`accelerate launch --mixed_precision bf16`, or the GH200 "
+        "Accelerate config) trains in bf16: estimate that with --set mixed_precision=bf16"
+    ), launch.overrides
 
 
 def _estimate(args) -> int:
     from simpletuner.configuration import load_config
-    from simpletuner.memory.apply import apply_updates, describe_changes
     from simpletuner.memory.advice import does_not_fit_advice
+    from simpletuner.memory.apply import apply_updates, describe_changes
     from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN, EstimateCache, plan_batch
 
     auto = args.target_effective_batch is not None or args.apply
     if args.apply and args.overrides:
-        raise ValueError("--apply writes the plan into the config file, and --set changes would not be written: "
-                         "put them in the file first")
+        raise ValueError(
+            "--apply writes the plan into the config file, and --set changes would not be written: "
+            "put them in the file first"
+        )
     if args.profile:
         import torch
 
         if not torch.cuda.is_available():
             from simpletuner.memory.profile import NeedsGPU
 
-            raise NeedsGPU("--profile runs real training steps and needs a CUDA GPU; there is none on this machine. "
-                           "The estimate alone works anywhere: drop --profile")
+            raise NeedsGPU(
+                "--profile runs real training steps and needs a CUDA GPU; there is none on this machine. "
+                "The estimate alone works anywhere: drop --profile"
+            )
         if auto:
-            raise ValueError("--profile measures the config as it is; run auto-config (--target-effective-batch / "
-                             "--apply) separately")
+            raise ValueError(
+                "--profile measures the config as it is; run auto-config (--target-effective-batch / "
+                "--apply) separately"
+            )
     margin = DEFAULT_SAFETY_MARGIN if args.safety_margin is None else args.safety_margin
     if not 0 < margin <= 1:
         raise ValueError(f"--safety-margin must be in (0, 1], got {margin:g}")
@@ -287,8 +393,10 @@ def _estimate(args) -> int:
     machine = resolve_machine(args.gpu, args.gpu_memory)
     machine.lines.append(precision_line)
     if auto and machine.usable_bytes is None:
-        raise ValueError("auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
-                         "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB")
+        raise ValueError(
+            "auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
+            "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB"
+        )
     estimates = EstimateCache(config, args.num_processes)
     out: dict[str, Any] = {"config": str(args.config), "machine": machine.as_dict(), "safety_margin": margin}
     text: list[str] = [*machine.lines, ""]
@@ -298,8 +406,10 @@ def _estimate(args) -> int:
         estimate = estimates(config.train_batch_size, config.gradient_checkpointing)
         text += [estimate.breakdown.table(machine.usable_bytes), *_extras_lines(estimate, machine.usable_bytes)]
         out.update(estimate=estimate.breakdown.as_dict(), extras=estimate.extras, total_bytes=estimate.total)
-        text.append(f"(estimated in {time.perf_counter() - start:.1f} s, without a GPU; see documentation/MEMORY.md "
-                    "for how far to trust it)")
+        text.append(
+            f"(estimated in {time.perf_counter() - start:.1f} s, without a GPU; see documentation/MEMORY.md "
+            "for how far to trust it)"
+        )
         if machine.usable_bytes is not None:
             fits, verdict = _verdict(estimate, machine.usable_bytes, margin)
             out.update(fits=fits, headroom_bytes=machine.usable_bytes - estimate.total)
@@ -319,11 +429,21 @@ def _estimate(args) -> int:
     else:
         from simpletuner.memory.autoconfig import scan_data_cap
 
-        plan = plan_batch(config, machine.usable_bytes, args.target_effective_batch, safety_margin=margin,
-                          num_processes=args.num_processes, estimates=estimates, data=scan_data_cap(config))
+        plan = plan_batch(
+            config,
+            machine.usable_bytes,
+            args.target_effective_batch,
+            safety_margin=margin,
+            num_processes=args.num_processes,
+            estimates=estimates,
+            data=scan_data_cap(config),
+        )
         out["plan"] = plan.as_dict()
-        text += _plan_lines(plan, config) + ["", plan.estimate.breakdown.table(machine.usable_bytes),
-                                             *_extras_lines(plan.estimate, machine.usable_bytes)]
+        text += _plan_lines(plan, config) + [
+            "",
+            plan.estimate.breakdown.table(machine.usable_bytes),
+            *_extras_lines(plan.estimate, machine.usable_bytes),
+        ]
         updates = {k: v for k, v in plan.config_updates().items() if getattr(config, k) != v}
         if args.apply:
             from pathlib import Path
@@ -331,16 +451,25 @@ def _estimate(args) -> int:
             from simpletuner.configuration import validate_config
 
             # The file as it will be must still be a valid config (the candidates are chosen so it is).
-            validate_config({**loaded.raw, **updates}, base_dir=Path(args.config).parent, source=str(args.config),
-                            check_files=False)
+            validate_config(
+                {**loaded.raw, **updates}, base_dir=Path(args.config).parent, source=str(args.config), check_files=False
+            )
             result = apply_updates(args.config, updates)
-            out["applied"] = {"backup": str(result.backup) if result.backup else None, "diff": result.diff,
-                              "changed": {k: list(v) for k, v in result.changed.items()}}
+            out["applied"] = {
+                "backup": str(result.backup) if result.backup else None,
+                "diff": result.diff,
+                "changed": {k: list(v) for k, v in result.changed.items()},
+            }
             if not result.changed:
                 text += ["", f"--apply: {args.config} already matches the plan; nothing written"]
             else:
-                text += ["", f"--apply: wrote {args.config} (original kept as {result.backup}):",
-                         *describe_changes(result.changed), "", result.diff.rstrip("\n")]
+                text += [
+                    "",
+                    f"--apply: wrote {args.config} (original kept as {result.backup}):",
+                    *describe_changes(result.changed),
+                    "",
+                    result.diff.rstrip("\n"),
+                ]
         elif updates:
             text += ["", "add --apply to write these values into the config (the original is kept as a .backup)"]
         else:
@@ -381,13 +510,17 @@ def _run(args) -> int:
 
     try:
         if args.list_presets and args.apply:
-            raise ValueError("--list-presets lists presets; --apply writes one: use --preset NAME --config CFG.json --apply")
+            raise ValueError(
+                "--list-presets lists presets; --apply writes one: use --preset NAME --config CFG.json --apply"
+            )
         if args.config:
             check_environment()  # before minutes of estimating, as the trainer checks it before loading anything
         if args.list_presets or args.preset:
             if args.target_effective_batch is not None or args.profile:
-                raise ValueError("--preset / --list-presets show presets (and --apply writes one); plan or profile a "
-                                 "config in a separate run")
+                raise ValueError(
+                    "--preset / --list-presets show presets (and --apply writes one); plan or profile a "
+                    "config in a separate run"
+                )
             return _presets(args)
         if not args.config:
             raise ValueError("give --config CFG.json (or --preset NAME / --list-presets)")

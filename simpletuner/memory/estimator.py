@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from simpletuner.memory.autocast import autocast_forward
-
 from simpletuner.training.performance import PRECISION_DTYPES
 
 if TYPE_CHECKING:
@@ -160,7 +159,9 @@ class MemoryBreakdown:
 # --- the model, without weights --------------------------------------------------------------
 def _read_json(path: Path) -> dict:
     if not path.is_file():
-        raise ValueError(f"{path} does not exist: the estimator needs a local diffusers-format folder (configs are enough)")
+        raise ValueError(
+            f"{path} does not exist: the estimator needs a local diffusers-format folder (configs are enough)"
+        )
     return json.loads(path.read_text())
 
 
@@ -207,7 +208,9 @@ def _materialize_fake(model: nn.Module, device: torch.device) -> None:
         for name, p in list(module._parameters.items()):
             if p is not None:
                 if id(p) not in done:
-                    done[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+                    done[id(p)] = nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+                    )
                 module._parameters[name] = done[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None:
@@ -245,11 +248,15 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
     except NotImplementedError:
         raise ValueError(f"no batch shapes for model_family {config.model_family!r}") from None
     text_dtype = _DTYPES[config.mixed_precision]
-    return TensorShape(tuple(latents), torch.float32), {k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()}
+    return TensorShape(tuple(latents), torch.float32), {
+        k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()
+    }
 
 
 # --- the fake step ---------------------------------------------------------------------------
-def run_fake_step(config: "TrainingConfig", batch_size: int, model: nn.Module, make_mode: Callable[[nn.Module, list], Any]):
+def run_fake_step(
+    config: "TrainingConfig", batch_size: int, model: nn.Module, make_mode: Callable[[nn.Module, list], Any]
+):
     """Turn the meta ``model`` fake and run one step (loss + backward) on a fake batch inside
     the dispatch mode ``make_mode(model, inputs)`` returns; returns that mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -266,8 +273,11 @@ def run_fake_step(config: "TrainingConfig", batch_size: int, model: nn.Module, m
         latents = torch.empty(latent_shape.shape, dtype=latent_shape.dtype, device=device)
         conditioning = {k: torch.empty(s.shape, dtype=s.dtype, device=device) for k, s in cond_shapes.items()}
         mode = make_mode(model, [latents, *conditioning.values()])
-        precision = (autocast_forward(model, device.type, _DTYPES[config.mixed_precision])
-                     if config.mixed_precision != "no" else nullcontext(model))
+        precision = (
+            autocast_forward(model, device.type, _DTYPES[config.mixed_precision])
+            if config.mixed_precision != "no"
+            else nullcontext(model)
+        )
         try:
             with precision as denoiser, mode:
                 per_sample = spec.training_loss(denoiser, latents, conditioning, torch.Generator().manual_seed(0))
@@ -342,13 +352,18 @@ def flops_per_step(config: "TrainingConfig", batch_size: int | None = None) -> i
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = run_fake_step(
-        config, batch_size or config.train_batch_size, build_meta_denoiser(config), lambda m, i: FlopCounterMode(display=False)
+        config,
+        batch_size or config.train_batch_size,
+        build_meta_denoiser(config),
+        lambda m, i: FlopCounterMode(display=False),
     )
     return int(counter.get_total_flops())
 
 
 # --- the estimate ----------------------------------------------------------------------------
-def optimizer_bytes(config: "TrainingConfig", trainable: list[nn.Parameter], device_kind: str = "cuda") -> tuple[int, int]:
+def optimizer_bytes(
+    config: "TrainingConfig", trainable: list[nn.Parameter], device_kind: str = "cuda"
+) -> tuple[int, int]:
     """``(persistent state, step temporaries)`` of ``config.optimizer`` over ``trainable``.
 
     Temporaries: torch's multi-tensor (foreach) path, the default on CUDA, makes one full-size
@@ -382,7 +397,9 @@ def _adapter_name(config: "TrainingConfig") -> str:
     return f"{name} r{config.lora_rank}{base}"
 
 
-def estimate_memory(config: "TrainingConfig", batch_size: int | None = None, *, device_kind: str = "cuda") -> MemoryBreakdown:
+def estimate_memory(
+    config: "TrainingConfig", batch_size: int | None = None, *, device_kind: str = "cuda"
+) -> MemoryBreakdown:
     """The peak memory of training ``config`` on one device, estimated without a GPU.
 
     Args:
@@ -399,7 +416,9 @@ def estimate_memory(config: "TrainingConfig", batch_size: int | None = None, *, 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
-        raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
+        raise ValueError(
+            "nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)"
+        )
     weights = sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
     if config.training_type == "lora":
         from simpletuner.training.quantize import quantized_size
@@ -526,23 +545,46 @@ def measure_cpu_step(config: "TrainingConfig", batch_size: int | None = None, se
 # --- config-only model folders ---------------------------------------------------------------
 #: Stable Diffusion 1.5's architecture: UNet (860M), VAE (f8, 4 latent channels), CLIP ViT-L/14 text.
 SD15_UNET = dict(
-    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+    sample_size=64,
+    in_channels=4,
+    out_channels=4,
+    layers_per_block=2,
+    block_out_channels=(320, 640, 1280, 1280),
     down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768, attention_head_dim=8, norm_num_groups=32,
+    cross_attention_dim=768,
+    attention_head_dim=8,
+    norm_num_groups=32,
 )
 SD15_VAE = dict(
-    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=512, scaling_factor=0.18215,
+    in_channels=3,
+    out_channels=3,
+    latent_channels=4,
+    layers_per_block=2,
+    sample_size=512,
+    scaling_factor=0.18215,
     block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
 )
 SD15_TEXT = dict(
-    vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-    max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu",
+    vocab_size=49408,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=77,
+    projection_dim=768,
+    hidden_act="quick_gelu",
 )
 SD15_SCHEDULER = dict(
-    num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-    prediction_type="epsilon", clip_sample=False, steps_offset=1,
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    prediction_type="epsilon",
+    clip_sample=False,
+    steps_offset=1,
 )
 
 

@@ -11,8 +11,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def explain_out_of_memory(config: "TrainingConfig", exc: BaseException, usable_bytes: int | None = None,
-                          num_processes: int = 1) -> str:
+def explain_out_of_memory(
+    config: "TrainingConfig", exc: BaseException, usable_bytes: int | None = None, num_processes: int = 1
+) -> str:
     """The failure, the estimator's breakdown for this config, and the settings that would fit.
 
     ``usable_bytes`` defaults to the detected device's usable memory. Estimating needs no GPU
@@ -37,10 +38,14 @@ def explain_out_of_memory(config: "TrainingConfig", exc: BaseException, usable_b
                 lines.append(str(no_fit))
             else:
                 updates = ", ".join(f"{k}: {v}" for k, v in plan.config_updates().items())
-                lines.append(f"Settings estimated to fit with the same effective batch: {updates} "
-                             f"(`simpletuner estimate --config <cfg> --apply` writes them).")
+                lines.append(
+                    f"Settings estimated to fit with the same effective batch: {updates} "
+                    f"(`simpletuner estimate --config <cfg> --apply` writes them)."
+                )
     except Exception as estimate_error:  # the explanation must never hide the OOM itself
         logger.debug("memory estimate after OOM failed", exc_info=True)
-        lines.append(f"(the memory estimate could not be made: {estimate_error}; run `simpletuner estimate --config <cfg>`)")
-    lines.append("Then resume with resume_from_checkpoint: \"latest\".")
+        lines.append(
+            f"(the memory estimate could not be made: {estimate_error}; run `simpletuner estimate --config <cfg>`)"
+        )
+    lines.append('Then resume with resume_from_checkpoint: "latest".')
     return "\n".join(lines)

@@ -79,8 +79,9 @@ def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: 
     cache = config.cache_config
     if cache.vae_cache_type in _IN_RAM:
         area = float(config.resolution) ** 2
-        out[f"latent cache ({cache.vae_cache_type}, {len(unique)} images)"] = int(sum(
-            per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area for s in unique))
+        out[f"latent cache ({cache.vae_cache_type}, {len(unique)} images)"] = int(
+            sum(per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area for s in unique)
+        )
     if cache.text_cache_type in _IN_RAM:
         captions = {s.caption for s in unique}
         per_caption = sum(_numel(shape[1:]) for shape in conds.values()) * text_dtype.itemsize
@@ -88,8 +89,9 @@ def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: 
     return out
 
 
-def host_estimate(config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype",
-                  on_gpu: bool) -> PreflightEstimate:
+def host_estimate(
+    config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype", on_gpu: bool
+) -> PreflightEstimate:
     """What the run holds in host RAM from the cache fill on (see the module docstring)."""
     import torch
 
@@ -103,15 +105,24 @@ def host_estimate(config: "TrainingConfig", spec: Any, samples: list, text_dtype
     root = spec.local_root
     if not on_gpu and root is not None:
         denoiser = "unet" if (root / "unet").is_dir() else "transformer"
-        parts = {"vae": torch.float32, "text_encoder": text_dtype, "text_encoder_2": text_dtype,
-                 "text_encoder_3": text_dtype, denoiser: text_dtype if config.training_type == "lora" else torch.float32}
-        model = sum(b for name, dtype in parts.items()
-                    if (root / name).is_dir() and (b := _module_bytes(root, name, dtype)) is not None)
+        parts = {
+            "vae": torch.float32,
+            "text_encoder": text_dtype,
+            "text_encoder_2": text_dtype,
+            "text_encoder_3": text_dtype,
+            denoiser: text_dtype if config.training_type == "lora" else torch.float32,
+        }
+        model = sum(
+            b
+            for name, dtype in parts.items()
+            if (root / name).is_dir() and (b := _module_bytes(root, name, dtype)) is not None
+        )
         if model:
             est.host["models (weights)"] = model
     if not on_gpu:
-        est.notes.append("a CPU run: the training step's activations, gradients and optimizer state come on top "
-                         "(not counted)")
+        est.notes.append(
+            "a CPU run: the training step's activations, gradients and optimizer state come on top (not counted)"
+        )
     return est
 
 
@@ -120,8 +131,10 @@ def device_estimate(config: "TrainingConfig", num_processes: int = 1) -> dict[st
     from simpletuner.memory.autoconfig import EstimateCache
 
     estimate = EstimateCache(config, num_processes)(config.train_batch_size, config.gradient_checkpointing)
-    return {f"training step, micro-batch {config.train_batch_size} (estimate)": estimate.breakdown.total,
-            **estimate.extras}
+    return {
+        f"training step, micro-batch {config.train_batch_size} (estimate)": estimate.breakdown.total,
+        **estimate.extras,
+    }
 
 
 def _advice(config: "TrainingConfig", side: str) -> str:
@@ -130,17 +143,32 @@ def _advice(config: "TrainingConfig", side: str) -> str:
         cache = config.cache_config
         if cache.vae_cache_type in _IN_RAM or cache.text_cache_type in _IN_RAM:
             tips.append("`cache_config.vae_cache_type` / `text_cache_type: disk` (read from disk each batch)")
-        tips += ["a smaller `resolution`", "fewer images (or `minimum_image_size`)",
-                 "`type: local` instead of `in_memory` datasets", "stop other programs using RAM"]
+        tips += [
+            "a smaller `resolution`",
+            "fewer images (or `minimum_image_size`)",
+            "`type: local` instead of `in_memory` datasets",
+            "stop other programs using RAM",
+        ]
     else:
-        tips = ["`simpletuner estimate --config CFG --target-effective-batch N --apply` (a smaller micro-batch, "
-                "more accumulation)", "`gradient_checkpointing: true`", "`mixed_precision: bf16`",
-                "a smaller `resolution`", "stop other processes on the GPU"]
+        tips = [
+            "`simpletuner estimate --config CFG --target-effective-batch N --apply` (a smaller micro-batch, "
+            "more accumulation)",
+            "`gradient_checkpointing: true`",
+            "`mixed_precision: bf16`",
+            "a smaller `resolution`",
+            "stop other processes on the GPU",
+        ]
     return "; ".join(tips)
 
 
-def check_run_memory(config: "TrainingConfig", spec: Any, datasets: list, text_dtype: "torch.dtype",
-                     hardware: Any = None, num_processes: int = 1) -> PreflightEstimate:
+def check_run_memory(
+    config: "TrainingConfig",
+    spec: Any,
+    datasets: list,
+    text_dtype: "torch.dtype",
+    hardware: Any = None,
+    num_processes: int = 1,
+) -> PreflightEstimate:
     """Compare the run's estimate with ``hardware`` (default: this machine, detected) before the
     cache fill. Raises :class:`NotEnoughMemory` naming the estimate, what the machine has and what
     to change; warns above :data:`WARN_FRACTION`; returns the estimate."""
@@ -161,8 +189,9 @@ def check_run_memory(config: "TrainingConfig", spec: Any, datasets: list, text_d
     return est
 
 
-def _compare(config, side: str, noun: str, parts: dict[str, int], have: int | None, have_word: str,
-             notes: list[str]) -> None:
+def _compare(
+    config, side: str, noun: str, parts: dict[str, int], have: int | None, have_word: str, notes: list[str]
+) -> None:
     total = sum(parts.values())
     if not parts or have is None:
         return
@@ -170,9 +199,16 @@ def _compare(config, side: str, noun: str, parts: dict[str, int], have: int | No
     if total > have:
         raise NotEnoughMemory(
             f"not enough {noun} for this run: it needs about {format_bytes(total)} ({listed}), and this machine has "
-            f"{format_bytes(have)} {have_word}" + "".join(f"; {n}" for n in notes)
+            f"{format_bytes(have)} {have_word}"
+            + "".join(f"; {n}" for n in notes)
             + f". Stopped before the cache fill instead of being killed part-way. Change: {_advice(config, side)}"
         )
     if total > WARN_FRACTION * have:
-        logger.warning("%s: this run needs about %s of the %s %s (%s); little is left for the rest",
-                       noun, format_bytes(total), format_bytes(have), have_word, listed)
+        logger.warning(
+            "%s: this run needs about %s of the %s %s (%s); little is left for the rest",
+            noun,
+            format_bytes(total),
+            format_bytes(have),
+            have_word,
+            listed,
+        )

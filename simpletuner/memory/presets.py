@@ -62,7 +62,8 @@ def _nested_sections() -> frozenset[str]:
     from simpletuner.configuration.schema import TrainingConfig
 
     return frozenset(
-        name for name, field in TrainingConfig.model_fields.items()
+        name
+        for name, field in TrainingConfig.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
     )
 
@@ -135,9 +136,16 @@ def load_preset(name: str, directory: Path = PRESETS_DIR) -> Preset:
     if problems:
         raise ValueError(f"preset {path}: {'; '.join(problems)}")
     return Preset(
-        name=data["name"], hardware=data["hardware"], model_family=data["model_family"], workload=data["workload"],
-        description=data["description"], settings=data["settings"], why=data["why"], gpu=data.get("gpu"),
-        gpu_memory_gb=data.get("gpu_memory_gb"), path=path,
+        name=data["name"],
+        hardware=data["hardware"],
+        model_family=data["model_family"],
+        workload=data["workload"],
+        description=data["description"],
+        settings=data["settings"],
+        why=data["why"],
+        gpu=data.get("gpu"),
+        gpu_memory_gb=data.get("gpu_memory_gb"),
+        path=path,
     )
 
 
@@ -158,9 +166,12 @@ def _wrap(text: str, indent: str, width: int = 100) -> list[str]:
 
 def explain_preset(preset: Preset) -> list[str]:
     """Human lines: what the preset is for, then each setting with its reason."""
-    lines = [f"preset {preset.name}: {preset.hardware}",
-             *_wrap(f"made for: {preset.workload} (model_family {preset.model_family!r})", "  "),
-             *_wrap(preset.description, "  "), ""]
+    lines = [
+        f"preset {preset.name}: {preset.hardware}",
+        *_wrap(f"made for: {preset.workload} (model_family {preset.model_family!r})", "  "),
+        *_wrap(preset.description, "  "),
+        "",
+    ]
     for key, value in preset.flat_settings().items():
         lines.append(f"  {key} = {_show(value)}")
         lines += _wrap(preset.why[key], "      ")
@@ -224,7 +235,9 @@ def compare_with_preset(preset: Preset, config: Any, raw: dict[str, Any]) -> lis
     return out
 
 
-def describe_comparison(preset: Preset, differences: list[SettingDifference], config_path: str = "cfg.json") -> list[str]:
+def describe_comparison(
+    preset: Preset, differences: list[SettingDifference], config_path: str = "cfg.json"
+) -> list[str]:
     """Human lines: the settings that differ (with the preset's reason), then those already matching."""
     differ = [d for d in differences if not d.is_same]
     same = [d for d in differences if d.is_same]
@@ -282,8 +295,11 @@ def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
         fitting = [p.name for p in load_presets(preset.path.parent) if p.model_family == family]
     except ValueError:
         fitting = []
-    other = (f"use a preset made for {family!r} ({', '.join(fitting)})" if fitting
-             else f"no preset here is made for {family!r}")
+    other = (
+        f"use a preset made for {family!r} ({', '.join(fitting)})"
+        if fitting
+        else f"no preset here is made for {family!r}"
+    )
     raise ValueError(
         f"preset {preset.name!r} was made for {preset.workload} (model_family {preset.model_family!r}), but the config "
         f"trains model_family {family!r}{'' if is_set else ' (the default: the config does not set it, so the model folder decides)'}; its "
@@ -292,7 +308,9 @@ def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
     )
 
 
-def apply_preset(raw: dict[str, Any], preset: Preset | str, directory: Path | None = None) -> tuple[dict[str, Any], list[str]]:
+def apply_preset(
+    raw: dict[str, Any], preset: Preset | str, directory: Path | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """Merge a preset into a raw config (its JSON object, before validation); what the config sets wins.
 
     Args:
@@ -316,8 +334,10 @@ def apply_preset(raw: dict[str, Any], preset: Preset | str, directory: Path | No
     flat = preset.flat_settings()
     from_preset = {k: v for k, v in flat.items() if not _is_set(raw, k)}
     merged = merge_settings(raw, _unflatten(from_preset))
-    lines = [f"preset {preset.name} ({preset.hardware}; made for {preset.workload}): {len(from_preset)} of "
-             f"{len(flat)} settings from the preset, {len(flat) - len(from_preset)} kept as the config sets them"]
+    lines = [
+        f"preset {preset.name} ({preset.hardware}; made for {preset.workload}): {len(from_preset)} of "
+        f"{len(flat)} settings from the preset, {len(flat) - len(from_preset)} kept as the config sets them"
+    ]
     for key, value in flat.items():
         if key in from_preset:
             lines.append(f"  {key} = {_show(value)}  (preset {preset.name})")

@@ -94,7 +94,9 @@ def profile_overrides(output_dir: str, steps: int) -> list[str]:
     return items + [f"max_train_steps={steps}", f"output_dir={json.dumps(output_dir)}"]
 
 
-def profile_training(config_path: str, overrides: list[str], breakdown: MemoryBreakdown, steps: int = 3) -> ProfileResult:
+def profile_training(
+    config_path: str, overrides: list[str], breakdown: MemoryBreakdown, steps: int = 3
+) -> ProfileResult:
     """Run ``steps`` real training steps of the config at ``config_path`` (with ``overrides``) on
     the current CUDA device; compare its peaks with ``breakdown`` (the estimate of that config)."""
     if not torch.cuda.is_available():

@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 #: Family name (the config's ``model_family``) -> its ModelSpec class.
-MODEL_FAMILIES: dict[str, type[ModelSpec]] = {"sd": StableDiffusionSpec, "sdxl": StableDiffusionXLSpec, "sd3": StableDiffusion3Spec, "flux": FluxSpec, "wan": WanSpec}
+MODEL_FAMILIES: dict[str, type[ModelSpec]] = {
+    "sd": StableDiffusionSpec,
+    "sdxl": StableDiffusionXLSpec,
+    "sd3": StableDiffusion3Spec,
+    "flux": FluxSpec,
+    "wan": WanSpec,
+}
 
 
 def get_model_spec(config: "TrainingConfig") -> ModelSpec:
@@ -27,8 +33,19 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
     try:
         cls = MODEL_FAMILIES[config.model_family]
     except KeyError:
-        raise ValueError(f"model_family {config.model_family!r} is not one of {', '.join(sorted(MODEL_FAMILIES))}") from None
+        raise ValueError(
+            f"model_family {config.model_family!r} is not one of {', '.join(sorted(MODEL_FAMILIES))}"
+        ) from None
     return cls.variant_for(config)(config)
 
 
-__all__ = ["MODEL_FAMILIES", "FluxSpec", "ModelSpec", "StableDiffusion3Spec", "StableDiffusionSpec", "StableDiffusionXLSpec", "WanSpec", "get_model_spec"]
+__all__ = [
+    "MODEL_FAMILIES",
+    "FluxSpec",
+    "ModelSpec",
+    "StableDiffusion3Spec",
+    "StableDiffusionSpec",
+    "StableDiffusionXLSpec",
+    "WanSpec",
+    "get_model_spec",
+]

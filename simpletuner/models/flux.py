@@ -93,9 +93,18 @@ class FluxSpec(FlowMatchingSpec):
     # What diffusers' train_dreambooth_lora_flux.py adapts by default: attention of both streams,
     # the feed-forwards of the double blocks, and the MLP input of the single blocks.
     default_lora_targets = [
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
         "proj_mlp",
     ]
     denoiser_name = "transformer"
@@ -119,7 +128,9 @@ class FluxSpec(FlowMatchingSpec):
     @property
     def dynamic_shift(self) -> bool:
         """Whether sigmas get the resolution-dependent shift (no ``flow_shift`` and a dynamic scheduler)."""
-        return self.config.flow_shift is None and bool(self.load_noise_scheduler().config.get("use_dynamic_shifting", False))
+        return self.config.flow_shift is None and bool(
+            self.load_noise_scheduler().config.get("use_dynamic_shifting", False)
+        )
 
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
@@ -129,7 +140,9 @@ class FluxSpec(FlowMatchingSpec):
             "tokenizer_2": T5Tokenizer.from_pretrained(self.model_path, subfolder="tokenizer_2", **self._kwargs()),
         }
         for name, cls in (("text_encoder", CLIPTextModel), ("text_encoder_2", T5EncoderModel)):
-            encoder = cls.from_pretrained(self.model_path, subfolder=name, dtype=dtype, use_safetensors=True, **self._kwargs())
+            encoder = cls.from_pretrained(
+                self.model_path, subfolder=name, dtype=dtype, use_safetensors=True, **self._kwargs()
+            )
             out[name] = encoder.to(device=device).requires_grad_(False).eval()
         return out
 
@@ -147,11 +160,14 @@ class FluxSpec(FlowMatchingSpec):
     @torch.no_grad()
     def encode_prompts(self, text_encoders, captions):
         tokenizer, encoder = text_encoders["tokenizer"], text_encoders["text_encoder"]
-        ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                        return_tensors="pt").input_ids
+        ids = tokenizer(
+            captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+        ).input_ids
         pooled = encoder(ids.to(encoder.device), output_hidden_states=False).pooler_output
         tokenizer, encoder = text_encoders["tokenizer_2"], text_encoders["text_encoder_2"]
-        ids = tokenizer(captions, padding="max_length", max_length=T5_MAX_LENGTH, truncation=True, return_tensors="pt").input_ids
+        ids = tokenizer(
+            captions, padding="max_length", max_length=T5_MAX_LENGTH, truncation=True, return_tensors="pt"
+        ).input_ids
         embeds = encoder(ids.to(encoder.device), output_hidden_states=False)[0]
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
 
@@ -159,7 +175,9 @@ class FluxSpec(FlowMatchingSpec):
     def sample_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
         """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
         cfg = self.config
-        u = noise_lib.sample_u(batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+        u = noise_lib.sample_u(
+            batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
+        )
         if self.dynamic_shift:
             return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
         return noise_lib.shift_sigmas(u, self.shift)
@@ -169,8 +187,10 @@ class FluxSpec(FlowMatchingSpec):
         (float32, the unpacked latents' shape), then the sigmas (``sample_sigmas``)."""
         bsz, _, h, w = latents.shape
         if h % 2 or w % 2:
-            raise ValueError(f"flux packs latents in 2x2 patches: latent sides {h}x{w} must be even "
-                             "(aspect_bucket_alignment a multiple of 16)")
+            raise ValueError(
+                f"flux packs latents in 2x2 patches: latent sides {h}x{w} must be even "
+                "(aspect_bucket_alignment a multiple of 16)"
+            )
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
         sigmas = self.sample_sigmas(bsz, generator, (h // 2) * (w // 2))
         s = sigmas.view(-1, 1, 1).to(latents.device)
@@ -222,7 +242,9 @@ class FluxSpec(FlowMatchingSpec):
 
         config = self.load_noise_scheduler().config
         if self.config.flow_shift is not None:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config, shift=self.shift, use_dynamic_shifting=False)
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+                config, shift=self.shift, use_dynamic_shifting=False
+            )
         else:
             scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
         return FluxPipeline(

@@ -47,7 +47,9 @@ class TorchvisionFallbackFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not ("requires torchvision (not installed); falling back to" in message and "ImageProcessorPil" in message)
+        return not (
+            "requires torchvision (not installed); falling back to" in message and "ImageProcessorPil" in message
+        )
 
 
 def quiet_model_libraries() -> None:
@@ -73,15 +75,19 @@ def hide_torchao_from_library_probes() -> bool:
         import peft.import_utils
         import transformers.utils.import_utils
 
-        for probe in (getattr(transformers.utils.import_utils, "is_torchao_available", None),  # both lru_cache'd
-                      getattr(peft.import_utils, "is_torchao_available", None)):
+        for probe in (
+            getattr(transformers.utils.import_utils, "is_torchao_available", None),  # both lru_cache'd
+            getattr(peft.import_utils, "is_torchao_available", None),
+        ):
             if probe is not None:  # another version without this probe: nothing to answer
                 probe()
     finally:
         if sys.modules.get(_TORCHAO, 0) is None:
             del sys.modules[_TORCHAO]
-    logger.debug("torchao is installed but not imported: transformers, diffusers and peft were told it is absent "
-                 "(a torchao base_model_precision tells peft again)")
+    logger.debug(
+        "torchao is installed but not imported: transformers, diffusers and peft were told it is absent "
+        "(a torchao base_model_precision tells peft again)"
+    )
     return True
 
 

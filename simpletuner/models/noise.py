@@ -20,8 +20,14 @@ logger = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def sample_u(batch_size: int, generator: torch.Generator, method: str = "uniform", logit_mean: float = 0.0,
-             logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
+def sample_u(
+    batch_size: int,
+    generator: torch.Generator,
+    method: str = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> torch.Tensor:
     """``batch_size`` values in (0, 1) drawn by ``method`` (float32, CPU)."""
     if method == "uniform":
         return torch.rand(batch_size, generator=generator)
@@ -51,8 +57,10 @@ def min_snr_weights(timesteps: torch.Tensor, scheduler, gamma: float, prediction
     if alphas is None:
         if "min_snr" not in _warned:
             _warned.add("min_snr")
-            logger.warning("loss_weighting min_snr needs a scheduler with alphas_cumprod (%s has none): using no weighting",
-                           type(scheduler).__name__)
+            logger.warning(
+                "loss_weighting min_snr needs a scheduler with alphas_cumprod (%s has none): using no weighting",
+                type(scheduler).__name__,
+            )
         return torch.ones(timesteps.shape, dtype=torch.float32)
     a = alphas.to(torch.float32)[timesteps.cpu()]
     snr = a / (1 - a)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models import noise as noise_lib
-
 from simpletuner.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -122,8 +121,11 @@ class StableDiffusionSpec(ModelSpec):
         else:
             u = noise_lib.sample_u(bsz, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
             timesteps = noise_lib.ddpm_timesteps(u, scheduler.config.num_train_timesteps)
-        weights = (noise_lib.min_snr_weights(timesteps, scheduler, cfg.snr_gamma, self.prediction_type)
-                   if cfg.loss_weighting == "min_snr" else None)
+        weights = (
+            noise_lib.min_snr_weights(timesteps, scheduler, cfg.snr_gamma, self.prediction_type)
+            if cfg.loss_weighting == "min_snr"
+            else None
+        )
         timesteps = timesteps.to(latents.device)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":
@@ -146,7 +148,9 @@ class StableDiffusionSpec(ModelSpec):
     def _required_config(self, subfolder: str) -> dict[str, Any]:
         found = self.read_component_config(subfolder)
         if found is None:
-            raise ValueError(f"{self.model_path}/{subfolder}/config.json does not exist: the estimator needs it (configs are enough)")
+            raise ValueError(
+                f"{self.model_path}/{subfolder}/config.json does not exist: the estimator needs it (configs are enough)"
+            )
         return found
 
     def _max_length(self, tokenizer: str, text_config: dict[str, Any]) -> int:
@@ -207,4 +211,3 @@ class StableDiffusionSpec(ModelSpec):
             feature_extractor=None,
             requires_safety_checker=False,
         )
-

@@ -90,7 +90,9 @@ class StableDiffusion3Spec(FlowMatchingSpec):
 
         out: dict[str, Any] = {}
         for suffix in ("", "_2"):
-            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer" + suffix, **self._kwargs())
+            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(
+                self.model_path, subfolder="tokenizer" + suffix, **self._kwargs()
+            )
             encoder = CLIPTextModelWithProjection.from_pretrained(
                 self.model_path, subfolder="text_encoder" + suffix, dtype=dtype, use_safetensors=True, **self._kwargs()
             )
@@ -119,7 +121,11 @@ class StableDiffusion3Spec(FlowMatchingSpec):
     def _joint_attention_dim(self) -> int:
         from diffusers import SD3Transformer2DModel
 
-        return int(SD3Transformer2DModel.load_config(self.model_path, subfolder="transformer", **self._kwargs())["joint_attention_dim"])
+        return int(
+            SD3Transformer2DModel.load_config(self.model_path, subfolder="transformer", **self._kwargs())[
+                "joint_attention_dim"
+            ]
+        )
 
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
@@ -128,15 +134,23 @@ class StableDiffusion3Spec(FlowMatchingSpec):
         hidden, pooled = [], []
         for suffix in ("", "_2"):
             tokenizer, encoder = text_encoders["tokenizer" + suffix], text_encoders["text_encoder" + suffix]
-            ids = tokenizer(captions, padding="max_length", max_length=clip_length, truncation=True, return_tensors="pt").input_ids
+            ids = tokenizer(
+                captions, padding="max_length", max_length=clip_length, truncation=True, return_tensors="pt"
+            ).input_ids
             out = encoder(ids.to(encoder.device), output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
             pooled.append(out.text_embeds)
         clip_embeds = torch.cat(hidden, dim=-1)
         if "text_encoder_3" in text_encoders:
             tokenizer, encoder = text_encoders["tokenizer_3"], text_encoders["text_encoder_3"]
-            ids = tokenizer(captions, padding="max_length", max_length=T5_MAX_LENGTH, truncation=True,
-                            add_special_tokens=True, return_tensors="pt").input_ids
+            ids = tokenizer(
+                captions,
+                padding="max_length",
+                max_length=T5_MAX_LENGTH,
+                truncation=True,
+                add_special_tokens=True,
+                return_tensors="pt",
+            ).input_ids
             t5_embeds = encoder(ids.to(encoder.device))[0].to(clip_embeds.dtype)
         else:
             t5_embeds = clip_embeds.new_zeros((len(captions), T5_MAX_LENGTH, self._joint_attention_dim()))
@@ -149,7 +163,9 @@ class StableDiffusion3Spec(FlowMatchingSpec):
     def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
         cfg = self.config
-        u = noise_lib.sample_u(batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
+        u = noise_lib.sample_u(
+            batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
+        )
         return noise_lib.shift_sigmas(u, self.shift)
 
     def training_loss(self, denoiser, latents, conditioning, generator):

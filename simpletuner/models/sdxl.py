@@ -53,7 +53,9 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
 
         out: dict[str, Any] = {}
         for suffix, encoder_class in (("", CLIPTextModel), ("_2", CLIPTextModelWithProjection)):
-            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(self.model_path, subfolder="tokenizer" + suffix, **self._kwargs())
+            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(
+                self.model_path, subfolder="tokenizer" + suffix, **self._kwargs()
+            )
             encoder = encoder_class.from_pretrained(
                 self.model_path, subfolder="text_encoder" + suffix, dtype=dtype, use_safetensors=True, **self._kwargs()
             )
@@ -80,7 +82,11 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         for suffix in ("", "_2"):
             tokenizer, encoder = text_encoders["tokenizer" + suffix], text_encoders["text_encoder" + suffix]
             ids = tokenizer(
-                captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+                captions,
+                padding="max_length",
+                max_length=tokenizer.model_max_length,
+                truncation=True,
+                return_tensors="pt",
             ).input_ids.to(encoder.device)
             out = encoder(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
@@ -105,7 +111,9 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         text_1, text_2 = self._required_config("text_encoder"), self._required_config("text_encoder_2")
         max_length = self._max_length("tokenizer", text_1)
         if self._max_length("tokenizer_2", text_2) != max_length:
-            raise ValueError(f"{self.model_path}: the two tokenizers pad to different lengths; SDXL concatenates their outputs")
+            raise ValueError(
+                f"{self.model_path}: the two tokenizers pad to different lengths; SDXL concatenates their outputs"
+            )
         return self.latent_shape(batch_size), {
             "prompt_embeds": (batch_size, max_length, text_1["hidden_size"] + text_2["hidden_size"]),
             "pooled_prompt_embeds": (batch_size, text_2["projection_dim"]),
@@ -120,7 +128,9 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
     def build_pipeline(self, denoiser, vae, text_encoders):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
-        scheduler = EulerDiscreteScheduler.from_config(self.load_noise_scheduler().config, prediction_type=self.prediction_type)
+        scheduler = EulerDiscreteScheduler.from_config(
+            self.load_noise_scheduler().config, prediction_type=self.prediction_type
+        )
         return StableDiffusionXLPipeline(
             vae=vae,
             text_encoder=text_encoders["text_encoder"],

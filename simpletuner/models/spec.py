@@ -89,8 +89,16 @@ def resolve_component_class(library: Any, class_name: Any, kind: ComponentKind) 
     Raises:
         ValueError: any other library or name; the message names what was refused.
     """
-    named = f"{library}.{class_name}" if isinstance(library, str) and isinstance(class_name, str) else repr([library, class_name])
-    if library not in ("diffusers", "transformers") or not isinstance(class_name, str) or not _IDENTIFIER.match(class_name):
+    named = (
+        f"{library}.{class_name}"
+        if isinstance(library, str) and isinstance(class_name, str)
+        else repr([library, class_name])
+    )
+    if (
+        library not in ("diffusers", "transformers")
+        or not isinstance(class_name, str)
+        or not _IDENTIFIER.match(class_name)
+    ):
         raise ValueError(f"{named} is not a diffusers or transformers class; refusing to load it")
     import diffusers
     import transformers
@@ -172,8 +180,9 @@ class ModelSpec(abc.ABC):
         where = f" of {self.local_root}" if vae is not None else ""
         if vae is None:
             vae = FAMILY_LATENT_GRID.get(self.family, (8, 1))[0]
-        problem = alignment_problem(self.family, self.config.aspect_bucket_alignment, vae,
-                                    self.latent_patch_from_folder(), where)
+        problem = alignment_problem(
+            self.family, self.config.aspect_bucket_alignment, vae, self.latent_patch_from_folder(), where
+        )
         if problem:
             raise ValueError(problem)
 
@@ -196,8 +205,13 @@ class ModelSpec(abc.ABC):
         most, key = limit
         step = (self.vae_scale_from_folder() or FAMILY_GRID_DEFAULT) * self.latent_patch_from_folder()
         sizes = {"resolution": self.config.resolution}
-        sizes.update({f"datasets[{i}].resolution": d.resolution for i, d in enumerate(self.config.datasets or [])
-                      if d.resolution is not None})
+        sizes.update(
+            {
+                f"datasets[{i}].resolution": d.resolution
+                for i, d in enumerate(self.config.datasets or [])
+                if d.resolution is not None
+            }
+        )
         for name, size in sizes.items():
             if size // step > most:
                 raise ValueError(
@@ -231,7 +245,9 @@ class ModelSpec(abc.ABC):
             try:
                 index = json.loads(index_file.read_text(encoding="utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{index_file} is not valid JSON ({exc}); is {root} a diffusers pipeline folder?") from None
+                raise ValueError(
+                    f"{index_file} is not valid JSON ({exc}); is {root} a diffusers pipeline folder?"
+                ) from None
             if not isinstance(index, dict):
                 raise ValueError(f"{index_file} is not a JSON object; is {root} a diffusers pipeline folder?")
             for name, (_, library, allowed) in self.components.items():
@@ -250,8 +266,9 @@ class ModelSpec(abc.ABC):
                     "save_pretrained(..., safe_serialization=True)"
                 )
 
-    def _check_index_entry(self, index_file: Path, name: str, entry: Any, library: str,
-                           allowed: frozenset[str] | re.Pattern) -> None:
+    def _check_index_entry(
+        self, index_file: Path, name: str, entry: Any, library: str, allowed: frozenset[str] | re.Pattern
+    ) -> None:
         if not (isinstance(entry, list) and len(entry) == 2):
             raise ValueError(f"{index_file}: {name!r} is {entry!r}, not [library, class name]")
         named_library, class_name = entry
@@ -346,7 +363,9 @@ class ModelSpec(abc.ABC):
         """
         root = self.local_root
         if root is None:
-            raise ValueError(f"{self.model_path} is not a local folder: shapes are read from a local diffusers-format folder")
+            raise ValueError(
+                f"{self.model_path} is not a local folder: shapes are read from a local diffusers-format folder"
+            )
         path = root / subfolder / filename
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
@@ -364,13 +383,17 @@ class ModelSpec(abc.ABC):
         :func:`resolve_component_class`."""
         root = self.local_root
         if root is None or not (root / "model_index.json").is_file():
-            raise ValueError(f"{self.model_path} is not a local diffusers folder with a model_index.json (configs are enough)")
+            raise ValueError(
+                f"{self.model_path} is not a local diffusers folder with a model_index.json (configs are enough)"
+            )
         index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
         entry = index.get(self.denoiser_name)
         if not (isinstance(entry, list) and len(entry) == 2):
             raise ValueError(f"{root}/model_index.json names no [library, class] for {self.denoiser_name!r}")
         if entry[0] != "diffusers":
-            raise ValueError(f"{self.denoiser_name} is {entry[0]}.{entry[1]}; only diffusers denoisers are built from configs")
+            raise ValueError(
+                f"{self.denoiser_name} is {entry[0]}.{entry[1]}; only diffusers denoisers are built from configs"
+            )
         cls = resolve_component_class(*entry, "model")
         return cls.from_config(cls.load_config(str(root), subfolder=self.denoiser_name))
 
@@ -443,8 +466,11 @@ def _weights_bytes(denoiser: nn.Module, full: bool) -> int:
     full save), or the trainable (adapter) parameters at 4 bytes each (saved as fp32 at most)."""
     if not full:
         return 4 * sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
-    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-                for t in denoiser.state_dict().values() if isinstance(t, torch.Tensor)}
+    storages = {
+        (t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+        for t in denoiser.state_dict().values()
+        if isinstance(t, torch.Tensor)
+    }
     return sum(storages.values())  # tied weights counted once
 
 
@@ -510,7 +536,9 @@ def remove_final_save_leftovers(output_dir: Path) -> list[Path]:
     return leftovers
 
 
-def save_transformer_lora(pipeline_cls, output_dir, denoiser, weight_name: str = "pytorch_lora_weights.safetensors") -> Path:
+def save_transformer_lora(
+    pipeline_cls, output_dir, denoiser, weight_name: str = "pytorch_lora_weights.safetensors"
+) -> Path:
     """Save a transformer LoRA through ``pipeline_cls.save_lora_weights`` with its adapter metadata.
 
     PEFT keys are kept as they are (``lora_A`` / ``lora_B``), as diffusers' own transformer LoRA

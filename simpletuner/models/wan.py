@@ -122,7 +122,9 @@ class WanSpec(StableDiffusion3Spec):
     def _scheduler_config(self) -> dict[str, Any]:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        return dict(FlowMatchEulerDiscreteScheduler.load_config(self.model_path, subfolder="scheduler", **self._kwargs()))
+        return dict(
+            FlowMatchEulerDiscreteScheduler.load_config(self.model_path, subfolder="scheduler", **self._kwargs())
+        )
 
     @property
     def shift(self) -> float:
@@ -163,7 +165,11 @@ class WanSpec(StableDiffusion3Spec):
             import json
 
             entry = json.loads((root / "model_index.json").read_text(encoding="utf-8")).get("text_encoder")
-        name = entry[1] if isinstance(entry, list) and len(entry) == 2 and entry[1] in _TEXT_ENCODERS else "UMT5EncoderModel"
+        name = (
+            entry[1]
+            if isinstance(entry, list) and len(entry) == 2 and entry[1] in _TEXT_ENCODERS
+            else "UMT5EncoderModel"
+        )
         return resolve_component_class("transformers", name, "model")  # one of the two allowed names
 
     def load_text_encoders(self, device, dtype):
@@ -209,8 +215,15 @@ class WanSpec(StableDiffusion3Spec):
 
         tokenizer, encoder = text_encoders["tokenizer"], text_encoders["text_encoder"]
         length = self.max_sequence_length
-        inputs = tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=length,
-                           truncation=True, add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        inputs = tokenizer(
+            [prompt_clean(c) for c in captions],
+            padding="max_length",
+            max_length=length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         mask = inputs.attention_mask.to(encoder.device)
         hidden = encoder(inputs.input_ids.to(encoder.device), mask).last_hidden_state
         # The pipeline keeps the first mask.sum() positions and zero-pads the rest.
@@ -239,8 +252,10 @@ class WanSpec(StableDiffusion3Spec):
         """At the longest clip of the config's video datasets (1 frame for images)."""
         text = self._required_config("text_encoder")
         frames = max((d.num_frames for d in self.config.datasets or [] if d.dataset_type == "video"), default=1)
-        return (self.latent_shape(batch_size, frames),
-                {"prompt_embeds": (batch_size, self.max_sequence_length, int(text["d_model"]))})
+        return (
+            self.latent_shape(batch_size, frames),
+            {"prompt_embeds": (batch_size, self.max_sequence_length, int(text["d_model"]))},
+        )
 
     # --- output --------------------------------------------------------------------------
     def save_lora(self, output_dir, denoiser):
@@ -258,8 +273,13 @@ class WanSpec(StableDiffusion3Spec):
             scheduler = UniPCMultistepScheduler.from_config(cfg, flow_shift=self.shift)
         else:
             scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg, shift=self.shift)
-        pipe = WanPipeline(tokenizer=text_encoders["tokenizer"], text_encoder=text_encoders["text_encoder"], vae=vae,
-                           scheduler=scheduler, transformer=denoiser)
+        pipe = WanPipeline(
+            tokenizer=text_encoders["tokenizer"],
+            text_encoder=text_encoders["text_encoder"],
+            vae=vae,
+            scheduler=scheduler,
+            transformer=denoiser,
+        )
         return WanImageSampler(pipe, self.max_sequence_length)
 
 
@@ -275,6 +295,7 @@ class WanImageSampler:
 
     def __call__(self, prompt, num_images_per_prompt: int = 1, **kwargs):
         kwargs.setdefault("max_sequence_length", self.max_sequence_length)
-        videos = self.pipe(prompt, num_videos_per_prompt=num_images_per_prompt, num_frames=1, output_type="pil",
-                           **kwargs).frames
+        videos = self.pipe(
+            prompt, num_videos_per_prompt=num_images_per_prompt, num_frames=1, output_type="pil", **kwargs
+        ).frames
         return SimpleNamespace(images=[video[0] for video in videos], frames=videos)

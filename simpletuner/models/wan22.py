@@ -38,7 +38,10 @@ EXPERTS = {"high": "transformer", "low": "transformer_2"}
 #: Optimizer parameter-group names, also the prefixes of the per-stage config keys.
 GROUP_NAMES = {"high": "high_noise", "low": "low_noise"}
 #: The saved adapter of each stage, in the output folder.
-LORA_FILES = {"high": "pytorch_lora_weights_high_noise.safetensors", "low": "pytorch_lora_weights_low_noise.safetensors"}
+LORA_FILES = {
+    "high": "pytorch_lora_weights_high_noise.safetensors",
+    "low": "pytorch_lora_weights_low_noise.safetensors",
+}
 
 
 def read_boundary_ratio(model_path: str | Path) -> float | None:
@@ -83,7 +86,8 @@ class WanExperts(nn.Module):
     def config(self) -> dict[str, Any]:
         """Both experts' configs and the boundary (what a checkpoint's identity records)."""
         return {name: dict(self.expert(stage).config) for stage, name in EXPERTS.items()} | {
-            "boundary_timestep": self.boundary_timestep}
+            "boundary_timestep": self.boundary_timestep
+        }
 
     @property
     def dtype(self) -> torch.dtype:
@@ -111,8 +115,15 @@ class WanExperts(nn.Module):
         self.parked[name] = expert
         return expert
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, route: tuple[bool, ...] | None = None,
-                return_dict: bool = False, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        timestep,
+        encoder_hidden_states,
+        route: tuple[bool, ...] | None = None,
+        return_dict: bool = False,
+        **kwargs,
+    ):
         if route is None:
             route = tuple(bool(x) for x in (timestep >= self.boundary_timestep).tolist())
         high = [i for i, r in enumerate(route) if r]
@@ -120,11 +131,21 @@ class WanExperts(nn.Module):
 
         def run(expert, idx):
             if len(idx) == len(route):  # the whole batch: no gather
-                return expert(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                              return_dict=False, **kwargs)[0]
+                return expert(
+                    hidden_states=hidden_states,
+                    timestep=timestep,
+                    encoder_hidden_states=encoder_hidden_states,
+                    return_dict=False,
+                    **kwargs,
+                )[0]
             sel = _device_index(idx, hidden_states.device)
-            return expert(hidden_states=hidden_states.index_select(0, sel), timestep=timestep.index_select(0, sel),
-                          encoder_hidden_states=encoder_hidden_states.index_select(0, sel), return_dict=False, **kwargs)[0]
+            return expert(
+                hidden_states=hidden_states.index_select(0, sel),
+                timestep=timestep.index_select(0, sel),
+                encoder_hidden_states=encoder_hidden_states.index_select(0, sel),
+                return_dict=False,
+                **kwargs,
+            )[0]
 
         parts = []
         if high:
@@ -162,7 +183,9 @@ class Wan22Spec(WanSpec):
         super().__init__(config)
         ratio = read_boundary_ratio(self.model_path)
         if ratio is None:
-            raise ValueError(f"{self.model_path} is not a two-expert Wan 2.2 folder (no transformer_2 / boundary_ratio)")
+            raise ValueError(
+                f"{self.model_path} is not a two-expert Wan 2.2 folder (no transformer_2 / boundary_ratio)"
+            )
         self.boundary_ratio = ratio
         self.stages = ("high", "low") if config.train_stages == "both" else (config.train_stages,)
 
@@ -174,16 +197,21 @@ class Wan22Spec(WanSpec):
     def load_denoiser(self, dtype=torch.float32):
         from diffusers import WanTransformer3DModel
 
-        experts = [WanTransformer3DModel.from_pretrained(self.model_path, subfolder=name, torch_dtype=dtype,
-                                                         use_safetensors=True, **self._kwargs())
-                   for name in EXPERTS.values()]
+        experts = [
+            WanTransformer3DModel.from_pretrained(
+                self.model_path, subfolder=name, torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+            )
+            for name in EXPERTS.values()
+        ]
         return WanExperts(*experts, self.boundary_timestep)
 
     def denoiser_from_config(self) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
-        experts = [WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(self.model_path, subfolder=name))
-                   for name in EXPERTS.values()]
+        experts = [
+            WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(self.model_path, subfolder=name))
+            for name in EXPERTS.values()
+        ]
         return WanExperts(*experts, self.boundary_timestep)
 
     def prepare_denoiser(self, denoiser: WanExperts, weight_dtype: torch.dtype) -> nn.Module:
@@ -194,7 +222,9 @@ class Wan22Spec(WanSpec):
         for stage in EXPERTS:
             expert = denoiser.expert(stage)
             if stage in self.stages:
-                setattr(denoiser, EXPERTS[stage], prepare_for_training(expert, self.lora_targets, self.config, weight_dtype))
+                setattr(
+                    denoiser, EXPERTS[stage], prepare_for_training(expert, self.lora_targets, self.config, weight_dtype)
+                )
             else:  # frozen, stored as the trained expert's base is
                 expert.requires_grad_(False).to(dtype=weight_dtype).eval()
                 if self.config.training_type == "lora":
@@ -204,8 +234,10 @@ class Wan22Spec(WanSpec):
         return denoiser
 
     def named_parameter_groups(self, denoiser: WanExperts) -> dict[str, list[nn.Parameter]]:
-        return {GROUP_NAMES[stage]: [p for p in denoiser.expert(stage).parameters() if p.requires_grad]
-                for stage in self.stages}
+        return {
+            GROUP_NAMES[stage]: [p for p in denoiser.expert(stage).parameters() if p.requires_grad]
+            for stage in self.stages
+        }
 
     def apply_low_vram(self, denoiser: WanExperts) -> None:
         """With one ``train_stages`` expert, the frozen other one waits in CPU RAM (validation only)."""
@@ -214,8 +246,10 @@ class Wan22Spec(WanSpec):
                 denoiser.park(stage)
                 logger.info("low_vram: the %s-noise expert (frozen) waits in CPU RAM", stage)
         if len(self.stages) > 1:
-            logger.warning("low_vram: with train_stages 'both' both experts train and stay on the GPU; for less GPU "
-                           "memory train them in two runs (train_stages 'high', then 'low')")
+            logger.warning(
+                "low_vram: with train_stages 'both' both experts train and stay on the GPU; for less GPU "
+                "memory train them in two runs (train_stages 'high', then 'low')"
+            )
 
     def idle_modules(self, denoiser: WanExperts) -> list[nn.Module]:
         return list(denoiser.parked.values())
@@ -265,8 +299,13 @@ class Wan22Spec(WanSpec):
         route, self._route = getattr(self, "_route", None), None
         if route is not None and len(route) != noisy.shape[0]:
             route = None  # not from this batch: let the module read the timesteps
-        return denoiser(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=conditioning["prompt_embeds"],
-                        route=route, return_dict=False)[0]
+        return denoiser(
+            hidden_states=noisy,
+            timestep=timesteps,
+            encoder_hidden_states=conditioning["prompt_embeds"],
+            route=route,
+            return_dict=False,
+        )[0]
 
     # --- output --------------------------------------------------------------------------
     def save_adapter(self, output_dir, denoiser):
@@ -276,8 +315,10 @@ class Wan22Spec(WanSpec):
             return self.save_lora(output_dir, denoiser)
         from simpletuner.training.lycoris_adapter import save_lycoris
 
-        paths = [save_lycoris(denoiser.expert(stage), Path(output_dir) / LORA_FILES[stage], self.config)
-                 for stage in self.stages]
+        paths = [
+            save_lycoris(denoiser.expert(stage), Path(output_dir) / LORA_FILES[stage], self.config)
+            for stage in self.stages
+        ]
         return paths[0]
 
     def save_lora(self, output_dir, denoiser):
@@ -315,11 +356,19 @@ class Wan22Spec(WanSpec):
 #: ``load_lora_weights(..., load_into_transformer_2=True)`` wants it), and means the high-noise
 #: expert only beside ``transformer_2.`` keys in one combined file.
 _EXPLICIT_PREFIXES = (
-    ("transformer_2.", "low"), ("transformer_1.", "high"), ("low_noise_model.", "low"), ("high_noise_model.", "high"),
+    ("transformer_2.", "low"),
+    ("transformer_1.", "high"),
+    ("low_noise_model.", "low"),
+    ("high_noise_model.", "high"),
 )
 _LYCORIS = re.compile(r"^lycoris_(?:(transformer_2|transformer_1|transformer|low_noise_model|high_noise_model)_)?(.+)$")
-_LYCORIS_STAGES = {"transformer_2": "low", "low_noise_model": "low", "transformer_1": "high", "high_noise_model": "high",
-                   "transformer": None}
+_LYCORIS_STAGES = {
+    "transformer_2": "low",
+    "low_noise_model": "low",
+    "transformer_1": "high",
+    "high_noise_model": "high",
+    "transformer": None,
+}
 
 
 def expert_of_key(key: str) -> tuple[str | None, str]:
@@ -334,7 +383,7 @@ def expert_of_key(key: str) -> tuple[str | None, str]:
     """
     for prefix, stage in _EXPLICIT_PREFIXES:
         if key.startswith(prefix):
-            return stage, "transformer." + key[len(prefix):]
+            return stage, "transformer." + key[len(prefix) :]
     match = _LYCORIS.match(key)
     if match:
         marker, rest = match.groups()
@@ -343,7 +392,9 @@ def expert_of_key(key: str) -> tuple[str | None, str]:
     return None, key
 
 
-def split_expert_state_dict(state_dict: Mapping[str, Any], default_stage: str | None = None) -> dict[str, dict[str, Any]]:
+def split_expert_state_dict(
+    state_dict: Mapping[str, Any], default_stage: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Sort an adapter state dict's keys into ``{"high": {...}, "low": {...}}`` (see
     :func:`expert_of_key`). Keys that name no expert go to ``default_stage`` (e.g. from the file
     name, :func:`stage_from_filename`); without one, they are the high-noise expert's when the

@@ -245,8 +245,13 @@ def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> 
         out_channels=TINY_SD3_LATENT_CHANNELS,
         pos_embed_max_size=16,
     )
-    vae = _tiny_vae(latent_channels=TINY_SD3_LATENT_CHANNELS, scaling_factor=1.5305, shift_factor=0.0609,
-                    use_quant_conv=False, use_post_quant_conv=False)  # SD3's VAE settings
+    vae = _tiny_vae(
+        latent_channels=TINY_SD3_LATENT_CHANNELS,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )  # SD3's VAE settings
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
@@ -282,29 +287,52 @@ def write_tiny_wan(out_dir: str | Path, seed: int = 0, boundary_ratio: float | N
     out = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer = tiny_t5_tokenizer()
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tokenizer), d_model=TINY_WAN_T5_WIDTH, d_kv=8, d_ff=2 * TINY_WAN_T5_WIDTH, num_layers=1,
-        num_heads=4, relative_attention_num_buckets=8, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
-    ))
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=TINY_WAN_T5_WIDTH,
+            d_kv=8,
+            d_ff=2 * TINY_WAN_T5_WIDTH,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+
     def expert():
         return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,  # rope splits 12 as t4 h4 w4
-            in_channels=TINY_WAN_LATENT_CHANNELS, out_channels=TINY_WAN_LATENT_CHANNELS, text_dim=TINY_WAN_T5_WIDTH,
-            freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,  # rope splits 12 as t4 h4 w4
+            in_channels=TINY_WAN_LATENT_CHANNELS,
+            out_channels=TINY_WAN_LATENT_CHANNELS,
+            text_dim=TINY_WAN_T5_WIDTH,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=1,
+            rope_max_seq_len=32,
         )
 
     transformer = expert()
     vae = AutoencoderKLWan(
-        base_dim=8, z_dim=TINY_WAN_LATENT_CHANNELS, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        base_dim=8,
+        z_dim=TINY_WAN_LATENT_CHANNELS,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
         temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, -0.05], latents_std=[1.5, 0.8, 2.0, 1.2],
+        latents_mean=[0.1, -0.2, 0.3, -0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.2],
     )
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                        num_train_timesteps=1000, flow_shift=3.0)
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
     experts = {} if boundary_ratio is None else {"transformer_2": expert(), "boundary_ratio": boundary_ratio}
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer,
-                       **experts)
+    pipe = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer, **experts
+    )
     pipe.save_pretrained(out, safe_serialization=True)
     logger.info("wrote tiny wan%s pipeline to %s", "" if boundary_ratio is None else " 2.2", out)
     return out
@@ -361,11 +389,21 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
         guidance_embeds=True,
         axes_dims_rope=(2, 2, 4),
     )
-    vae = _tiny_vae(latent_channels=TINY_FLUX_LATENT_CHANNELS, scaling_factor=0.3611, shift_factor=0.1159,
-                    use_quant_conv=False, use_post_quant_conv=False)  # Flux's VAE settings
+    vae = _tiny_vae(
+        latent_channels=TINY_FLUX_LATENT_CHANNELS,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )  # Flux's VAE settings
     scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=dynamic_shift, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=dynamic_shift,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
     )
     pipe = FluxPipeline(
         transformer=transformer,
@@ -381,8 +419,14 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
     return out
 
 
-TINY_MODELS = {"sd": write_tiny_sd, "sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3, "flux": write_tiny_flux, "wan": write_tiny_wan,
-               "wan22": write_tiny_wan22}
+TINY_MODELS = {
+    "sd": write_tiny_sd,
+    "sdxl": write_tiny_sdxl,
+    "sd3": write_tiny_sd3,
+    "flux": write_tiny_flux,
+    "wan": write_tiny_wan,
+    "wan22": write_tiny_wan22,
+}
 
 
 def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:

@@ -12,7 +12,14 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache, caption_text_key, open_caches, sample_latent_key
+from simpletuner.caching import (
+    FillReport,
+    ShardedTensorStore,
+    TensorCache,
+    caption_text_key,
+    open_caches,
+    sample_latent_key,
+)
 from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
 from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
@@ -20,8 +27,15 @@ from simpletuner.data_backend.augment import static_augmentation_key
 from simpletuner.gh200.uvm import optimize_batch_for_gh200
 from simpletuner.locks import CacheLocks, hold_epoch_folder
 from simpletuner.models import ModelSpec
-from simpletuner.training.reencode import (EPOCH_CACHE_NAME, DecodeThreads, EpochLatents, PixelLoader, Reencoder,
-                                           batch_group, encode_loaded)
+from simpletuner.training.reencode import (
+    EPOCH_CACHE_NAME,
+    DecodeThreads,
+    EpochLatents,
+    PixelLoader,
+    Reencoder,
+    batch_group,
+    encode_loaded,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +62,16 @@ class CachedData:
     augmentations in ``refresh_each_epoch`` / ``disable_cache`` mode, re-encoded while training
     (the VAE stays loaded: this object holds it). Text embeddings are always cached."""
 
-    def __init__(self, vae_cache: TensorCache, text_cache: TensorCache, latent_keys: dict[str, str],
-                 text_keys: dict[str, str], fill_reports: dict[str, FillReport], mode: str = "static",
-                 reencoder: Reencoder | None = None):
+    def __init__(
+        self,
+        vae_cache: TensorCache,
+        text_cache: TensorCache,
+        latent_keys: dict[str, str],
+        text_keys: dict[str, str],
+        fill_reports: dict[str, FillReport],
+        mode: str = "static",
+        reencoder: Reencoder | None = None,
+    ):
         self.vae_cache = vae_cache
         self.text_cache = text_cache
         self.latent_keys = latent_keys  # static mode: sample key -> latent key
@@ -75,8 +96,10 @@ class CachedData:
         advice by role and a prefetch to ``device`` for those in managed memory, i.e. from a
         `unified_memory` cache; it returns at once when hints are off or there is no CUDA)."""
         cond = self.text_cache.get_batch([self.text_keys[s.caption] for s in samples])
-        fields = {"latents": latents.to(device, non_blocking=True),
-                  "conditioning": {k: v.to(device, non_blocking=True) for k, v in cond.items()}}
+        fields = {
+            "latents": latents.to(device, non_blocking=True),
+            "conditioning": {k: v.to(device, non_blocking=True) for k, v in cond.items()},
+        }
         optimize_batch_for_gh200(fields, device)
         return Batch(fields["latents"], fields["conditioning"], samples)
 
@@ -140,21 +163,31 @@ def _cache_mode(config) -> str:
     """The effective ``augmentations_cache_mode``: re-encoding without augmentations changes nothing."""
     mode = config.augmentations_cache_mode
     if mode == "refresh_each_epoch" and not config.augmentations.is_enabled:
-        logger.warning("augmentations_cache_mode 'refresh_each_epoch' without augmentations would re-encode the "
-                       "same latents every epoch: caching them once instead (`static`)")
+        logger.warning(
+            "augmentations_cache_mode 'refresh_each_epoch' without augmentations would re-encode the "
+            "same latents every epoch: caching them once instead (`static`)"
+        )
         return "static"
     return mode
 
 
 def _latent_sources(verify: bool) -> SourceCheck:
     """Each latent records a hash of its image's (clip's) bytes; ``verify`` re-checks the reused ones."""
-    return SourceCheck(hash=lambda payload: sample_source_hash(payload[0].backend, payload[1]),
-                       name=lambda payload: sample_source_name(payload[0], payload[1]), verify=verify)
+    return SourceCheck(
+        hash=lambda payload: sample_source_hash(payload[0].backend, payload[1]),
+        name=lambda payload: sample_source_name(payload[0], payload[1]),
+        verify=verify,
+    )
 
 
 @contextmanager
-def _writing(cache_locks: CacheLocks | None, cache: TensorCache, keys: Iterable[str],
-             reopen: Callable[[], TensorCache], may_rewrite: bool = False) -> Iterator[TensorCache]:
+def _writing(
+    cache_locks: CacheLocks | None,
+    cache: TensorCache,
+    keys: Iterable[str],
+    reopen: Callable[[], TensorCache],
+    may_rewrite: bool = False,
+) -> Iterator[TensorCache]:
     """Hold the cache folder's writer lock while ``cache`` gets the ``keys`` it lacks, so two runs
     sharing the folder never encode an entry twice (nothing to hold when every key is there, or
     the caches live in memory only; ``may_rewrite``, i.e. ``verify_content``, always holds it: the
@@ -235,8 +268,9 @@ def prepare_caches(
         run_locks.enter_context(cache_locks.use())
 
     def reopen() -> tuple[TensorCache, TensorCache]:
-        return open_caches(cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type,
-                           cache.persistent_cache)
+        return open_caches(
+            cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
+        )
 
     encoders = _LazyEncoders(spec, device, text_dtype)
     image_identity = spec.image_encoder_identity()
@@ -252,28 +286,52 @@ def prepare_caches(
     if mode == "static":
         static_augment = static_augmentation_key(config)  # None when augmentations are off
         version = None if static_augment is None else 0
-        latent_keys = {key: sample_latent_key(ds, s, image_identity, config.resolution, augment=static_augment)
-                       for key, (ds, s) in distinct.items()}
-        with _writing(cache_locks, vae_cache, latent_keys.values(), lambda: reopen()[0],
-                      may_rewrite=cache.verify_content) as vae_cache:
+        latent_keys = {
+            key: sample_latent_key(ds, s, image_identity, config.resolution, augment=static_augment)
+            for key, (ds, s) in distinct.items()
+        }
+        with _writing(
+            cache_locks, vae_cache, latent_keys.values(), lambda: reopen()[0], may_rewrite=cache.verify_content
+        ) as vae_cache:
             latent_report = vae_cache.fill(
                 [(latent_keys[key], (ds, s, version)) for key, (ds, s) in distinct.items()],
-                lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded), VAE_ENCODE_BATCH, group=batch_group,
-                desc="VAE latents", prepare=loader.load_batch, prepare_workers=config.dataloader_num_workers,
-                sources=_latent_sources(cache.verify_content), entry_bytes=_latent_entry_bytes(spec),
+                lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded),
+                VAE_ENCODE_BATCH,
+                group=batch_group,
+                desc="VAE latents",
+                prepare=loader.load_batch,
+                prepare_workers=config.dataloader_num_workers,
+                sources=_latent_sources(cache.verify_content),
+                entry_bytes=_latent_entry_bytes(spec),
             )
         reencoder = None
     else:  # latents are encoded while training; decode everything once now to drop unreadable files
         latent_keys = {}
-        if mode == "refresh_each_epoch" and run_locks is not None and (cache.persistent_cache
-                                                                       or cache.vae_cache_type == "disk"):
+        if (
+            mode == "refresh_each_epoch"
+            and run_locks is not None
+            and (cache.persistent_cache or cache.vae_cache_type == "disk")
+        ):
             run_locks.enter_context(hold_epoch_folder(_epoch_folder(Path(cache_dir).expanduser() / spec.family)))
-        reencoder = Reencoder(spec, encoders.get_vae(), loader, datasets, Path(cache_dir).expanduser(), state,
-                              image_identity, mode, VAE_ENCODE_BATCH)
+        reencoder = Reencoder(
+            spec,
+            encoders.get_vae(),
+            loader,
+            datasets,
+            Path(cache_dir).expanduser(),
+            state,
+            image_identity,
+            mode,
+            VAE_ENCODE_BATCH,
+        )
         latent_report = reencoder.probe([(ds, s, None) for ds, s in distinct.values()])
     for ds in datasets:
-        ds.metadata.drop_unreadable(ds.id, str(getattr(ds.backend, "root", ds.id)), loader.undecodable.get(ds.id, {}),
-                                    config.max_bad_image_fraction)
+        ds.metadata.drop_unreadable(
+            ds.id,
+            str(getattr(ds.backend, "root", ds.id)),
+            loader.undecodable.get(ds.id, {}),
+            config.max_bad_image_fraction,
+        )
 
     captions = sorted({s.caption for ds in datasets for s in ds.samples})  # after dropping undecodable ones
     text_keys = {c: caption_text_key(c, text_identity, text_dtype) for c in captions}
@@ -283,8 +341,9 @@ def prepare_caches(
         return [{k: v.cpu() for k, v in entry.items()} for entry in out]
 
     with _writing(cache_locks, text_cache, text_keys.values(), lambda: reopen()[1]) as text_cache:
-        text_report = text_cache.fill([(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH,
-                                      desc="text embeddings")
+        text_report = text_cache.fill(
+            [(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings"
+        )
     reports = {"latents": latent_report, "text": text_report}
     return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports, mode, reencoder), encoders
 

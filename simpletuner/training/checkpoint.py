@@ -68,12 +68,12 @@ from safetensors.torch import load_file, save_file
 from simpletuner import diskspace
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefused, Damage: callers import them from here
+    _ATOMIC_TEMP,
     MARKER,
     STATE_FILE,
     CheckpointDamaged,
     Damage,
     ResumeRefused,
-    _ATOMIC_TEMP,
     _plain_reason,
     _warn_once,
     build_manifest,
@@ -125,8 +125,12 @@ def capture_rng(generator: torch.Generator) -> dict[str, Any]:
     state = {
         "torch": torch.get_rng_state(),
         "generator": generator.get_state(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
         "python": {"version": py_state[0], "state": list(py_state[1]), "gauss": py_state[2]},
     }
     if torch.cuda.is_available():
@@ -191,13 +195,21 @@ def _pointer(output_dir: Path) -> Path | None:
         _warn_once("%s cannot be read (%s): using the newest checkpoint that verifies", pointer, exc.strerror)
         return None
     if not _NAME.match(name):
-        _warn_once("%s names %r, which is not a checkpoint-N folder of %s: ignored; using the newest checkpoint "
-                   "that verifies", pointer, name[:200], output_dir)
+        _warn_once(
+            "%s names %r, which is not a checkpoint-N folder of %s: ignored; using the newest checkpoint that verifies",
+            pointer,
+            name[:200],
+            output_dir,
+        )
         return None
     target = output_dir / name
     if target.is_symlink() and not _inside(target, output_dir):
-        _warn_once("%s names %s, a link leading out of %s: ignored; using the newest checkpoint that verifies",
-                   pointer, target, output_dir)
+        _warn_once(
+            "%s names %s, a link leading out of %s: ignored; using the newest checkpoint that verifies",
+            pointer,
+            target,
+            output_dir,
+        )
         return None
     if not target.is_dir():
         _warn_once("%s names %s, which does not exist: using the newest checkpoint that verifies", pointer, name)
@@ -219,8 +231,12 @@ def resolve_latest(output_dir: Path) -> tuple[Path | None, list[Damage]]:
         damage = verify_checkpoint(path)
         if damage is None:
             for bad in damaged:
-                _warn_once("checkpoint %s cannot be resumed from: %s. Using %s, the newest checkpoint that verifies",
-                           bad.checkpoint.name, bad, path.name)
+                _warn_once(
+                    "checkpoint %s cannot be resumed from: %s. Using %s, the newest checkpoint that verifies",
+                    bad.checkpoint.name,
+                    bad,
+                    path.name,
+                )
             return path, damaged
         damaged.append(damage)
     return None, damaged
@@ -239,7 +255,8 @@ def resolve_resume(output_dir: Path, resume_from_checkpoint: str) -> Path | None
         path, damaged = resolve_latest(output_dir)
         if path is None and damaged:
             raise CheckpointDamaged(
-                f"cannot resume: no checkpoint in {output_dir} verifies:\n  - " + "\n  - ".join(map(str, damaged))
+                f"cannot resume: no checkpoint in {output_dir} verifies:\n  - "
+                + "\n  - ".join(map(str, damaged))
                 + "\nTo fix: put the named files back from a backup (or copy in a checkpoint that verifies) and run "
                 "again; or start afresh: set `resume_from_checkpoint: null` and pass `--overwrite` (removes these "
                 "checkpoints), or set a new `output_dir`."
@@ -250,7 +267,7 @@ def resolve_resume(output_dir: Path, resume_from_checkpoint: str) -> Path | None
     if damage is not None:
         raise CheckpointDamaged(
             f"cannot resume from {path}: {damage}. Nothing was loaded.\nTo fix: put that file back from a backup; "
-            f"or set `resume_from_checkpoint: \"latest\"` to continue from the newest checkpoint in `output_dir` "
+            f'or set `resume_from_checkpoint: "latest"` to continue from the newest checkpoint in `output_dir` '
             "that verifies, or name an older checkpoint folder."
         )
     return path
@@ -279,8 +296,12 @@ def remove_stale_temp_folders(output_dir: Path) -> list[Path]:
         diskspace.remove_path(child)
         removed.append(child)
     if removed:
-        logger.info("removed %d folder(s) left by an interrupted save in %s: %s", len(removed), output_dir,
-                    ", ".join(p.name for p in removed))
+        logger.info(
+            "removed %d folder(s) left by an interrupted save in %s: %s",
+            len(removed),
+            output_dir,
+            ", ".join(p.name for p in removed),
+        )
     return removed
 
 
@@ -300,6 +321,7 @@ def start_launch(accelerator, output_dir: Path) -> tuple[str, str]:
 def checkpoint_bytes(trainable: dict[str, torch.Tensor], optimizer, with_adapter: bool, num_processes: int) -> int:
     """Bytes a save is about to write: the trainable tensors, the optimizer's state tensors, the
     adapter copy (LoRA runs; about the trainable tensors again), the small files and the RNG files."""
+
     def size(t) -> int:
         return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
@@ -462,8 +484,10 @@ def apply_retention(output_dir: Path, total_limit: int | None) -> list[Path]:
 def read_trainer_state(path: Path) -> dict[str, Any]:
     """``trainer_state.json`` of a complete checkpoint (call :func:`resolve_resume` first to verify it)."""
     if not is_complete(path):
-        raise CheckpointDamaged(f"{path} is not a complete checkpoint (no {MARKER} manifest): it was interrupted "
-                                "while saving, or the file was deleted")
+        raise CheckpointDamaged(
+            f"{path} is not a complete checkpoint (no {MARKER} manifest): it was interrupted "
+            "while saving, or the file was deleted"
+        )
     file = path / STATE_FILE
     try:
         state = orjson.loads(file.read_bytes())
@@ -472,8 +496,10 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointDamaged(f"{file} does not hold a trainer state")
     if state.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-        raise ResumeRefused(f"{path} has checkpoint format {state.get('format_version')}, this version reads "
-                            f"{CHECKPOINT_FORMAT_VERSION}")
+        raise ResumeRefused(
+            f"{path} has checkpoint format {state.get('format_version')}, this version reads "
+            f"{CHECKPOINT_FORMAT_VERSION}"
+        )
     return state
 
 
@@ -529,16 +555,25 @@ def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size
     if problems:
         fixes = []
         if saved_world != world_size and isinstance(saved_world, int):
-            fixes.append(f"launch with the checkpoint's {saved_world} process(es) "
-                         f"(`accelerate launch --num_processes {saved_world} ...`) to continue it")
+            fixes.append(
+                f"launch with the checkpoint's {saved_world} process(es) "
+                f"(`accelerate launch --num_processes {saved_world} ...`) to continue it"
+            )
         if len(problems) > (saved_world != world_size):
             fixes.append("put the settings above back to the checkpoint's values to continue it")
-        fixes += [f"set a new `output_dir` to start a new run beside it ({path} stays as it is)",
-                  "or set `resume_from_checkpoint: null` and pass `--overwrite` to train from scratch "
-                  "(it replaces the run in `output_dir`)"]
+        fixes += [
+            f"set a new `output_dir` to start a new run beside it ({path} stays as it is)",
+            "or set `resume_from_checkpoint: null` and pass `--overwrite` to train from scratch "
+            "(it replaces the run in `output_dir`)",
+        ]
         run = describe_run(state)
-        raise ResumeRefused(f"cannot resume from {path}{f' ({run})' if run else ''}: it does not fit this run:\n  - "
-                            + "\n  - ".join(problems) + "\nTo fix: " + "; ".join(fixes) + ".")
+        raise ResumeRefused(
+            f"cannot resume from {path}{f' ({run})' if run else ''}: it does not fit this run:\n  - "
+            + "\n  - ".join(problems)
+            + "\nTo fix: "
+            + "; ".join(fixes)
+            + "."
+        )
 
 
 def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
@@ -547,13 +582,15 @@ def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
     try:
         return reader(file)
     except FileNotFoundError:
-        raise CheckpointDamaged(f"cannot resume from {path}: {name} is missing. Nothing was loaded. To fix: put it "
-                                "back, or resume from an older checkpoint") from None
+        raise CheckpointDamaged(
+            f"cannot resume from {path}: {name} is missing. Nothing was loaded. To fix: put it "
+            "back, or resume from an older checkpoint"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - torch / safetensors raise many types for a bad file
         raise CheckpointDamaged(
             f"cannot resume from {path}: {file} cannot be read ({_plain_reason(exc)}). Nothing was loaded. To fix: "
             "put that file back from a backup, or resume from an older checkpoint (resume_from_checkpoint "
-            "\"latest\" takes the newest one that verifies)"
+            '"latest" takes the newest one that verifies)'
         ) from None
 
 

@@ -87,8 +87,10 @@ def _checkpoint_files(folder: Path) -> list[str]:
 
 def build_manifest(folder: Path, step: int) -> bytes:
     """The COMPLETE manifest of ``folder``: every file with its size and sha256."""
-    files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-             for name in _checkpoint_files(folder)}
+    files = {
+        name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+        for name in _checkpoint_files(folder)
+    }
     body = {"manifest_version": MANIFEST_VERSION, "step": step, "files": files}
     return orjson.dumps(dict(body, sha256=_manifest_digest(body)), option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
 
@@ -109,8 +111,13 @@ def _parse_manifest(raw: bytes) -> dict[str, dict[str, Any]]:
         raise ValueError("no file table")
     for name, entry in files.items():
         parts = Path(name).parts
-        if Path(name).is_absolute() or ".." in parts or not isinstance(entry, dict) \
-                or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+        if (
+            Path(name).is_absolute()
+            or ".." in parts
+            or not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
             raise ValueError(f"a malformed entry {name!r}")
     return files
 
@@ -138,8 +145,12 @@ def _check_manifest(path: Path, raw: bytes) -> Damage | None:
         except OSError as exc:
             return Damage(path, name, f"cannot be read ({exc.strerror})")
         if digest != entry["sha256"]:
-            return Damage(path, name, "does not match its sha256 in the manifest (its bytes changed after the save: "
-                                      "a disk or copy error, or an edit)")
+            return Damage(
+                path,
+                name,
+                "does not match its sha256 in the manifest (its bytes changed after the save: "
+                "a disk or copy error, or an edit)",
+            )
     return None
 
 
@@ -224,8 +235,11 @@ def verify_checkpoint(path: Path) -> Damage | None:
         if raw.strip() == LEGACY_MARKER.strip():
             damage = _check_legacy(path)
             if damage is None:
-                _warn_once("%s was written by an older version: its COMPLETE marker carries no checksums, so only its "
-                           "structure was checked (files present, sizes, the CRC-32s inside .pt files)", path)
+                _warn_once(
+                    "%s was written by an older version: its COMPLETE marker carries no checksums, so only its "
+                    "structure was checked (files present, sizes, the CRC-32s inside .pt files)",
+                    path,
+                )
         else:
             damage = _check_manifest(path, raw)
     _verified[key] = (signature, damage)

@@ -26,7 +26,12 @@ def check_launch_matches(num_processes: int, env) -> None:
                 f"the launcher set {var}={env[var]} but Accelerate joined {num_processes} process(es): each process "
                 f"would train the whole run on its own. {_CPU_FIX}"
             )
-    if num_processes == 1 and "WORLD_SIZE" not in env and env.get("MASTER_ADDR") and env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true"):
+    if (
+        num_processes == 1
+        and "WORLD_SIZE" not in env
+        and env.get("MASTER_ADDR")
+        and env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    ):
         raise LaunchError(
             "`accelerate launch --cpu --num_processes N` starts ONE process unless MPI is set up (MASTER_ADDR is set "
             f"but no WORLD_SIZE), so the run would not be distributed. {_CPU_FIX} For one process drop --num_processes."

@@ -73,7 +73,9 @@ def apply_lycoris(denoiser: nn.Module, targets: list[str], config: "TrainingConf
     if config.lora_use_dora:
         raise ValueError("lora_use_dora is for lora_type 'standard' (peft DoRA); set it false with lora_type 'lycoris'")
     if hasattr(denoiser, SUBMODULE):
-        raise ValueError(f"{type(denoiser).__name__} already has a LyCORIS network (or a submodule named {SUBMODULE!r})")
+        raise ValueError(
+            f"{type(denoiser).__name__} already has a LyCORIS network (or a submodule named {SUBMODULE!r})"
+        )
     layers = match_targets(denoiser, targets)
     supported = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
     unsupported = sorted(n for n, m in layers.items() if not isinstance(m, supported))
@@ -91,10 +93,20 @@ def apply_lycoris(denoiser: nn.Module, targets: list[str], config: "TrainingConf
     module_cls = network_module_dict[options.algo]
     network = _empty_network(denoiser)
     for path, layer in layers.items():
-        network.loras.append(module_cls(
-            lora_name(path), layer, 1.0, config.lora_rank, config.effective_lora_alpha,
-            config.lora_dropout, 0.0, 0.0, bypass_mode=True, **extra,
-        ))
+        network.loras.append(
+            module_cls(
+                lora_name(path),
+                layer,
+                1.0,
+                config.lora_rank,
+                config.effective_lora_alpha,
+                config.lora_dropout,
+                0.0,
+                0.0,
+                bypass_mode=True,
+                **extra,
+            )
+        )
     network.simpletuner_options = {"algo": options.algo, **{k: str(v) for k, v in extra.items()}}
     return _attach(denoiser, network)
 
@@ -164,8 +176,10 @@ def save_lycoris(
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in network.state_dict().items()}
     if hasattr(metadata, "model_family"):  # a TrainingConfig
-        metadata = {"simpletuner_model_family": metadata.model_family,
-                    "simpletuner_base_model": metadata.pretrained_model_name_or_path}
+        metadata = {
+            "simpletuner_model_family": metadata.model_family,
+            "simpletuner_base_model": metadata.pretrained_model_name_or_path,
+        }
     meta = {**adapter_metadata(network), **{k: str(v) for k, v in (metadata or {}).items()}}
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, str(tmp), metadata=meta)

@@ -47,4 +47,3 @@ def on_device_while(enabled: bool, device: torch.device, *groups: Any):
         to_device(groups, torch.device("cpu"))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-

@@ -37,8 +37,9 @@ def _param_groups(config: TrainingConfig, named: Mapping[str, Iterable[torch.nn.
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter] | Mapping[str, Iterable[torch.nn.Parameter]]
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(
+    config: TrainingConfig, params: Iterable[torch.nn.Parameter] | Mapping[str, Iterable[torch.nn.Parameter]]
+) -> torch.optim.Optimizer:
     """The optimizer named by ``config.optimizer`` over ``params``: an iterable of parameters, or
     named groups (``ModelSpec.named_parameter_groups``), each group with its own learning rate
     (``high_noise_learning_rate`` ...) and Automagic bounds."""
@@ -49,7 +50,9 @@ def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter]
         params = [p for p in params if p.requires_grad]
         num_params = len(params)
     if not num_params:
-        raise ValueError("nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)")
+        raise ValueError(
+            "nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)"
+        )
     adam = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(config.optimizer)
     if adam is not None:
         return adam(
@@ -65,8 +68,15 @@ def build_optimizer(config: TrainingConfig, params: Iterable[torch.nn.Parameter]
         from simpletuner.training.optimizers import Automagic
 
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
-        return Automagic(params, lr=config.learning_rate, min_lr=config.min_lr, max_lr=config.max_lr,
-                         lr_bump=config.lr_bump, weight_decay=config.weight_decay, seed=config.seed)
+        return Automagic(
+            params,
+            lr=config.learning_rate,
+            min_lr=config.min_lr,
+            max_lr=config.max_lr,
+            lr_bump=config.lr_bump,
+            weight_decay=config.weight_decay,
+            seed=config.seed,
+        )
     raise ValueError(f"optimizer {config.optimizer!r} is not supported")
 
 

@@ -33,7 +33,8 @@ def resolve_mixed_precision(requested: str, cuda: Any = torch.cuda) -> str:
         return requested
     logger.warning(
         "mixed_precision 'bf16' is not supported by %s; using 'fp16' (set mixed_precision to 'fp16' or 'no' to "
-        "silence this)", cuda.get_device_name(),
+        "silence this)",
+        cuda.get_device_name(),
     )
     return "fp16"
 
@@ -48,8 +49,9 @@ def _format_value(value: bool | int | float) -> str:
     return ("True" if value else "False") if isinstance(value, bool) else str(value)
 
 
-def apply_cuda_allocator(settings: Mapping[str, bool | int | float], environ: MutableMapping[str, str] = os.environ,
-                         cuda: Any = torch.cuda) -> str | None:
+def apply_cuda_allocator(
+    settings: Mapping[str, bool | int | float], environ: MutableMapping[str, str] = os.environ, cuda: Any = torch.cuda
+) -> str | None:
     """Merge ``settings`` into PYTORCH_CUDA_ALLOC_CONF (config keys win); returns the value set.
 
     The allocator reads the variable when CUDA starts, so settings that arrive after that are
@@ -63,14 +65,18 @@ def apply_cuda_allocator(settings: Mapping[str, bool | int | float], environ: Mu
         merged[key.strip()] = value.strip()
     for key, value in settings.items():
         if key in merged and merged[key] != _format_value(value):
-            logger.info("cuda_allocator.%s=%s overrides %s from the environment", key, _format_value(value), merged[key])
+            logger.info(
+                "cuda_allocator.%s=%s overrides %s from the environment", key, _format_value(value), merged[key]
+            )
         merged[key] = _format_value(value)
     value = ",".join(f"{k}:{v}" for k, v in merged.items())
     environ[ALLOC_CONF_VAR] = value
     if cuda.is_initialized():
         logger.warning(
             "cuda_allocator set %s=%s after CUDA started: it applies to new processes only. Launch through "
-            "simpletuner/train.py or export the variable before starting Python", ALLOC_CONF_VAR, value,
+            "simpletuner/train.py or export the variable before starting Python",
+            ALLOC_CONF_VAR,
+            value,
         )
     return value
 
@@ -126,12 +132,19 @@ def peak_tflops_for_run(hardware: Any, mixed_precision: str, tf32: bool, overrid
     else:
         kind = "TF32 tensor-core" if tf32 and hardware.peak_tflops_tf32 is not None else "FP32"
     if peak is None:
-        why = (f"{hardware.device_name} is not in the GPU table" if hardware.gpu_spec is None
-               else f"the GPU table has no {kind} peak for {hardware.gpu_spec}")
+        why = (
+            f"{hardware.device_name} is not in the GPU table"
+            if hardware.gpu_spec is None
+            else f"the GPU table has no {kind} peak for {hardware.gpu_spec}"
+        )
         logger.warning("MFU left out: peak unknown: pass --peak-tflops TFLOPS (%s)", why)
         return None
-    logger.info("MFU is measured against %g TFLOPS, the %s's dense %s peak (--peak-tflops overrides it)", peak,
-                hardware.gpu_spec, kind)
+    logger.info(
+        "MFU is measured against %g TFLOPS, the %s's dense %s peak (--peak-tflops overrides it)",
+        peak,
+        hardware.gpu_spec,
+        kind,
+    )
     return peak
 
 
@@ -200,8 +213,13 @@ def managed_pool_stats() -> dict | None:
 
 def progress_postfix(logs: dict) -> dict[str, str]:
     """The progress bar's figures: loss, lr, samples/s, step time, and MFU / eval loss when known."""
-    shown = {"loss": f"{logs['loss']:.4f}", "lr": f"{logs['lr']:.2e}", "samples_s": f"{logs['samples_per_s']:.1f}",
-             "step_s": f"{logs['step_time_s']:.3f}", "wait": f"{logs['data_wait_share']:.0%}"}
+    shown = {
+        "loss": f"{logs['loss']:.4f}",
+        "lr": f"{logs['lr']:.2e}",
+        "samples_s": f"{logs['samples_per_s']:.1f}",
+        "step_s": f"{logs['step_time_s']:.3f}",
+        "wait": f"{logs['data_wait_share']:.0%}",
+    }
     if "mfu" in logs:
         shown["mfu"] = f"{logs['mfu']:.1%}"
     if "eval_loss" in logs:
@@ -215,8 +233,13 @@ def log_line(logs: dict) -> str:
     TFLOPS are shown for GPU runs only (the window has MFU or CUDA peak memory): on CPU they read
     "0.00 TFLOPS" and mean nothing; ``metrics.jsonl`` keeps the figure either way.
     """
-    parts = [f"loss {logs['loss']:.4f}", f"lr {logs['lr']:.2e}", f"{logs['samples_per_s']:.1f} samples/s",
-             f"step {logs['step_time_s']:.3f}s", f"data wait {logs['data_wait_share']:.0%}"]
+    parts = [
+        f"loss {logs['loss']:.4f}",
+        f"lr {logs['lr']:.2e}",
+        f"{logs['samples_per_s']:.1f} samples/s",
+        f"step {logs['step_time_s']:.3f}s",
+        f"data wait {logs['data_wait_share']:.0%}",
+    ]
     if "tflops" in logs and ("mfu" in logs or "peak_memory_gib" in logs):
         parts.append(f"{logs['tflops']:.2f} TFLOPS")
     if "mfu" in logs:

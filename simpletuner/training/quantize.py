@@ -111,7 +111,7 @@ def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: 
         from optimum.quanto.nn import quantize_module
     except ImportError as exc:
         raise ValueError(
-            f"base_model_precision {precision!r} needs optimum-quanto: pip install -e \".[quanto]\" in the simpletuner checkout (or pip install optimum-quanto) "
+            f'base_model_precision {precision!r} needs optimum-quanto: pip install -e ".[quanto]" in the simpletuner checkout (or pip install optimum-quanto) '
             f"(or use base_model_precision 'no_change')"
         ) from exc
     weights = {"qint8": qint8, "qfloat8": qfloat8}[precision]
@@ -156,7 +156,7 @@ def _quantize_torchao(layers: dict[str, nn.Linear], precision: str, device) -> N
         from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     except ImportError as exc:
         raise ValueError(
-            f"base_model_precision {precision!r} needs torchao: pip install -e \".[torchao]\" in the simpletuner checkout (or pip install torchao) "
+            f'base_model_precision {precision!r} needs torchao: pip install -e ".[torchao]" in the simpletuner checkout (or pip install torchao) '
             f"(or use base_model_precision 'no_change')"
         ) from exc
     from simpletuner.models.library_probes import torchao_in_use

@@ -92,9 +92,13 @@ class PixelLoader:
 
     def failure_message(self, failed: list[Payload]) -> str:
         """Why these payloads could not be decoded while training, and what to do."""
-        named = "; ".join(f"{s.key}: {self.undecodable.get(ds.id, {}).get(s.path, 'cannot decode')}" for ds, s, _ in failed)
-        return (f"cannot decode {named} although it decoded at start-up: restore the file, or start training again "
-                "so that start-up drops it")
+        named = "; ".join(
+            f"{s.key}: {self.undecodable.get(ds.id, {}).get(s.path, 'cannot decode')}" for ds, s, _ in failed
+        )
+        return (
+            f"cannot decode {named} although it decoded at start-up: restore the file, or start training again "
+            "so that start-up drops it"
+        )
 
 
 def encode_loaded(spec, vae, loaded: Loaded) -> list[dict[str, torch.Tensor] | None]:
@@ -144,7 +148,9 @@ class DecodeThreads:
             self._pool = None
 
 
-def run_ahead(pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], args: Iterable[Any], depth: int) -> Iterator[Any]:
+def run_ahead(
+    pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], args: Iterable[Any], depth: int
+) -> Iterator[Any]:
     """``fn(a)`` for each ``a`` in order, computed on ``pool`` up to ``depth`` ahead (inline when
     ``pool`` is None). Closing the generator cancels what has not started and waits for the rest."""
     if pool is None:
@@ -189,9 +195,16 @@ class EpochLatents:
         encode: ``Loaded -> list[entry | None]`` (the VAE).
     """
 
-    def __init__(self, open_cache: Callable[[int, int], TensorCache], key_for: Callable[[Sample, int], str],
-                 datasets: dict[str, RegisteredDataset], loader: PixelLoader, threads: DecodeThreads,
-                 encode: Callable[[Loaded], list], batch_size: int):
+    def __init__(
+        self,
+        open_cache: Callable[[int, int], TensorCache],
+        key_for: Callable[[Sample, int], str],
+        datasets: dict[str, RegisteredDataset],
+        loader: PixelLoader,
+        threads: DecodeThreads,
+        encode: Callable[[Loaded], list],
+        batch_size: int,
+    ):
         self._open_cache, self._key_for = open_cache, key_for
         self._datasets, self._loader, self._threads, self._encode = datasets, loader, threads, encode
         self._batch_size = batch_size
@@ -210,8 +223,11 @@ class EpochLatents:
         keys = {sample_key: self._key_for(sample, epoch) for sample_key, sample in samples.items()}
         marker_name = f"epoch-{epoch}"
         marker = store.read_marker(marker_name)
-        is_complete = (marker is not None and marker.get("keys") == _digest(keys.values())
-                       and all(key in cache for key in keys.values()))
+        is_complete = (
+            marker is not None
+            and marker.get("keys") == _digest(keys.values())
+            and all(key in cache for key in keys.values())
+        )
         # Markers go first: from here until the new one is written, no version counts as whole.
         for name in store.marker_names():
             if name != marker_name or not is_complete:
@@ -224,8 +240,14 @@ class EpochLatents:
         items = [(keys[k], (self._datasets[s.dataset_id], s, epoch)) for k, s in samples.items()]
         with self._threads.use() as pool:
             report = cache.fill(
-                items, self._encode, self._batch_size, group=batch_group, desc=f"VAE latents, epoch {epoch}",
-                prepare=self._loader.load_batch, prepare_workers=self._threads.num_workers, prepare_pool=pool,
+                items,
+                self._encode,
+                self._batch_size,
+                group=batch_group,
+                desc=f"VAE latents, epoch {epoch}",
+                prepare=self._loader.load_batch,
+                prepare_workers=self._threads.num_workers,
+                prepare_pool=pool,
             )
         if report.failed:
             failed = set(report.failed)
@@ -252,8 +274,18 @@ class Reencoder:
         batch_size: images per VAE call when refreshing.
     """
 
-    def __init__(self, spec, vae, loader: PixelLoader, datasets: list[RegisteredDataset], cache_dir, state,
-                 image_identity: str, mode: str, batch_size: int):
+    def __init__(
+        self,
+        spec,
+        vae,
+        loader: PixelLoader,
+        datasets: list[RegisteredDataset],
+        cache_dir,
+        state,
+        image_identity: str,
+        mode: str,
+        batch_size: int,
+    ):
         config = spec.config
         self.spec, self.vae, self.loader, self.batch_size = spec, vae, loader, batch_size
         self.threads = DecodeThreads(config.dataloader_num_workers, config.dataloader_persistent_workers)
@@ -269,13 +301,21 @@ class Reencoder:
 
         def key_for(sample: Sample, version: int) -> str:
             augment = augmentation_key(config.augmentations, config.seed, version)
-            return sample_latent_key(self._datasets[sample.dataset_id], sample, image_identity, config.resolution,
-                                     augment=augment)
+            return sample_latent_key(
+                self._datasets[sample.dataset_id], sample, image_identity, config.resolution, augment=augment
+            )
 
         self.epochs = None
         if mode == "refresh_each_epoch":
-            self.epochs = EpochLatents(open_cache, key_for, self._datasets, loader, self.threads,
-                                       lambda loaded: encode_loaded(spec, vae, loaded), batch_size)
+            self.epochs = EpochLatents(
+                open_cache,
+                key_for,
+                self._datasets,
+                loader,
+                self.threads,
+                lambda loaded: encode_loaded(spec, vae, loaded),
+                batch_size,
+            )
 
     def probe(self, payloads: list[Payload]) -> FillReport:
         """Decode every payload once (nothing is encoded) so undecodable files are known at start-up."""
@@ -286,7 +326,9 @@ class Reencoder:
         chunks = [g[i : i + self.batch_size] for g in groups.values() for i in range(0, len(g), self.batch_size)]
         failed: list[str] = []
         with self.threads.use() as pool:
-            for chunk, (ok, _) in zip(chunks, run_ahead(pool, self.loader.load_batch, chunks, 2 * self.threads.num_workers)):
+            for chunk, (ok, _) in zip(
+                chunks, run_ahead(pool, self.loader.load_batch, chunks, 2 * self.threads.num_workers)
+            ):
                 failed += [sample.key for (_, sample, _), good in zip(chunk, ok) if not good]
         return FillReport(len(payloads), 0, 0, time.perf_counter() - started, failed=tuple(failed))
 
@@ -307,12 +349,18 @@ class Reencoder:
         start = 0 if sampler.batch_index >= len(sampler) else sampler.batch_index
 
         def payloads(position: int) -> list[Payload]:
-            return [(self._datasets[s.dataset_id], s, f"{epoch}.{position}.{slot}")
-                    for slot, s in enumerate(planned[position])]
+            return [
+                (self._datasets[s.dataset_id], s, f"{epoch}.{position}.{slot}")
+                for slot, s in enumerate(planned[position])
+            ]
 
         with self.threads.use() as pool:
-            decoded = run_ahead(pool, lambda position: (position, self.loader.load_batch(payloads(position))),
-                                range(start, len(planned)), 2 * self.threads.num_workers)
+            decoded = run_ahead(
+                pool,
+                lambda position: (position, self.loader.load_batch(payloads(position))),
+                range(start, len(planned)),
+                2 * self.threads.num_workers,
+            )
             try:
                 for samples in sampler:
                     position, loaded = next(decoded)

@@ -51,8 +51,11 @@ CACHES_COMPLETE = "nothing trained yet, nothing to save; the caches are complete
 PHASES: dict[str, tuple[str, str, Kept]] = {
     "startup": ("start-up", "interrupt", NOTHING_YET),
     "datasets": ("the dataset scan", "interrupt", NOTHING_YET + "; the next run scans again"),
-    "staging": ("the in-memory staging and dataset scan", "interrupt",
-                NOTHING_YET + "; the next run stages and scans again"),
+    "staging": (
+        "the in-memory staging and dataset scan",
+        "interrupt",
+        NOTHING_YET + "; the next run stages and scans again",
+    ),
     "cache_fill": ("the cache fill", "interrupt", NOTHING_YET),
     "model_load": ("the model load", "interrupt", CACHES_COMPLETE),
     "first_validation": ("the first validation", "interrupt", CACHES_COMPLETE),
@@ -74,7 +77,7 @@ class Preempted(RunStopped):
         self.signum = signum
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name}: saved {checkpoint}; resume with resume_from_checkpoint: \"latest\"")
+        super().__init__(f'stopped by {name}: saved {checkpoint}; resume with resume_from_checkpoint: "latest"')
 
 
 class Interrupted(RunStopped):
@@ -179,8 +182,11 @@ class RunSignals:
             return
         if self.is_stopping or self.mode == "ignore":  # already on the way out, or done: nothing left to stop
             self.signum = signum  # a Ctrl-C after this one ends the process at once
-            logger.warning("%s received while the run is %s (Ctrl-C again to stop at once)", name,
-                           "already stopping" if self.is_stopping else "ending: it finishes normally")
+            logger.warning(
+                "%s received while the run is %s (Ctrl-C again to stop at once)",
+                name,
+                "already stopping" if self.is_stopping else "ending: it finishes normally",
+            )
             return
         self.signum = signum
         self.received_in = self.words
@@ -188,11 +194,17 @@ class RunSignals:
             self.is_stopping = True
             raise Interrupted(signum, self.words, self.kept)
         if self.mode == "flag":
-            logger.warning("%s received: saving a checkpoint at the end of this step, then stopping "
-                           "(Ctrl-C again to stop at once without saving)", name)
+            logger.warning(
+                "%s received: saving a checkpoint at the end of this step, then stopping "
+                "(Ctrl-C again to stop at once without saving)",
+                name,
+            )
         else:
-            logger.warning("%s received during %s: finishing it, then stopping (Ctrl-C again to stop at once "
-                           "without saving)", name, self.words)
+            logger.warning(
+                "%s received during %s: finishing it, then stopping (Ctrl-C again to stop at once without saving)",
+                name,
+                self.words,
+            )
 
     # --- phases ---------------------------------------------------------------------------
     def enter(self, phase: str, kept: Kept | None = None) -> None:
@@ -225,7 +237,9 @@ class RunSignals:
             raise
         if self.signum is not None:
             self.is_stopping = True
-            raise Interrupted(self.signum, self.received_in or self.words, lambda: f"{kept()}; the final validation is skipped")
+            raise Interrupted(
+                self.signum, self.received_in or self.words, lambda: f"{kept()}; the final validation is skipped"
+            )
 
 
 def exit_on_signal(code: int) -> None:
@@ -269,8 +283,10 @@ def cache_entries_kept(folders: Callable[[], Iterable[Path]]) -> Callable[[], st
             return f"{NOTHING_YET}; the cache entries written so far are kept and the next run reuses them"
         if count == 0:
             return f"{NOTHING_YET}; no cache entry was written yet"
-        return (f"{NOTHING_YET}; the {count} cache entr{'y' if count == 1 else 'ies'} written so far "
-                "are kept and the next run reuses them")
+        return (
+            f"{NOTHING_YET}; the {count} cache entr{'y' if count == 1 else 'ies'} written so far "
+            "are kept and the next run reuses them"
+        )
 
     return words
 

@@ -55,9 +55,9 @@ class PreviousRun:
         return " and ".join(parts)
 
 
-
 class RunFolderTaken(ValueError):
     """output_dir holds another run (or this one, finished): the same answer on every rank."""
+
 
 def _is_model_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
@@ -68,9 +68,15 @@ def final_weights(output_dir: Path) -> list[Path]:
     if not output_dir.is_dir():
         return []
     found = [p for p in output_dir.glob("*.safetensors") if p.is_file()]
-    found += [p for p in output_dir.iterdir()
-              if p.is_dir() and not _CHECKPOINT_ENTRY.match(p.name) and p.name not in RUN_FOLDERS
-              and not p.name.startswith(FINAL_SAVE_PREFIX) and _is_model_folder(p)]  # a save's temp: not finished
+    found += [
+        p
+        for p in output_dir.iterdir()
+        if p.is_dir()
+        and not _CHECKPOINT_ENTRY.match(p.name)
+        and p.name not in RUN_FOLDERS
+        and not p.name.startswith(FINAL_SAVE_PREFIX)
+        and _is_model_folder(p)
+    ]  # a save's temp: not finished
     return sorted(found)
 
 
@@ -81,11 +87,15 @@ def find_previous_run(output_dir: Path) -> PreviousRun:
 def _options(output_dir: Path, can_resume: bool) -> str:
     options = []
     if can_resume:
-        options.append('continue it: set resume_from_checkpoint "latest" (e.g. --set resume_from_checkpoint=latest; '
-                       "raise max_train_steps to train longer)")
+        options.append(
+            'continue it: set resume_from_checkpoint "latest" (e.g. --set resume_from_checkpoint=latest; '
+            "raise max_train_steps to train longer)"
+        )
     options.append("keep it: pick another output_dir for this run")
-    options.append(f"replace it: pass --overwrite (removes its checkpoints, weights, validation images and logs from "
-                   f"{output_dir}; other files there are kept)")
+    options.append(
+        f"replace it: pass --overwrite (removes its checkpoints, weights, validation images and logs from "
+        f"{output_dir}; other files there are kept)"
+    )
     return "\n  - ".join([""] + options)
 
 
@@ -107,7 +117,7 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint: str | None, ident
             return
         raise RunFolderTaken(
             f"output_dir {output_dir} holds {previous.describe()} but no checkpoint, so resume_from_checkpoint "
-            f"\"latest\" has nothing to continue from, and this run would write over them. Either:"
+            f'"latest" has nothing to continue from, and this run would write over them. Either:'
             + _options(output_dir, can_resume=False)
         )
     why, resumable = "", bool(previous.checkpoints)
@@ -156,8 +166,11 @@ def clear_previous_run(output_dir: Path) -> list[Path]:
         else:
             path.unlink()
     if doomed:
-        logger.warning("--overwrite: removed the previous run from %s: %s", output_dir,
-                       ", ".join(sorted(p.name for p in set(doomed))))
+        logger.warning(
+            "--overwrite: removed the previous run from %s: %s",
+            output_dir,
+            ", ".join(sorted(p.name for p in set(doomed))),
+        )
     return doomed
 
 
@@ -166,8 +179,10 @@ def check_overwrite(output_dir: Path, resume_from_checkpoint: str | None) -> Non
     if resume_from_checkpoint in (None, ckpt.LATEST):
         return  # 'latest' then finds nothing: the run starts afresh
     if output_dir.resolve() in Path(resume_from_checkpoint).expanduser().resolve().parents:
-        raise RunFolderTaken(f"--overwrite would remove {resume_from_checkpoint}, which resume_from_checkpoint names: "
-                         "drop one of the two")
+        raise RunFolderTaken(
+            f"--overwrite would remove {resume_from_checkpoint}, which resume_from_checkpoint names: "
+            "drop one of the two"
+        )
 
 
 def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_steps: int | None) -> int | None:
@@ -192,6 +207,9 @@ def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_st
     logger.warning(
         "%s is at step %d and this run trains to step %d: already finished, nothing to train; nothing was saved "
         "or changed. To train longer, raise max_train_steps (e.g. --set max_train_steps=%d)",
-        path, step, total_steps, step + max(total_steps, 1),
+        path,
+        step,
+        total_steps,
+        step + max(total_steps, 1),
     )
     return step

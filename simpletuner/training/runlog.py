@@ -127,8 +127,9 @@ class RunLog:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None and self._file is not None:
-            record = logging.LogRecord(__name__, logging.ERROR, __file__, 0, "run stopped: %s: %s",
-                                       (exc_type.__name__, exc), None)
+            record = logging.LogRecord(
+                __name__, logging.ERROR, __file__, 0, "run stopped: %s: %s", (exc_type.__name__, exc), None
+            )
             self._file.handle(record)
         self.close()
 

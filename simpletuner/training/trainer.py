@@ -15,24 +15,34 @@ from tqdm.auto import tqdm
 from simpletuner import locks
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
+from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
+from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
+from simpletuner.training import offload, run_folder, runlog
 from simpletuner.training import performance as perf
-from simpletuner.training import run_folder, runlog
-from simpletuner.training.reliability import NonFiniteLoss, OutOfMemory, Preempted, RunSignals, cache_entries_kept, run_phase
-from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
-from simpletuner.gh200.wiring import configure_runtime
-from simpletuner.training.launch import (PhaseClock, check_launch_matches, from_main_process, make_accelerator,
-                                         reset_accelerate_state)
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
-from simpletuner.training import offload
+from simpletuner.training.launch import (
+    PhaseClock,
+    check_launch_matches,
+    from_main_process,
+    make_accelerator,
+    reset_accelerate_state,
+)
 from simpletuner.training.lora import trainable_state
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
+from simpletuner.training.reliability import (
+    NonFiniteLoss,
+    OutOfMemory,
+    Preempted,
+    RunSignals,
+    cache_entries_kept,
+    run_phase,
+)
 from simpletuner.training.validation import generate_validation_images
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -58,7 +68,9 @@ class TrainResult:
 class Trainer:
     """Builds every component from the run's StateTracker, then trains."""
 
-    def __init__(self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None, overwrite: bool = False):
+    def __init__(
+        self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None, overwrite: bool = False
+    ):
         """``hardware`` (a ``simpletuner.memory.hardware.HardwareInfo``) replaces the detected GPU for
         MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak; ``overwrite``
         (``--overwrite``) removes an earlier run's results from ``output_dir`` instead of refusing."""
@@ -80,8 +92,12 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------
     def _make_accelerator(self):
-        return make_accelerator(self.mixed_precision, self.config.report_to, self.output_dir,
-                                find_unused_parameters=self.spec.needs_unused_parameter_detection)
+        return make_accelerator(
+            self.mixed_precision,
+            self.config.report_to,
+            self.output_dir,
+            find_unused_parameters=self.spec.needs_unused_parameter_detection,
+        )
 
     def _check_world_size(self) -> None:
         """Stop when the launcher started a different number of processes than Accelerate joined."""
@@ -112,15 +128,22 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
         if acc.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_bytes(orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2))
+            (self.output_dir / "config.json").write_bytes(
+                orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2)
+            )
         self.run_log.open(self.output_dir, acc.is_main_process)  # before the long work: the cache fill
         self.weight_dtype = perf.PRECISION_DTYPES[self.mixed_precision]
 
         clock.mark("accelerator")
-        run_phase("staging" if any(d.type == "in_memory" for d in cfg.datasets) else "datasets")  # SIGTERM/SIGINT: stop at once
+        run_phase(
+            "staging" if any(d.type == "in_memory" for d in cfg.datasets) else "datasets"
+        )  # SIGTERM/SIGINT: stop at once
         datasets = build_datasets(self.state)
         clock.mark("datasets")
-        from simpletuner.memory.preflight import check_run_memory  # stops before the cache fill if RAM/GPU cannot hold the run
+        from simpletuner.memory.preflight import (
+            check_run_memory,
+        )  # stops before the cache fill if RAM/GPU cannot hold the run
+
         check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
         run_phase("cache_fill", kept=cache_entries_kept(lambda: self.state.cache_dirs))  # a stop keeps what is written
         with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
@@ -131,7 +154,9 @@ class Trainer:
         self._offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
         if cfg.validation_prompt_list and acc.is_main_process:
             self._keep_for_validation = (encoders.get_vae(), encoders.get_text())
-            if cfg.low_vram:  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
+            if (
+                cfg.low_vram
+            ):  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
                 reencodes = cfg.augmentations.is_enabled and cfg.augmentations_cache_mode != "static"
                 self._offloaded = self._keep_for_validation[1:] if reencodes else self._keep_for_validation
                 offload.to_device(self._offloaded, torch.device("cpu"))
@@ -175,15 +200,20 @@ class Trainer:
         """Say once, at start, the precision in force and where each launcher-settable key came from."""
         sources = self.state.setting_sources
         precision = sources.get("mixed_precision", "the default: neither the config nor the launcher set it")
-        changed = "" if self.mixed_precision == self.config.mixed_precision else \
-            f" (asked for {self.config.mixed_precision!r}; this GPU has no bf16)"
+        changed = (
+            ""
+            if self.mixed_precision == self.config.mixed_precision
+            else f" (asked for {self.config.mixed_precision!r}; this GPU has no bf16)"
+        )
         logger.info("mixed precision %s in force%s, %s", self.accelerator.mixed_precision, changed, precision)
         for key in ("gradient_accumulation_steps", "enable_compile"):
             if key in sources:
                 logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
         for line in self.state.startup_notes:
             logger.info("%s", line)
-        for warning in check_alloc_conf(os.environ.get(ALLOC_CONF_VAR)).warnings():  # its errors stopped the run earlier
+        for warning in check_alloc_conf(
+            os.environ.get(ALLOC_CONF_VAR)
+        ).warnings():  # its errors stopped the run earlier
             logger.warning(warning)
 
     def _configure_gh200_runtime(self) -> AccumulationPolicy:
@@ -195,8 +225,9 @@ class Trainer:
     def _eval_batches(self, samples) -> list[Batch]:
         """``eval_iters`` fixed micro-batches (a sampler of their own, so training order is untouched)."""
         acc = self.accelerator
-        sampler = BucketSampler(samples, self.config.train_batch_size, acc.num_processes, acc.process_index,
-                                self.config.seed + 1)
+        sampler = BucketSampler(
+            samples, self.config.train_batch_size, acc.num_processes, acc.process_index, self.config.seed + 1
+        )
         batches = iter(sampler)
         return [self.data.batch(next(batches), acc.device) for _ in range(min(self.config.eval_iters, len(sampler)))]
 
@@ -208,8 +239,10 @@ class Trainer:
         self.model.eval()
         try:
             with acc.autocast():
-                losses = [self.spec.training_loss(self.model, b.latents, b.conditioning, generator).mean()
-                          for b in self.eval_batches]
+                losses = [
+                    self.spec.training_loss(self.model, b.latents, b.conditioning, generator).mean()
+                    for b in self.eval_batches
+                ]
         finally:
             self.model.train()
         local = torch.stack(losses).mean().reshape(1).to(acc.device)
@@ -229,10 +262,16 @@ class Trainer:
         cfg, acc = self.config, self.accelerator
         if cfg.enable_compile or not self.eval_samples:
             return None
-        sampler = BucketSampler(self.eval_samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2)
+        sampler = BucketSampler(
+            self.eval_samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2
+        )
         batch = self.data.batch(next(iter(sampler)), acc.device)
         per_sample = perf.flops_per_sample(
-            lambda m, gen: self.spec.training_loss(m, batch.latents, batch.conditioning, gen), model, batch.num_samples, acc)
+            lambda m, gen: self.spec.training_loss(m, batch.latents, batch.conditioning, gen),
+            model,
+            batch.num_samples,
+            acc,
+        )
         logger.info("%.3g FLOPs per sample (forward + backward)", per_sample)
         return per_sample
 
@@ -341,14 +380,18 @@ class Trainer:
         cfg, acc = self.config, self.accelerator
         path = ckpt.resolve_resume(self.output_dir, cfg.resume_from_checkpoint)
         if path is None:
-            logger.info("resume_from_checkpoint='latest' but %s holds no complete checkpoint: starting fresh", self.output_dir)
+            logger.info(
+                "resume_from_checkpoint='latest' but %s holds no complete checkpoint: starting fresh", self.output_dir
+            )
             return
         state = ckpt.read_trainer_state(path)
         ckpt.check_compatible(state, self._identity(), acc.num_processes, path)
         if state.get("accumulation") != self.accumulation.state_dict():
             logger.warning(
                 "resuming with a different accumulation schedule (checkpoint %s, config %s): the run continues, "
-                "but not with the window sequence it started with", state.get("accumulation"), self.accumulation.state_dict(),
+                "but not with the window sequence it started with",
+                state.get("accumulation"),
+                self.accumulation.state_dict(),
             )
         tensors = ckpt.load_tensors(path, acc.process_index)
         model = acc.unwrap_model(self.model)
@@ -360,16 +403,24 @@ class Trainer:
         self.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         ckpt.restore_rng(tensors["rng"], self.generator)
-        self.progress = Progress(state["global_step"], state["micro_batches_seen"], state["samples_seen"],
-                                 state.get("skipped_steps", 0))
+        self.progress = Progress(
+            state["global_step"], state["micro_batches_seen"], state["samples_seen"], state.get("skipped_steps", 0)
+        )
         if acc.scaler is not None and "scaler" in tensors:
             acc.scaler.load_state_dict(tensors["scaler"])
         if state.get("run_id"):
             self.run_id = state["run_id"]
         else:
-            logger.info("%s records no run id (an older version wrote it): this run continues as run %s", path, self.run_id)
-        logger.info("resumed from %s at step %d (%d samples seen; run %s)", path, self.progress.global_step,
-                    self.progress.samples_seen, self.run_id)
+            logger.info(
+                "%s records no run id (an older version wrote it): this run continues as run %s", path, self.run_id
+            )
+        logger.info(
+            "resumed from %s at step %d (%d samples seen; run %s)",
+            path,
+            self.progress.global_step,
+            self.progress.samples_seen,
+            self.run_id,
+        )
 
     # --- the step ------------------------------------------------------------------------
     def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
@@ -427,15 +478,25 @@ class Trainer:
     def _on_nonfinite(self, micro_batches: list[Batch], loss: torch.Tensor, norm: torch.Tensor) -> None:
         cfg = self.config
         keys = [s.key for b in micro_batches for s in b.samples]
-        where = (f"the window after step {self.progress.global_step} (loss {loss.item():.4g}, gradient norm "
-                 f"{norm.item():.4g}; samples {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''})")
+        where = (
+            f"the window after step {self.progress.global_step} (loss {loss.item():.4g}, gradient norm "
+            f"{norm.item():.4g}; samples {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''})"
+        )
         if cfg.nonfinite_policy == "skip" and self._consecutive_skips < cfg.max_consecutive_nonfinite:
-            logger.warning("skipped %s: not finite (%d in a row, %d this run)", where, self._consecutive_skips,
-                           self.progress.skipped_steps)
+            logger.warning(
+                "skipped %s: not finite (%d in a row, %d this run)",
+                where,
+                self._consecutive_skips,
+                self.progress.skipped_steps,
+            )
             return
         path = self.save_checkpoint()
-        why = (f"{self._consecutive_skips} windows in a row were not finite (max_consecutive_nonfinite="
-               f"{cfg.max_consecutive_nonfinite})" if cfg.nonfinite_policy == "skip" else "nonfinite_policy is 'stop'")
+        why = (
+            f"{self._consecutive_skips} windows in a row were not finite (max_consecutive_nonfinite="
+            f"{cfg.max_consecutive_nonfinite})"
+            if cfg.nonfinite_policy == "skip"
+            else "nonfinite_policy is 'stop'"
+        )
         raise NonFiniteLoss(
             f"non-finite loss or gradient in {where}; {why}. The last good state is saved as {path} (those weights "
             "never saw the bad window). Try a lower learning_rate, max_grad_norm (gradient clipping), bf16 instead "
@@ -457,11 +518,19 @@ class Trainer:
         vae, text = self._keep_for_validation
         model = self.accelerator.unwrap_model(self.model)
         device = self.accelerator.device
-        with offload.on_device_while(self.config.low_vram, device, self._offloaded, self.spec.idle_modules(model)), \
-                self.accelerator.autocast():
+        with (
+            offload.on_device_while(self.config.low_vram, device, self._offloaded, self.spec.idle_modules(model)),
+            self.accelerator.autocast(),
+        ):
             self.validation_images += generate_validation_images(
-                self.spec, model, vae, text, self.config,
-                self.progress.global_step, self.output_dir / "validation", self.accelerator.trackers,
+                self.spec,
+                model,
+                vae,
+                text,
+                self.config,
+                self.progress.global_step,
+                self.output_dir / "validation",
+                self.accelerator.trackers,
             )
 
     def train(self) -> TrainResult:
@@ -487,10 +556,16 @@ class Trainer:
                 run_phase("first_validation")
                 self._validate()
             batches = self.data.iterate(self.sampler, acc.device)
-            bar = tqdm(total=self.total_steps, initial=self.progress.global_step, desc="training",
-                       disable=not acc.is_local_main_process, dynamic_ncols=True)
-            meter = perf.ThroughputWindow(peak_tflops=self._peak_tflops(), flops_per_sample=self.flops_per_sample,
-                                          cuda=torch.cuda)
+            bar = tqdm(
+                total=self.total_steps,
+                initial=self.progress.global_step,
+                desc="training",
+                disable=not acc.is_local_main_process,
+                dynamic_ncols=True,
+            )
+            meter = perf.ThroughputWindow(
+                peak_tflops=self._peak_tflops(), flops_per_sample=self.flops_per_sample, cuda=torch.cuda
+            )
             try:
                 with signals.flagged() as self._preempt:
                     self._loop(batches, bar, meter)
@@ -500,9 +575,13 @@ class Trainer:
             self.data.close()  # the persistent decoding threads, if any
             with signals.deferred("final_save", kept=lambda: f"the final weights were saved ({output or 'by rank 0'})"):
                 output = self._save_final()
-            if cfg.validation_prompt_list and (not cfg.validation_steps or self.progress.global_step % cfg.validation_steps):
-                run_phase("final_validation", kept=f"the final weights are saved ({output}); only the last validation "
-                                                   "images are missing")
+            if cfg.validation_prompt_list and (
+                not cfg.validation_steps or self.progress.global_step % cfg.validation_steps
+            ):
+                run_phase(
+                    "final_validation",
+                    kept=f"the final weights are saved ({output}); only the last validation images are missing",
+                )
                 self._validate()
             run_phase("done")
             acc.end_training()
@@ -576,14 +655,18 @@ class Trainer:
         if acc.is_main_process:
             model = acc.unwrap_model(self.model)
             try:
-                path = self.spec.save_final(self.output_dir, model, full=self.config.training_type != "lora",
-                                            step=self.progress.global_step)
+                path = self.spec.save_final(
+                    self.output_dir, model, full=self.config.training_type != "lora", step=self.progress.global_step
+                )
             except NoSpace as exc:
                 failure = exc
             else:
                 logger.info("saved %s", path)
-        fields = None if failure is None else (failure.what, str(failure.folder), failure.needed, failure.free,
-                                                  failure.during_write)  # picklable: NoSpace(message) is not
+        fields = (
+            None
+            if failure is None
+            else (failure.what, str(failure.folder), failure.needed, failure.free, failure.during_write)
+        )  # picklable: NoSpace(message) is not
         fields = from_main_process(acc, fields)
         if fields is not None:
             raise failure if failure is not None else NoSpace(*fields, agreed=True)

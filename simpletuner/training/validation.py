@@ -71,7 +71,9 @@ def _log_to_trackers(trackers, images: list[Image.Image], grid: Image.Image, pro
 
 
 @torch.no_grad()
-def generate_validation_images(spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=()) -> list[Path]:
+def generate_validation_images(
+    spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=()
+) -> list[Path]:
     """Render ``num_validation_images`` for each validation prompt and save them as PNGs.
 
     The prompts are ``config.validation_prompt_list`` (``validation_prompt``, then
@@ -92,15 +94,17 @@ def generate_validation_images(spec, denoiser, vae, text_encoders, config, step:
             fault_point("validation:prompt")  # tests: a signal while a validation renders
             # A generator of its own, so validation never shifts the training RNG streams.
             generator = torch.Generator(device="cpu").manual_seed(config.seed)
-            rows.append(pipe(
-                prompt,
-                num_images_per_prompt=config.num_validation_images,
-                num_inference_steps=config.validation_num_inference_steps,
-                guidance_scale=config.validation_guidance_scale,
-                height=config.resolution,
-                width=config.resolution,
-                generator=generator,
-            ).images)
+            rows.append(
+                pipe(
+                    prompt,
+                    num_images_per_prompt=config.num_validation_images,
+                    num_inference_steps=config.validation_num_inference_steps,
+                    guidance_scale=config.validation_guidance_scale,
+                    height=config.resolution,
+                    width=config.resolution,
+                    generator=generator,
+                ).images
+            )
     finally:
         denoiser.train(was_training)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,6 +118,10 @@ def generate_validation_images(spec, denoiser, vae, text_encoders, config, step:
     grid_path = out_dir / f"step_{step:06d}_grid.png"
     save_png(grid, grid_path)
     _log_to_trackers(trackers, images, grid, prompts, step)
-    logger.info("validation images for step %d: %s; grid (a row per prompt): %s",
-                step, ", ".join(str(p) for p in paths), grid_path)
+    logger.info(
+        "validation images for step %d: %s; grid (a row per prompt): %s",
+        step,
+        ", ".join(str(p) for p in paths),
+        grid_path,
+    )
     return paths

@@ -131,7 +131,8 @@ def main() -> int:
     print("|---|---:|---|")
     for kind in kinds:
         print(
-            f"| {kind} | {statistics.median(times[kind]) * 1e3:.4f} | {', '.join(f'{t * 1e3:.4f}' for t in times[kind])} |"
+            f"| {kind} | {statistics.median(times[kind]) * 1e3:.4f} | "
+            f"{', '.join(f'{t * 1e3:.4f}' for t in times[kind])} |"
         )
     if hook:
         print(f"optimize_batch_for_gh200 without CUDA: {statistics.median(hook) * 1e6:.2f} us / call (median)")

@@ -176,7 +176,8 @@ def print_tables(args, results, num_batches, num_samples, total, resident_warm, 
     machine = f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} CPUs"
     print(
         f"\n{num_samples} images ({total / 1e6:.1f} MB), {num_batches} shuffled batches of {args.batch_size}, "
-        f"resolution {args.resolution}, in_memory codec {args.compression}, median of {args.repeats} passes (interleaved); {machine}"
+        f"resolution {args.resolution}, in_memory codec {args.compression}, "
+        f"median of {args.repeats} passes (interleaved); {machine}"
     )
     print(
         f"Page cache: {pct(resident_warm)} of the image pages resident when warm, {pct(resident_cold)} right after "

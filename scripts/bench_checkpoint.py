@@ -78,13 +78,15 @@ def main() -> int:
             raw = dict(base, output_dir=str(Path(tmp) / name.replace(" ", "_")), **extra)
             rows.append((name, measure(raw, args.repeats)))
     print(
-        f"median of {args.repeats}; {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+        f"median of {args.repeats}; {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}"
     )
     print("| run | checkpoint size (MB) | save (s) | load (s) | resume to first step (s) |")
     print("|---|---:|---:|---:|---:|")
     for name, r in rows:
         print(
-            f"| {name} | {r['size_mb']:.2f} | {r['save_s']:.3f} | {r['load_s']:.3f} | {r['resume_to_first_step_s']:.2f} |"
+            f"| {name} | {r['size_mb']:.2f} | {r['save_s']:.3f} | {r['load_s']:.3f} | "
+            f"{r['resume_to_first_step_s']:.2f} |"
         )
     return 0
 

@@ -77,7 +77,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from simpletuner.memory.estimator import GiB, estimate_memory, measure_cpu_step, write_sd15_config_only
+    from simpletuner.memory.estimator import GiB, estimate_memory
+    from simpletuner.memory.measure import measure_cpu_step, write_sd15_config_only
     from simpletuner.models.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_sd
 
     print(
@@ -98,12 +99,13 @@ def main() -> int:
         worst = 0.0
         for label, overrides, batch in TINY_CASES:
             cfg = _config(tiny, tmp, tmp / "out", TINY_SD_RESOLUTION, TINY_SD_ALIGNMENT, **overrides)
-            seconds, est = _timed(lambda: estimate_memory(cfg, batch, device_kind="cpu"), args.repeats)
+            seconds, est = _timed(lambda c=cfg, b=batch: estimate_memory(c, b, device_kind="cpu"), args.repeats)
             real = measure_cpu_step(cfg, batch)
             error = est.activations / real.activations - 1
             worst = max(worst, abs(error))
             print(
-                f"{label:<20}{batch:>6}{seconds:>12.2f}{est.activations / 1024:>12.1f}{real.activations / 1024:>12.1f}{error:>+9.1%}"
+                f"{label:<20}{batch:>6}{seconds:>12.2f}{est.activations / 1024:>12.1f}"
+                f"{real.activations / 1024:>12.1f}{error:>+9.1%}"
             )
 
         print("\nSD1.5-size UNet (config-only folder, no weights), 512 px")
@@ -111,7 +113,7 @@ def main() -> int:
         slowest, tables = 0.0, []
         for label, overrides, batch in SD15_CASES:
             cfg = _config(sd15, tmp, tmp / "out", 512, 64, **overrides)
-            seconds, est = _timed(lambda: estimate_memory(cfg, batch), args.repeats)
+            seconds, est = _timed(lambda c=cfg, b=batch: estimate_memory(c, b), args.repeats)
             slowest = max(slowest, seconds)
             tables.append(est.table(int(args.usable_gib * GiB)))
             print(f"{label:<20}{batch:>6}{seconds:>12.2f}{est.activations / GiB:>17.2f}{est.total / GiB:>11.2f}")
@@ -121,10 +123,12 @@ def main() -> int:
 
     ok_time, ok_error = slowest < SD15_TARGET_S, worst <= TOLERANCE
     print(
-        f"target: SD1.5 estimate < {SD15_TARGET_S:.0f} s: slowest median {slowest:.2f} s -> {'PASS' if ok_time else 'FAIL'}"
+        f"target: SD1.5 estimate < {SD15_TARGET_S:.0f} s: slowest median {slowest:.2f} s -> "
+        f"{'PASS' if ok_time else 'FAIL'}"
     )
     print(
-        f"target: tiny model within {TOLERANCE:.0%}: worst activation error {worst:.1%} -> {'PASS' if ok_error else 'FAIL'}"
+        f"target: tiny model within {TOLERANCE:.0%}: worst activation error {worst:.1%} -> "
+        f"{'PASS' if ok_error else 'FAIL'}"
     )
     return 0 if ok_time and ok_error else 1
 

@@ -187,7 +187,8 @@ def main() -> None:
                 slower = staged["lz4", w, images][0] / none
                 what = "lz4 on every file (compress_encoded_images)" if images else "lz4 (captions only)"
                 print(
-                    f"- workers {w}: {what} takes {slower:.2f}x the time of none -> {'met' if slower < 1.2 else 'NOT met'}"
+                    f"- workers {w}: {what} takes {slower:.2f}x the time of none -> "
+                    f"{'met' if slower < 1.2 else 'NOT met'}"
                 )
 
 

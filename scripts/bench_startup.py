@@ -45,7 +45,7 @@ trainer = Trainer(StateTracker(loaded.config, loaded.raw))
 trainer.setup()
 batches = trainer.data.iterate(trainer.sampler, trainer.accelerator.device)
 t_setup = time.perf_counter()
-trainer.train_step([next(batches)]).item()
+trainer.train_step([next(batches)]).loss.item()
 t_step = time.perf_counter()
 print("BENCH" + json.dumps({"imports_torch": t_torch - t0, "imports_libs": t_libs - t_torch,
                             "imports_simpletuner": t_imports - t_libs,
@@ -72,7 +72,7 @@ def main() -> int:
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, str(config)], capture_output=True, text=True, env=env, check=True
             )
-            line = next(l for l in out.stdout.splitlines() if l.startswith("BENCH"))
+            line = next(ln for ln in out.stdout.splitlines() if ln.startswith("BENCH"))
             if i:
                 runs.append(json.loads(line[5:]))
     keys = list(runs[0])

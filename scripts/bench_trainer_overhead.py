@@ -9,6 +9,7 @@ alternating runs so machine noise hits both alike. Reports the median of several
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -29,8 +30,12 @@ from simpletuner.demo import write_demo  # noqa: E402
 from simpletuner.state import StateTracker  # noqa: E402
 from simpletuner.training.trainer import Trainer  # noqa: E402
 
+_RUNS = itertools.count()
+
 
 def make_trainer(config_path: Path, batch_size: int, steps: int) -> Trainer:
+    """A set-up trainer of the demo config in an output folder of its own: one that is only set up
+    keeps its ``output_dir`` lock until it is collected, and the next one must not wait for it."""
     import orjson
 
     raw = orjson.loads(config_path.read_bytes())
@@ -40,6 +45,7 @@ def make_trainer(config_path: Path, batch_size: int, steps: int) -> Trainer:
         validation_prompt=None,
         checkpointing_steps=None,
         logging_steps=steps,
+        output_dir=str(config_path.parent / f"output-{next(_RUNS)}"),
     )
     trainer = Trainer(StateTracker(validate_config(raw), raw))
     trainer.setup()
@@ -52,7 +58,7 @@ def run_ours(trainer: Trainer, steps: int) -> float:
     pending = []
     start = time.perf_counter()
     for _ in range(steps):
-        pending.append(trainer.train_step([next(batches)]))
+        pending.append(trainer.train_step([next(batches)]).loss)
     torch.stack(pending).tolist()
     return steps / (time.perf_counter() - start)
 

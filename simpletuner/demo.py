@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import random
 import re
@@ -10,7 +11,9 @@ from pathlib import Path
 import orjson
 from PIL import Image, ImageDraw, ImageFont
 
+from simpletuner.commands import add_log_level_argument
 from simpletuner.models.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_model
+from simpletuner.train import main as train_main
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -167,3 +170,27 @@ def write_before_after(output_dir: str | Path, prompt: str | None = None, min_ti
     path = output_dir / "before_after.png"
     sheet.save(path)
     return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simpletuner demo``'s options."""
+    parser.add_argument(
+        "--dir", default="demo_run", help="folder for model, data, config and output (default: demo_run)"
+    )
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    add_log_level_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``simpletuner demo``: write the demo, train on it, show before | after; returns the exit code."""
+    config = write_demo(args.dir, max_train_steps=args.steps)
+    print(f"demo: model, data and config written under {config.parent}")
+    # --overwrite: a demo re-run starts afresh (its caches are re-used); `train` on its config extends it
+    code = train_main(["--config", str(config), "--log-level", args.log_level, "--overwrite"])
+    if code == 0:
+        out = config.parent / "output"
+        print(f"demo: LoRA at {out / 'pytorch_lora_weights.safetensors'}; all samples in {out / 'validation'}")
+        side_by_side = write_before_after(out, prompt=VALIDATION_PROMPT)
+        if side_by_side is not None:
+            print(f"demo: before | after training (same seed and prompt): {side_by_side}")
+    return code

@@ -16,6 +16,7 @@ This module imports nothing from simpletuner, so any layer may use it.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -99,7 +100,8 @@ def config_file(name: str) -> Path:
     if not known:
         raise FileNotFoundError(
             f"simpletuner's config files are missing: no {root} (installed wheel) and no config/ folder beside the "
-            f"package (source checkout). Reinstall simpletuner from its checkout (pip install --force-reinstall .) or the wheel you installed."
+            "package (source checkout). Reinstall simpletuner from its checkout (pip install --force-reinstall .) "
+            "or the wheel you installed."
         )
     hint = f" (did you mean {' or '.join(matches)}?)" if matches else ""
     raise FileNotFoundError(
@@ -135,3 +137,25 @@ def print_config_path(name: str | None, list_all: bool = False, stream=None) -> 
         return 2
     print(path, file=stream)
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simpletuner config-path``'s options."""
+    parser.description = (
+        "Print where a file of simpletuner's config folder is: config/ in a checkout, inside the "
+        "package when installed from a wheel. E.g. accelerate launch --config_file "
+        '"$(simpletuner config-path accelerate_config_gh200.yaml)" -m simpletuner.train --config cfg.json'
+    )
+    parser.add_argument(
+        "name",
+        nargs="?",
+        metavar="NAME",
+        help="accelerate_config_gh200.yaml, presets/gh200.json, examples/sd15_lora.json, a file name that "
+        "occurs once, or gh200 / gh200_fsdp for the Accelerate YAMLs; none: the folder itself",
+    )
+    parser.add_argument("--list", action="store_true", help="print the path of every bundled file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``simpletuner config-path`` from the parsed arguments; returns the exit code."""
+    return print_config_path(args.name, list_all=args.list)

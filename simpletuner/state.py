@@ -2,12 +2,20 @@
 
 An ordinary object made per run and passed in explicitly: no class attributes, no module
 globals, so two runs in one process never see each other's state.
+
+Who reads what: the trainer builds its samplers and caches from ``datasets`` (the factory
+registers them), shows ``cache_dirs`` when a stop keeps a partial cache fill, logs
+``setting_sources`` / ``startup_notes`` (the entry point fills them) and holds ``run_locks``, which
+the cache fill adds its locks to. ``gh200_runtime_config`` (also written to
+``<output_dir>/gh200_runtime.json``), ``get_dataset`` and ``delete_cache_files`` serve tools and
+tests: training itself never uses them.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -29,6 +37,8 @@ class StateTracker:
         self.setting_sources: dict[str, str] = {}
         #: lines to log once the run's log is open (e.g. what a --preset filled in)
         self.startup_notes: list[str] = []
+        #: locks held until the run ends (the trainer's output_dir lock, then the cache folders')
+        self.run_locks: ExitStack | None = None
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
 

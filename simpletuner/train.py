@@ -1,4 +1,4 @@
-"""Entry point: ``accelerate launch simpletuner/train.py --config cfg.json``."""
+"""``simpletuner train``, also run on its own: ``accelerate launch simpletuner/train.py --config cfg.json``."""
 
 from __future__ import annotations
 
@@ -6,16 +6,17 @@ import argparse
 import sys
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="simpletuner train", description="Train from a JSON config.")
-    parser.add_argument("--config", required=True, help="path to the training JSON")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (dotted for nested keys; JSON values), e.g. --set max_train_steps=10",
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simpletuner train``'s options (also those of ``python -m simpletuner.train``)."""
+    # Imported here, as everything of ours in this module: run as a script, the path is fixed only at its end.
+    from simpletuner.commands import add_config_arguments, add_log_level_argument
+
+    parser.description = "Train from a JSON config."
+    add_config_arguments(
+        parser,
+        required=True,
+        config_help="path to the training JSON",
+        set_help="override a config key (dotted for nested keys; JSON values), e.g. --set max_train_steps=10",
     )
     parser.add_argument(
         "--preset",
@@ -23,11 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="fill the keys the config (and the launch) leave unset from a memory preset "
         "(`simpletuner estimate --list-presets`); the effective values are logged",
     )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)",
+    add_log_level_argument(
+        parser, help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)"
     )
     parser.add_argument(
         "--peak-tflops",
@@ -41,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and "
         "logs, then start afresh (without it such a run is refused; other files there are kept)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m simpletuner.train`` / ``accelerate launch simpletuner/train.py``."""
+    parser = argparse.ArgumentParser(prog="simpletuner train")
+    add_arguments(parser)
     return parser
 
 
@@ -109,7 +113,7 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path), sources, notes
 
 
-def run(
+def run_training(
     config_path: str,
     overrides=(),
     log_level: str = "INFO",
@@ -179,6 +183,23 @@ def _is_main_rank() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m simpletuner.train ARGV`` (and ``accelerate launch simpletuner/train.py``); returns the exit code."""
+    return _with_signals(lambda: build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``simpletuner train``: train from the parsed arguments; returns the exit code.
+
+    A rank of a multi-process launch ends its process here, as train.py's ranks do (:func:`end_process`).
+    """
+    code = _with_signals(lambda: args)
+    if not _is_single_process():
+        end_process(code)
+    return code
+
+
+def _with_signals(parse) -> int:
+    """Train from ``parse()``'s arguments with the run's signal handlers installed first."""
     from simpletuner.training.reliability import (
         RunSignals,
         RunStopped,
@@ -186,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with RunSignals():  # SIGTERM / SIGINT in any phase: one line and 143 / 130, never a traceback
         try:
-            return _main(argv)
+            return _main(parse())
         except RunStopped as exc:  # a signal while _main imports, before its own handlers
             print(_stopped_line(exc), file=sys.stderr)
             return exc.exit_code
@@ -213,7 +234,7 @@ def _peer_stopped(exc: Exception) -> bool:
     )
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(args: argparse.Namespace) -> int:
     import signal
 
     from simpletuner.configuration import ConfigError
@@ -223,9 +244,8 @@ def _main(argv: list[str] | None) -> int:
     from simpletuner.training.reliability import RunSignals, RunStopped
     from simpletuner.training.run_folder import RunFolderTaken
 
-    args = build_parser().parse_args(argv)
     try:
-        run(
+        run_training(
             args.config,
             args.overrides,
             args.log_level,

@@ -32,25 +32,12 @@ def shapes_dir(tmp_path_factory):
 
 @pytest.fixture
 def make_config(tiny_sd, shapes_dir, tmp_path):
-    """Build a raw config dict for the tiny model; keyword overrides replace keys."""
+    """Build a raw config dict for the tiny model (training_helpers.tiny_config); keyword overrides
+    replace keys."""
+    from training_helpers import tiny_config  # here, as in the fixtures above: it imports the Trainer
 
     def _make(**overrides):
-        raw = {
-            "pretrained_model_name_or_path": str(tiny_sd),
-            "model_family": "sd",
-            "output_dir": str(tmp_path / "output"),
-            "resolution": 64,
-            "aspect_bucket_alignment": 16,
-            "train_batch_size": 2,
-            "max_train_steps": 4,
-            "learning_rate": 1e-3,
-            "logging_steps": 1,
-            "seed": 123,
-            "cache_config": {"cache_dir": str(tmp_path / "cache")},
-            "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(shapes_dir)}],
-        }
-        raw.update(overrides)
-        return raw
+        return tiny_config(tiny_sd, shapes_dir, tmp_path, **overrides)
 
     return _make
 
@@ -77,4 +64,18 @@ def fake_runtime():
     runtime = FakeRuntime()
     with use_runtime(runtime):
         yield runtime
+    uvm._reset_for_tests()
+
+
+@pytest.fixture
+def clean_uvm_state(monkeypatch):
+    """No SIMPLETUNER_GH200_UVM_HINTS from the caller's shell, no hint override, nothing said yet; the
+    process's CUDA runtime restored afterwards (gh200.uvm keeps these per process)."""
+    from simpletuner.gh200 import runtime as runtime_module
+    from simpletuner.gh200 import uvm
+
+    monkeypatch.delenv(uvm.ENV_VAR, raising=False)
+    monkeypatch.setattr(runtime_module, "_runtime", runtime_module._runtime)
+    uvm._reset_for_tests()
+    yield
     uvm._reset_for_tests()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from training_helpers import train
 
 from simpletuner.caching import MemoryTensorStore, ShardedTensorStore, sample_latent_key
+from simpletuner.caching.reencode import EpochLatents
 from simpletuner.configuration import validate_config
 from simpletuner.configuration.schema import Augmentations
 from simpletuner.data_backend import BucketSampler, build_datasets
@@ -27,7 +28,6 @@ from simpletuner.models.sd import StableDiffusionSpec
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.batches import prepare_caches
-from simpletuner.training.reencode import EpochLatents
 
 AUG = {"flip_probability": 0.5, "crop_jitter": 0.1, "color_jitter": 0.2}
 CPU = torch.device("cpu")

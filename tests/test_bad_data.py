@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fakes import data_only_config
 from PIL import Image
 
 from simpletuner.configuration import validate_config
@@ -227,14 +228,7 @@ def dataset_entry(kind: str, folder: Path, **extra) -> dict:
 
 
 def make_state(kind: str, folder: Path, max_bad: float = 0.5) -> StateTracker:
-    raw = {
-        "pretrained_model_name_or_path": "unused",
-        "max_train_steps": 1,
-        "resolution": 64,
-        "aspect_bucket_alignment": 16,
-        "max_bad_image_fraction": max_bad,
-        "datasets": [dataset_entry(kind, folder)],
-    }
+    raw = data_only_config(dataset_entry(kind, folder), max_bad)
     return StateTracker(validate_config(raw, check_files=False), raw)
 
 

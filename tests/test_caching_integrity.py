@@ -226,7 +226,7 @@ def test_garbage_header_is_unreadable_and_quarantined(tmp_path):
 
 
 def test_shard_removed_under_a_running_reader_raises_a_clear_error(tmp_path):
-    cache = _filled(tmp_path, n=2, flush_every=2)
+    _filled(tmp_path, n=2, flush_every=2)
     store = ShardedTensorStore(tmp_path)
     _shard_of(store, "k0").unlink()
     with pytest.raises(CacheIntegrityError, match="simpletuner cache verify"):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_cuda import FakeRuntime
+from fakes import RecordingEncoder
 
 from simpletuner.caching import (
     MemoryTensorStore,
@@ -237,7 +238,6 @@ def test_plain_memory_store_makes_no_runtime_calls(tmp_path, hints_on):
 
 
 def test_unified_store_loaded_from_disk_is_placed_in_managed_memory(tmp_path, hints_on):
-    runtime = hints_on
     latent = torch.randn(4, 8, 8)
     vae, _ = open_caches(tmp_path, "sd", vae_type="unified_memory", text_type="disk", persistent=True)
     vae.store.put_many({"img": {"latent": latent}})
@@ -275,24 +275,6 @@ def test_unified_memory_without_cuda_falls_back_with_a_warning(tmp_path, caplog,
 
 
 # --- TensorCache over a memory store ---
-
-
-class RecordingEncoder:
-    """A fake VAE: each latent is filled with the payload's id; records every call."""
-
-    def __init__(self):
-        self.calls: list[list[dict]] = []
-
-    def __call__(self, payloads):
-        self.calls.append(list(payloads))
-        assert len({p["bucket"] for p in payloads}) == 1, "a batch mixed buckets"
-        width, height = payloads[0]["bucket"]
-        batch = torch.stack([torch.full((4, height // 8, width // 8), float(p["id"])) for p in payloads])
-        return [{"latent": batch[i].half()} for i in range(len(payloads))]
-
-    @property
-    def num_computed(self):
-        return sum(len(call) for call in self.calls)
 
 
 def _items(n: int):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from fakes import RecordingEncoder
 
 from simpletuner.caching import (
     FillReport,
@@ -11,25 +12,6 @@ from simpletuner.caching import (
     open_caches,
 )
 from simpletuner.state import StateTracker
-
-
-class RecordingEncoder:
-    """A fake encoder: a latent whose shape follows the payload's bucket; records its calls."""
-
-    def __init__(self):
-        self.calls: list[list[dict]] = []
-
-    def __call__(self, payloads):
-        self.calls.append(list(payloads))
-        buckets = {p["bucket"] for p in payloads}
-        assert len(buckets) == 1, f"a batch mixed buckets {buckets}"
-        width, height = payloads[0]["bucket"]
-        batch = torch.stack([torch.full((4, height // 8, width // 8), float(p["id"])) for p in payloads])
-        return [{"latent": batch[i].half()} for i in range(len(payloads))]
-
-    @property
-    def num_computed(self):
-        return sum(len(call) for call in self.calls)
 
 
 def _items(n: int, **overrides):

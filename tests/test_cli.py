@@ -1,10 +1,64 @@
-"""The `simpletuner` command: train errors, zoo, and the demo through the real train path."""
+"""The `simpletuner` command: its command table, train errors, zoo, and the demo through the real train path."""
 
 from __future__ import annotations
 
-import orjson
+import importlib
+import subprocess
+import sys
 
-from simpletuner.cli import main
+import orjson
+import pytest
+
+from simpletuner.cli import COMMANDS, main
+
+
+def test_every_command_module_declares_its_arguments_and_runs_them():
+    for name, entry in COMMANDS.items():
+        module = importlib.import_module(entry.module)
+        assert callable(module.add_arguments) and callable(module.run), name
+
+
+@pytest.mark.parametrize("name", ["train", "cache", "diagnose"])
+def test_a_command_that_also_runs_on_its_own_reads_the_same_under_simpletuner(name, capsys):
+    own = importlib.import_module(COMMANDS[name].module)
+    own_parser = own.build_parser("simpletuner diagnose") if name == "diagnose" else own.build_parser()
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == own_parser.format_help()
+
+    with pytest.raises(SystemExit) as exit_:  # unknown arguments: said under its own name, as on its own
+        main(
+            [
+                name,
+                *{"train": ["--config", "c.json"], "cache": ["verify", "--config", "c.json"]}.get(name, []),
+                "--bogus",
+            ]
+        )
+    assert exit_.value.code == 2
+    assert f"simpletuner {name}: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_other_commands_leave_unknown_arguments_to_simpletuner(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "simpletuner: error: unrecognized arguments: --bogus"
+
+
+def test_help_loads_only_the_command_asked_for():
+    """`simpletuner --help` and `simpletuner train --help` stay quick: no torch, no other command's module."""
+    probe = (
+        "import sys\n"
+        "from simpletuner.cli import main\n"
+        "for argv in (['--help'], ['train', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(sorted(m for m in ('torch', 'simpletuner.memory.cli', 'simpletuner.demo') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines()[-1] == "[]"
 
 
 def test_train_with_bad_config_exits_2_and_lists_problems(tmp_path, capsys, make_config):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from simpletuner.configuration import ConfigError, load_config, validate_config
 from simpletuner.configuration.docs import render
@@ -105,7 +106,7 @@ def test_data_backend_config_file_is_resolved_relative_to_config(make_config, tm
 
 def test_config_is_frozen(make_config):
     cfg = validate_config(make_config())
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.learning_rate = 1.0
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from pydantic import ValidationError
 
 from simpletuner.configuration import ConfigError, load_config, validate_config
 from simpletuner.configuration.docs import ERRORS
@@ -133,7 +134,7 @@ def test_valid_config_is_still_frozen_and_unchanged(make_config):
     cfg = validate_config(make_config(cuda_allocator={"backend": "cudaMallocAsync", "expandable_segments": True}))
     assert isinstance(cfg, TrainingConfig)
     assert cfg.cuda_allocator == {"backend": "cudaMallocAsync", "expandable_segments": True}
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.resolution = 128
 
 

@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from fakes import data_only_config
 from PIL import Image, ImageFile
 
 from simpletuner.configuration import validate_config
@@ -15,17 +16,10 @@ from simpletuner.data_backend import LocalDataBackend, bucket_for, build_metadat
 from simpletuner.data_backend.metadata import caption_from_filename, crop_seed_for
 
 
-def make_config(folder, max_bad=0.05, **dataset):
+def scan_config(folder, max_bad=0.05, **dataset):
+    """The validated config and its one dataset, for a scan of ``folder`` (no model is read)."""
     entry = {"id": "ds", "type": "local", "instance_data_dir": str(folder), **dataset}
-    raw = {
-        "pretrained_model_name_or_path": "unused",
-        "max_train_steps": 1,
-        "resolution": 64,
-        "aspect_bucket_alignment": 16,
-        "max_bad_image_fraction": max_bad,
-        "datasets": [entry],
-    }
-    config = validate_config(raw, check_files=False)
+    config = validate_config(data_only_config(entry, max_bad), check_files=False)
     return config, config.datasets[0]
 
 
@@ -66,12 +60,12 @@ def test_textfile_caption_and_fallbacks(tmp_path):
     write_image(tmp_path / "no_text.png")
     backend = LocalDataBackend(tmp_path, "ds")
 
-    _, cfg = make_config(tmp_path)
+    _, cfg = scan_config(tmp_path)
     assert caption_for(backend, "with_text.png", cfg) == ("a red square", "textfile")
     assert caption_for(backend, "empty_text_01.png", cfg) == ("empty text", "filename")
     assert caption_for(backend, "no_text.png", cfg) == ("no text", "filename")
 
-    _, cfg = make_config(tmp_path, instance_prompt="sks toy")
+    _, cfg = scan_config(tmp_path, instance_prompt="sks toy")
     assert caption_for(backend, "with_text.png", cfg) == ("a red square", "textfile")
     assert caption_for(backend, "empty_text_01.png", cfg) == ("sks toy", "instance_prompt")
     assert caption_for(backend, "no_text.png", cfg) == ("sks toy", "instance_prompt")
@@ -80,7 +74,7 @@ def test_textfile_caption_and_fallbacks(tmp_path):
 def test_textfile_non_utf8_is_replaced_with_warning(tmp_path, caplog):
     write_image(tmp_path / "latin.png")
     (tmp_path / "latin.txt").write_bytes("café crème".encode("latin-1"))
-    _, cfg = make_config(tmp_path)
+    _, cfg = scan_config(tmp_path)
     with caplog.at_level(logging.WARNING):
         caption, source = caption_for(LocalDataBackend(tmp_path, "ds"), "latin.png", cfg)
     assert source == "textfile"
@@ -91,7 +85,7 @@ def test_textfile_non_utf8_is_replaced_with_warning(tmp_path, caplog):
 def test_textfile_utf8_with_bom_and_unicode(tmp_path):
     write_image(tmp_path / "猫.png")
     (tmp_path / "猫.txt").write_bytes("\ufeff黒い猫".encode("utf-8"))
-    _, cfg = make_config(tmp_path)
+    _, cfg = scan_config(tmp_path)
     assert caption_for(LocalDataBackend(tmp_path, "ds"), "猫.png", cfg) == ("黒い猫", "textfile")
 
 
@@ -99,9 +93,9 @@ def test_filename_and_instance_prompt_strategies(tmp_path):
     write_image(tmp_path / "blue_sky_003.png")
     (tmp_path / "blue_sky_003.txt").write_text("ignored")
     backend = LocalDataBackend(tmp_path, "ds")
-    _, cfg = make_config(tmp_path, caption_strategy="filename")
+    _, cfg = scan_config(tmp_path, caption_strategy="filename")
     assert caption_for(backend, "blue_sky_003.png", cfg) == ("blue sky", "filename")
-    _, cfg = make_config(tmp_path, caption_strategy="instance_prompt", instance_prompt="a photo of sks")
+    _, cfg = scan_config(tmp_path, caption_strategy="instance_prompt", instance_prompt="a photo of sks")
     assert caption_for(backend, "blue_sky_003.png", cfg) == ("a photo of sks", "instance_prompt")
 
 
@@ -130,7 +124,7 @@ def _add_bad_files(folder):
 
 
 def test_build_metadata_sizes_buckets_and_captions(mixed_folder):
-    config, cfg = make_config(mixed_folder, instance_prompt="fallback")
+    config, cfg = scan_config(mixed_folder, instance_prompt="fallback")
     meta = build_metadata(LocalDataBackend(mixed_folder, "ds"), cfg, config, seed=3)
     assert meta.bad_files == []
     by_path = {s.path: s for s in meta.samples}
@@ -148,7 +142,7 @@ def test_build_metadata_sizes_buckets_and_captions(mixed_folder):
 
 
 def test_crop_seed_is_stable_and_depends_on_seed_and_key(mixed_folder):
-    config, cfg = make_config(mixed_folder)
+    config, cfg = scan_config(mixed_folder)
     backend = LocalDataBackend(mixed_folder, "ds")
     first = {s.key: s.crop_seed for s in build_metadata(backend, cfg, config, seed=3).samples}
     again = {s.key: s.crop_seed for s in build_metadata(backend, cfg, config, seed=3).samples}
@@ -161,7 +155,7 @@ def test_crop_seed_is_stable_and_depends_on_seed_and_key(mixed_folder):
 
 
 def test_repeats_multiply_samples(mixed_folder):
-    config, cfg = make_config(mixed_folder, repeats=2)
+    config, cfg = scan_config(mixed_folder, repeats=2)
     meta = build_metadata(LocalDataBackend(mixed_folder, "ds"), cfg, config, seed=0)
     assert len(meta.samples) == 27
     assert all(n == 3 for n in Counter(s.key for s in meta.samples).values())
@@ -169,7 +163,7 @@ def test_repeats_multiply_samples(mixed_folder):
 
 def test_bad_files_are_skipped_with_reasons(mixed_folder, caplog):
     _add_bad_files(mixed_folder)
-    config, cfg = make_config(mixed_folder, max_bad=0.5)
+    config, cfg = scan_config(mixed_folder, max_bad=0.5)
     with caplog.at_level(logging.WARNING):
         meta = build_metadata(LocalDataBackend(mixed_folder, "ds"), cfg, config, seed=0)
     reasons = dict(meta.bad_files)
@@ -183,7 +177,7 @@ def test_bad_files_are_skipped_with_reasons(mixed_folder, caplog):
 
 def test_too_many_bad_files_raise_naming_the_limit(mixed_folder):
     _add_bad_files(mixed_folder)
-    config, cfg = make_config(mixed_folder, max_bad=0.1)
+    config, cfg = scan_config(mixed_folder, max_bad=0.1)
     with pytest.raises(ValueError) as info:
         build_metadata(LocalDataBackend(mixed_folder, "ds"), cfg, config, seed=0)
     message = str(info.value)
@@ -194,21 +188,21 @@ def test_too_many_bad_files_raise_naming_the_limit(mixed_folder):
 
 def test_all_files_bad_raises_even_when_allowed(tmp_path):
     _add_bad_files(tmp_path)
-    config, cfg = make_config(tmp_path, max_bad=1.0)
+    config, cfg = scan_config(tmp_path, max_bad=1.0)
     with pytest.raises(ValueError, match="none of the 3 image files"):
         build_metadata(LocalDataBackend(tmp_path, "ds"), cfg, config, seed=0)
 
 
 def test_empty_folder_names_the_folder(tmp_path):
     (tmp_path / "readme.txt").write_text("no images here")
-    config, cfg = make_config(tmp_path)
+    config, cfg = scan_config(tmp_path)
     with pytest.raises(ValueError, match="no images found under") as info:
         build_metadata(LocalDataBackend(tmp_path, "ds"), cfg, config, seed=0)
     assert str(tmp_path) in str(info.value) and ".webp" in str(info.value)
 
 
 def test_dataset_resolution_overrides_global(mixed_folder):
-    config, cfg = make_config(mixed_folder, resolution=32)
+    config, cfg = scan_config(mixed_folder, resolution=32)
     meta = build_metadata(LocalDataBackend(mixed_folder, "ds"), cfg, config, seed=0)
     assert {s.bucket for s in meta.samples if s.path == "square.png"} == {(32, 32)}
 
@@ -219,6 +213,6 @@ def test_scan_never_decodes_pixels(mixed_folder, monkeypatch):
 
     monkeypatch.setattr(Image.Image, "load", no_decode)
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decode)
-    config, cfg = make_config(mixed_folder)
+    config, cfg = scan_config(mixed_folder)
     meta = build_metadata(LocalDataBackend(mixed_folder, "ds"), cfg, config, seed=0)
     assert len(meta.samples) == 9

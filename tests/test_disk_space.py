@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from training_helpers import same_weights, tiny_config
 
 from simpletuner import diskspace
 from simpletuner.caching.memory_store import MemoryTensorStore
@@ -32,22 +33,7 @@ LORA = "pytorch_lora_weights.safetensors"
 
 
 def _config(root: Path, tiny_sd: Path, shapes_dir: Path, **overrides) -> dict:
-    raw = {
-        "pretrained_model_name_or_path": str(tiny_sd),
-        "model_family": "sd",
-        "output_dir": str(root / "output"),
-        "resolution": 64,
-        "aspect_bucket_alignment": 16,
-        "train_batch_size": 2,
-        "max_train_steps": 2,
-        "learning_rate": 1e-3,
-        "logging_steps": 1,
-        "seed": 123,
-        "cache_config": {"cache_dir": str(root / "cache")},
-        "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(shapes_dir)}],
-    }
-    raw.update(overrides)
-    return raw
+    return tiny_config(tiny_sd, shapes_dir, root, **{"max_train_steps": 2, **overrides})
 
 
 def _main(raw: dict, folder: Path, monkeypatch, capsys, fault: str | None = None, *extra: str) -> tuple[int, str]:
@@ -65,8 +51,7 @@ def _main(raw: dict, folder: Path, monkeypatch, capsys, fault: str | None = None
 
 
 def _same_weights(a: Path, b: Path) -> bool:
-    left, right = load_file(a), load_file(b)
-    return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+    return same_weights(load_file(a), load_file(b))
 
 
 def _temp_files(*folders: Path) -> list[Path]:

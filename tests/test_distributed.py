@@ -1,4 +1,9 @@
-"""Two real processes on CPU (gloo DDP) through `accelerate launch`."""
+"""Two real processes on CPU (gloo DDP) through `accelerate launch`.
+
+Each launch starts three interpreters, so the launches are few: one uninterrupted run, shared by the
+module, serves the sharding checks and is the reference the SIGTERM case resumes to; that case's
+resume is the two-process resume check.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import orjson
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import same_weights, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,8 +30,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [
+def _launch_cmd(config: Path, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -45,23 +51,45 @@ def _launch(config: Path, *extra: str, timeout: int = 300) -> subprocess.Complet
         str(config),
         *extra,
     ]
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+ENV = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def _launch(config: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _launch_cmd(config, *extra), capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT
+    )
+
+
+def _write(raw: dict, path: Path) -> Path:
+    path.write_bytes(orjson.dumps(raw))
+    return path
+
+
+#: Steps of the shared two-process run: long enough that a SIGTERM sent at step 3 lands well before the end.
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_sd, shapes_dir, tmp_path_factory):
+    """One uninterrupted two-process run of STEPS steps (checkpoints every 4, DEBUG log), launched
+    once for the module: ``(raw config, finished process)``. Read only."""
+    root = tmp_path_factory.mktemp("distributed")
+    raw = tiny_config(tiny_sd, shapes_dir, root, max_train_steps=STEPS, checkpointing_steps=4, train_batch_size=2)
+    proc = _launch(_write(raw, root / "straight.json"), "--log-level", "DEBUG")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return raw, proc
 
 
 @pytest.mark.slow
-def test_two_processes_shard_batches_and_only_rank0_writes(make_config, tmp_path):
-    raw = make_config(max_train_steps=4, checkpointing_steps=2, train_batch_size=2)
-    path = tmp_path / "cfg.json"
-    path.write_bytes(orjson.dumps(raw))
-    proc = _launch(path, "--log-level", "DEBUG")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
+def test_two_processes_shard_batches_and_only_rank0_writes(straight):
+    raw, proc = straight
     # Each rank logs the sample keys of every micro-batch at DEBUG: the two ranks never share one.
     seen: dict[int, list[list[str]]] = {0: [], 1: []}
     for rank, keys in re.findall(r"rank (\d) micro-batch: (\[.*?\])", proc.stderr):
         seen[int(rank)].append(orjson.loads(keys.replace("'", '"')))
-    assert len(seen[0]) == len(seen[1]) == 4
+    assert len(seen[0]) == len(seen[1]) == STEPS
     for a, b in zip(seen[0], seen[1]):
         assert len(a) == len(b) == 2
         assert not set(a) & set(b), (a, b)
@@ -73,14 +101,6 @@ def test_two_processes_shard_batches_and_only_rank0_writes(make_config, tmp_path
     assert state["samples_seen"] == 4 * 2 * 2  # steps x batch x processes
     assert sorted(p.name for p in (out / "checkpoint-4").glob("rng_state_*.pt")) == ["rng_state_0.pt", "rng_state_1.pt"]
     assert not list(out.glob(".checkpoint-*"))
-
-    # Resume with two processes continues to the new end.
-    raw2 = dict(raw, max_train_steps=6, resume_from_checkpoint="latest")
-    path.write_bytes(orjson.dumps(raw2))
-    proc = _launch(path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resumed from" in proc.stderr and "at step 4" in proc.stderr
-    assert (out / "latest").read_text() == "checkpoint-6"
 
 
 def _children(pid: int) -> list[int]:
@@ -107,39 +127,15 @@ def _rank_pids(launcher: int) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(make_config, tmp_path):
-    """All ranks agree on a preemption at a step boundary, save together, and the resume matches
-    an uninterrupted two-process run bit for bit."""
-    total = 30
-    straight_raw = make_config(max_train_steps=total, output_dir=str(tmp_path / "straight"))
-    straight_cfg = tmp_path / "straight.json"
-    straight_cfg.write_bytes(orjson.dumps(straight_raw))
-    assert _launch(straight_cfg).returncode == 0
-
-    raw = make_config(max_train_steps=total, output_dir=str(tmp_path / "run"), logging_steps=1)
-    cfg = tmp_path / "run.json"
-    cfg.write_bytes(orjson.dumps(raw))
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(_free_port()),
-        str(ROOT / "simpletuner" / "train.py"),
-        "--config",
-        str(cfg),
-    ]
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(straight, make_config, tmp_path):
+    """All ranks agree on a preemption at a step boundary, save together, and the two-process resume
+    continues to the end, matching the uninterrupted two-process run bit for bit."""
+    straight_raw, _ = straight
+    raw = make_config(max_train_steps=STEPS, output_dir=str(tmp_path / "run"), logging_steps=1)
+    cfg = _write(raw, tmp_path / "run.json")
+    proc = subprocess.Popen(
+        _launch_cmd(cfg), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     for line in proc.stderr:
         if "step 3/" in line:
             pids = _rank_pids(proc.pid)
@@ -153,13 +149,14 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(mak
     latest = (out / "latest").read_text()
     assert sorted(p.name for p in out.glob("checkpoint-*/rng_state_*.pt")) == ["rng_state_0.pt", "rng_state_1.pt"]
 
-    cfg.write_bytes(orjson.dumps(dict(raw, resume_from_checkpoint="latest")))
+    _write(dict(raw, resume_from_checkpoint="latest"), cfg)
     resumed = _launch(cfg)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"resumed from {out / latest}" in resumed.stderr
+    assert f"resumed from {out / latest} at step {int(latest.split('-')[1])}" in resumed.stderr
+    assert (out / "latest").read_text() == f"checkpoint-{STEPS}"  # checkpoint_at_end: the new end
     want = load_file(Path(straight_raw["output_dir"]) / "pytorch_lora_weights.safetensors")
     got = load_file(out / "pytorch_lora_weights.safetensors")
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert same_weights(want, got)
 
 
 @pytest.mark.slow
@@ -179,9 +176,7 @@ def test_two_processes_train_both_wan22_experts(make_config, tmp_path):
         train_batch_size=1,
         checkpointing_steps=6,
     )
-    path = tmp_path / "cfg.json"
-    path.write_bytes(orjson.dumps(raw))
-    proc = _launch(path)
+    proc = _launch(_write(raw, tmp_path / "cfg.json"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = Path(raw["output_dir"])
     for name in LORA_FILES.values():

@@ -10,7 +10,7 @@ def test_a_bug_in_train_exits_70_with_what_to_report(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise AttributeError("'_AutocastForward' object has no attribute 'config'")
 
-    monkeypatch.setattr(train, "run", broken)
+    monkeypatch.setattr(train, "run_training", broken)
     assert train.main(["--config", "cfg.json"]) == exit_codes.INTERNAL_ERROR == 70
     err = capsys.readouterr().err
     assert "Traceback" in err and "AttributeError" in err
@@ -65,7 +65,7 @@ def test_a_full_disk_rank_zero_reported_is_printed_once(monkeypatch, capsys, tmp
 
     for rank, agreed, printed in [("0", False, True), ("1", True, False), ("1", False, True)]:
         monkeypatch.setenv("RANK", rank)
-        monkeypatch.setattr(train, "run", full(agreed))
+        monkeypatch.setattr(train, "run_training", full(agreed))
         assert train.main(["--config", "cfg.json"]) == exit_codes.NO_SPACE == 5
         err = capsys.readouterr().err
         assert ("not enough disk space for checkpoint-4: needs ~1.0 GB" in err) is printed, (rank, agreed, err)

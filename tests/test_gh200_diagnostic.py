@@ -16,6 +16,7 @@ from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
 from simpletuner.gh200 import diagnostic
 from simpletuner.gh200.diagnostic import main
 from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
+from simpletuner.host import collect_host, parse_meminfo
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup_gh200_env.sh"
@@ -178,8 +179,8 @@ def test_alloc_conf_warning_for_keys_pytorch_rejects(capsys, monkeypatch):
 
 def test_parse_meminfo_and_missing_file(tmp_path):
     text = "MemTotal:       16384 kB\nMemFree:  1 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n"
-    assert diagnostic.parse_meminfo(text) == {"ram_total_bytes": 16384 * 1024, "ram_available_bytes": 8192 * 1024}
-    host = diagnostic.collect_host(str(tmp_path / "absent"))
+    assert parse_meminfo(text) == {"ram_total_bytes": 16384 * 1024, "ram_available_bytes": 8192 * 1024}
+    host = collect_host(str(tmp_path / "absent"))
     assert host["ram_total_bytes"] is None and host["cpu_count"] >= 1
 
 

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from simpletuner.configuration import ConfigError, validate_config
-from simpletuner.gh200.ramp import GH200GradientRamp, count_steps
+from simpletuner.gh200.ramp import GH200GradientRamp
 from simpletuner.state import StateTracker
+from simpletuner.training.accumulation import count_steps
 from simpletuner.training.trainer import Trainer
 
 

@@ -266,7 +266,7 @@ _CHILD = """
 import sys
 import torch
 from torch import nn
-from simpletuner.training.quantize import quantize_base
+from simpletuner.models.adapters.quantize import quantize_base
 
 # The product first: in_features 24 and 40 (not multiples of 16) and a non-contiguous input.
 torch.manual_seed(0)

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
 from safetensors.torch import load_file
-from training_helpers import train
+from training_helpers import same_weights, train
 
 from simpletuner import locks
 from simpletuner.caching import ShardedTensorStore, admin
@@ -238,7 +237,15 @@ def test_concurrent_launches_one_output_dir_refused_one_cache_filled_once(make_c
         assert f"pid {run_a.pid} on host {socket.gethostname()}, started {holder.started}" in err_c
         assert "Traceback" not in err_c and err_c.count("error: output_dir") == 1
         assert run_a.poll() is None  # A is still waiting: C stopped at once, before anything loaded
-    # The test's fill "ended" without writing: A and B now fill one after the other.
+    # The test's fill "ended" without writing: A and B now fill one after the other. Meanwhile the
+    # same run trains undisturbed in this process (its own cache and output_dir): the reference.
+    _, solo = train(
+        make_config(
+            max_train_steps=3,
+            output_dir=str(tmp_path / "solo"),
+            cache_config={"cache_dir": str(tmp_path / "solo_cache")},
+        )
+    )
     out_a, err_a = run_a.communicate(timeout=120)
     out_b, err_b = run_b.communicate(timeout=120)
     assert run_a.returncode == 0, err_a[-3000:]
@@ -251,16 +258,8 @@ def test_concurrent_launches_one_output_dir_refused_one_cache_filled_once(make_c
         assert needed is None or len(keys) == needed
     assert ShardedTensorStore(base / "vae").verify().problems == {}
 
-    _, solo = train(
-        make_config(
-            max_train_steps=3,
-            output_dir=str(tmp_path / "solo"),
-            cache_config={"cache_dir": str(tmp_path / "solo_cache")},
-        )
-    )
     weights_a, weights_solo = load_file(tmp_path / "a" / solo.output_path.name), load_file(solo.output_path)
-    assert weights_a.keys() == weights_solo.keys()
-    assert all(torch.equal(weights_a[k], weights_solo[k]) for k in weights_a)
+    assert same_weights(weights_a, weights_solo)
     assert (tmp_path / "a" / locks.OUTPUT_LOCK_NAME).read_bytes() == b""  # released at the end
 
 

@@ -18,9 +18,9 @@ from training_helpers import fixed_loss, train  # noqa: E402
 
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.models import get_model_spec  # noqa: E402
+from simpletuner.models.adapters import prepare_for_training, trainable_state  # noqa: E402
+from simpletuner.models.adapters.lycoris import load_lycoris, lycoris_network, save_lycoris  # noqa: E402
 from simpletuner.training import checkpoint as ckpt  # noqa: E402
-from simpletuner.training.lora import prepare_for_training, trainable_state  # noqa: E402
-from simpletuner.training.lycoris_adapter import load_lycoris, lycoris_network, save_lycoris  # noqa: E402
 
 ALGOS = ["locon", "loha", "lokr"]
 _PARAM_NAMES = {"locon": "lora_down.weight", "loha": "hada_w1_a", "lokr": "lokr_w1"}

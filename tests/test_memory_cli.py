@@ -217,7 +217,7 @@ def test_profile_runs_the_trainers_steps_in_a_throwaway_output_dir(tmp_path, mak
 def test_machine_detected_named_generic_and_shared():
     from fake_cuda import FakeRuntime
 
-    from simpletuner.memory.cli import resolve_machine
+    from simpletuner.memory.report import resolve_machine
 
     busy = FakeRuntime()
     busy.free_bytes = busy.info.total_bytes // 4

@@ -20,12 +20,11 @@ from simpletuner.memory.estimator import (
     build_meta_denoiser,
     estimate_memory,
     flops_per_step,
-    measure_cpu_step,
     trace_activations,
-    write_sd15_config_only,
 )
+from simpletuner.memory.measure import measure_cpu_step, write_sd15_config_only
 from simpletuner.models import get_model_spec
-from simpletuner.training.lora import apply_lora
+from simpletuner.models.adapters import prepare_for_training
 from simpletuner.training.optim import build_optimizer
 
 _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,7 +42,7 @@ def _real_counts(cfg) -> dict[str, int]:
     dtype = _DTYPES[cfg.mixed_precision]
     model = spec.load_denoiser(dtype if cfg.training_type == "lora" else torch.float32)
     if cfg.training_type == "lora":
-        model = apply_lora(model, spec.lora_targets, cfg, base_dtype=dtype)
+        model = prepare_for_training(model, spec.lora_targets, cfg, dtype)
     else:
         model.requires_grad_(True)
     optimizer = build_optimizer(cfg, model.parameters())
@@ -109,7 +108,7 @@ def test_exact_counts_match_a_real_model(config, overrides):
 
 # The real step is measured with torch.profiler (profile_memory=True): the CPU allocator's own
 # running total, not MemTracker, over real tensors and weights set up by the trainer's calls
-# (load_denoiser, apply_lora, Accelerator.prepare's autocast). Both sides count the same thing:
+# (load_denoiser, prepare_for_training, Accelerator.prepare's autocast). Both sides count the same thing:
 # bytes allocated during loss + backward above what existed before it (parameters and the batch),
 # minus the gradients alive at the peak. The profiler also sees what no tensor-level trace can
 # (allocations inside kernels, host-side RNG states saved by checkpointing: ~5 KB per block),
@@ -236,7 +235,7 @@ def test_flops_match_a_real_step(config):
     cfg = config(mixed_precision="no")
     est = flops_per_step(cfg, 2)
     spec = get_model_spec(cfg)
-    model = apply_lora(spec.load_denoiser(torch.float32), spec.lora_targets, cfg, base_dtype=torch.float32)
+    model = prepare_for_training(spec.load_denoiser(torch.float32), spec.lora_targets, cfg, torch.float32)
     counter = FlopCounterMode(display=False)
     with counter:
         loss = spec.training_loss(
@@ -258,7 +257,8 @@ def test_sd15_config_only_estimate_in_a_fresh_process(tmp_path):
         from simpletuner.configuration import validate_config
         from simpletuner.memory.estimator import estimate_memory
         cfg = validate_config({{"pretrained_model_name_or_path": {str(folder)!r}, "max_train_steps": 1,
-                                "datasets": [{{"id": "d", "type": "local", "instance_data_dir": {str(tmp_path / "data")!r}}}],
+                                "datasets": [{{"id": "d", "type": "local",
+                                              "instance_data_dir": {str(tmp_path / "data")!r}}}],
                                 "mixed_precision": "bf16", "output_dir": {str(tmp_path / "out")!r}}})
         est = estimate_memory(cfg, 1)
         print(json.dumps({{"est": est.as_dict(), "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

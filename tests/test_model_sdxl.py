@@ -1,5 +1,5 @@
 """The sdxl family on its tiny zoo model: loading, prompt encoding and time ids as the diffusers
-pipeline makes them, LoRA training through the real Trainer, reload in diffusers, the estimate."""
+pipeline makes them. LoRA training, reload in diffusers and the estimate: test_families.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusionXLSpec, get_model_spec
@@ -35,9 +34,6 @@ def pipe(tiny_sdxl):
     from diffusers import StableDiffusionXLPipeline
 
     return StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True, add_watermarker=False)
-
-
-_train, _fixed_loss = train, fixed_loss
 
 
 def test_zoo_folder_loads_and_is_checked(sdxl_config, tiny_sdxl, tmp_path):
@@ -98,65 +94,3 @@ def test_prompts_and_time_ids_match_the_diffusers_pipeline(sdxl_config, pipe):
         generator=torch.Generator().manual_seed(0),
     ).images
     assert images[0].size == (64, 64)
-
-
-def test_lora_overfits_and_reloads_in_diffusers(sdxl_config, tiny_sdxl, tmp_path):
-    from diffusers import StableDiffusionXLPipeline
-
-    raw = sdxl_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
-    trainer, _ = _train(raw)
-    before = _fixed_loss(trainer)
-    raw = sdxl_config(
-        max_train_steps=60,
-        learning_rate=1e-2,
-        lora_rank=16,
-        lora_alpha=8,
-        output_dir=str(tmp_path / "long"),
-        logging_steps=10,
-    )
-    trainer, result = _train(raw)
-    after = _fixed_loss(trainer)
-    assert result.global_step == 60 and len(result.losses) == 60
-    assert after < before * 0.85, (before, after)
-
-    # The saved adapter, loaded through diffusers' SDXL pipeline, reproduces the trained UNet.
-    assert result.output_path.name == "pytorch_lora_weights.safetensors"
-    loaded = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True, add_watermarker=False)
-    loaded.load_lora_weights(str(result.output_path.parent))
-    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=gen)
-    t = torch.tensor([10, 500])
-    ctx = torch.randn(2, 77, sum(TINY_SDXL_HIDDEN), generator=gen)
-    added = {"text_embeds": torch.randn(2, TINY_SDXL_PROJECTION, generator=gen), "time_ids": trainer.spec.time_ids(x)}
-    with torch.no_grad():
-        want = trained(x, t, ctx, added_cond_kwargs=added).sample
-        got = loaded.unet(x, t, ctx, added_cond_kwargs=added).sample
-        base = (
-            StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), use_safetensors=True)
-            .unet(x, t, ctx, added_cond_kwargs=added)
-            .sample
-        )
-    assert torch.allclose(got, want, atol=1e-5)
-    assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
-
-
-def test_memory_estimate_counts_sdxl_exactly(sdxl_config):
-    from simpletuner.memory.estimator import batch_shapes, estimate_memory
-    from simpletuner.training.lora import apply_lora
-
-    cfg = validate_config(sdxl_config(mixed_precision="no"))
-    latents, cond = batch_shapes(cfg, 2)
-    assert latents.shape == (2, 4, 8, 8)
-    assert {k: s.shape for k, s in cond.items()} == {
-        "prompt_embeds": (2, 77, sum(TINY_SDXL_HIDDEN)),
-        "pooled_prompt_embeds": (2, TINY_SDXL_PROJECTION),
-    }
-    est = estimate_memory(cfg, device_kind="cpu")
-    spec = get_model_spec(cfg)
-    model = apply_lora(spec.load_denoiser(torch.float32), spec.lora_targets, cfg, base_dtype=torch.float32)
-    params = list(model.parameters())
-    assert est.weights == sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
-    assert est.trainable_weights == sum(p.nbytes for p in params if p.requires_grad)
-    assert est.num_parameters == sum(p.numel() for p in params)
-    assert est.activations > 0 and est.batch_data == latents.nbytes + sum(s.nbytes for s in cond.values())

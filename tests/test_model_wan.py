@@ -1,6 +1,7 @@
 """The wan family (Wan 2.1 T2V, single transformer) on its tiny zoo model: images as 1-frame video
-latents, prompt encoding as WanPipeline does it, the flow-matching loss by hand, LoRA training
-through the real Trainer, reload in diffusers, validation sampling and the memory estimate."""
+latents, prompt encoding as WanPipeline does it, the flow-matching loss by hand, validation
+sampling, the estimate of a video dataset. LoRA training, reload in diffusers and the image
+estimate: test_families.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import WanSpec, get_model_spec
@@ -119,46 +119,6 @@ def test_loss_is_the_flow_matching_formula(wan_config, weighting):
         if weighting != "none":
             want = want * noise_lib.flow_weights(sigmas, weighting)
     assert got.shape == (3,) and torch.allclose(got, want, atol=1e-6, rtol=1e-5)
-
-
-def test_lora_overfits_and_reloads_in_diffusers(wan_config, tiny_wan, tmp_path):
-    from diffusers import WanPipeline
-
-    opts = dict(learning_rate=1e-2, lora_rank=16, lora_alpha=8)
-    trainer, _ = train(wan_config(max_train_steps=1, **opts))
-    before = fixed_loss(trainer)
-    trainer, result = train(wan_config(max_train_steps=30, output_dir=str(tmp_path / "long"), logging_steps=10, **opts))
-    after = fixed_loss(trainer)
-    assert result.global_step == 30 and after < before * 0.85, (before, after)
-
-    assert result.output_path.name == "pytorch_lora_weights.safetensors"
-    loaded = WanPipeline.from_pretrained(str(tiny_wan), use_safetensors=True)
-    loaded.load_lora_weights(str(result.output_path.parent))
-    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
-    gen = torch.Generator().manual_seed(1)
-    kwargs = dict(
-        hidden_states=torch.randn(2, C, 1, 8, 8, generator=gen),
-        timestep=torch.tensor([10.0, 500.0]),
-        encoder_hidden_states=torch.randn(2, WAN_MAX_LENGTH, WIDTH, generator=gen),
-        return_dict=False,
-    )
-    with torch.no_grad():
-        want = trained(**kwargs)[0]
-        got = loaded.transformer(**kwargs)[0]
-        base = WanPipeline.from_pretrained(str(tiny_wan), use_safetensors=True).transformer(**kwargs)[0]
-    assert torch.allclose(got, want, atol=1e-5)
-    assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
-
-
-def test_memory_estimate_runs_for_wan(wan_config):
-    from simpletuner.memory.estimator import batch_shapes, estimate_memory
-
-    cfg = validate_config(wan_config(mixed_precision="no"))
-    latents, cond = batch_shapes(cfg, 2)
-    assert latents.shape == (2, C, 1, 8, 8)
-    assert {k: s.shape for k, s in cond.items()} == {"prompt_embeds": (2, WAN_MAX_LENGTH, WIDTH)}
-    est = estimate_memory(cfg, device_kind="cpu")
-    assert est.activations > 0 and est.batch_data == latents.nbytes + sum(s.nbytes for s in cond.values())
 
 
 def test_memory_estimate_of_a_video_dataset_counts_its_frames(wan_config, tmp_path):

@@ -1,6 +1,6 @@
 """Wan 2.2 two-expert training on the tiny zoo model: detection, routing by timestep, one-side
 sampling for train_stages high/low, per-expert parameter groups and rates, two adapter files
-that WanPipeline loads back to the trained outputs, key matching over naming schemes, low_vram."""
+that WanPipeline loads back to the trained outputs, low_vram, the memory estimate."""
 
 from __future__ import annotations
 
@@ -9,19 +9,12 @@ import shutil
 
 import pytest
 import torch
-from training_helpers import fixed_loss, train
+from training_helpers import fixed_loss, train, untrained_loss
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import get_model_spec
 from simpletuner.models.wan import WAN_MAX_LENGTH
-from simpletuner.models.wan22 import (
-    LORA_FILES,
-    Wan22Spec,
-    WanExperts,
-    expert_of_key,
-    split_expert_state_dict,
-    stage_from_filename,
-)
+from simpletuner.models.wan22 import LORA_FILES, Wan22Spec, WanExperts
 from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C
 from simpletuner.models.zoo import TINY_WAN_T5_WIDTH as WIDTH
 from simpletuner.training.optim import build_optimizer
@@ -108,9 +101,26 @@ def test_timesteps_land_on_the_trained_side(wan22_config, stages):
     else:  # the Wan 2.1 distribution: both sides (shift 3 puts ~40% above 875)
         share = float((timesteps >= BOUNDARY).float().mean())
         assert 0.2 < share < 0.6, share
-    # The route handed to predict() matches the last draw.
+    # The route of a draw says which expert owns each sample.
     last = spec.sample_sigmas(5, gen)
-    assert spec._route == tuple(bool(t) for t in (last * 1000 >= BOUNDARY))
+    assert spec.route(last) == tuple(bool(t) for t in (last * 1000 >= BOUNDARY))
+    # training_loss hands the experts the route of its own draw (noise first, then the sigmas).
+    model = spec.load_denoiser().eval()
+    forward, seen = model.forward, []
+
+    def recording(*args, route=None, **kwargs):
+        seen.append(route)
+        return forward(*args, route=route, **kwargs)
+
+    model.forward = recording
+    inputs = _inputs(5)
+    latents, cond = inputs["hidden_states"], {"prompt_embeds": inputs["encoder_hidden_states"]}
+    with torch.no_grad():
+        spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    torch.randn(latents.shape, generator=gen)
+    drawn = spec.sample_sigmas(5, gen)
+    assert seen == [tuple(bool(t) for t in (drawn * 1000 >= BOUNDARY))]
 
 
 def test_parameter_groups_carry_per_expert_rates(wan22_config):
@@ -149,12 +159,10 @@ def test_both_experts_train_and_reload_in_wan_pipeline(wan22_config, tiny_wan22,
     from diffusers import WanPipeline
 
     opts = dict(learning_rate=1e-2, lora_rank=8, train_batch_size=4, high_noise_learning_rate=2e-2)
-    trainer, _ = train(wan22_config(max_train_steps=1, **opts))
-    before = fixed_loss(trainer)
     trainer, result = train(
         wan22_config(max_train_steps=25, output_dir=str(tmp_path / "long"), logging_steps=25, **opts)
     )
-    after = fixed_loss(trainer)
+    before, after = untrained_loss(trainer), fixed_loss(trainer)  # before: both adapters switched off
     assert after < before * 0.9, (before, after)
     by_name = {g["name"]: g["lr"] for g in trainer.optimizer.param_groups}
     assert by_name == {"high_noise": 2e-2, "low_noise": 1e-2}
@@ -162,6 +170,11 @@ def test_both_experts_train_and_reload_in_wan_pipeline(wan22_config, tiny_wan22,
     out = result.output_path.parent
     assert result.output_path.name == LORA_FILES["high"]
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(LORA_FILES.values())
+    from safetensors.torch import load_file
+
+    for name in LORA_FILES.values():  # single-expert files: diffusers' transformer keys, as load_lora_weights wants
+        keys = list(load_file(out / name))
+        assert keys and all(k.startswith("transformer.") and not k.startswith("transformer_2.") for k in keys)
     pipe = WanPipeline.from_pretrained(str(tiny_wan22), use_safetensors=True)
     pipe.load_lora_weights(str(out), weight_name=LORA_FILES["high"], adapter_name="high")
     pipe.load_lora_weights(str(out), weight_name=LORA_FILES["low"], adapter_name="low", load_into_transformer_2=True)
@@ -213,58 +226,6 @@ def test_checkpoint_resume_is_exact_for_two_experts(wan22_config, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_keys_are_matched_to_their_expert_over_naming_schemes():
-    t = torch.zeros(1)
-    lora = "blocks.0.attn1.to_q.lora_A.weight"
-    assert expert_of_key(f"transformer.{lora}") == (None, f"transformer.{lora}")  # every single-expert file
-    assert expert_of_key(f"transformer_2.{lora}") == ("low", f"transformer.{lora}")
-    assert expert_of_key(f"transformer_1.{lora}") == ("high", f"transformer.{lora}")
-    assert expert_of_key(f"high_noise_model.{lora}") == ("high", f"transformer.{lora}")
-    assert expert_of_key(f"low_noise_model.{lora}") == ("low", f"transformer.{lora}")
-    ly = "blocks_0_attn1_to_q.lokr_w1"
-    assert expert_of_key(f"lycoris_transformer_{ly}") == (None, f"lycoris_{ly}")
-    assert expert_of_key(f"lycoris_transformer_2_{ly}") == ("low", f"lycoris_{ly}")
-    assert expert_of_key(f"lycoris_transformer_1_{ly}") == ("high", f"lycoris_{ly}")
-    assert expert_of_key(f"lycoris_{ly}") == (None, f"lycoris_{ly}")
-    assert expert_of_key(f"diffusion_model.{lora}") == (None, f"diffusion_model.{lora}")
-
-    combined = {f"transformer.{lora}": t, f"transformer_2.{lora}": t + 1, f"lycoris_transformer_2_{ly}": t + 2}
-    split = split_expert_state_dict(combined)
-    assert set(split) == {"high", "low"}
-    assert list(split["high"]) == [f"transformer.{lora}"]
-    assert sorted(split["low"]) == sorted([f"transformer.{lora}", f"lycoris_{ly}"])
-    assert torch.equal(split["low"][f"transformer.{lora}"], t + 1)
-    assert list(split_expert_state_dict({f"lycoris_{ly}": t}, default_stage="low")) == ["low"]
-    # transformer. keys follow the file's stage; beside transformer_2. keys they are the high expert's.
-    assert list(split_expert_state_dict({f"transformer.{lora}": t}, default_stage="low")) == ["low"]
-    assert list(split_expert_state_dict({f"lycoris_transformer_{ly}": t, f"low_noise_model.{lora}": t})) == [
-        "high",
-        "low",
-    ]
-    with pytest.raises(ValueError, match="neither high- nor low-noise"):
-        split_expert_state_dict({f"transformer.{lora}": t})
-    with pytest.raises(ValueError, match="neither high- nor low-noise.*default_stage"):
-        split_expert_state_dict({f"diffusion_model.{lora}": t})
-    with pytest.raises(ValueError, match="both name"):
-        split_expert_state_dict({f"high_noise_model.{lora}": t, f"transformer_1.{lora}": t})
-
-    assert stage_from_filename("wan22_HIGH_noise_v3.safetensors") == "high"
-    assert stage_from_filename(LORA_FILES["low"]) == "low"
-    assert stage_from_filename("my-lora-low.safetensors") == "low"
-    assert stage_from_filename("lowlight_style.safetensors") is None
-    assert stage_from_filename("style.safetensors") is None
-
-
-def test_saved_files_split_back_to_their_experts(wan22_config, tmp_path):
-    from safetensors.torch import load_file
-
-    _, result = train(wan22_config(max_train_steps=1))
-    for stage, name in LORA_FILES.items():
-        keys = load_file(result.output_path.parent / name)
-        split = split_expert_state_dict(keys, default_stage=stage_from_filename(name))
-        assert list(split) == [stage] and split[stage].keys() == keys.keys()
-
-
 def test_memory_estimate_counts_both_experts(wan22_config, make_config):
     from simpletuner.memory.estimator import estimate_memory
 
@@ -273,15 +234,22 @@ def test_memory_estimate_counts_both_experts(wan22_config, make_config):
         validate_config(wan22_config(mixed_precision="no", train_stages="high", low_vram=True)), device_kind="cpu"
     )
     one = estimate_memory(validate_config(wan22_config(mixed_precision="no", train_stages="high")), device_kind="cpu")
+    low = estimate_memory(validate_config(wan22_config(mixed_precision="no", train_stages="low")), device_kind="cpu")
     # Both stages: an adapter on each expert; one stage: one adapter, the other expert frozen on the
     # device, or (low_vram) in CPU RAM and out of the estimate.
     assert both.trainable_weights == 2 * one.trainable_weights == 2 * parked.trainable_weights > 0
     assert both.weights - both.trainable_weights == one.weights - one.trainable_weights
     assert one.weights - parked.weights == parked.weights - parked.trainable_weights > 0  # twin experts
+    # The low-noise expert alone: its step runs through the trained expert (twin of the high one).
+    assert (low.weights, low.trainable_weights, low.activations) == (
+        one.weights,
+        one.trainable_weights,
+        one.activations,
+    )
 
 
 def test_compile_compiles_each_expert_not_the_router(wan22_config):
-    from simpletuner.training.performance import maybe_compile
+    from simpletuner.training.knobs import maybe_compile
 
     spec = get_model_spec(validate_config(wan22_config()))
     model = spec.load_denoiser()
@@ -292,7 +260,7 @@ def test_compile_compiles_each_expert_not_the_router(wan22_config):
 
 def test_lycoris_adapters_save_per_expert_and_reload(wan22_config, tmp_path):
     pytest.importorskip("lycoris", reason="the lycoris extra is not installed")
-    from simpletuner.training.lycoris_adapter import load_lycoris
+    from simpletuner.models.adapters.lycoris import load_lycoris
 
     trainer, result = train(
         wan22_config(lora_type="lycoris", lycoris={"algo": "lokr"}, lora_rank=4, max_train_steps=3, learning_rate=1e-2)
@@ -312,7 +280,7 @@ def test_lycoris_adapters_save_per_expert_and_reload(wan22_config, tmp_path):
 
 
 def test_the_frozen_expert_is_stored_as_the_trained_ones_base(wan22_config):
-    from simpletuner.training.quantize import parameter_bytes
+    from simpletuner.models.adapters.quantize import parameter_bytes
 
     plain = get_model_spec(validate_config(wan22_config(train_stages="high")))
     quant = get_model_spec(validate_config(wan22_config(train_stages="high", base_model_precision="int8_torchao")))

@@ -13,8 +13,8 @@ from training_helpers import fixed_loss, train
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import get_model_spec
-from simpletuner.training.lora import prepare_for_training, trainable_state
-from simpletuner.training.quantize import parameter_bytes, quantizable_linears, quantize_base, tensor_bytes
+from simpletuner.models.adapters import prepare_for_training, trainable_state
+from simpletuner.models.adapters.quantize import parameter_bytes, quantizable_linears, quantize_base, tensor_bytes
 
 QUANTO = ["qint8", "qfloat8"]
 TORCHAO = ["int8_torchao", "fp8_torchao"]

@@ -21,7 +21,8 @@ from simpletuner.gh200 import uvm
 from simpletuner.gh200.wiring import RUNTIME_FILE, configure_runtime, gh200_layer_requests
 from simpletuner.models.library_probes import TRANSFORMERS_IMPORT_LOGGER, TorchvisionFallbackFilter
 from simpletuner.state import StateTracker
-from simpletuner.training.performance import log_line
+from simpletuner.training.accumulation import build_accumulation
+from simpletuner.training.metrics import log_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,11 @@ def test_ordinary_run_says_one_debug_line_about_gh200_and_writes_no_file(make_co
     state = _state(tmp_path, make_config())
     out = tmp_path / "out"
     with caplog.at_level(logging.DEBUG, logger="simpletuner"):
-        policy = configure_runtime(state, num_processes=1, is_main_process=True, output_dir=out)
-    assert policy.state_dict() == {"kind": "fixed", "steps": 1}
+        policy = build_accumulation(state.config, num_processes=1)
+        decided = configure_runtime(
+            state, num_processes=1, is_main_process=True, output_dir=out, accumulation=policy.state_dict()
+        )
+    assert policy.state_dict() == decided["accumulation"] == {"kind": "fixed", "steps": 1}
     assert not (out / RUNTIME_FILE).exists()
     assert state.gh200_runtime_config["uvm_hints_active"] is False  # still recorded for the run
     about_gh200 = [
@@ -105,7 +109,13 @@ def test_configured_gh200_layer_writes_runtime_json(
         monkeypatch.setenv(*env)
     state = _state(tmp_path, raw)
     assert named in gh200_layer_requests(state.config)
-    configure_runtime(state, num_processes=1, is_main_process=True, output_dir=tmp_path / "out")
+    configure_runtime(
+        state,
+        num_processes=1,
+        is_main_process=True,
+        output_dir=tmp_path / "out",
+        accumulation=build_accumulation(state.config, num_processes=1).state_dict(),
+    )
     on_disk = json.loads((tmp_path / "out" / RUNTIME_FILE).read_text())
     assert on_disk["accumulation"] == state.gh200_runtime_config["accumulation"]
 
@@ -263,10 +273,11 @@ def test_diagnose_exits_0_here_and_3_when_a_verdict_fails(capsys, monkeypatch):
 
     from simpletuner.gh200 import diagnostic
     from simpletuner.gh200.runtime import use_runtime
+    from simpletuner.host import nvidia_gpu_present
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", uvm.ENV_VAR, uvm.ENV_ALIAS):
         monkeypatch.delenv(name, raising=False)
-    host_has_gpu = diagnostic.nvidia_gpu_present()
+    host_has_gpu = nvidia_gpu_present()
     code = diagnostic.main(["--json"])
     summary = json.loads(capsys.readouterr().out)
     if not host_has_gpu and not summary["device"]:  # this CPU machine: GPU verdicts do not apply

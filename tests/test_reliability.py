@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import orjson
 import pytest
 import torch
+from fakes import NanGradient
 from safetensors.torch import load_file
+from training_helpers import same_weights, tiny_config
 
 from simpletuner.configuration import validate_config
 from simpletuner.models.sd import StableDiffusionSpec
@@ -35,20 +39,23 @@ def _weights(result) -> dict[str, torch.Tensor]:
     return load_file(result.output_path)
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+@pytest.fixture(scope="module")
+def reference(tiny_sd, shapes_dir, tmp_path_factory):
+    """``reference(**overrides)`` -> the output_dir of an undisturbed in-process run of the tiny
+    config with those overrides, trained once for the module (one shared cache). Read only: a test
+    that trains on from one copies it first."""
+    root = tmp_path_factory.mktemp("reference")
+    done: dict[tuple, Path] = {}
 
+    def run(**overrides) -> Path:
+        key = tuple(sorted(overrides.items()))
+        if key not in done:
+            out = root / f"run-{len(done)}"
+            _trainer(tiny_config(tiny_sd, shapes_dir, root, output_dir=str(out), **overrides)).train()
+            done[key] = out
+        return done[key]
 
-class _NanGrad(torch.autograd.Function):
-    """Identity forward, NaN gradient: a finite loss whose gradient is not."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.full_like(grad, float("nan"))
+    return run
 
 
 def _poison(monkeypatch, calls: set[int], kind: str = "loss"):
@@ -60,15 +67,15 @@ def _poison(monkeypatch, calls: set[int], kind: str = "loss"):
         seen["n"] += 1
         loss = real(self, model, latents, conditioning, generator)
         if seen["n"] in calls:
-            return loss * float("nan") if kind == "loss" else _NanGrad.apply(loss)
+            return loss * float("nan") if kind == "loss" else NanGradient.apply(loss)
         return loss
 
     monkeypatch.setattr(StableDiffusionSpec, "training_loss", poisoned)
 
 
 @pytest.mark.parametrize("kind", ["loss", "gradient"])
-def test_nonfinite_stop_saves_the_last_good_state(make_config, tmp_path, monkeypatch, kind):
-    _trainer(make_config(max_train_steps=2, checkpointing_steps=2, output_dir=str(tmp_path / "clean"))).train()
+def test_nonfinite_stop_saves_the_last_good_state(reference, make_config, tmp_path, monkeypatch, kind):
+    clean = reference(max_train_steps=2, checkpointing_steps=2)
     _poison(monkeypatch, {4}, kind)  # call 1 counts FLOPs; 2, 3 are steps 1, 2; 4 is step 3
     trainer = _trainer(make_config(max_train_steps=5, output_dir=str(tmp_path / "bad")))
     with pytest.raises(NonFiniteLoss, match="non-finite loss or gradient in the window after step 2") as info:
@@ -76,7 +83,7 @@ def test_nonfinite_stop_saves_the_last_good_state(make_config, tmp_path, monkeyp
     assert "checkpoint-2" in str(info.value) and "learning_rate" in str(info.value)
     # The bad window never reached the weights: they are exactly the clean run's after 2 steps.
     saved = load_file(tmp_path / "bad" / "checkpoint-2" / "trainable.safetensors")
-    assert _same(saved, load_file(tmp_path / "clean" / "checkpoint-2" / "trainable.safetensors"))
+    assert same_weights(saved, load_file(clean / "checkpoint-2" / "trainable.safetensors"))
     state = json.loads((tmp_path / "bad" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and state["skipped_steps"] == 1
 
@@ -146,9 +153,7 @@ def test_out_of_memory_advice_with_a_known_budget(make_config):
     assert "does not fit" in tight
 
 
-def test_checkpoint_of_another_model_is_refused(make_config, tmp_path, tiny_sd):
-    import shutil
-
+def test_checkpoint_of_another_model_is_refused(reference, make_config, tmp_path, tiny_sd):
     other = tmp_path / "other_model"
     shutil.copytree(tiny_sd, other)
     unet_cfg = other / "unet" / "config.json"
@@ -156,7 +161,7 @@ def test_checkpoint_of_another_model_is_refused(make_config, tmp_path, tiny_sd):
     cfg["sample_size"] = cfg["sample_size"] * 2  # same parameters, different model
     unet_cfg.write_text(json.dumps(cfg))
     out = tmp_path / "out"
-    _trainer(make_config(max_train_steps=2, checkpointing_steps=2, output_dir=str(out))).train()
+    shutil.copytree(reference(max_train_steps=2, checkpointing_steps=2), out)  # a 2-step run, checkpoint-2
     resumed = _trainer(
         make_config(
             max_train_steps=4,
@@ -203,42 +208,110 @@ def _write(tmp_path, raw, name="cfg.json") -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_preemption_saves_at_a_step_boundary_and_resumes_exactly(make_config, tmp_path, sig, code):
-    total = 40
-    straight = _trainer(make_config(max_train_steps=total, output_dir=str(tmp_path / "straight"))).train()
-    out = tmp_path / "run"
-    raw = make_config(max_train_steps=total, output_dir=str(out), logging_steps=1)
-    proc = _spawn(_write(tmp_path, raw))
-    lines = []
+PREEMPT_STEPS = 40  # long enough that the signal at step 3 lands well before the end
+KILL_POINTS = [
+    "checkpoint:files_written",
+    "checkpoint:marker_written",
+    "checkpoint:renamed",
+    "checkpoint:latest_written",
+]
+
+
+def _preempt_raw(tiny_sd, shapes_dir, root: Path) -> dict:
+    return tiny_config(tiny_sd, shapes_dir, root, max_train_steps=PREEMPT_STEPS, output_dir=str(root / "run"))
+
+
+def _kill_raw(tiny_sd, shapes_dir, root: Path) -> dict:
+    return tiny_config(
+        tiny_sd,
+        shapes_dir,
+        root,
+        max_train_steps=6,
+        output_dir=str(root / "run"),
+        checkpointing_steps=2,
+        checkpoints_total_limit=1,
+    )
+
+
+def _signal_at_step_3(proc: subprocess.Popen, sig: signal.Signals, seen: list[str], rest: list[str]) -> None:
     for line in proc.stderr:  # wait until training is under way
-        lines.append(line)
+        seen.append(line)
         if "step 3/" in line:
             proc.send_signal(sig)
             break
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=120) == code, "".join(lines[-20:]) + rest[-3000:]
-    assert f"stopped by {signal.Signals(sig).name}" in rest
-    latest = ckpt.find_latest(out)
-    assert latest is not None and 3 <= int(latest.name.split("-")[1]) < total
-    resumed = _trainer(dict(raw, resume_from_checkpoint="latest")).train()
-    assert resumed.global_step == total
-    assert _same(_weights(straight), _weights(resumed))
+    rest.append(proc.stderr.read())
+
+
+@pytest.fixture(scope="module")
+def preempted(tiny_sd, shapes_dir, tmp_path_factory, reference):
+    """signal -> (root, exit code, stderr before the signal, stderr after it) of a real run signalled
+    at step 3. Both runs go at once (most of each is importing), and meanwhile the undisturbed run
+    trains in this process. Read only: a test copies ``root`` before it resumes."""
+    base = tmp_path_factory.mktemp("preempted")
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        root = base / sig.name
+        root.mkdir()
+        proc = _spawn(_write(root, _preempt_raw(tiny_sd, shapes_dir, root)))
+        seen, rest = [], []
+        watcher = threading.Thread(target=_signal_at_step_3, args=(proc, sig, seen, rest))
+        watcher.start()
+        runs[sig] = (root, proc, watcher, seen, rest)
+    reference(max_train_steps=PREEMPT_STEPS)
+    results = {}
+    for sig, (root, proc, watcher, seen, rest) in runs.items():
+        watcher.join(timeout=240)
+        results[sig] = (root, proc.wait(timeout=120), "".join(seen), "".join(rest))
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "point",
-    ["checkpoint:files_written", "checkpoint:marker_written", "checkpoint:renamed", "checkpoint:latest_written"],
-)
-def test_sigkill_during_a_save_keeps_the_previous_checkpoint(make_config, tmp_path, point):
-    straight = _trainer(make_config(max_train_steps=6, output_dir=str(tmp_path / "straight"))).train()
-    out = tmp_path / "run"
-    raw = make_config(max_train_steps=6, output_dir=str(out), checkpointing_steps=2, checkpoints_total_limit=1)
-    proc = _spawn(_write(tmp_path, raw), SIMPLETUNER_FAULT=f"{point}@2")  # die while saving checkpoint-4
-    _, err = proc.communicate(timeout=180)
-    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_preemption_saves_at_a_step_boundary_and_resumes_exactly(
+    preempted, reference, tiny_sd, shapes_dir, tmp_path, sig, code
+):
+    root, returned, seen, rest = preempted[sig]
+    assert returned == code, "".join(seen.splitlines(keepends=True)[-20:]) + rest[-3000:]
+    assert f"stopped by {signal.Signals(sig).name}" in rest
+    shutil.copytree(root, tmp_path / "copy")
+    raw = _preempt_raw(tiny_sd, shapes_dir, tmp_path / "copy")
+    out = Path(raw["output_dir"])
+    latest = ckpt.find_latest(out)
+    assert latest is not None and 3 <= int(latest.name.split("-")[1]) < PREEMPT_STEPS
+    resumed = _trainer(dict(raw, resume_from_checkpoint="latest")).train()
+    assert resumed.global_step == PREEMPT_STEPS
+    straight = load_file(reference(max_train_steps=PREEMPT_STEPS) / resumed.output_path.name)
+    assert same_weights(straight, _weights(resumed))
+
+
+@pytest.fixture(scope="module")
+def killed(tiny_sd, shapes_dir, tmp_path_factory, reference):
+    """point -> (root, exit code, stderr) of a real 6-step run (checkpoints every 2 steps, 1 kept)
+    that SIGKILLs itself at ``point`` while saving checkpoint-4. The four runs go at once, and
+    meanwhile the undisturbed run trains in this process. Read only: a test copies ``root``."""
+    base = tmp_path_factory.mktemp("killed")
+    procs = {}
+    for point in KILL_POINTS:
+        root = base / point.replace(":", "_")
+        root.mkdir()
+        config = _write(root, _kill_raw(tiny_sd, shapes_dir, root))
+        procs[point] = (root, _spawn(config, SIMPLETUNER_FAULT=f"{point}@2"))  # die while saving checkpoint-4
+    reference(max_train_steps=6)
+    results = {}
+    for point, (root, proc) in procs.items():
+        _, err = proc.communicate(timeout=180)
+        results[point] = (root, proc.returncode, err)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_during_a_save_keeps_the_previous_checkpoint(killed, reference, tiny_sd, shapes_dir, tmp_path, point):
+    root, returned, err = killed[point]
+    assert returned == -signal.SIGKILL, err[-3000:]
+    shutil.copytree(root, tmp_path / "copy")
+    raw = _kill_raw(tiny_sd, shapes_dir, tmp_path / "copy")
+    out = Path(raw["output_dir"])
     latest = ckpt.find_latest(out)
     assert latest is not None and ckpt.is_complete(latest)
     # Until `latest` is rewritten it names checkpoint-2, which retention has not removed.
@@ -246,6 +319,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(make_config, tmp_pa
     assert (out / "latest").read_text() == latest.name
     resumed = _trainer(dict(raw, resume_from_checkpoint="latest")).train()
     assert resumed.global_step == 6
-    assert _same(_weights(straight), _weights(resumed))
+    straight = load_file(reference(max_train_steps=6) / resumed.output_path.name)
+    assert same_weights(straight, _weights(resumed))
     assert not list(out.glob(".checkpoint-*")), list(out.iterdir())
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-6"]

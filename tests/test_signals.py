@@ -19,13 +19,10 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
 from safetensors.torch import load_file
+from training_helpers import same_weights, tiny_config, train
 
-from simpletuner.configuration import validate_config
-from simpletuner.state import StateTracker
 from simpletuner.training.reliability import Interrupted, RunSignals, run_phase
-from simpletuner.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -45,20 +42,8 @@ IN_PROCESS = {
 
 
 def _raw(tiny_sd, shapes_dir, base: Path, name: str, variant: str, cache: str | None = None) -> dict:
-    raw = {
-        "pretrained_model_name_or_path": str(tiny_sd),
-        "model_family": "sd",
-        "output_dir": str(base / name),
-        "resolution": 64,
-        "aspect_bucket_alignment": 16,
-        "train_batch_size": 2,
-        "max_train_steps": 4,
-        "learning_rate": 1e-3,
-        "logging_steps": 1,
-        "seed": 123,
-        "cache_config": {"cache_dir": str(base / (cache or f"cache_{name}"))},
-        "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(shapes_dir)}],
-    }
+    raw = tiny_config(tiny_sd, shapes_dir, base, output_dir=str(base / name))
+    raw["cache_config"] = {"cache_dir": str(base / (cache or f"cache_{name}"))}
     if variant == "validation":
         raw.update(validation_prompt="a red circle", validation_num_inference_steps=1)
     if variant == "loop_validation":  # two prompts, rendered at step 0 and, inside the loop, at step 2
@@ -66,12 +51,6 @@ def _raw(tiny_sd, shapes_dir, base: Path, name: str, variant: str, cache: str | 
             validation_prompts=["a red circle", "a blue square"], validation_steps=2, validation_num_inference_steps=1
         )
     return raw
-
-
-def _train(raw) -> Trainer:
-    trainer = Trainer(StateTracker(validate_config(raw), raw))
-    trainer.train()
-    return trainer
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +71,7 @@ def runs(tiny_sd, shapes_dir, tmp_path_factory):
             text=True,
             env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", SIMPLETUNER_FAULT=fault),
         )
-    reference = _train(_raw(tiny_sd, shapes_dir, base, "reference", "plain", cache="cache"))
+    reference, _ = train(_raw(tiny_sd, shapes_dir, base, "reference", "plain", cache="cache"))
     results = {}
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=240)  # a thread left running would hang here
@@ -104,10 +83,6 @@ def runs(tiny_sd, shapes_dir, tmp_path_factory):
         "base": base,
         "model": (tiny_sd, shapes_dir),
     }
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _one_stop_line(code: int, err: str, expected: int) -> str:
@@ -167,7 +142,7 @@ def test_a_signal_outside_the_loop_stops_at_once_with_one_line(runs, name, words
     assert RunSignals.installed() is None  # the handlers are gone with the run
     out = Path(raw["output_dir"])
     if name == "final_validation":
-        assert _same(load_file(out / WEIGHTS), runs["reference"])
+        assert same_weights(load_file(out / WEIGHTS), runs["reference"])
     else:
         assert not list(out.glob("checkpoint-*")) and not (out / WEIGHTS).exists()
 
@@ -181,11 +156,11 @@ def test_sigterm_during_the_cache_fill_keeps_the_entries_and_the_rerun_reuses_th
     raw = runs["raws"]["cache_fill"]
     cache = Path(raw["cache_config"]["cache_dir"])
     assert not list(cache.rglob(".tmp-*")), list(cache.rglob("*"))  # no half shard left to be taken for data
-    rerun = _train(raw)
+    rerun, _ = train(raw)
     latents, text = rerun.data.fill_reports["latents"], rerun.data.fill_reports["text"]
     assert (latents.num_hits, latents.num_computed) == (12, 0)  # the 12 written before the signal
     assert text.num_computed == 12  # the text cache had not been written
-    assert _same(load_file(Path(raw["output_dir"]) / WEIGHTS), runs["reference"])
+    assert same_weights(load_file(Path(raw["output_dir"]) / WEIGHTS), runs["reference"])
 
 
 def test_sigint_during_the_final_save_completes_it_first(runs):
@@ -195,7 +170,7 @@ def test_sigint_during_the_final_save_completes_it_first(runs):
         f"stopped by SIGINT during the final save: the final weights were saved ({out / WEIGHTS}); "
         "the final validation is skipped"
     )
-    assert _same(load_file(out / WEIGHTS), runs["reference"])  # whole, and the undisturbed run's
+    assert same_weights(load_file(out / WEIGHTS), runs["reference"])  # whole, and the undisturbed run's
     assert (out / "latest").read_text() == "checkpoint-4"  # checkpoint_at_end, inside the save, completed too
 
 

@@ -1,55 +1,14 @@
-"""The trainer end to end on the tiny SD model: learning, saving, reloading, resuming, caching."""
+"""The trainer end to end on the tiny SD model: saving, reloading, resuming, caching (LoRA learning
+and its reload in diffusers, for every family: test_families.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import fixed_loss, train
+from training_helpers import train
 
 from simpletuner.training import checkpoint as ckpt
-
-_train, _fixed_loss = train, fixed_loss
-
-
-def test_lora_overfits_and_reloads_in_diffusers(make_config, tmp_path):
-    from diffusers import StableDiffusionPipeline
-
-    raw = make_config(max_train_steps=1, learning_rate=1e-2, lora_rank=16, lora_alpha=8)
-    trainer, _ = _train(raw)
-    before = _fixed_loss(trainer)
-    raw = make_config(
-        max_train_steps=80,
-        learning_rate=1e-2,
-        lora_rank=16,
-        lora_alpha=8,
-        output_dir=str(tmp_path / "long"),
-        logging_steps=10,
-    )
-    trainer, result = _train(raw)
-    after = _fixed_loss(trainer)
-    assert result.global_step == 80 and len(result.losses) == 80
-    assert after < before * 0.85, (before, after)
-
-    # The saved adapter, loaded through diffusers, reproduces the trained denoiser.
-    assert result.output_path.name == "pytorch_lora_weights.safetensors"
-    pipe = StableDiffusionPipeline.from_pretrained(raw["pretrained_model_name_or_path"], safety_checker=None)
-    pipe.load_lora_weights(str(result.output_path.parent))
-    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 4, 8, 8, generator=gen)
-    t = torch.tensor([10, 500])
-    ctx = torch.randn(2, 77, 32, generator=gen)
-    with torch.no_grad():
-        want = trained(x, t, ctx).sample
-        got = pipe.unet(x, t, ctx).sample
-        base = (
-            StableDiffusionPipeline.from_pretrained(raw["pretrained_model_name_or_path"], safety_checker=None)
-            .unet(x, t, ctx)
-            .sample
-        )
-    assert torch.allclose(got, want, atol=1e-5)
-    assert not torch.allclose(base, want, atol=1e-3), "the adapter must change the output"
 
 
 def test_resume_is_exact_across_epoch_boundary(make_config, tmp_path):
@@ -57,15 +16,15 @@ def test_resume_is_exact_across_epoch_boundary(make_config, tmp_path):
     # so stopping at step 4 resumes mid-way through the second epoch.
     common = dict(gradient_accumulation_steps=2, lr_scheduler="linear", lr_warmup_steps=2)
     straight_raw = make_config(max_train_steps=7, output_dir=str(tmp_path / "straight"), **common)
-    straight, straight_result = _train(straight_raw)
+    straight, straight_result = train(straight_raw)
 
     out = str(tmp_path / "resumed")
-    first, first_result = _train(make_config(max_train_steps=7, output_dir=out, checkpointing_steps=4, **common))
+    first, first_result = train(make_config(max_train_steps=7, output_dir=out, checkpointing_steps=4, **common))
     # Simulate a stop right after step 4's checkpoint: resume from it with the same config.
     assert ckpt.find_latest(tmp_path / "resumed").name == "checkpoint-7"  # the end is a checkpoint too
     latest = tmp_path / "resumed" / "checkpoint-4"
     resumed_raw = make_config(max_train_steps=7, output_dir=out, resume_from_checkpoint=str(latest), **common)
-    resumed, resumed_result = _train(resumed_raw)
+    resumed, resumed_result = train(resumed_raw)
 
     assert resumed_result.global_step == 7
     assert resumed_result.losses == pytest.approx(straight_result.losses[4:], rel=0, abs=0)
@@ -80,7 +39,7 @@ def test_resume_is_exact_across_epoch_boundary(make_config, tmp_path):
 
 def test_checkpoint_layout_latest_and_retention(make_config, tmp_path):
     out = tmp_path / "ck"
-    _train(make_config(max_train_steps=6, output_dir=str(out), checkpointing_steps=2, checkpoints_total_limit=2))
+    train(make_config(max_train_steps=6, output_dir=str(out), checkpointing_steps=2, checkpoints_total_limit=2))
     names = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-4", "checkpoint-6"]
     assert (out / "latest").read_text() == "checkpoint-6"
@@ -96,18 +55,18 @@ def test_checkpoint_layout_latest_and_retention(make_config, tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_another_adapter(make_config, tmp_path):
     out = str(tmp_path / "rank")
-    _train(make_config(max_train_steps=2, output_dir=out, checkpointing_steps=2, lora_rank=4))
+    train(make_config(max_train_steps=2, output_dir=out, checkpointing_steps=2, lora_rank=4))
     with pytest.raises(ValueError, match="lora_rank: checkpoint has 4, config has 8"):
-        _train(make_config(max_train_steps=4, output_dir=out, resume_from_checkpoint="latest", lora_rank=8))
+        train(make_config(max_train_steps=4, output_dir=out, resume_from_checkpoint="latest", lora_rank=8))
 
 
 def test_caches_are_reused_and_invalidated(make_config, tmp_path):
-    trainer, _ = _train(make_config(max_train_steps=1))
+    trainer, _ = train(make_config(max_train_steps=1))
     assert trainer.data.fill_reports["latents"].num_computed == 12
-    trainer, _ = _train(make_config(max_train_steps=1, output_dir=str(tmp_path / "o2")))
+    trainer, _ = train(make_config(max_train_steps=1, output_dir=str(tmp_path / "o2")))
     assert trainer.data.fill_reports["latents"].num_computed == 0
     assert trainer.data.fill_reports["text"].num_computed == 0
-    trainer, _ = _train(make_config(max_train_steps=1, output_dir=str(tmp_path / "o3"), resolution=48))
+    trainer, _ = train(make_config(max_train_steps=1, output_dir=str(tmp_path / "o3"), resolution=48))
     assert trainer.data.fill_reports["latents"].num_computed == 12
     assert trainer.data.fill_reports["text"].num_computed == 0
 
@@ -116,7 +75,7 @@ def test_validation_images_before_and_after(make_config, tmp_path):
     raw = make_config(
         max_train_steps=2, validation_prompt="a red circle", validation_num_inference_steps=2, num_validation_images=2
     )
-    _, result = _train(raw)
+    _, result = train(raw)
     names = sorted(p.name for p in result.validation_images)
     assert names == ["step_000000_0.png", "step_000000_1.png", "step_000002_0.png", "step_000002_1.png"]
     assert all(p.exists() for p in result.validation_images)
@@ -125,7 +84,7 @@ def test_validation_images_before_and_after(make_config, tmp_path):
 def test_full_finetune_and_v_prediction(make_config, tmp_path):
     from diffusers import UNet2DConditionModel
 
-    _, result = _train(
+    _, result = train(
         make_config(
             max_train_steps=2,
             training_type="full",
@@ -145,9 +104,9 @@ def test_bad_data_errors(make_config, tmp_path):
     raw = make_config()
     raw["datasets"][0]["instance_data_dir"] = str(empty)
     with pytest.raises(ValueError, match=f"no images found under {empty}"):
-        _train(raw)
+        train(raw)
     with pytest.raises(ValueError, match="train_batch_size 8"):
-        _train(make_config(train_batch_size=8))
+        train(make_config(train_batch_size=8))
 
 
 @pytest.mark.parametrize(
@@ -172,7 +131,7 @@ def test_tensorboard_receives_scalars_and_validation_images(make_config, tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    _train(
+    train(
         make_config(
             max_train_steps=2,
             output_dir=str(out),
@@ -198,7 +157,7 @@ def test_image_with_good_header_but_cut_body_is_skipped_and_counted(make_config,
     victim.write_bytes(victim.read_bytes()[:120])
     raw = make_config(max_train_steps=1, max_bad_image_fraction=0.1)
     raw["datasets"][0]["instance_data_dir"] = str(data)
-    trainer, result = _train(raw)
+    trainer, result = train(raw)
     meta = trainer.state.get_dataset("shapes").metadata
     assert [p for p, _ in meta.bad_files] == ["000.png"]
     assert "cannot decode image" in meta.bad_files[0][1]
@@ -208,14 +167,14 @@ def test_image_with_good_header_but_cut_body_is_skipped_and_counted(make_config,
     raw = make_config(max_train_steps=1, max_bad_image_fraction=0.0, output_dir=str(tmp_path / "strict"))
     raw["datasets"][0]["instance_data_dir"] = str(data)
     with pytest.raises(ValueError, match="000.png"):
-        _train(raw)
+        train(raw)
 
 
 def test_dora_adapter_trains_and_reloads_in_diffusers(make_config, tmp_path):
     from diffusers import StableDiffusionPipeline
 
     raw = make_config(max_train_steps=6, learning_rate=1e-2, lora_use_dora=True)
-    trainer, result = _train(raw)
+    trainer, result = train(raw)
     saved = load_file(result.output_path)
     assert any("lora_magnitude_vector" in k for k in saved), sorted(saved)[:5]
     pipe = StableDiffusionPipeline.from_pretrained(raw["pretrained_model_name_or_path"], safety_checker=None)

@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 
 from simpletuner.caching import ShardedTensorStore, TensorCache
 from simpletuner.configuration import ConfigError, validate_config
+from simpletuner.precision import resolve_mixed_precision
 from simpletuner.state import StateTracker
-from simpletuner.training import performance as perf
+from simpletuner.training import knobs, metrics
 from simpletuner.training.trainer import Trainer
 
 
@@ -44,11 +45,11 @@ class FakeCuda:
 
 def test_bf16_falls_back_to_fp16_where_unsupported(caplog):
     caplog.set_level(logging.WARNING)
-    assert perf.resolve_mixed_precision("bf16", FakeCuda(bf16=False)) == "fp16"
+    assert resolve_mixed_precision("bf16", FakeCuda(bf16=False)) == "fp16"
     assert "not supported by Tesla V100" in caplog.text
-    assert perf.resolve_mixed_precision("bf16", FakeCuda(bf16=True)) == "bf16"
-    assert perf.resolve_mixed_precision("bf16", FakeCuda(available=False)) == "bf16"  # CPU autocast has bf16
-    assert perf.resolve_mixed_precision("no", FakeCuda(bf16=False)) == "no"
+    assert resolve_mixed_precision("bf16", FakeCuda(bf16=True)) == "bf16"
+    assert resolve_mixed_precision("bf16", FakeCuda(available=False)) == "bf16"  # CPU autocast has bf16
+    assert resolve_mixed_precision("no", FakeCuda(bf16=False)) == "no"
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -56,14 +57,14 @@ def test_tf32_switch(enabled):
     backends = SimpleNamespace(
         cuda=SimpleNamespace(matmul=SimpleNamespace(allow_tf32=None)), cudnn=SimpleNamespace(allow_tf32=None)
     )
-    perf.apply_tf32(enabled, backends)
+    knobs.apply_tf32(enabled, backends)
     assert backends.cuda.matmul.allow_tf32 is enabled and backends.cudnn.allow_tf32 is enabled
 
 
 def test_allocator_settings_merge_into_the_environment(caplog):
     env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False"}
     caplog.set_level(logging.INFO)
-    value = perf.apply_cuda_allocator(
+    value = knobs.apply_cuda_allocator(
         {"expandable_segments": True, "garbage_collection_threshold": 0.8}, env, FakeCuda()
     )
     assert (
@@ -72,12 +73,12 @@ def test_allocator_settings_merge_into_the_environment(caplog):
         == "max_split_size_mb:128,expandable_segments:True,garbage_collection_threshold:0.8"
     )
     assert "overrides False from the environment" in caplog.text
-    assert perf.apply_cuda_allocator({}, env, FakeCuda()) == value  # nothing asked: untouched
+    assert knobs.apply_cuda_allocator({}, env, FakeCuda()) == value  # nothing asked: untouched
 
 
 def test_allocator_settings_after_cuda_started_are_reported(caplog):
     env: dict[str, str] = {}
-    perf.apply_cuda_allocator({"expandable_segments": True}, env, FakeCuda(initialized=True))
+    knobs.apply_cuda_allocator({"expandable_segments": True}, env, FakeCuda(initialized=True))
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "after CUDA started" in caplog.text
 
@@ -93,7 +94,7 @@ def test_unknown_allocator_key_is_a_config_error(make_config):
 
 def test_throughput_window_figures():
     cuda = FakeCuda()
-    meter = perf.ThroughputWindow(peak_tflops=100.0, flops_per_sample=5e12, cuda=cuda)
+    meter = metrics.ThroughputWindow(peak_tflops=100.0, flops_per_sample=5e12, cuda=cuda)
     with meter.data_wait():
         pass
     meter.step_done(4)
@@ -109,12 +110,12 @@ def test_throughput_window_figures():
     assert figures["mfu"] == pytest.approx(figures["tflops"] / 100.0)
     assert figures["peak_memory_gib"] == 3.0 and cuda.resets == 1
     assert (meter.steps, meter.samples, meter.waited) == (0, 0, 0.0)  # next window starts empty
-    assert "mfu" not in perf.ThroughputWindow(flops_per_sample=1.0).report()  # peak unknown: no MFU
+    assert "mfu" not in metrics.ThroughputWindow(flops_per_sample=1.0).report()  # peak unknown: no MFU
 
 
 def test_count_flops_matches_a_matmul():
-    count = perf.FlopCount()
-    with perf.count_flops(count):
+    count = metrics.FlopCount()
+    with metrics.count_flops(count):
         torch.randn(4, 8) @ torch.randn(8, 16)
     assert count.total == 2 * 4 * 8 * 16
 
@@ -144,8 +145,8 @@ def _mfu_run(make_config, tmp_path, name, hardware=None, peak_tflops=None, **con
     raw = make_config(max_train_steps=2, logging_steps=1, output_dir=str(tmp_path / name), **config)
     trainer = Trainer(StateTracker(validate_config(raw), raw), hardware=hardware, peak_tflops=peak_tflops)
     trainer.train()
-    metrics = [orjson.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_bytes().splitlines()]
-    return trainer, metrics
+    records = [orjson.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_bytes().splitlines()]
+    return trainer, records
 
 
 @pytest.mark.parametrize(
@@ -157,12 +158,12 @@ def test_mfu_uses_the_peak_of_the_runs_precision(make_config, tmp_path, caplog, 
     from simpletuner.memory.hardware import hardware_for_gpu
 
     caplog.set_level(logging.INFO, logger="simpletuner")
-    trainer, metrics = _mfu_run(
+    trainer, records = _mfu_run(
         make_config, tmp_path, "h100", hardware=hardware_for_gpu("h100"), mixed_precision=precision, enable_tf32=tf32
     )
     logs = trainer.last_logs
     assert logs["mfu"] == pytest.approx(logs["tflops"] / peak)
-    assert [m["mfu"] == pytest.approx(m["tflops"] / peak) for m in metrics] == [True, True]  # grep mfu metrics.jsonl
+    assert [m["mfu"] == pytest.approx(m["tflops"] / peak) for m in records] == [True, True]  # grep mfu metrics.jsonl
     said = [r.getMessage() for r in caplog.records if "MFU is measured against" in r.getMessage()]
     assert said == [
         f"MFU is measured against {peak:g} TFLOPS, the H100 SXM's dense {kind} peak (--peak-tflops overrides it)"
@@ -178,12 +179,12 @@ def test_a_gpu_not_in_the_table_says_peak_unknown_once(make_config, tmp_path, ca
     mystery = DeviceMemoryInfo(0, "NVIDIA Mystery 9000", (9, 0), 48 * 2**30, True, True, False, False, False)
     hardware = detect_hardware(FakeRuntime(info=mystery), meminfo_path=str(tmp_path / "no-meminfo"))
     caplog.set_level(logging.INFO, logger="simpletuner")
-    trainer, metrics = _mfu_run(make_config, tmp_path, "mystery", hardware=hardware)
+    trainer, records = _mfu_run(make_config, tmp_path, "mystery", hardware=hardware)
     unknown = [r for r in caplog.records if "peak unknown: pass --peak-tflops" in r.getMessage()]
     assert len(unknown) == 1 and unknown[0].levelno == logging.WARNING
     assert "NVIDIA Mystery 9000 is not in the GPU table" in unknown[0].getMessage()
-    assert "mfu" not in trainer.last_logs and all("mfu" not in m and m["tflops"] > 0 for m in metrics)
-    assert "WARNING simpletuner.training.performance: MFU left out: peak unknown: pass --peak-tflops" in (
+    assert "mfu" not in trainer.last_logs and all("mfu" not in m and m["tflops"] > 0 for m in records)
+    assert "WARNING simpletuner.training.metrics: MFU left out: peak unknown: pass --peak-tflops" in (
         tmp_path / "mystery" / "training.log"
     ).read_text(encoding="utf-8")
 

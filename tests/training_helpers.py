@@ -1,12 +1,38 @@
-"""Helpers the training tests share: run a config through the real Trainer, and a comparable loss."""
+"""Helpers the training tests share: the tiny run's config, a run through the real Trainer, a
+comparable loss before and after training, and weight comparison."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 from simpletuner.configuration import validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training.trainer import Trainer
+
+
+def tiny_config(model: Path, data: Path, root: Path, **overrides) -> dict:
+    """The raw config most training tests start from: the tiny SD folder ``model``, the shapes
+    dataset ``data``, 4 steps of batch 2; output and cache folders under ``root``. Keyword
+    overrides replace keys."""
+    raw = {
+        "pretrained_model_name_or_path": str(model),
+        "model_family": "sd",
+        "output_dir": str(root / "output"),
+        "resolution": 64,
+        "aspect_bucket_alignment": 16,
+        "train_batch_size": 2,
+        "max_train_steps": 4,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "seed": 123,
+        "cache_config": {"cache_dir": str(root / "cache")},
+        "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(data)}],
+    }
+    raw.update(overrides)
+    return raw
 
 
 def train(raw) -> tuple[Trainer, object]:
@@ -25,3 +51,23 @@ def fixed_loss(trainer: Trainer) -> float:
     with torch.no_grad():
         losses = [trainer.spec.training_loss(model, batch.latents, batch.conditioning, gen).mean() for _ in range(8)]
     return float(torch.stack(losses).mean())
+
+
+def untrained_loss(trainer: Trainer) -> float:
+    """``fixed_loss`` of the model before training, taken from the trained one: with every LoRA layer
+    switched off it is the frozen base, which is what a fresh LoRA (B = 0, the identity) computes."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    assert layers, "untrained_loss is for LoRA runs: the model has no LoRA layer"
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        return fixed_loss(trainer)
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same tensor names, each bit for bit equal."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -18,8 +18,9 @@ Integrity (format version 2): the key of an entry is the fingerprint of everythi
 depends on (see :mod:`.fingerprint`), and the shard's header metadata records a CRC-32 of
 every tensor (over its dtype, shape and bytes) under ``"crc32:{key}|{name}"``. Reads on the
 training path do not check it (CRC-32 of a 32 KiB latent takes ~12 us, more than half of what
-reading it costs); ``verify`` and ``read_checked`` (in :mod:`.shard_checks`) do, and :class:`~simpletuner.caching.tensor_cache.TensorCache` verifies
-every entry it is about to use once, at fill time. Version-1 shards (no checksums) stay
+reading it costs); ``verify`` and ``read_checked`` (in :mod:`.shard_checks`) do, and
+:class:`~simpletuner.caching.tensor_cache.TensorCache` verifies every entry it is about to use once, at
+fill time. Version-1 shards (no checksums) stay
 readable and are reported as unverified. An entry encoded from a file may also carry a hash of
 that file's bytes under ``"source:{key}"`` (:meth:`ShardedTensorStore.source_hashes`), which
 ``cache_config.verify_content`` compares with the file as it is now.

@@ -24,13 +24,11 @@ the next fill reuses (it encodes only what is still missing).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import re
 import time
-from collections import deque
-from concurrent.futures import Executor, ThreadPoolExecutor, wait
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Sequence
@@ -38,11 +36,15 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Se
 import torch
 from tqdm import tqdm
 
+from simpletuner.caching.base import TensorStore
 from simpletuner.caching.integrity import summarise_problems
+from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.caching.threads import map_threads, run_ahead_on_threads
 from simpletuner.diskspace import NoSpace, free_bytes, human_bytes, require_space
 from simpletuner.faults import fault_point
+from simpletuner.gh200.uvm import cache_type_in_use, prefetch_to_device, stack_unified, to_unified
 
 if TYPE_CHECKING:
     from simpletuner.state import StateTracker
@@ -120,7 +122,7 @@ _CACHE_WHAT = {"vae": "the VAE latent cache", "text": "the text embedding cache"
 HEADER_BYTES_PER_TENSOR = 320
 
 
-def _disk_folder(store: Any) -> Path | None:
+def _disk_folder(store: TensorStore) -> Path | None:
     """Where ``store`` writes shards; None for a memory store without a backing folder (no disk)."""
     if isinstance(store, ShardedTensorStore):
         return store.root
@@ -142,7 +144,9 @@ class _SpaceCheck:
     estimate otherwise. Either way every shard write checks its own exact size again
     (:meth:`ShardedTensorStore.put_many`), so a wrong estimate still stops before a write."""
 
-    def __init__(self, store: Any, name: str, misses: Mapping[str, Any], entry_bytes: Callable[[Any], int] | None):
+    def __init__(
+        self, store: TensorStore, name: str, misses: Mapping[str, Any], entry_bytes: Callable[[Any], int] | None
+    ):
         self.folder = _disk_folder(store)
         self.what = f"{_CACHE_WHAT.get(name, f'the {name} cache')} ({len(misses)} new entries)"
         self.count = len(misses)
@@ -195,35 +199,16 @@ def _prepared(
     """``(keys, prepare(payloads))`` per batch, in order; ``prepare`` runs on ``workers`` threads
     (``pool`` when given: it is left running for its owner) up to ``2 * workers`` batches ahead.
     Closing the generator cancels what has not started and waits for what has."""
-    if prepare is None or workers < 1:
-        for keys in batches:
-            payloads = [misses[k] for k in keys]
-            yield keys, payloads if prepare is None else prepare(payloads)
-        return
-    own_pool = pool is None
-    if own_pool:
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="cache-prepare")
-    ahead: deque = deque()
-    try:
-        todo = iter(batches)
-        for keys in itertools.islice(todo, 2 * workers):
-            ahead.append((keys, pool.submit(prepare, [misses[k] for k in keys])))
-        while ahead:
-            keys, future = ahead.popleft()
-            for more in itertools.islice(todo, 1):
-                ahead.append((more, pool.submit(prepare, [misses[k] for k in more])))
-            yield keys, future.result()
-    finally:
-        if own_pool:
-            pool.shutdown(wait=True, cancel_futures=True)
-        else:
-            for _, future in ahead:
-                future.cancel()
-            wait([future for _, future in ahead])
+
+    def run(keys: list[str]) -> tuple[list[str], Any]:
+        payloads = [misses[k] for k in keys]
+        return keys, payloads if prepare is None else prepare(payloads)
+
+    return run_ahead_on_threads(run, batches, workers if prepare is not None else 0, pool)
 
 
 class TensorCache:
-    """An encode-once cache of ``dict[str, Tensor]`` entries on a :class:`ShardedTensorStore`.
+    """An encode-once cache of ``dict[str, Tensor]`` entries on a :class:`~simpletuner.caching.base.TensorStore`.
 
     Args:
         store: where entries live.
@@ -236,7 +221,7 @@ class TensorCache:
 
     def __init__(
         self,
-        store: ShardedTensorStore | MemoryTensorStore,
+        store: TensorStore,
         name: str,
         flush_every: int = DEFAULT_FLUSH_EVERY,
         verify: bool = True,
@@ -503,69 +488,32 @@ class TensorCache:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
 
 
-def map_threads(
-    fn: Callable[[Any], Any], items: Sequence[Any], workers: int, pool: Executor | None, desc: str
-) -> list[Any]:
-    """``[fn(item) for item in items]`` on ``pool``, else on ``workers`` threads (file reads and
-    blake2b release the GIL), else inline; with a progress bar on a terminal."""
-    progress = tqdm(total=len(items), desc=desc, unit="file", disable=None)
-    try:
-        if pool is None and workers < 1:
-            out = []
-            for item in items:
-                out.append(fn(item))
-                progress.update(1)
-            return out
-        own = pool is None
-        executor = ThreadPoolExecutor(workers, thread_name_prefix="cache-hash") if own else pool
-        try:
-            out = []
-            for result in executor.map(fn, items):
-                out.append(result)
-                progress.update(1)
-            return out
-        finally:
-            if own:
-                executor.shutdown(wait=True, cancel_futures=True)
-    finally:
-        progress.close()
-
-
 CACHE_TYPES = ("disk", "memory", "unified_memory")
 
 
-def cache_type_in_use(kind: str) -> str:
-    """The cache type a configured ``kind`` is opened as: ``unified_memory`` is a CPU-backed
-    ``memory`` cache while unified-memory hints are forced off (config or environment; the log
-    says so once); every other type is itself."""
-    if kind != "unified_memory":
-        return kind
-    from simpletuner.gh200.uvm import unified_caches_fall_back_to_cpu
-
-    return "memory" if unified_caches_fall_back_to_cpu() else kind
+def _check_cache_types(*kinds: str) -> None:
+    """Raises ValueError naming the first of ``kinds`` that is not a cache type (before any folder is made)."""
+    for kind in kinds:
+        if kind not in CACHE_TYPES:
+            raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
 
 
-def _open_store(
-    folder: Path, kind: str, name: str, persistent: bool, prefer: str
-) -> ShardedTensorStore | MemoryTensorStore:
-    """A disk store, or a memory store (optionally backed by disk) placed per ``kind``."""
+def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> TensorStore:
+    """A disk store, or a memory store (optionally backed by disk) placed per ``kind`` (one of
+    :data:`CACHE_TYPES`, checked by the caller)."""
     kind = cache_type_in_use(kind)
     if kind == "disk":
         return ShardedTensorStore(folder)
     backing = ShardedTensorStore(folder) if persistent else None
     if kind == "memory":
         return MemoryTensorStore(name, backing=backing)
-    if kind == "unified_memory":
-        from simpletuner.gh200.uvm import prefetch_to_device, stack_unified, to_unified
-
-        return MemoryTensorStore(
-            name,
-            place=lambda t: to_unified(t, prefer),
-            prefetch=prefetch_to_device,
-            backing=backing,
-            stack=stack_unified,
-        )
-    raise ValueError(f"cache type {kind!r} is not one of disk, memory, unified_memory")
+    return MemoryTensorStore(
+        name,
+        place=lambda t: to_unified(t, prefer),
+        prefetch=prefetch_to_device,
+        backing=backing,
+        stack=stack_unified,
+    )
 
 
 def open_tensor_cache(
@@ -583,8 +531,7 @@ def open_tensor_cache(
     Raises:
         ValueError: an unknown cache type.
     """
-    if kind not in CACHE_TYPES:
-        raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
+    _check_cache_types(kind)
     return TensorCache(_open_store(Path(folder), kind, name, persistent, prefer), name, verify=verify)
 
 
@@ -617,11 +564,9 @@ def open_caches(
             f"model_tag {model_tag!r} must be a plain folder name of letters, digits, '.', '_' or '-' "
             "(not starting with '.' or '-')"
         )
-    for kind in (vae_type, text_type):
-        if kind not in CACHE_TYPES:
-            raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
-    base = Path(cache_dir) / model_tag
-    vae_dir, text_dir = base / "vae", base / "text"
+    _check_cache_types(vae_type, text_type)
+    base = cache_base(cache_dir, model_tag)
+    vae_dir, text_dir = base / VAE_CACHE_NAME, base / TEXT_CACHE_NAME
     vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae", verify=verify)
     text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text", verify=verify)
     if state is not None:

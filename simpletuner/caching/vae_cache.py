@@ -74,8 +74,8 @@ def sample_latent_key(
 ) -> str:
     """The latent key of ``sample`` of a registered ``dataset`` (its backend gives the file
     identity; its config may override the resolution). The trainer and ``simpletuner cache``
-    both call this, so they always agree on what is cached. ``augment`` describes the
-    augmentations the latent was encoded with
+    both reach it through :mod:`simpletuner.caching.keys`, so they always agree on what is cached.
+    ``augment`` describes the augmentations the latent was encoded with
     (:func:`~simpletuner.data_backend.augment.augmentation_key`); None (off) leaves the key as
     it was before augmentations existed."""
     crop = {"style": sample.crop_style, "seed": sample.crop_seed}

@@ -13,6 +13,7 @@ from simpletuner.configuration.foreign_keys import (
     foreign_value,
     stands_for,
 )
+from simpletuner.configuration.schema import DatasetConfig
 
 
 class ConfigError(ValueError):
@@ -39,9 +40,6 @@ def format_path(loc: Iterable[Any]) -> str:
             out += f".{part}" if out else str(part)
         previous = part
     return out or "(top level)"
-
-
-_UNION_TAGS: set[str] = {"local", "in_memory"}
 
 
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -76,6 +74,13 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     for arg in get_args(annotation):
         found.extend(_models_in(arg))
     return found
+
+
+#: The dataset entry's ``type`` values (``local``, ``in_memory``, ...), read from the members of the
+#: ``DatasetConfig`` union: pydantic puts the matching one right after the list index in an error's path.
+_UNION_TAGS: frozenset[str] = frozenset(
+    tag for member in _models_in(DatasetConfig) for tag in get_args(member.model_fields["type"].annotation)
+)
 
 
 def _normalise(key: str) -> str:

@@ -96,7 +96,8 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
         "lycoris_config",
         "lycoris",
         "approximated",
-        "LyCORIS settings are the `lycoris` table (algo, factor, full_matrix) with `lora_rank` / `lora_alpha`, not a JSON file",
+        "LyCORIS settings are the `lycoris` table (algo, factor, full_matrix) with `lora_rank` / `lora_alpha`, "
+        "not a JSON file",
     ),
     _st("use_dora", "lora_use_dora", "same"),
     _st("adam_weight_decay", "weight_decay", "same"),

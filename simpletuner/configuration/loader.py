@@ -81,7 +81,10 @@ def _model_folder(config) -> Iterator[str]:
         return
     p = Path(model).expanduser()
     if not p.exists():
-        yield f"pretrained_model_name_or_path: {p} does not exist (give a local diffusers-format folder, or create a tiny one with `simpletuner zoo --family sd --out DIR`)"
+        yield (
+            f"pretrained_model_name_or_path: {p} does not exist (give a local diffusers-format folder, "
+            "or create a tiny one with `simpletuner zoo --family sd --out DIR`)"
+        )
     elif not p.is_dir():
         yield f"pretrained_model_name_or_path: {p} is a file; it must be a diffusers-format folder"
     elif not (p / "model_index.json").exists():
@@ -189,9 +192,9 @@ def _from_base(value: Any, base_dir: Path) -> Any:
 
 def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
     """Relative ``output_dir``, ``cache_config.cache_dir``, ``datasets[].instance_data_dir``, a
-    ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir`` (the config file's folder),
-    so the same config run from another folder writes and reads the same places. ``--set`` values
-    are part of the config and follow the same rule. Without ``base_dir`` (a dict, no file) nothing
+    ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir``
+    (the config file's folder), so the same config run from another folder writes and reads the same places.
+    ``--set`` values are part of the config and follow the same rule. Without ``base_dir`` (a dict, no file) nothing
     changes: relative paths are then taken from the working directory."""
     if base_dir is None:
         return raw

@@ -3,7 +3,7 @@
 Pydantic runs a model's after-validators only when all of that model's fields are valid, so an
 unknown key or one type error hid every cross-field problem until it was fixed. Here each field
 that validated on its own gets its validated value, each one that did not is marked invalid, and
-the model's rules (``schema.rules_for``) run on that view: a rule that reads an invalid field is
+the model's rules (``rules.rules_for``) run on that view: a rule that reads an invalid field is
 skipped (its input's own error is already reported), every other rule reports as usual.
 """
 
@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 
 from simpletuner.configuration.errors import format_path
 from simpletuner.configuration.foreign_keys import stands_for
-from simpletuner.configuration.schema import rules_for
+from simpletuner.configuration.rules import rules_for
 
 
 class InvalidInput(Exception):

@@ -12,10 +12,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-Rule = Callable[[Any], Iterator[str]]
+from simpletuner.configuration.families import (
+    EXPERT_FAMILIES,
+    FAMILY_LATENT_GRID,
+    FLOW_MATCHING_FAMILIES,
+    VIDEO_FAMILIES,
+)
 
-#: Model families trained with flow matching (sigma in (0, 1)) rather than a DDPM schedule.
-FLOW_MATCHING_FAMILIES = frozenset({"wan", "sd3", "flux"})
+Rule = Callable[[Any], Iterator[str]]
 
 
 def _caption_prompt(ds) -> Iterator[str]:
@@ -34,7 +38,9 @@ def _video_frames(ds) -> Iterator[str]:
                 f"latent frame after the first): use {lower} or {upper}"
             )
     elif ds.num_frames is not None or ds.frame_stride != 1:
-        yield "`num_frames` / `frame_stride` apply to dataset_type 'video' only: remove them or set dataset_type 'video'"
+        yield (
+            "`num_frames` / `frame_stride` apply to dataset_type 'video' only: remove them or set dataset_type 'video'"
+        )
 
 
 def _ramp_bounds(ramp) -> Iterator[str]:
@@ -74,7 +80,10 @@ def _unique_dataset_ids(cfg) -> Iterator[str]:
 
 def _resolution_aligned(cfg) -> Iterator[str]:
     if cfg.resolution % cfg.aspect_bucket_alignment:
-        yield f"`resolution` {cfg.resolution} is not a multiple of `aspect_bucket_alignment` {cfg.aspect_bucket_alignment}"
+        yield (
+            f"`resolution` {cfg.resolution} is not a multiple of `aspect_bucket_alignment` "
+            f"{cfg.aspect_bucket_alignment}"
+        )
 
 
 def _ramp_batch_multiple(cfg) -> Iterator[str]:
@@ -108,8 +117,8 @@ def _automagic_stage_ranges(cfg) -> Iterator[str]:
             yield f"{stage}_min_lr {lo} is greater than {stage}_max_lr {hi}: set min <= max"
 
 
-def _stages_need_wan(cfg) -> Iterator[str]:
-    if cfg.train_stages != "both" and cfg.model_family != "wan":
+def _stages_need_experts(cfg) -> Iterator[str]:
+    if cfg.train_stages != "both" and cfg.model_family not in EXPERT_FAMILIES:
         yield (
             f"train_stages {cfg.train_stages!r} picks one expert of a two-expert model (Wan 2.2), but model_family "
             f"{cfg.model_family!r} has one denoiser: remove train_stages"
@@ -124,9 +133,9 @@ def _full_not_quantised(cfg) -> Iterator[str]:
         )
 
 
-def _video_needs_wan(cfg) -> Iterator[str]:
-    if cfg.model_family != "wan" and any(d.dataset_type == "video" for d in cfg.datasets or []):
-        yield f"video datasets need a video model family (wan), not {cfg.model_family!r}"
+def _video_needs_video_family(cfg) -> Iterator[str]:
+    if cfg.model_family not in VIDEO_FAMILIES and any(d.dataset_type == "video" for d in cfg.datasets or []):
+        yield f"video datasets need a video model family ({', '.join(VIDEO_FAMILIES)}), not {cfg.model_family!r}"
 
 
 def _loss_weighting_fits_family(cfg) -> Iterator[str]:
@@ -197,21 +206,7 @@ def _places_apart(cfg) -> Iterator[str]:
                 yield f"{where} is inside {key} {place}: {_DATA_INSIDE_PLACE[key]}. Keep the dataset outside {key}"
 
 
-# --- latent grid: bucket sides the family's VAE and denoiser divide exactly ---------------------------
-
-#: Per family: pixels per latent along a side (the VAE's down factor) and latents per denoiser token
-#: along a side (sd3's and wan's 2x2 patches, flux's 2x2 packing; a UNet pads what it needs), as in
-#: every released checkpoint of the family. A bucket side must be a multiple of their product, or
-#: the latents do not split into whole tokens and training fails after the cache fill. The model
-#: spec checks again against the folder's own configs before anything loads
-#: (``ModelSpec.check_alignment``), for a folder whose factors differ.
-FAMILY_LATENT_GRID: dict[str, tuple[int, int]] = {
-    "sd": (8, 1),
-    "sdxl": (8, 1),
-    "sd3": (8, 2),
-    "flux": (8, 2),
-    "wan": (8, 2),
-}
+# --- latent grid: bucket sides the family's VAE and denoiser divide exactly (families.FAMILY_LATENT_GRID) ---
 
 
 def alignment_problem(family: str, alignment: int, vae_factor: int, patch: int, where: str = "") -> str | None:
@@ -330,8 +325,9 @@ def folder_name_problem(value: str) -> str | None:
     return None
 
 
-#: Rules of a dataset entry, of ``gh200_optimizations`` and of the whole config. Add a rule to its
-#: tuple to have it checked both in validation and in the loader's one-pass report.
+#: Rules of a dataset entry, of ``gh200_optimizations`` and of the whole config (each model names its
+#: tuple as ``cross_field_rules``). Add a rule to its tuple to have it checked both in validation and
+#: in the loader's one-pass report.
 DATASET_RULES: tuple[Rule, ...] = (_caption_prompt, _video_frames)
 RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds,)
 TRAINING_RULES: tuple[Rule, ...] = (
@@ -343,12 +339,26 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _ramp_batch_multiple,
     _automagic_lr_range,
     _automagic_stage_ranges,
-    _stages_need_wan,
+    _stages_need_experts,
     _full_not_quantised,
-    _video_needs_wan,
+    _video_needs_video_family,
     _loss_weighting_fits_family,
     _validation_prompt_given,
     _places_apart,
     _alignment_fits_family,
     _dataset_resolution_aligned,
 )
+
+
+def rules_for(model: type) -> tuple[Rule, ...]:
+    """The cross-field rules of a config model: its ``cross_field_rules`` (a subclass inherits its base's)."""
+    return getattr(model, "cross_field_rules", ())
+
+
+def check_rules(obj):
+    """Model-validator body: every rule of ``obj``'s model runs, and one ValueError with a line per
+    problem is raised; ``obj`` is returned when there is none."""
+    problems = [message for rule in rules_for(type(obj)) for message in rule(obj)]
+    if problems:
+        raise ValueError("\n".join(problems))
+    return obj

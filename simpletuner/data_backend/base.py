@@ -8,7 +8,7 @@ captions or buckets; that lives in ``metadata``.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, Mapping, Protocol, runtime_checkable
 
 #: File extensions (lowercase, with the dot) treated as training images.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp"})
@@ -75,4 +75,19 @@ class SupportsReadHead(Protocol):
 
     def read_head(self, path: str, num_bytes: int) -> bytes:
         """Up to ``num_bytes`` bytes from the start of ``path``."""
+        ...
+
+
+@runtime_checkable
+class SupportsStagingReport(Protocol):
+    """Optional extra of a backend that reads every file up front (``GH200InMemoryBackend``):
+    the files it found but could not read.
+
+    Such a backend leaves them out of ``list_files``; the metadata scan counts them as bad files,
+    so a dataset reports the same skipped paths and applies the same ``max_bad_image_fraction``
+    whatever its ``type``.
+    """
+
+    def failed_files(self) -> Mapping[str, str]:
+        """``{path: reason}`` of every file found but not read."""
         ...

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from simpletuner.data_backend.base import DataBackend
+from simpletuner.data_backend.base import DataBackend, SupportsStagingReport
 from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.images import load_rgb, prepare_image
 from simpletuner.data_backend.local import LocalDataBackend
@@ -54,8 +54,9 @@ def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataB
     return build(dataset_cfg, config)
 
 
-#: Storage backend builders by the dataset entry's ``type``. A new backend is one line here
-#: (plus its config class in ``simpletuner.configuration.schema``).
+#: Storage backend builders by the dataset entry's ``type``. A new backend is one line here, plus
+#: its config class as a member of the ``DatasetConfig`` union (``simpletuner.configuration.schema``;
+#: config error paths derive the tags from it) and its section in ``configuration/docs.py``.
 BUILDERS: dict[str, Callable[[Any, "TrainingConfig"], DataBackend]] = {
     "local": build_local_backend,
     "in_memory": build_in_memory_backend,
@@ -104,17 +105,11 @@ def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
 
 
 def staging_failures(backend: DataBackend) -> dict[str, str]:
-    """Files a backend that reads everything up front found but could not read: ``{path: reason}``.
-
-    ``GH200InMemoryBackend`` leaves them out of ``list_files`` and lists them in
-    ``report.failed``; the metadata scan counts them as bad files, so a dataset reports the
-    same skipped paths and applies the same ``max_bad_image_fraction`` whatever its ``type``.
-    Backends that read on demand have none.
-    """
-    from simpletuner.gh200.in_memory_backend import GH200InMemoryBackend
-
-    if isinstance(backend, GH200InMemoryBackend):
-        return dict(backend.report.failed)
+    """Files a backend that reads everything up front found but could not read: ``{path: reason}``
+    (:class:`~simpletuner.data_backend.base.SupportsStagingReport`). Backends that read on demand
+    have none."""
+    if isinstance(backend, SupportsStagingReport):
+        return dict(backend.failed_files())
     return {}
 
 

@@ -93,7 +93,8 @@ def require_av() -> Any:
         import av
     except ImportError:
         raise ImportError(
-            'reading .mp4/.webm/.mov/.mkv clips needs PyAV: `pip install -e ".[video]"` in the simpletuner checkout (or `pip install av`). '
+            'reading .mp4/.webm/.mov/.mkv clips needs PyAV: `pip install -e ".[video]"` in the simpletuner checkout '
+            "(or `pip install av`). "
             "Animated .gif/.webp and frame folders need nothing extra"
         ) from None
     return av

@@ -24,9 +24,9 @@ import torch
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, FORK_ONLY_KEYS, check_alloc_conf
 from simpletuner.gh200.runtime import INSTALL_HINT, DeviceMemoryInfo, get_runtime
 from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR, env_hint_request
+from simpletuner.host import collect_host
 
 GIB = 1024**3
-MEMINFO_PATH = "/proc/meminfo"
 ENV_VARS = (
     ENV_VAR,
     ENV_ALIAS,  # the ai-toolkit GH200 fork's name for the same switch
@@ -66,45 +66,6 @@ def collect_device(runtime) -> dict | None:
         return None
     free, _total = runtime.mem_get_info()
     return {**info.as_dict(), "free_bytes": int(free)}
-
-
-def parse_meminfo(text: str) -> dict:
-    """``MemTotal`` and ``MemAvailable`` of a /proc/meminfo text, in bytes (None where absent)."""
-    values = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        fields = rest.split()
-        if fields and fields[0].isdigit():
-            values[key.strip()] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
-    return {"ram_total_bytes": values.get("MemTotal"), "ram_available_bytes": values.get("MemAvailable")}
-
-
-def collect_host(meminfo_path: str | None = None) -> dict:
-    """CPU counts (all, and usable by this process) and RAM from /proc/meminfo (None if unreadable)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = None
-    try:
-        with open(meminfo_path or MEMINFO_PATH, encoding="ascii") as f:
-            memory = parse_meminfo(f.read())
-    except OSError:
-        memory = parse_meminfo("")
-    return {"cpu_count": os.cpu_count(), "cpu_affinity": usable, **memory, "nvidia_gpu_present": nvidia_gpu_present()}
-
-
-def nvidia_gpu_present(proc_gpus: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> bool:
-    """Whether the host has an NVIDIA GPU at all (its driver lists one, or a /dev/nvidiaN node exists),
-    whatever PyTorch sees: without one the GPU verdicts do not apply; with one they must pass."""
-    try:
-        if any(os.scandir(proc_gpus)):
-            return True
-    except OSError:
-        pass
-    try:
-        return any(e.name.startswith("nvidia") and e.name[6:].isdigit() for e in os.scandir(dev))
-    except OSError:
-        return False
 
 
 def alloc_conf_problems(value: str | None) -> list[str]:
@@ -368,27 +329,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser(prog: str = "gh200_diagnostic.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="What this machine offers for GH200 / GB10 unified-memory training, and what is missing.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The diagnostic's options (``simpletuner diagnose``, ``python gh200_diagnostic.py``)."""
+    parser.description = "What this machine offers for GH200 / GB10 unified-memory training, and what is missing."
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object only")
     parser.add_argument(
         "--oversubscription-scale",
         type=_positive_float,
         metavar="S",
-        help="allocate S x device memory as managed memory, prefetch it both ways and report GB/s (unified memory only)",
+        help="allocate S x device memory as managed memory, prefetch it both ways and report GB/s "
+        "(unified memory only)",
     )
     parser.add_argument(
         "--force", action="store_true", help="run the oversubscription test on a discrete GPU too (can hang it)"
     )
+
+
+def build_parser(prog: str = "gh200_diagnostic.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    add_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None, prog: str = "gh200_diagnostic.py") -> int:
-    """The diagnostic behind both ``python gh200_diagnostic.py`` and ``simpletuner diagnose`` (``prog`` names it)."""
-    args = build_parser(prog).parse_args(argv)
+    """``python gh200_diagnostic.py ARGV`` (``prog`` names it); returns the exit code."""
+    return run(build_parser(prog).parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The diagnostic behind both ``python gh200_diagnostic.py`` and ``simpletuner diagnose``; returns the exit code."""
     runtime = get_runtime()
     code = 0
     over = None

@@ -288,7 +288,8 @@ class GH200InMemoryBackend:
                 'stay as they are unless `compress_encoded_images`), or use type "local" to read from disk'
             )
         logger.info(
-            "dataset %r: %s on disk exceeds memory_limit_gb=%s before compression; checking the compressed size while staging",
+            "dataset %r: %s on disk exceeds memory_limit_gb=%s before compression; "
+            "checking the compressed size while staging",
             self.id,
             _gb(total),
             self.memory_limit_gb,
@@ -404,6 +405,10 @@ class GH200InMemoryBackend:
         """``"{size}:{mtime_ns}"`` of the file when it was staged (as ``LocalDataBackend`` gives)."""
         entry = self._entry(path)
         return f"{entry.size}:{entry.mtime_ns}"
+
+    def failed_files(self) -> dict[str, str]:
+        """Files found under the root but not staged, ``{path: reason}`` (``SupportsStagingReport``)."""
+        return dict(self.report.failed)
 
 
 def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> GH200InMemoryBackend:

@@ -7,41 +7,17 @@ step accumulates — never the micro-batch itself, so memory use stays flat.
 The window length is a pure function of micro-batches seen, decided by the trainer *before*
 each accumulation window starts (the loss is normalised by the samples actually in the
 window), so no window is ever mis-scaled and a resumed run continues the same sequence.
+
+A pure policy that imports nothing from simpletuner: the training layer
+(:mod:`simpletuner.training.accumulation`) decides whether a run uses it or fixed windows, and
+counts the optimizer steps it makes.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 logger = logging.getLogger(__name__)
-
-
-class AccumulationPolicy(Protocol):
-    """Pure function of progress: the window length for the window that starts now."""
-
-    def window_for(self, micro_batches_seen: int) -> int: ...
-
-    def state_dict(self) -> dict: ...
-
-
-class FixedAccumulation:
-    """``gradient_accumulation_steps`` micro-batches per optimizer step, always.
-
-    Defined here, beside the ramp, so the GH200 layer builds either policy without importing
-    the training layer (which sits above it).
-    """
-
-    def __init__(self, steps: int):
-        if steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be >= 1, got {steps}")
-        self.steps = steps
-
-    def window_for(self, micro_batches_seen: int) -> int:
-        return self.steps
-
-    def state_dict(self) -> dict:
-        return {"kind": "fixed", "steps": self.steps}
 
 
 class GH200GradientRamp:
@@ -76,7 +52,8 @@ class GH200GradientRamp:
         if target_effective_batch_size % per_micro:
             raise ValueError(
                 f"gh200_optimizations.target_effective_batch_size {target_effective_batch_size} is not a multiple of "
-                f"{where}; use a multiple such as {max(per_micro, target_effective_batch_size // per_micro * per_micro)}"
+                f"{where}; use a multiple such as "
+                f"{max(per_micro, target_effective_batch_size // per_micro * per_micro)}"
             )
         if initial_effective_batch_size < per_micro:
             raise ValueError(
@@ -124,12 +101,3 @@ class GH200GradientRamp:
             "rampup_micro_batches": self.rampup_micro_batches,
             "samples_per_micro_batch": self.per_micro,
         }
-
-
-def count_steps(policy, total_micro_batches: int) -> int:
-    """Optimizer steps needed to consume ``total_micro_batches`` with ``policy``'s windows."""
-    seen = steps = 0
-    while seen < total_micro_batches:
-        seen += policy.window_for(seen)
-        steps += 1
-    return max(steps, 1)

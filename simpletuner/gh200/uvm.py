@@ -131,6 +131,15 @@ def unified_caches_fall_back_to_cpu() -> bool:
     return True
 
 
+def cache_type_in_use(kind: str) -> str:
+    """The cache type a configured ``kind`` is opened as: ``unified_memory`` is a CPU-backed
+    ``memory`` cache while unified-memory hints are forced off (config or environment; the log
+    says so once); every other type is itself."""
+    if kind != "unified_memory":
+        return kind
+    return "memory" if unified_caches_fall_back_to_cpu() else kind
+
+
 _decided: tuple[tuple, bool] | None = None  # ((override, env values, runtime), answer): asked per tensor
 
 

@@ -1,8 +1,9 @@
 """Turn ``cache_config`` and ``gh200_optimizations`` into runtime decisions for one run.
 
-Called by ``Trainer._configure_gh200_runtime()``: applies the unified-memory hint override,
-builds the accumulation policy (the ramp or a fixed window) and records what was decided in
-the StateTracker and, on the main process of a run that configures the GH200 layer
+Called by ``Trainer._configure_gh200_runtime()``, after the trainer has built its accumulation
+policy (:mod:`simpletuner.training.accumulation`: the ramp or a fixed window): applies the
+unified-memory hint override and records what was decided, the policy's ``state_dict`` included,
+in the StateTracker and, on the main process of a run that configures the GH200 layer
 (:func:`gh200_layer_requests`), in ``<output_dir>/gh200_runtime.json``. An ordinary run writes
 no file and logs one DEBUG line ("GH200 unified-memory hints are off: off by default").
 """
@@ -16,7 +17,15 @@ from typing import Any, Mapping
 
 import orjson
 
-from simpletuner.gh200.ramp import AccumulationPolicy, FixedAccumulation, GH200GradientRamp
+from simpletuner.gh200.uvm import (
+    ENV_ALIAS,
+    ENV_VAR,
+    cache_type_in_use,
+    env_hint_request,
+    gh200_uvm_enabled,
+    set_uvm_hint_override,
+    unified_memory_status,
+)
 from simpletuner.state import StateTracker
 
 logger = logging.getLogger(__name__)
@@ -34,8 +43,6 @@ def uvm_hint_decision(config, environ: Mapping[str, str] | None = None) -> tuple
     Raises:
         ValueError: the two environment names disagree (checked even when the config decides).
     """
-    from simpletuner.gh200.uvm import env_hint_request
-
     opts, cache = config.gh200_optimizations, config.cache_config
     from_env, env_source = env_hint_request(environ)
     if opts.enable_uvm_hints is not None:
@@ -63,8 +70,6 @@ def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> li
     (``SIMPLETUNER_GH200_UVM_HINTS`` / ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``) set to anything.
     Only then are the decisions written to ``<output_dir>/gh200_runtime.json``.
     """
-    from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR
-
     environ = os.environ if environ is None else environ
     cache, opts = config.cache_config, config.gh200_optimizations
     found = [
@@ -85,39 +90,28 @@ def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> li
     return found
 
 
-def build_accumulation(config, num_processes: int) -> AccumulationPolicy:
-    """The ramp when enabled, else ``gradient_accumulation_steps`` fixed windows."""
-    opts = config.gh200_optimizations
-    if not opts.enable_batch_size_rampup:
-        return FixedAccumulation(config.gradient_accumulation_steps)
-    if config.gradient_accumulation_steps != 1:
-        logger.info(
-            "gradient_accumulation_steps=%d is ignored: the GH200 ramp decides the accumulation",
-            config.gradient_accumulation_steps,
-        )
-    return GH200GradientRamp(
-        opts.initial_effective_batch_size,
-        opts.target_effective_batch_size,
-        opts.batch_rampup_steps,
-        config.train_batch_size,
-        num_processes,
-    )
-
-
 def configure_runtime(
-    state: StateTracker, num_processes: int, is_main_process: bool, output_dir: Path
-) -> AccumulationPolicy:
-    """Apply hints, build the accumulation policy, record the decisions; returns the policy."""
-    from simpletuner.caching.tensor_cache import cache_type_in_use
-    from simpletuner.gh200.uvm import gh200_uvm_enabled, set_uvm_hint_override, unified_memory_status
+    state: StateTracker,
+    num_processes: int,
+    is_main_process: bool,
+    output_dir: Path,
+    *,
+    accumulation: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Apply hints and record the decisions; returns what was recorded.
 
+    ``accumulation``: the ``state_dict`` of the accumulation policy the trainer built for this
+    run, recorded as it is.
+
+    Raises:
+        ValueError: the hint environment variables disagree (before anything is decided or written).
+    """
     config = state.config
     override, setting = uvm_hint_decision(config, os.environ)  # before anything loads: a conflict stops here
     set_uvm_hint_override(override, setting)
     active = gh200_uvm_enabled()
     if active:
         logger.info("GH200 unified-memory hints are on: %s", setting)  # off: uvm says why, once
-    policy = build_accumulation(config, num_processes)
     cache = config.cache_config
     decided: dict[str, Any] = {
         "uvm_hint_override": override,
@@ -130,14 +124,14 @@ def configure_runtime(
         "text_cache_type_in_use": cache_type_in_use(cache.text_cache_type),
         "persistent_cache": cache.persistent_cache,
         "cache_dir": cache.cache_dir,
-        "accumulation": policy.state_dict(),
+        "accumulation": dict(accumulation),
         "num_processes": num_processes,
     }
     state.set_gh200_runtime_config(decided)
     requests = gh200_layer_requests(config, os.environ)
     if not requests:  # an ordinary run: uvm's one DEBUG line ("hints are off: off by default") says it all
-        return policy
+        return decided
     if is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUNTIME_FILE).write_bytes(orjson.dumps(decided, option=orjson.OPT_INDENT_2, default=str))
-    return policy
+    return decided

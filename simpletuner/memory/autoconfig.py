@@ -29,12 +29,15 @@ and the plan says so).
 
 from __future__ import annotations
 
-import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from simpletuner.data_backend.buckets import bucket_name
+from simpletuner.data_backend.local import LocalDataBackend
+from simpletuner.data_backend.metadata import build_metadata
 from simpletuner.memory.advice import (
     DDP_BUCKETS,
     VALIDATION_MODELS,
@@ -64,10 +67,10 @@ def _module_bytes(model_root: Path, component: str, dtype) -> int | None:
     import torch
     import transformers
 
-    from simpletuner.models.spec import resolve_component_class
+    from simpletuner.models.spec import read_model_index, resolve_component_class  # diffusers: load on use
 
     try:
-        library, class_name = json.loads((model_root / "model_index.json").read_text())[component]
+        library, class_name = (read_model_index(model_root) or {})[component]
         cls = resolve_component_class(library, class_name, "model")
     except (OSError, KeyError, ValueError, TypeError):
         return None
@@ -204,12 +207,6 @@ def scan_data_cap(config: "TrainingConfig") -> DataCap:
     nothing is decoded or staged) and return the largest bucket. The cap is unknown, with the
     reason, when the config has no datasets or a dataset's folder is not on this machine or the
     scan refuses it (``train`` would refuse it too)."""
-    from collections import Counter
-
-    from simpletuner.data_backend.buckets import bucket_name
-    from simpletuner.data_backend.local import LocalDataBackend
-    from simpletuner.data_backend.metadata import build_metadata
-
     if not config.datasets:
         return DataCap(None, reason="the config has no datasets here (data_backend_config not found?)")
     groups: Counter[tuple[str, tuple[int, int]]] = Counter()

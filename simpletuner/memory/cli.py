@@ -1,108 +1,38 @@
 """``simpletuner estimate``: the memory table, auto-config (``--apply``), presets, ``--profile``.
 
-The arguments are declared in :mod:`simpletuner.cli` (so ``simpletuner --help`` does not import
-torch); :func:`run` does the work. Exit codes (:mod:`simpletuner.exit_codes`): 0 done; 1 the config
-does not fit the GPU (the message says what dominates and what would help); 2 bad input (config,
-GPU name, flags, preset, ``--apply`` on a read-only file, ``--profile`` without a GPU,
-``PYTORCH_CUDA_ALLOC_CONF`` keys stock PyTorch rejects); 70 internal error (a bug: the traceback
-and what to report are printed; never 1 or 2, which would be read as a verdict on the input).
+:func:`add_arguments` declares the options and :func:`run` does the work; the estimate itself is
+computed, then rendered, by :mod:`simpletuner.memory.report`. Exit codes
+(:mod:`simpletuner.exit_codes`): 0 done; 1 the config does not fit the GPU (the message says what
+dominates and what would help); 2 bad input (config, GPU name, flags, preset, ``--apply`` on a
+read-only file, ``--profile`` without a GPU, ``PYTORCH_CUDA_ALLOC_CONF`` keys stock PyTorch
+rejects); 70 internal error (a bug: the traceback and what to report are printed; never 1 or 2,
+which would be read as a verdict on the input).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from simpletuner.memory.advice import format_bytes
-from simpletuner.memory.estimator import GiB
+import torch
 
-
-def _gib(nbytes: int | None) -> str:
-    return "unknown" if nbytes is None else format_bytes(nbytes)
-
-
-@dataclass
-class Machine:
-    """The machine an estimate is judged against: detected, from the GPU table, generic, or none."""
-
-    hardware: Any | None  # HardwareInfo, None for a generic --gpu-memory card or no GPU
-    usable_bytes: int | None
-    kind: str  # "detected", "table", "generic" or "none"
-    lines: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "usable_bytes": self.usable_bytes,
-            "hardware": None if self.hardware is None else self.hardware.as_dict(),
-        }
-
-
-def resolve_machine(gpu: str | None, gpu_memory_gb: float | None, detect=None) -> Machine:
-    """``--gpu auto`` (default): this machine, or a generic card when ``--gpu-memory`` is given;
-    ``--gpu NAME``: that card from the table, ``--gpu-memory`` overriding its memory.
-    ValueError (listing the known GPUs) for an unknown name."""
-    from simpletuner.memory.hardware import detect_hardware, hardware_for_gpu
-
-    if gpu_memory_gb is not None and gpu_memory_gb <= 0:
-        raise ValueError(f"--gpu-memory must be a positive number of GB, got {gpu_memory_gb:g}")
-    if gpu in (None, "auto"):
-        if gpu_memory_gb is not None:
-            usable = int(gpu_memory_gb * GiB)
-            return Machine(
-                None,
-                usable,
-                "generic",
-                [
-                    f"GPU: hypothetical card with {gpu_memory_gb:g} GiB (--gpu-memory; not a table entry: no peak FLOPS)",
-                ],
-            )
-        hw = (detect or detect_hardware)()
-        if not hw.has_gpu:
-            return Machine(
-                hw,
-                None,
-                "none",
-                hw.describe()
-                + [
-                    "no CUDA device here: the table is what one training process would need on a GPU, without headroom. "
-                    "Pass --gpu NAME or --gpu-memory GB to judge it against a card.",
-                ],
-            )
-        lines = hw.describe()
-        if hw.gpu_free_bytes is not None and hw.usable_memory_bytes and hw.gpu_free_bytes < 0.9 * hw.gpu_memory_bytes:
-            lines.append(
-                f"note: {_gib(hw.gpu_free_bytes)} free now; something else holds GPU memory, and the estimate "
-                "is judged against the whole"
-            )
-        return Machine(hw, hw.usable_memory_bytes, "detected", lines + _memory_notes(hw))
-    hw = hardware_for_gpu(gpu, gpu_memory_gb)
-    lines = [line for line in hw.describe() if not (line.startswith("host:") and hw.host_ram_bytes is None)]
-    return Machine(hw, hw.usable_memory_bytes, "table", lines + _memory_notes(hw))
-
-
-def _memory_notes(hw) -> list[str]:
-    if hw.memory_kind.startswith("integrated"):
-        return [
-            "shared memory: the OS, datasets staged in RAM (in_memory) and `memory` / `unified_memory` caches use "
-            "the same memory as training; the safety margin has to cover them"
-        ]
-    if hw.unified_memory:
-        return [
-            "usable is the GPU's own memory (HBM); managed memory can spill into the host's LPDDR5X, at the "
-            "NVLink-C2C's speed, not the HBM's: plan for the HBM"
-        ]
-    return []
+from simpletuner.commands import add_config_arguments
+from simpletuner.configuration import ConfigError, load_config, validate_config
+from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
+from simpletuner.exit_codes import BAD_INPUT, DOES_NOT_FIT, report_internal_error
+from simpletuner.memory import presets as P
+from simpletuner.memory.apply import ApplyError, apply_updates, check_writable, describe_changes
+from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN, DoesNotFit
+from simpletuner.memory.profile import NeedsGPU, ProfileOutOfMemory, profile_training
+from simpletuner.memory.report import compute_estimate
 
 
 # --- presets ---------------------------------------------------------------------------------------
 def _presets(args) -> int:
-    from simpletuner.memory import presets as P
-
     directory = args.presets_dir or P.PRESETS_DIR
     if args.list_presets:
         found = P.load_presets(directory)
@@ -151,8 +81,6 @@ def _presets(args) -> int:
         return 0
     if args.apply:
         return _apply_preset(args, preset)
-    from simpletuner.configuration import load_config
-
     loaded = load_config(args.config, args.overrides, check_files=False)
     differences = P.compare_with_preset(preset, loaded.config, loaded.raw)
     try:
@@ -197,12 +125,6 @@ def _presets(args) -> int:
 def _apply_preset(args, preset) -> int:
     """``--preset NAME --config cfg.json --apply``: write the preset's values for the keys the config
     does not set into the file (backup, minimal edit, diff: :mod:`simpletuner.memory.apply`)."""
-    from pathlib import Path
-
-    from simpletuner.configuration import load_config, validate_config
-    from simpletuner.memory import presets as P
-    from simpletuner.memory.apply import apply_updates, check_writable, describe_changes
-
     if args.overrides:
         raise ValueError(
             "--apply writes the preset into the config file, and --set changes would not be written: "
@@ -259,119 +181,20 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-def _extras_lines(estimate, usable: int | None) -> list[str]:
-    if not estimate.extras:
-        return []
-    lines = ["beside the denoiser, on the same GPU:"]
-    for name, nbytes in estimate.extras.items():
-        lines.append(f"  {name:<40}{nbytes / GiB:>8.2f} GiB")
-    lines.append(
-        f"  {'total with these':<40}{estimate.total / GiB:>8.2f} GiB"
-        + (f", headroom {_gib(usable - estimate.total)}" if usable else "")
-    )
-    return lines
-
-
-def _verdict(estimate, usable: int, margin: float) -> tuple[bool, str]:
-    total = estimate.total
-    share = f"{_gib(total)} of {_gib(usable)} usable ({100 * total / usable:.0f}%)"
-    if total > usable:
-        return False, f"does not fit: {share}"
-    if total > margin * usable:
-        return True, f"fits, tightly: {share}, above the {margin:.0%} safety margin (allocator spikes may not fit)"
-    return True, f"fits: {share}, within the {margin:.0%} safety margin"
-
-
-def _plan_lines(plan, config) -> list[str]:
-    per = f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.num_processes} process" + (
-        "es" if plan.num_processes > 1 else ""
-    )
-    lines = [
-        f"auto-config: effective batch {plan.effective_batch_size}, budget {_gib(plan.budget_bytes)} "
-        f"({plan.safety_margin:.0%} of {_gib(plan.usable_bytes)} usable)",
-        f"  train_batch_size              {plan.micro_batch_size:<6}(was {config.train_batch_size})",
-    ]
-    if plan.ramp is None:
-        lines.append(
-            f"  gradient_accumulation_steps   {plan.gradient_accumulation_steps:<6}"
-            f"(was {config.gradient_accumulation_steps}; {per} = {plan.effective_batch_size})"
-        )
-    else:
-        start, end = plan.ramp_windows
-        lines.append(
-            f"  accumulation                  {start} -> {end} (the ramp, "
-            f"{plan.ramp.initial} -> {plan.ramp.target} samples per step; gradient_accumulation_steps is ignored)"
-        )
-    lines.append(
-        f"  gradient_checkpointing        {str(plan.gradient_checkpointing).lower():<6}"
-        f"(was {str(config.gradient_checkpointing).lower()})"
-    )
-    lines.append(f"  needs {_gib(plan.estimate.total)} of the {_gib(plan.budget_bytes)} budget")
-    lines += [f"  {note}" for note in plan.notes]
-    tried = ", ".join(
-        f"{e.micro_batch_size}{'+ckpt' if e.gradient_checkpointing else ''} {e.total / GiB:.2f}"
-        f"{'' if e.total <= plan.budget_bytes else ' (over)'}"
-        for e in plan.tried
-    )
-    made = sum(e.seconds for e in plan.tried)
-    split = (
-        f"both ends of the ramp, {plan.ramp.initial} and {plan.ramp.target},"
-        if plan.ramp
-        else f"{plan.effective_batch_size}"
-    )
-    filled = "" if not plan.capped_by_data else " and the largest bucket fills"
-    lines.append(
-        f"  searched micro-batches {', '.join(map(str, plan.candidates))} (those that split {split} exactly"
-        f"{filled}); estimated GiB: {tried} ({made:.1f} s)"
-    )
-    return lines
-
-
-def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, list[str]]:
-    """The precision a training run of this config would use, as ``train`` decides it without a
-    launcher (the config, else ACCELERATE_MIXED_PRECISION), a line saying so, and the ``--set``
-    items that bring the environment's launcher settings in. A launch line is not known here, so
-    a config that leaves the precision to it is estimated as fp32, and the line says how to ask."""
-    import os
-
-    from simpletuner.configuration.launcher import resolve_launcher_settings
-    from simpletuner.configuration.loader import read_raw_config
-
-    raw = read_raw_config(config_path, overrides)
-    launch = resolve_launcher_settings(raw, os.environ, None, config_source=str(config_path))
-    setting = launch.settings.get("mixed_precision")
-    if setting is not None:
-        return f"precision: {setting.value} ({setting.source})", launch.overrides
-    return (
-        "precision: no (fp32): the config leaves mixed_precision to the launch, and estimate cannot see a "
-        "launch line; a launch asking for bf16 (`accelerate launch --mixed_precision bf16`, or the GH200 "
-        "Accelerate config) trains in bf16: estimate that with --set mixed_precision=bf16"
-    ), launch.overrides
-
-
-def _estimate(args) -> int:
-    from simpletuner.configuration import load_config
-    from simpletuner.memory.advice import does_not_fit_advice
-    from simpletuner.memory.apply import apply_updates, describe_changes
-    from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN, EstimateCache, plan_batch
-
-    auto = args.target_effective_batch is not None or args.apply
+def _check_options(args) -> float:
+    """The option combinations ``estimate --config`` refuses (ValueError, NeedsGPU); the safety margin."""
     if args.apply and args.overrides:
         raise ValueError(
             "--apply writes the plan into the config file, and --set changes would not be written: "
             "put them in the file first"
         )
     if args.profile:
-        import torch
-
         if not torch.cuda.is_available():
-            from simpletuner.memory.profile import NeedsGPU
-
             raise NeedsGPU(
                 "--profile runs real training steps and needs a CUDA GPU; there is none on this machine. "
                 "The estimate alone works anywhere: drop --profile"
             )
-        if auto:
+        if args.target_effective_batch is not None or args.apply:
             raise ValueError(
                 "--profile measures the config as it is; run auto-config (--target-effective-batch / "
                 "--apply) separately"
@@ -382,103 +205,20 @@ def _estimate(args) -> int:
     if args.num_processes < 1:
         raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.apply:
-        from pathlib import Path
-
-        from simpletuner.memory.apply import check_writable
-
         check_writable(Path(args.config))  # before minutes of estimating, not after
-    precision_line, launch_overrides = _precision_in_force(args.config, args.overrides)
-    loaded = load_config(args.config, [*args.overrides, *launch_overrides], check_files=False)
-    config = loaded.config
-    machine = resolve_machine(args.gpu, args.gpu_memory)
-    machine.lines.append(precision_line)
-    if auto and machine.usable_bytes is None:
-        raise ValueError(
-            "auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
-            "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB"
-        )
-    estimates = EstimateCache(config, args.num_processes)
-    out: dict[str, Any] = {"config": str(args.config), "machine": machine.as_dict(), "safety_margin": margin}
-    text: list[str] = [*machine.lines, ""]
-    code = 0
-    if not auto:
-        start = time.perf_counter()
-        estimate = estimates(config.train_batch_size, config.gradient_checkpointing)
-        text += [estimate.breakdown.table(machine.usable_bytes), *_extras_lines(estimate, machine.usable_bytes)]
-        out.update(estimate=estimate.breakdown.as_dict(), extras=estimate.extras, total_bytes=estimate.total)
-        text.append(
-            f"(estimated in {time.perf_counter() - start:.1f} s, without a GPU; see documentation/MEMORY.md "
-            "for how far to trust it)"
-        )
-        if machine.usable_bytes is not None:
-            fits, verdict = _verdict(estimate, machine.usable_bytes, margin)
-            out.update(fits=fits, headroom_bytes=machine.usable_bytes - estimate.total)
-            if fits:
-                text += ["", verdict]
-            else:
-                advice = does_not_fit_advice(config, estimate, machine.usable_bytes)
-                out["advice"] = advice
-                text += ["", advice]
-                code = 1
-        if args.profile:
-            from simpletuner.memory.profile import profile_training
+    return margin
 
-            result = profile_training(args.config, args.overrides, estimate.breakdown, args.profile_steps)
-            out["profile"] = result.as_dict()
-            text += ["", result.table()]
-    else:
-        from simpletuner.memory.autoconfig import scan_data_cap
 
-        plan = plan_batch(
-            config,
-            machine.usable_bytes,
-            args.target_effective_batch,
-            safety_margin=margin,
-            num_processes=args.num_processes,
-            estimates=estimates,
-            data=scan_data_cap(config),
-        )
-        out["plan"] = plan.as_dict()
-        text += _plan_lines(plan, config) + [
-            "",
-            plan.estimate.breakdown.table(machine.usable_bytes),
-            *_extras_lines(plan.estimate, machine.usable_bytes),
-        ]
-        updates = {k: v for k, v in plan.config_updates().items() if getattr(config, k) != v}
-        if args.apply:
-            from pathlib import Path
-
-            from simpletuner.configuration import validate_config
-
-            # The file as it will be must still be a valid config (the candidates are chosen so it is).
-            validate_config(
-                {**loaded.raw, **updates}, base_dir=Path(args.config).parent, source=str(args.config), check_files=False
-            )
-            result = apply_updates(args.config, updates)
-            out["applied"] = {
-                "backup": str(result.backup) if result.backup else None,
-                "diff": result.diff,
-                "changed": {k: list(v) for k, v in result.changed.items()},
-            }
-            if not result.changed:
-                text += ["", f"--apply: {args.config} already matches the plan; nothing written"]
-            else:
-                text += [
-                    "",
-                    f"--apply: wrote {args.config} (original kept as {result.backup}):",
-                    *describe_changes(result.changed),
-                    "",
-                    result.diff.rstrip("\n"),
-                ]
-        elif updates:
-            text += ["", "add --apply to write these values into the config (the original is kept as a .backup)"]
-        else:
-            text += ["", "the config already has these values"]
+def _estimate(args) -> int:
+    """``estimate --config``: compute the report, then print it as text or JSON."""
+    report = compute_estimate(args, _check_options(args))
+    if args.profile:  # real training steps, measured against the estimate
+        report.profile = profile_training(args.config, args.overrides, report.estimate.breakdown, args.profile_steps)
     if args.json:
-        _print_json(out)
+        _print_json(report.as_dict())
     else:
-        print("\n".join(text))
-    return code
+        print("\n".join(report.lines()))
+    return report.exit_code
 
 
 class BadEnvironment(ValueError):
@@ -492,8 +232,6 @@ class BadEnvironment(ValueError):
 def check_environment() -> None:
     """``PYTORCH_CUDA_ALLOC_CONF``: keys stock PyTorch rejects raise :class:`BadEnvironment`; keys not
     known to be accepted are printed as warnings."""
-    from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
-
     check = check_alloc_conf(os.environ.get(ALLOC_CONF_VAR))
     for line in check.warnings():
         print(f"warning: {line}", file=sys.stderr)
@@ -502,12 +240,6 @@ def check_environment() -> None:
 
 
 def _run(args) -> int:
-    from simpletuner.configuration import ConfigError
-    from simpletuner.exit_codes import BAD_INPUT, DOES_NOT_FIT
-    from simpletuner.memory.apply import ApplyError
-    from simpletuner.memory.autoconfig import DoesNotFit
-    from simpletuner.memory.profile import NeedsGPU, ProfileOutOfMemory
-
     try:
         if args.list_presets and args.apply:
             raise ValueError(
@@ -537,6 +269,82 @@ def _run(args) -> int:
         return BAD_INPUT
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simpletuner estimate``'s options."""
+    parser.description = (
+        "Estimate the GPU memory one training process needs (no GPU required), plan the largest micro-batch "
+        "that fits (--target-effective-batch, --apply), explain presets (--preset, --list-presets), or measure "
+        "real steps on a GPU (--profile). Exit codes: 0 done, 1 does not fit, 2 bad input (config, flags, preset, "
+        "PYTORCH_CUDA_ALLOC_CONF keys stock PyTorch rejects), 70 internal error (a bug in simpletuner: the "
+        "traceback and what to report are printed)."
+    )
+    add_config_arguments(
+        parser,
+        required=False,
+        config_help="training JSON to estimate",
+        set_help="override a config key for the estimate, as in `simpletuner train`",
+    )
+    parser.add_argument(
+        "--gpu",
+        default="auto",
+        metavar="auto|NAME",
+        help="auto (default): this machine's GPU; NAME: a card from the table "
+        "(h100, a100-80gb, rtx4090, gb10, gh200, ...)",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GB",
+        help="the card's memory in GiB: overrides NAME's, or alone means a generic card of that size",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes (GPUs) training together; splits the effective batch (default: 1)",
+    )
+    parser.add_argument(
+        "--target-effective-batch",
+        type=int,
+        metavar="N",
+        help="auto-config: the largest micro-batch that fits and the accumulation that gives N samples per step",
+    )
+    parser.add_argument(
+        "--safety-margin",
+        type=float,
+        metavar="F",
+        help="plan to use at most this share of usable memory (default: 0.85)",
+    )
+    parser.add_argument(
+        "--apply",
+        action="store_true",
+        help="write the plan into --config (backup <file>.backup first; prints the diff); "
+        "without --target-effective-batch the config's own effective batch is kept; with --preset, "
+        "write the preset's values for the keys the config does not set",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="run real training steps on this GPU and compare with the estimate"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=3, metavar="N", help="optimizer steps for --profile (default: 3)"
+    )
+    parser.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="explain a preset; with --config, show how the config differs from "
+        "it; with --config and --apply, write it into the config (keys the config sets win)",
+    )
+    parser.add_argument(
+        "--list-presets",
+        action="store_true",
+        help="list the presets (config/presets/, bundled in the package when installed) with the machine and "
+        "workload each was made for",
+    )
+    parser.add_argument("--presets-dir", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def run(args) -> int:
     """Run ``simpletuner estimate`` from parsed arguments; returns the exit code.
 
@@ -547,6 +355,4 @@ def run(args) -> int:
     try:
         return _run(args)
     except Exception as exc:  # noqa: BLE001 - the last-resort handler: report, never mistake for a verdict
-        from simpletuner.exit_codes import report_internal_error
-
         return report_internal_error(exc, "estimate")

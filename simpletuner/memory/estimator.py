@@ -23,11 +23,14 @@ The step is traced on CPU. CUDA differs by allocator rounding (512 B blocks), co
 workspaces (the ``CUDNN_WORKSPACE_BYTES`` allowance) and kernel choice. Attention is a fused
 kernel on both (SDPA flash on CPU, flash / memory-efficient on CUDA): neither keeps the
 attention matrix.
+
+``simpletuner.models`` (diffusers: seconds to import) is imported inside the functions that build
+a model, so that ``import simpletuner.memory`` (presets and hardware detection, read at start-up
+before any model loads) stays light.
 """
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +40,7 @@ import torch
 from torch import nn
 
 from simpletuner.memory.autocast import autocast_forward
-from simpletuner.training.performance import PRECISION_DTYPES
+from simpletuner.precision import PRECISION_DTYPES
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -157,14 +160,6 @@ class MemoryBreakdown:
 
 
 # --- the model, without weights --------------------------------------------------------------
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ValueError(
-            f"{path} does not exist: the estimator needs a local diffusers-format folder (configs are enough)"
-        )
-    return json.loads(path.read_text())
-
-
 def _cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
     """Cast floating tensors as ``from_pretrained(torch_dtype=dtype)`` does, keeping the class's
     ``_keep_in_fp32_modules`` in fp32 (``Module.to`` would not)."""
@@ -185,7 +180,11 @@ def build_meta_denoiser(config: "TrainingConfig") -> nn.Module:
     spec = get_model_spec(config)
     weight_dtype = _DTYPES[config.mixed_precision]
     path = str(Path(config.pretrained_model_name_or_path).expanduser())
-    _read_json(Path(path) / "model_index.json")  # a clear error when the folder is not there
+    if spec.model_index is None:  # a clear error when the folder is not there
+        raise ValueError(
+            f"{Path(path) / 'model_index.json'} does not exist: the estimator needs a local diffusers-format folder "
+            "(configs are enough)"
+        )
     with torch.device("meta"):
         model = spec.denoiser_from_config()
         # As the trainer: load in the base dtype, then add the fp32 adapter (or unfreeze all).
@@ -285,7 +284,8 @@ def run_fake_step(
         except ValueError as exc:  # the model's own input checks (diffusers raises ValueError for those)
             raise ValueError(
                 f"the {config.model_family} denoiser in {config.pretrained_model_name_or_path} refused a training step "
-                f"of micro-batch {batch_size} at {config.resolution} px (latents {'x'.join(map(str, latent_shape.shape))}): "
+                f"of micro-batch {batch_size} at {config.resolution} px "
+                f"(latents {'x'.join(map(str, latent_shape.shape))}): "
                 f"{exc} The config asks for something this model does not support (for example a resolution beyond "
                 "what its position embedding covers): change the config (resolution, ...) or use the model it was "
                 "written for; if both are right, this is a bug in simpletuner, please report it"
@@ -361,6 +361,16 @@ def flops_per_step(config: "TrainingConfig", batch_size: int | None = None) -> i
 
 
 # --- the estimate ----------------------------------------------------------------------------
+def automagic_state_bytes(p: torch.Tensor) -> int:
+    """Persistent state bytes Automagic keeps for ``p`` (what ``Automagic._init_state`` in
+    :mod:`simpletuner.training.optimizers.automagic` allocates): an int16 lr index and an int8 sign
+    per element, plus fp32 second moments (a row and a column vector for >= 2-D parameters, one per
+    element otherwise). ``tests/test_automagic.py`` checks it against a real optimizer's state."""
+    numel = p.numel()
+    moments = (p.shape[0] + numel // p.shape[0]) if p.dim() >= 2 else numel
+    return numel * (2 + 1) + moments * 4
+
+
 def optimizer_bytes(
     config: "TrainingConfig", trainable: list[nn.Parameter], device_kind: str = "cuda"
 ) -> tuple[int, int]:
@@ -372,8 +382,6 @@ def optimizer_bytes(
     needs as much for one tensor at a time.
     """
     if config.optimizer == "automagic":
-        from simpletuner.training.optimizers import automagic_state_bytes
-
         # Updated one parameter at a time: temporaries of about four fp32 copies of the largest.
         largest = max((p.numel() for p in trainable), default=0)
         return sum(automagic_state_bytes(p) for p in trainable), 4 * 4 * largest
@@ -421,7 +429,7 @@ def estimate_memory(
         )
     weights = sum(p.nbytes for p in params) + sum(b.nbytes for b in model.buffers())
     if config.training_type == "lora":
-        from simpletuner.training.quantize import quantized_size
+        from simpletuner.models.adapters.quantize import quantized_size  # lazy: see the note on imports above
 
         # Quantisation needs real weights, so the meta model keeps them unquantised: count the
         # Linear weights base_model_precision would quantise at 8 bits (plus their row scales).
@@ -472,152 +480,3 @@ def estimate_memory(
         num_parameters=num_parameters,
         num_trainable_parameters=num_trainable,
     )
-
-
-# --- checking the estimate: a real step on CPU -------------------------------------------------
-@dataclass(frozen=True)
-class MeasuredStep:
-    """Memory of one real training step on CPU, from the profiler's allocation events.
-
-    ``peak``: the most bytes allocated during loss + backward above what was allocated before
-    it (parameters, the batch), as ``MemoryBreakdown.backward_peak``; ``activations``: the most
-    of that ever live that is not a parameter gradient, as ``MemoryBreakdown.activations``.
-    """
-
-    peak: int
-    activations: int
-
-
-def measure_cpu_step(config: "TrainingConfig", batch_size: int | None = None, seed: int = 0) -> MeasuredStep:
-    """Run one real training step of ``config`` on CPU and measure it (loads the weights: tiny
-    models only). Independent of the estimate: real tensors and weights, the trainer's own
-    setup (``load_denoiser``, ``prepare_for_training``, ``Accelerator.prepare`` for mixed precision) and
-    the CPU allocator's own accounting as the torch profiler records it, not MemTracker."""
-    from accelerate import Accelerator
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    from simpletuner.models import get_model_spec
-    from simpletuner.training.launch import reset_accelerate_state
-
-    batch_size = batch_size or config.train_batch_size
-    spec = get_model_spec(config)
-    weight_dtype = _DTYPES[config.mixed_precision]
-    model = spec.load_denoiser(weight_dtype if config.training_type == "lora" else torch.float32)
-    model = spec.prepare_denoiser(model, weight_dtype)
-    generator = torch.Generator().manual_seed(seed)
-    latent_shape, cond_shapes = batch_shapes(config, batch_size)
-    latents = torch.randn(latent_shape.shape, generator=generator).to(latent_shape.dtype)
-    conditioning = {k: torch.randn(s.shape, generator=generator).to(s.dtype) for k, s in cond_shapes.items()}
-    spec.load_noise_scheduler()
-    reset_accelerate_state()
-    try:
-        accelerator = Accelerator(cpu=True, mixed_precision=config.mixed_precision)
-        prepared = accelerator.prepare(model)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            per_sample = spec.training_loss(prepared, latents, conditioning, generator)
-            accelerator.backward(per_sample.sum() / batch_size)
-    finally:
-        reset_accelerate_state()
-
-    events = []  # (time, ptr, signed bytes, allocator total after the event)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        if event.typed[0] == _EventType.Allocation:
-            fields = event.typed[1]
-            events.append((event.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated))
-        stack.extend(event.children)
-    events.sort(key=lambda e: e[0])
-    before = events[0][3] - events[0][2]
-    # A gradient's buffer is the last allocation at its storage's address (never freed since).
-    grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    grad_allocs = {ptr: i for i, (_, ptr, size, _) in enumerate(events) if size > 0 and ptr in grad_ptrs}
-    grad_at = {i: events[i][2] for i in grad_allocs.values()}
-    peak = activations = gradients = 0
-    for i, (_, _, _, total) in enumerate(events):
-        gradients += grad_at.get(i, 0)
-        peak = max(peak, total - before)
-        activations = max(activations, total - before - gradients)
-    return MeasuredStep(peak=peak, activations=activations)
-
-
-# --- config-only model folders ---------------------------------------------------------------
-#: Stable Diffusion 1.5's architecture: UNet (860M), VAE (f8, 4 latent channels), CLIP ViT-L/14 text.
-SD15_UNET = dict(
-    sample_size=64,
-    in_channels=4,
-    out_channels=4,
-    layers_per_block=2,
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768,
-    attention_head_dim=8,
-    norm_num_groups=32,
-)
-SD15_VAE = dict(
-    in_channels=3,
-    out_channels=3,
-    latent_channels=4,
-    layers_per_block=2,
-    sample_size=512,
-    scaling_factor=0.18215,
-    block_out_channels=(128, 256, 512, 512),
-    down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4,
-)
-SD15_TEXT = dict(
-    vocab_size=49408,
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=12,
-    num_attention_heads=12,
-    max_position_embeddings=77,
-    projection_dim=768,
-    hidden_act="quick_gelu",
-)
-SD15_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    prediction_type="epsilon",
-    clip_sample=False,
-    steps_offset=1,
-)
-
-
-def write_config_only_model(out_dir: str | Path, pipeline_class: str, components: dict[str, Any]) -> Path:
-    """A diffusers-format folder of configs only (no weights): enough for ``estimate_memory``.
-
-    ``components`` maps a pipeline component name to a diffusers model or scheduler instance
-    (build models under ``torch.device("meta")``: no memory) or a transformers config; each is
-    written with its own ``save_config`` / ``save_pretrained`` and listed in ``model_index.json``.
-    """
-    import diffusers
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__}
-    for name, obj in components.items():
-        if hasattr(obj, "save_config"):  # diffusers ConfigMixin
-            obj.save_config(out / name)
-            index[name] = ["diffusers", type(obj).__name__]
-        else:  # transformers PretrainedConfig: listed as the model class it configures
-            obj.save_pretrained(out / name)
-            index[name] = ["transformers", (obj.architectures or [type(obj).__name__.replace("Config", "Model")])[0]]
-    (out / "model_index.json").write_text(json.dumps(index, indent=2))
-    return out
-
-
-def write_sd15_config_only(out_dir: str | Path) -> Path:
-    """SD 1.5's architecture as a config-only folder: estimates without the 4 GB download."""
-    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-    from transformers import CLIPTextConfig
-
-    with torch.device("meta"):
-        unet, vae = UNet2DConditionModel(**SD15_UNET), AutoencoderKL(**SD15_VAE)
-    text = CLIPTextConfig(**SD15_TEXT, architectures=["CLIPTextModel"])
-    components = {"unet": unet, "vae": vae, "text_encoder": text, "scheduler": DDPMScheduler(**SD15_SCHEDULER)}
-    return write_config_only_model(out_dir, "StableDiffusionPipeline", components)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from simpletuner.gh200.diagnostic import MEMINFO_PATH, collect_host
 from simpletuner.gh200.runtime import DeviceMemoryInfo, UnifiedMemoryRuntime, get_runtime
+from simpletuner.host import MEMINFO_PATH, collect_host
 
 GIB = 1024**3
 

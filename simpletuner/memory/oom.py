@@ -1,9 +1,16 @@
-"""What to say when a training step runs out of GPU memory: the estimate and what would fit."""
+"""What to say when a training step runs out of GPU memory: the estimate and what would fit.
+
+The trainer's one door into this module (``simpletuner/layers.py``): :func:`explain_out_of_memory`.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
+
+from simpletuner.memory.autoconfig import DoesNotFit, plan_batch
+from simpletuner.memory.estimator import estimate_memory
+from simpletuner.memory.hardware import detect_hardware
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -19,10 +26,6 @@ def explain_out_of_memory(
     ``usable_bytes`` defaults to the detected device's usable memory. Estimating needs no GPU
     memory (meta and fake tensors), so it works right after the OOM.
     """
-    from simpletuner.memory.autoconfig import DoesNotFit, plan_batch
-    from simpletuner.memory.estimator import estimate_memory
-    from simpletuner.memory.hardware import detect_hardware
-
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     lines = [f"out of GPU memory during a training step ({first_line}). Nothing was saved from this step."]
     try:

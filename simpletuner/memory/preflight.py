@@ -30,11 +30,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from simpletuner.memory.advice import format_bytes
+from simpletuner.memory.autoconfig import EstimateCache, _module_bytes
+from simpletuner.memory.hardware import detect_hardware
 
 if TYPE_CHECKING:
-    import torch
-
     from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
@@ -93,10 +95,6 @@ def host_estimate(
     config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype", on_gpu: bool
 ) -> PreflightEstimate:
     """What the run holds in host RAM from the cache fill on (see the module docstring)."""
-    import torch
-
-    from simpletuner.memory.autoconfig import _module_bytes
-
     est = PreflightEstimate()
     try:
         est.host.update(cache_bytes(config, spec, samples, text_dtype))
@@ -128,8 +126,6 @@ def host_estimate(
 
 def device_estimate(config: "TrainingConfig", num_processes: int = 1) -> dict[str, int]:
     """The training step on one GPU: the estimator's total and the extras beside the denoiser."""
-    from simpletuner.memory.autoconfig import EstimateCache
-
     estimate = EstimateCache(config, num_processes)(config.train_batch_size, config.gradient_checkpointing)
     return {
         f"training step, micro-batch {config.train_batch_size} (estimate)": estimate.breakdown.total,
@@ -172,8 +168,6 @@ def check_run_memory(
     """Compare the run's estimate with ``hardware`` (default: this machine, detected) before the
     cache fill. Raises :class:`NotEnoughMemory` naming the estimate, what the machine has and what
     to change; warns above :data:`WARN_FRACTION`; returns the estimate."""
-    from simpletuner.memory.hardware import detect_hardware
-
     hw = hardware if hardware is not None else detect_hardware()
     samples = [s for ds in datasets for s in ds.samples]
     on_gpu = bool(hw.has_gpu)

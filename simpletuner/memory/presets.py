@@ -24,8 +24,12 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from pydantic import BaseModel
+
+from simpletuner.configuration.model_folder import HUB_DEFAULT_FAMILY, settle_model_family
+from simpletuner.configuration.schema import TrainingConfig
 from simpletuner.resources import presets_dir
 
 #: Where the presets live: config/presets/ in a checkout, simpletuner/_bundled/presets/ in a wheel.
@@ -57,10 +61,6 @@ class Preset:
 
 def _nested_sections() -> frozenset[str]:
     """Top-level config keys that are sections of their own (pydantic models): flattened with dots."""
-    from pydantic import BaseModel
-
-    from simpletuner.configuration.schema import TrainingConfig
-
     return frozenset(
         name
         for name, field in TrainingConfig.model_fields.items()
@@ -95,10 +95,6 @@ def merge_settings(raw: dict[str, Any], settings: dict[str, Any]) -> dict[str, A
 
 def model_families() -> tuple[str, ...]:
     """The ``model_family`` values the config schema accepts."""
-    from typing import get_args
-
-    from simpletuner.configuration.schema import TrainingConfig
-
     return get_args(TrainingConfig.model_fields["model_family"].annotation)
 
 
@@ -177,7 +173,8 @@ def explain_preset(preset: Preset) -> list[str]:
         lines += _wrap(preset.why[key], "      ")
     lines += [
         "",
-        f"  plan for this machine: simpletuner estimate --config cfg.json {_machine_flags(preset)} --target-effective-batch N",
+        f"  plan for this machine: simpletuner estimate --config cfg.json {_machine_flags(preset)} "
+        "--target-effective-batch N",
         f"  compare a config with it: simpletuner estimate --preset {preset.name} --config cfg.json",
         f"  write it into a config (keys the config sets are kept): simpletuner estimate --preset {preset.name} "
         "--config cfg.json --apply",
@@ -261,8 +258,6 @@ def describe_comparison(
 # --- applying a preset -----------------------------------------------------------------------------
 def _default_model_family(raw: dict[str, Any]) -> str:
     """The family a config that does not set ``model_family`` trains: its model folder's (sd for a hub id)."""
-    from simpletuner.configuration.model_folder import HUB_DEFAULT_FAMILY, settle_model_family
-
     return settle_model_family(raw)[0].get("model_family") or HUB_DEFAULT_FAMILY
 
 
@@ -302,7 +297,8 @@ def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
     )
     raise ValueError(
         f"preset {preset.name!r} was made for {preset.workload} (model_family {preset.model_family!r}), but the config "
-        f"trains model_family {family!r}{'' if is_set else ' (the default: the config does not set it, so the model folder decides)'}; its "
+        f"trains model_family {family!r}"
+        f"{'' if is_set else ' (the default: the config does not set it, so the model folder decides)'}; its "
         f"micro-batch and memory settings would not carry over. Fix: {other}, or plan for this model with "
         "`simpletuner estimate --config cfg.json --gpu NAME --target-effective-batch N` (--apply writes the plan)"
     )

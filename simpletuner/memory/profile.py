@@ -1,8 +1,9 @@
 """``simpletuner estimate --profile``: run a few real training steps on the GPU and compare the
 measured peak with the estimate.
 
-The run is the config's own, through the Trainer (datasets, caches, model, optimizer), changed
-only where the measurement needs it: a few optimizer steps of one micro-batch each
+The run is the config's own, through the Trainer (datasets, caches, model, optimizer, and the
+loop's own step, ``Trainer.run_window``), changed only where the measurement needs it: a few
+optimizer steps of one micro-batch each
 (accumulation adds no memory: gradients accumulate in place), no validation, checkpoints,
 eval loss or trackers, and a throwaway ``output_dir``. The caches are filled as training would
 fill them (and reused by the next run). Peak statistics are reset after setup, so the figures
@@ -106,6 +107,7 @@ def profile_training(
     from simpletuner.configuration import load_config
     from simpletuner.state import StateTracker
     from simpletuner.training.batches import free_memory
+    from simpletuner.training.reliability import OutOfMemory
     from simpletuner.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="simpletuner-profile-") as out:
@@ -119,10 +121,9 @@ def profile_training(
             torch.cuda.reset_peak_memory_stats()
             batches = trainer.data.iterate(trainer.sampler, trainer.accelerator.device)
             for _ in range(steps):
-                window = trainer.accumulation.window_for(trainer.progress.micro_batches_seen)
-                trainer.train_step([next(batches) for _ in range(window)])
+                trainer.run_window(batches)  # the training loop's own step
             torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError:
+        except (torch.cuda.OutOfMemoryError, OutOfMemory):  # OutOfMemory: run_window's, for an OOM in the step
             peak = torch.cuda.max_memory_reserved()
             del trainer
             free_memory()

@@ -1,9 +1,28 @@
 """What the flow-matching families (sd3, flux, wan) share: the Euler flow scheduler, the
-``flow_matching`` target, and the static resolution shift (``flow_shift``, else the scheduler's)."""
+``flow_matching`` target, the static resolution shift (``flow_shift``, else the scheduler's) and
+the loss itself, written once in :meth:`FlowMatchingSpec.flow_loss`.
+
+The loss is rectified flow matching: ``sigma`` is drawn by ``timestep_sampling`` (uniform,
+logit_normal, mode) and shifted; ``noisy = (1 - sigma) * latents + sigma * noise``, the target is
+``noise - latents``, the per-sample loss the mean squared error, weighted by ``loss_weighting``
+(``sigma_sqrt``, ``cosmap``). A family says how its denoiser is called (``predict``) and, where
+needed, how its latents are laid out for it (flux packs 2x2 patches) and how sigmas are drawn
+(flux's resolution-dependent shift, Wan 2.2's one-side draw).
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd import StableDiffusionSpec
+
+#: ``predict(noisy, sigmas)``: the denoiser's output for ``noisy`` (laid out as the model takes it)
+#: at the [B] noise levels ``sigmas`` (on the CPU, as drawn).
+Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class FlowMatchingSpec(StableDiffusionSpec):
@@ -28,3 +47,51 @@ class FlowMatchingSpec(StableDiffusionSpec):
         if self.config.flow_shift is not None:
             return float(self.config.flow_shift)
         return float(self.load_noise_scheduler().config.get("shift", 1.0))
+
+    # --- training ------------------------------------------------------------------------
+    def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
+        cfg = self.config
+        u = noise_lib.sample_u(
+            batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
+        )
+        return noise_lib.shift_sigmas(u, self.shift)
+
+    def timesteps_of(self, sigmas: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The timesteps the denoiser sees: ``sigma * num_train_timesteps`` (the [0, 1000] scale the
+        pipelines pass), on ``device``."""
+        return (sigmas * self.load_noise_scheduler().config.num_train_timesteps).to(device)
+
+    def flow_loss(
+        self,
+        latents: torch.Tensor,
+        generator: torch.Generator,
+        predict: Predict,
+        sample_sigmas: Callable[[int, torch.Generator], torch.Tensor] | None = None,
+        layout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Per-sample flow-matching loss, shape [B]. Draw order from ``generator``: the noise
+        (float32, the latents' shape), then the sigmas (``sample_sigmas``, by default
+        :meth:`sample_sigmas`). ``layout`` rearranges the clean latents and the noise into the
+        denoiser's layout before they are mixed (flux's packing); the loss is taken in that layout."""
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
+        sigmas = (sample_sigmas or self.sample_sigmas)(latents.shape[0], generator)
+        clean = latents.float()
+        if layout is not None:
+            clean, noise = layout(clean), layout(noise)
+        s = sigmas.view(-1, *([1] * (clean.ndim - 1))).to(latents.device)
+        noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
+        target = noise - clean
+        pred = predict(noisy, sigmas)
+        loss = F.mse_loss(pred.float(), target, reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        if self.config.loss_weighting in ("sigma_sqrt", "cosmap"):
+            loss = loss * noise_lib.flow_weights(sigmas, self.config.loss_weighting).to(loss.device)
+        return loss
+
+    def training_loss(self, denoiser, latents, conditioning, generator):
+        """Per-sample flow-matching loss (:meth:`flow_loss`) with the family's :meth:`predict`."""
+
+        def predict(noisy, sigmas):
+            return self.predict(denoiser, noisy, self.timesteps_of(sigmas, latents.device), conditioning)
+
+        return self.flow_loss(latents, generator, predict)

@@ -36,7 +36,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.flow import FlowMatchingSpec
@@ -173,35 +172,37 @@ class FluxSpec(FlowMatchingSpec):
 
     # --- training ------------------------------------------------------------------------
     def sample_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
-        """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
+        """[B] noise levels in (0, 1), drawn from ``generator``: with the dynamic shift at
+        ``image_seq_len`` packed tokens, else with the static one (:class:`FlowMatchingSpec`)."""
+        if not self.dynamic_shift:
+            return super().sample_sigmas(batch_size, generator)
         cfg = self.config
         u = noise_lib.sample_u(
             batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
         )
-        if self.dynamic_shift:
-            return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
-        return noise_lib.shift_sigmas(u, self.shift)
+        return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
 
     def training_loss(self, denoiser, latents, conditioning, generator):
-        """Per-sample flow-matching loss on packed latents. Draw order from ``generator``: the noise
-        (float32, the unpacked latents' shape), then the sigmas (``sample_sigmas``)."""
-        bsz, _, h, w = latents.shape
+        """Per-sample flow-matching loss (:meth:`flow_loss`) on packed latents. Draw order from
+        ``generator``: the noise (float32, the unpacked latents' shape), then the sigmas
+        (``sample_sigmas`` at the packed sequence length)."""
+        _, _, h, w = latents.shape
         if h % 2 or w % 2:
             raise ValueError(
                 f"flux packs latents in 2x2 patches: latent sides {h}x{w} must be even "
                 "(aspect_bucket_alignment a multiple of 16)"
             )
-        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
-        sigmas = self.sample_sigmas(bsz, generator, (h // 2) * (w // 2))
-        s = sigmas.view(-1, 1, 1).to(latents.device)
-        clean, noise = pack_latents(latents.float()), pack_latents(noise)
-        noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
-        target = noise - clean
-        pred = self.predict(denoiser, noisy, sigmas.to(latents.device), conditioning, (h, w))
-        loss = F.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2))
-        if self.config.loss_weighting in ("sigma_sqrt", "cosmap"):
-            loss = loss * noise_lib.flow_weights(sigmas, self.config.loss_weighting).to(loss.device)
-        return loss
+
+        def predict(noisy, sigmas):  # the transformer sees sigma itself (the pipeline passes t / 1000)
+            return self.predict(denoiser, noisy, sigmas.to(latents.device), conditioning, (h, w))
+
+        return self.flow_loss(
+            latents,
+            generator,
+            predict,
+            sample_sigmas=lambda size, gen: self.sample_sigmas(size, gen, (h // 2) * (w // 2)),
+            layout=pack_latents,
+        )
 
     def predict(self, denoiser, noisy, timesteps, conditioning, latent_size):
         """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1)."""

@@ -7,7 +7,7 @@ model library loads) does both things below.
 Those libraries ask "is torchao installed?" (``importlib.util.find_spec``) and, when it is,
 import it on their own: transformers and diffusers when a model class is first imported (to
 load torchao-serialised checkpoints, which simpletuner never does: ours quantises through
-:mod:`simpletuner.training.quantize`), peft when it wraps a layer in a LoRA. With torchao
+:mod:`simpletuner.models.adapters.quantize`), peft when it wraps a layer in a LoRA. With torchao
 installed (the ``torchao`` extra, or the test extras) that costs ~0.5 s per process and prints
 ``Failed to load .../torchao/_C_mxfp8...`` and ``Unable to import `torchao` Tensor objects``.
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from simpletuner.caching.fingerprint import fingerprint, folder_identity
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.spec import ModelSpec
@@ -78,8 +79,6 @@ class StableDiffusionSpec(ModelSpec):
 
     # --- identities ----------------------------------------------------------------------
     def _identity(self, *subfolders: str) -> str:
-        from simpletuner.caching.fingerprint import fingerprint, folder_identity
-
         root = Path(self.model_path).expanduser()
         if root.is_dir():
             return fingerprint(parts={s: folder_identity(root / s) for s in subfolders})
@@ -134,7 +133,8 @@ class StableDiffusionSpec(ModelSpec):
             target = scheduler.get_velocity(latents, noise, timesteps)
         else:
             raise ValueError(
-                f"prediction_type {self.prediction_type!r} is not supported by family {self.family!r} (epsilon, v_prediction)"
+                f"prediction_type {self.prediction_type!r} is not supported by family {self.family!r} "
+                "(epsilon, v_prediction)"
             )
         pred = self.predict(denoiser, noisy, timesteps, conditioning)
         loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))

@@ -18,14 +18,12 @@ Latents are ``(mode - shift_factor) * scaling_factor`` of the VAE (``StableDiffu
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from simpletuner.models import noise as noise_lib
 from simpletuner.models.flow import FlowMatchingSpec
 from simpletuner.models.spec import save_transformer_lora
 
@@ -77,11 +75,8 @@ class StableDiffusion3Spec(FlowMatchingSpec):
         root = self.local_root
         if root is None:
             return True
-        index_file = root / "model_index.json"
-        if index_file.is_file():
-            entry = json.loads(index_file.read_text(encoding="utf-8")).get("text_encoder_3")
-            if entry is None or entry == [None, None]:
-                return False
+        if self.model_index is not None and self.model_index.get("text_encoder_3") in (None, [None, None]):
+            return False
         return (root / "text_encoder_3").is_dir()
 
     # --- loading -------------------------------------------------------------------------
@@ -159,33 +154,7 @@ class StableDiffusion3Spec(FlowMatchingSpec):
         pooled_embeds = torch.cat(pooled, dim=-1)
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled_embeds)]
 
-    # --- training ------------------------------------------------------------------------
-    def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        """[B] shifted noise levels in (0, 1), drawn from ``generator``."""
-        cfg = self.config
-        u = noise_lib.sample_u(
-            batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
-        )
-        return noise_lib.shift_sigmas(u, self.shift)
-
-    def training_loss(self, denoiser, latents, conditioning, generator):
-        """Per-sample flow-matching loss. Draw order from ``generator``: the noise (float32, the
-        latents' shape), then the sigmas (``sample_sigmas``)."""
-        scheduler = self.load_noise_scheduler()
-        bsz = latents.shape[0]
-        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
-        sigmas = self.sample_sigmas(bsz, generator)
-        s = sigmas.view(-1, *([1] * (latents.ndim - 1))).to(latents.device)
-        clean = latents.float()
-        noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
-        target = noise - clean
-        timesteps = (sigmas * scheduler.config.num_train_timesteps).to(latents.device)
-        pred = self.predict(denoiser, noisy, timesteps, conditioning)
-        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
-        if self.config.loss_weighting in ("sigma_sqrt", "cosmap"):
-            loss = loss * noise_lib.flow_weights(sigmas, self.config.loss_weighting).to(loss.device)
-        return loss
-
+    # --- training (FlowMatchingSpec.flow_loss) ---------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning):
         return denoiser(
             hidden_states=noisy,

@@ -13,6 +13,7 @@ pickle weights is refused before anything loads), and ``trust_remote_code`` is n
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 import json
 import logging
@@ -25,6 +26,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
+
+from simpletuner.configuration.families import FAMILY_LATENT_GRID
+from simpletuner.configuration.rules import alignment_problem
+from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
+from simpletuner.file_modes import ordinary_permissions
+from simpletuner.models.adapters import prepare_for_training, save_lycoris
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -115,6 +122,25 @@ def resolve_component_class(library: Any, class_name: Any, kind: ComponentKind) 
     return found
 
 
+def read_model_index(root: Path) -> dict[str, Any] | None:
+    """The ``model_index.json`` of the local folder ``root``, parsed; None when it has none. The one
+    reader of that file in the model layer (:attr:`ModelSpec.model_index` keeps what it read).
+
+    Raises:
+        ValueError: the file is not valid JSON, or not a JSON object.
+    """
+    index_file = root / "model_index.json"
+    if not index_file.is_file():
+        return None
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{index_file} is not valid JSON ({exc}); is {root} a diffusers pipeline folder?") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{index_file} is not a JSON object; is {root} a diffusers pipeline folder?")
+    return index
+
+
 class ModelSpec(abc.ABC):
     """One diffusion-model family. Instances are cheap (a look at the folder's
     ``model_index.json`` and file names); components load on request."""
@@ -129,11 +155,6 @@ class ModelSpec(abc.ABC):
     #: family loads its own fixed classes (a scheduler's class does not matter, the family
     #: builds its training scheduler from the folder's config, hence a pattern for it).
     components: ClassVar[dict[str, tuple[ComponentKind, str, frozenset[str] | re.Pattern]]]
-
-    @classmethod
-    def variant_for(cls, config: "TrainingConfig") -> type["ModelSpec"]:
-        """The class to use for this config's model folder (a family may have variants, e.g. Wan 2.1 / 2.2)."""
-        return cls
 
     def __init__(self, config: "TrainingConfig"):
         self.config = config
@@ -174,8 +195,6 @@ class ModelSpec(abc.ABC):
         Raises:
             ValueError: naming the folder's factors and the alignments that fit.
         """
-        from simpletuner.configuration.rules import FAMILY_LATENT_GRID, alignment_problem
-
         vae = self.vae_scale_from_folder()
         where = f" of {self.local_root}" if vae is not None else ""
         if vae is None:
@@ -240,16 +259,9 @@ class ModelSpec(abc.ABC):
         root = self.local_root
         if root is None:
             return
-        index_file = root / "model_index.json"
-        if index_file.is_file():
-            try:
-                index = json.loads(index_file.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ValueError(
-                    f"{index_file} is not valid JSON ({exc}); is {root} a diffusers pipeline folder?"
-                ) from None
-            if not isinstance(index, dict):
-                raise ValueError(f"{index_file} is not a JSON object; is {root} a diffusers pipeline folder?")
+        index = self.model_index
+        if index is not None:
+            index_file = root / "model_index.json"
             for name, (_, library, allowed) in self.components.items():
                 if name in index:
                     self._check_index_entry(index_file, name, index[name], library, allowed)
@@ -265,6 +277,17 @@ class ModelSpec(abc.ABC):
                     f"from_pretrained({str(root)!r}, subfolder={name!r}) and write it back with "
                     "save_pretrained(..., safe_serialization=True)"
                 )
+
+    @functools.cached_property
+    def model_index(self) -> dict[str, Any] | None:
+        """The local folder's ``model_index.json``, read once (by :meth:`check_model_folder`, when
+        the spec is made); None for a hub id or a folder without one.
+
+        Raises:
+            ValueError: the file is not valid JSON, or not a JSON object.
+        """
+        root = self.local_root
+        return None if root is None else read_model_index(root)
 
     def _check_index_entry(
         self, index_file: Path, name: str, entry: Any, library: str, allowed: frozenset[str] | re.Pattern
@@ -381,12 +404,11 @@ class ModelSpec(abc.ABC):
         """The denoiser built from its config alone, without weights (the caller picks the device,
         e.g. ``meta`` for the memory estimate). Classes come from ``model_index.json`` through
         :func:`resolve_component_class`."""
-        root = self.local_root
-        if root is None or not (root / "model_index.json").is_file():
+        root, index = self.local_root, self.model_index
+        if index is None:
             raise ValueError(
                 f"{self.model_path} is not a local diffusers folder with a model_index.json (configs are enough)"
             )
-        index = json.loads((root / "model_index.json").read_text(encoding="utf-8"))
         entry = index.get(self.denoiser_name)
         if not (isinstance(entry, list) and len(entry) == 2):
             raise ValueError(f"{root}/model_index.json names no [library, class] for {self.denoiser_name!r}")
@@ -400,8 +422,6 @@ class ModelSpec(abc.ABC):
     def prepare_denoiser(self, denoiser: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
         """The trainer's set-up of a loaded denoiser (adapter or full training, precision,
         gradient checkpointing); the memory estimator runs the same on ``meta``."""
-        from simpletuner.training.lora import prepare_for_training
-
         return prepare_for_training(denoiser, self.lora_targets, self.config, weight_dtype)
 
     def named_parameter_groups(self, denoiser: nn.Module) -> dict[str, list[nn.Parameter]]:
@@ -411,6 +431,7 @@ class ModelSpec(abc.ABC):
 
     def apply_low_vram(self, denoiser: nn.Module) -> None:
         """``low_vram``: move parts of the denoiser that training never runs to CPU RAM (none by default)."""
+        return None  # a hook: only a family with idle parts (Wan 2.2's experts) overrides it
 
     def idle_modules(self, denoiser: nn.Module) -> list[nn.Module]:
         """The modules :meth:`apply_low_vram` moved to CPU RAM (validation brings them to the GPU for a while)."""
@@ -425,8 +446,6 @@ class ModelSpec(abc.ABC):
         """Write the trained adapter: diffusers format for ``lora_type: standard``
         (:meth:`save_lora`), LyCORIS' own format for ``lycoris``."""
         if getattr(self.config, "lora_type", "standard") == "lycoris":
-            from simpletuner.training.lycoris_adapter import save_lycoris
-
             return save_lycoris(denoiser, Path(output_dir) / "pytorch_lora_weights.safetensors", self.config)
         return self.save_lora(output_dir, denoiser)
 
@@ -441,8 +460,6 @@ class ModelSpec(abc.ABC):
         Raises:
             NoSpace: not enough room (nothing was moved into place; earlier weights are intact).
         """
-        from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
-
         output_dir = Path(output_dir)
         remove_final_save_leftovers(output_dir)  # of a save killed midway (this run holds the folder's lock)
         what = "the final model" if full else "the final adapter"
@@ -554,7 +571,5 @@ def save_transformer_lora(
         weight_name=weight_name,
         safe_serialization=True,
     )
-    from simpletuner.file_modes import ordinary_permissions
-
     ordinary_permissions(Path(output_dir) / weight_name)  # safetensors (under diffusers) writes 0600
     return Path(output_dir) / weight_name

@@ -10,26 +10,28 @@ the UMT5 last hidden states of the cleaned caption (``prompt_clean``) padded to
 ``max_sequence_length`` (512, the pipeline's ``__call__`` default), with every position past
 the attention mask set to zero ([512, d_model]).
 
-Training is rectified flow matching exactly as ``sd3`` (``StableDiffusion3Spec.training_loss``):
+Training is rectified flow matching as every flow family (``FlowMatchingSpec.flow_loss``):
 ``noisy = (1 - sigma) * latents + sigma * noise``, target ``noise - latents``, timestep
 ``sigma * 1000``. The shift is ``flow_shift`` when set, else the folder scheduler's own
 (``flow_shift`` of a UniPCMultistepScheduler as Wan ships, or ``shift`` of a
 FlowMatchEulerDiscreteScheduler), else 1.0.
 
-Wan 2.2 (a folder whose ``model_index.json`` names a ``transformer_2`` and a ``boundary_ratio``)
-gets :class:`simpletuner.models.wan22.Wan22Spec`, which subclasses this one.
+Wan 2.2 (a folder whose ``model_index.json`` names a ``transformer_2`` and a ``boundary_ratio``,
+see :func:`read_boundary_ratio`) gets :class:`simpletuner.models.wan22.Wan22Spec`, which
+subclasses this one; the family registry (``simpletuner.models``) makes that choice.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from simpletuner.models.sd3 import StableDiffusion3Spec
-from simpletuner.models.spec import save_transformer_lora
+from simpletuner.models.flow import FlowMatchingSpec
+from simpletuner.models.spec import read_model_index, resolve_component_class, save_transformer_lora
 
 #: UMT5 tokens per caption: WanPipeline.__call__'s default ``max_sequence_length``.
 WAN_MAX_LENGTH = 512
@@ -37,7 +39,38 @@ _T5_TOKENIZERS = frozenset({"T5Tokenizer", "T5TokenizerFast", "AutoTokenizer"})
 _TEXT_ENCODERS = {"UMT5EncoderModel", "T5EncoderModel"}
 
 
-class WanSpec(StableDiffusion3Spec):
+def boundary_ratio_of(index: dict[str, Any] | None, index_file: Path) -> float | None:
+    """``boundary_ratio`` of a Wan pipeline's ``model_index.json`` (``index``, read from
+    ``index_file``) when it names a second expert; None for Wan 2.1 (or no index).
+
+    Raises:
+        ValueError: a second expert without a boundary in (0, 1).
+    """
+    if index is None or index.get("transformer_2") in (None, [None, None]):
+        return None
+    ratio = index.get("boundary_ratio")
+    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        raise ValueError(
+            f"{index_file} has a second expert (transformer_2) but boundary_ratio is {ratio!r}, not a number in "
+            "(0, 1): a Wan 2.2 folder says where the high-noise expert hands over (0.875 for T2V-A14B)"
+        )
+    return float(ratio)
+
+
+def read_boundary_ratio(model_path: str | Path) -> float | None:
+    """``boundary_ratio`` of a local Wan pipeline folder when it has a second expert; None for Wan 2.1
+    or a hub id. Used to pick the family's variant before a spec exists.
+
+    Raises:
+        ValueError: the folder's ``model_index.json`` is not a JSON object (the message the folder
+            check gives), or names a second expert without a boundary in (0, 1).
+    """
+    root = Path(model_path).expanduser()
+    index = read_model_index(root) if root.is_dir() else None
+    return boundary_ratio_of(index, root / "model_index.json")
+
+
+class WanSpec(FlowMatchingSpec):
     """Wan 2.1 T2V (single transformer), flow matching; images are 1-frame videos."""
 
     family = "wan"
@@ -55,29 +88,19 @@ class WanSpec(StableDiffusion3Spec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
-    @classmethod
-    def variant_for(cls, config):
-        from simpletuner.models.wan22 import Wan22Spec, read_boundary_ratio
-
-        return Wan22Spec if read_boundary_ratio(config.pretrained_model_name_or_path) is not None else cls
-
     def __init__(self, config):
         super().__init__(config)
         if config.train_stages != "both" and not self.has_experts:
             raise ValueError(
-                f"train_stages {config.train_stages!r} picks one expert of Wan 2.2, but {self.model_path} is a one-transformer "
-                "(Wan 2.1) folder: remove train_stages, or point pretrained_model_name_or_path at a Wan 2.2 folder "
-                "(transformer and transformer_2)"
+                f"train_stages {config.train_stages!r} picks one expert of Wan 2.2, but {self.model_path} is a "
+                "one-transformer (Wan 2.1) folder: remove train_stages, or point pretrained_model_name_or_path at a "
+                "Wan 2.2 folder (transformer and transformer_2)"
             )
 
     def _check_index_entry(self, index_file, name, entry, library, allowed):
         if name == "transformer_2" and entry in (None, [None, None]):
             return  # Wan 2.1: no low-noise expert
-        super(StableDiffusion3Spec, self)._check_index_entry(index_file, name, entry, library, allowed)
-
-    @property
-    def has_t5(self) -> bool:
-        return True
+        super()._check_index_entry(index_file, name, entry, library, allowed)
 
     # --- latent grid ---------------------------------------------------------------------
     latent_patch = 2  # WanTransformer3DModel's patch_size (1, 2, 2): 2x2 latents per token
@@ -157,14 +180,7 @@ class WanSpec(StableDiffusion3Spec):
         return vae.to(device=device).requires_grad_(False).eval()
 
     def _text_encoder_class(self):
-        from simpletuner.models.spec import resolve_component_class
-
-        entry = None
-        root = self.local_root
-        if root is not None and (root / "model_index.json").is_file():
-            import json
-
-            entry = json.loads((root / "model_index.json").read_text(encoding="utf-8")).get("text_encoder")
+        entry = (self.model_index or {}).get("text_encoder")
         name = (
             entry[1]
             if isinstance(entry, list) and len(entry) == 2 and entry[1] in _TEXT_ENCODERS

@@ -19,17 +19,18 @@ for the low-noise file).
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
+from simpletuner.file_modes import ordinary_permissions
+from simpletuner.models.adapters import prepare_for_training, quantize_base, save_lycoris
 from simpletuner.models.spec import save_transformer_lora
-from simpletuner.models.wan import WanImageSampler, WanSpec
+from simpletuner.models.wan import WanImageSampler, WanSpec, boundary_ratio_of
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +43,6 @@ LORA_FILES = {
     "high": "pytorch_lora_weights_high_noise.safetensors",
     "low": "pytorch_lora_weights_low_noise.safetensors",
 }
-
-
-def read_boundary_ratio(model_path: str | Path) -> float | None:
-    """``boundary_ratio`` of a local Wan pipeline folder when it has a second expert; None for Wan 2.1."""
-    index_file = Path(model_path).expanduser() / "model_index.json"
-    if not index_file.is_file():
-        return None
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None  # the folder check reports it
-    if not isinstance(index, dict) or index.get("transformer_2") in (None, [None, None]):
-        return None
-    ratio = index.get("boundary_ratio")
-    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-        raise ValueError(
-            f"{index_file} has a second expert (transformer_2) but boundary_ratio is {ratio!r}, not a number in (0, 1): "
-            "a Wan 2.2 folder says where the high-noise expert hands over (0.875 for T2V-A14B)"
-        )
-    return float(ratio)
 
 
 class WanExperts(nn.Module):
@@ -168,12 +149,6 @@ def _device_index(idx: list[int], device: torch.device) -> torch.Tensor:
     return index.to(device)
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
 class Wan22Spec(WanSpec):
     """Wan 2.2 T2V A14B: two experts split at ``boundary_ratio``; ``train_stages`` picks which train."""
 
@@ -181,7 +156,7 @@ class Wan22Spec(WanSpec):
 
     def __init__(self, config):
         super().__init__(config)
-        ratio = read_boundary_ratio(self.model_path)
+        ratio = boundary_ratio_of(self.model_index, Path(self.model_path).expanduser() / "model_index.json")
         if ratio is None:
             raise ValueError(
                 f"{self.model_path} is not a two-expert Wan 2.2 folder (no transformer_2 / boundary_ratio)"
@@ -217,8 +192,6 @@ class Wan22Spec(WanSpec):
     def prepare_denoiser(self, denoiser: WanExperts, weight_dtype: torch.dtype) -> nn.Module:
         """An adapter (or full training) on each expert in ``train_stages``; the other one frozen in
         ``weight_dtype``."""
-        from simpletuner.training.lora import prepare_for_training
-
         for stage in EXPERTS:
             expert = denoiser.expert(stage)
             if stage in self.stages:
@@ -228,8 +201,6 @@ class Wan22Spec(WanSpec):
             else:  # frozen, stored as the trained expert's base is
                 expert.requires_grad_(False).to(dtype=weight_dtype).eval()
                 if self.config.training_type == "lora":
-                    from simpletuner.training.quantize import quantize_base
-
                     quantize_base(expert, self.config.base_model_precision)
         return denoiser
 
@@ -260,19 +231,35 @@ class Wan22Spec(WanSpec):
         return len(self.stages) > 1
 
     # --- training ------------------------------------------------------------------------
+    def training_loss(self, denoiser, latents, conditioning, generator):
+        """The flow-matching loss (:meth:`flow_loss`), each sample through the expert its sigma
+        belongs to: the route is decided on the CPU from the drawn sigmas (:meth:`route`) and passed
+        to the experts, so routing costs no device sync."""
+
+        def predict(noisy, sigmas):
+            timesteps = self.timesteps_of(sigmas, latents.device)
+            return self.predict(denoiser, noisy, timesteps, conditioning, route=self.route(sigmas))
+
+        return self.flow_loss(latents, generator, predict)
+
     def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """As Wan 2.1, restricted to the trained expert's side of the boundary when one stage trains:
         draws are repeated (from the same generator) until ``batch_size`` land on that side, which is
-        the Wan 2.1 distribution conditioned on the side. Also decides, on the CPU, which expert each
-        sample goes to (handed to the next :meth:`predict`)."""
+        the Wan 2.1 distribution conditioned on the side."""
         sigmas = super().sample_sigmas(batch_size, generator)
-        if _is_fake(sigmas):  # the memory estimator: shapes only, every sample through one expert
-            self._route = (True,) * batch_size
-            return sigmas
-        if len(self.stages) == 1:
+        if len(self.stages) == 1 and not is_fake(sigmas):  # fake: the memory estimator's step, shapes only
             sigmas = self._one_side(sigmas, batch_size, generator)
-        self._route = tuple(bool(x) for x in self._is_high(sigmas).tolist())
         return sigmas
+
+    def route(self, sigmas: torch.Tensor) -> tuple[bool, ...]:
+        """Which expert each sample goes to (True: the high-noise one). With one stage every sigma is
+        on its side (:meth:`sample_sigmas`); the memory estimator's fake sigmas hold no values, and
+        with both stages its step runs every sample through the high-noise expert."""
+        if len(self.stages) == 1:
+            return (self.stages[0] == "high",) * sigmas.shape[0]
+        if is_fake(sigmas):
+            return (True,) * sigmas.shape[0]
+        return tuple(bool(x) for x in self._is_high(sigmas).tolist())
 
     def _is_high(self, sigmas: torch.Tensor) -> torch.Tensor:
         """Which sigmas the high-noise expert owns: the same float32 product the loss moves to the
@@ -292,13 +279,13 @@ class Wan22Spec(WanSpec):
             sigmas = super().sample_sigmas(batch_size, generator)
         raise ValueError(
             f"timestep sampling almost never reaches the {self.stages[0]}-noise side of the boundary "
-            f"({self.boundary_ratio}): check timestep_sampling / logit_mean / flow_shift for train_stages {self.stages[0]!r}"
+            f"({self.boundary_ratio}): check timestep_sampling / logit_mean / flow_shift for train_stages "
+            f"{self.stages[0]!r}"
         )
 
-    def predict(self, denoiser, noisy, timesteps, conditioning):
-        route, self._route = getattr(self, "_route", None), None
-        if route is not None and len(route) != noisy.shape[0]:
-            route = None  # not from this batch: let the module read the timesteps
+    def predict(self, denoiser, noisy, timesteps, conditioning, route: tuple[bool, ...] | None = None):
+        """Both experts' prediction; ``route`` (see :meth:`route`) says which expert takes each
+        sample, None: the experts read it from ``timesteps`` (one device sync)."""
         return denoiser(
             hidden_states=noisy,
             timestep=timesteps,
@@ -313,8 +300,6 @@ class Wan22Spec(WanSpec):
         ``lora_type: lycoris``; returns the first."""
         if self.config.lora_type != "lycoris":
             return self.save_lora(output_dir, denoiser)
-        from simpletuner.training.lycoris_adapter import save_lycoris
-
         paths = [
             save_lycoris(denoiser.expert(stage), Path(output_dir) / LORA_FILES[stage], self.config)
             for stage in self.stages
@@ -336,8 +321,6 @@ class Wan22Spec(WanSpec):
         """Both experts as ``transformer`` / ``transformer_2`` folders of a Wan 2.2 pipeline."""
         for stage, name in EXPERTS.items():
             denoiser.expert(stage).save_pretrained(Path(output_dir) / name, safe_serialization=True)
-        from simpletuner.file_modes import ordinary_permissions
-
         ordinary_permissions(*(Path(output_dir) / name for name in EXPERTS.values()))
         return Path(output_dir)
 
@@ -348,93 +331,3 @@ class Wan22Spec(WanSpec):
         pipe.register_modules(transformer_2=denoiser.expert("low"))
         pipe.register_to_config(boundary_ratio=self.boundary_ratio)
         return WanImageSampler(pipe, self.max_sequence_length)
-
-
-# --- adapter files: which keys belong to which expert ------------------------------------------
-#: Prefixes that name an expert outright. ``transformer.`` is not one of them: it is the diffusers
-#: component prefix of every single-expert file (the low-noise file included, as
-#: ``load_lora_weights(..., load_into_transformer_2=True)`` wants it), and means the high-noise
-#: expert only beside ``transformer_2.`` keys in one combined file.
-_EXPLICIT_PREFIXES = (
-    ("transformer_2.", "low"),
-    ("transformer_1.", "high"),
-    ("low_noise_model.", "low"),
-    ("high_noise_model.", "high"),
-)
-_LYCORIS = re.compile(r"^lycoris_(?:(transformer_2|transformer_1|transformer|low_noise_model|high_noise_model)_)?(.+)$")
-_LYCORIS_STAGES = {
-    "transformer_2": "low",
-    "low_noise_model": "low",
-    "transformer_1": "high",
-    "high_noise_model": "high",
-    "transformer": None,
-}
-
-
-def expert_of_key(key: str) -> tuple[str | None, str]:
-    """``(stage, key as a single-expert file names it)`` for one adapter key; stage None when the
-    key alone does not say (``transformer.``, plain ``lycoris_``, ``diffusion_model.``).
-
-    Explicit schemes: numbered (``transformer_1.`` high / ``transformer_2.`` low), Wan 2.2's folder
-    names (``high_noise_model.`` / ``low_noise_model.``) and their LyCORIS forms
-    (``lycoris_transformer_2_…``, ``lycoris_transformer_1_…``, ``lycoris_low_noise_model_…``).
-    Diffusers-style keys come back under ``transformer.``, LyCORIS keys under ``lycoris_``, so
-    each half loads onto one expert.
-    """
-    for prefix, stage in _EXPLICIT_PREFIXES:
-        if key.startswith(prefix):
-            return stage, "transformer." + key[len(prefix) :]
-    match = _LYCORIS.match(key)
-    if match:
-        marker, rest = match.groups()
-        # A module path never starts with a digit, so "lycoris_transformer_2_blocks..." is unambiguous.
-        return (_LYCORIS_STAGES[marker] if marker else None), "lycoris_" + rest
-    return None, key
-
-
-def split_expert_state_dict(
-    state_dict: Mapping[str, Any], default_stage: str | None = None
-) -> dict[str, dict[str, Any]]:
-    """Sort an adapter state dict's keys into ``{"high": {...}, "low": {...}}`` (see
-    :func:`expert_of_key`). Keys that name no expert go to ``default_stage`` (e.g. from the file
-    name, :func:`stage_from_filename`); without one, they are the high-noise expert's when the
-    same dict holds low-noise keys (a combined ``transformer.`` / ``transformer_2.`` file). Stages
-    without keys are left out.
-
-    Raises:
-        ValueError: keys name no expert and nothing else tells, or two keys map to the same key
-            of one expert.
-    """
-    if default_stage not in (None, *EXPERTS):
-        raise ValueError(f"default_stage {default_stage!r} is not one of {', '.join(EXPERTS)}")
-    sorted_keys = [(key, *expert_of_key(key)) for key in state_dict]
-    if default_stage is None and any(stage == "low" for _, stage, _ in sorted_keys):
-        default_stage = "high"
-    out: dict[str, dict[str, Any]] = {}
-    unknown = []
-    for key, stage, local in sorted_keys:
-        stage = stage or default_stage
-        if stage is None:
-            unknown.append(key)
-            continue
-        bucket = out.setdefault(stage, {})
-        if local in bucket:
-            raise ValueError(f"{key!r} and another key both name {local!r} of the {stage}-noise expert")
-        bucket[local] = state_dict[key]
-    if unknown:
-        raise ValueError(
-            f"{len(unknown)} adapter keys say neither high- nor low-noise expert (e.g. {', '.join(unknown[:3])}); "
-            "pass the stage the file belongs to (default_stage 'high' or 'low', or name the file *_high_noise / *_low_noise)"
-        )
-    return out
-
-
-def stage_from_filename(name: str) -> str | None:
-    """``high`` / ``low`` when a file name says which expert it is for (``high_noise``, ``low_noise``,
-    ``_high``, ``_low``, ``HN`` / ``LN`` as a word), else None."""
-    stem = Path(name).name.lower()
-    if re.search(r"(^|[^a-z])(high[_\-]?noise|high|hn)([^a-z]|$)", stem):
-        return "high"
-    if re.search(r"(^|[^a-z])(low[_\-]?noise|low|ln)([^a-z]|$)", stem):
-        return "low"
-    return None

@@ -6,6 +6,7 @@ random (seeded), so outputs are noise; the point is exercising every code path i
 
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 
@@ -436,3 +437,16 @@ def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:
     except KeyError:
         raise ValueError(f"no tiny model for family {family!r}; known: {', '.join(sorted(TINY_MODELS))}") from None
     return writer(out_dir, **kwargs)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simpletuner zoo``'s options."""
+    parser.add_argument("--family", default="sd")
+    parser.add_argument("--out", required=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``simpletuner zoo``: write the tiny pipeline of ``--family`` into ``--out``; returns the exit code."""
+    path = write_tiny_model(args.family, args.out)
+    print(f"wrote tiny {args.family} pipeline to {path}")
+    return 0

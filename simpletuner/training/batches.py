@@ -12,23 +12,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from simpletuner.caching import (
-    FillReport,
-    ShardedTensorStore,
-    TensorCache,
-    caption_text_key,
-    open_caches,
-    sample_latent_key,
-)
-from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
-from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
-from simpletuner.data_backend import RegisteredDataset, Sample
-from simpletuner.data_backend.augment import static_augmentation_key
-from simpletuner.gh200.uvm import optimize_batch_for_gh200
-from simpletuner.locks import CacheLocks, hold_epoch_folder
-from simpletuner.models import ModelSpec
-from simpletuner.training.reencode import (
-    EPOCH_CACHE_NAME,
+from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache, open_caches
+from simpletuner.caching.keys import cache_keys
+from simpletuner.caching.layout import cache_base, epoch_folder
+from simpletuner.caching.reencode import (
     DecodeThreads,
     EpochLatents,
     PixelLoader,
@@ -36,6 +23,12 @@ from simpletuner.training.reencode import (
     batch_group,
     encode_loaded,
 )
+from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
+from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
+from simpletuner.data_backend import RegisteredDataset, Sample
+from simpletuner.gh200.uvm import optimize_batch_for_gh200
+from simpletuner.locks import CacheLocks, hold_epoch_folder
+from simpletuner.models import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +228,7 @@ def _epoch_folder(base: Path) -> Path:
     from accelerate import PartialState
 
     process = PartialState()
-    return base / EPOCH_CACHE_NAME / f"rank-{process.process_index}-of-{process.num_processes}"
+    return epoch_folder(base, process.process_index, process.num_processes)
 
 
 def prepare_caches(
@@ -262,7 +255,7 @@ def prepare_caches(
         cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
     )
     on_disk = cache.persistent_cache or "disk" in (cache.vae_cache_type, cache.text_cache_type)
-    cache_locks = CacheLocks(Path(cache_dir).expanduser() / spec.family) if on_disk else None
+    cache_locks = CacheLocks(cache_base(cache_dir, spec.family)) if on_disk else None
     run_locks = getattr(state, "run_locks", None)  # the Trainer's, released when train() ends
     if cache_locks is not None and run_locks is not None:  # in use from here: `cache clear` refuses
         run_locks.enter_context(cache_locks.use())
@@ -273,23 +266,15 @@ def prepare_caches(
         )
 
     encoders = _LazyEncoders(spec, device, text_dtype)
-    image_identity = spec.image_encoder_identity()
-    text_identity = spec.text_encoder_identity()
     config = spec.config
     mode = _cache_mode(config)
     loader = PixelLoader(config, pin=config.dataloader_pin_memory and device.type == "cuda")
 
-    distinct: dict[str, tuple[RegisteredDataset, Sample]] = {}
-    for ds in datasets:
-        for sample in ds.samples:
-            distinct.setdefault(sample.key, (ds, sample))  # repeats share one cache entry
+    keys = cache_keys(spec, datasets, text_dtype, latents=mode == "static")  # what `simpletuner cache` counts
+    distinct = keys.sources  # sample key -> (dataset, sample); repeats share one cache entry
+    latent_keys = keys.latents
     if mode == "static":
-        static_augment = static_augmentation_key(config)  # None when augmentations are off
-        version = None if static_augment is None else 0
-        latent_keys = {
-            key: sample_latent_key(ds, s, image_identity, config.resolution, augment=static_augment)
-            for key, (ds, s) in distinct.items()
-        }
+        version = keys.static_version
         with _writing(
             cache_locks, vae_cache, latent_keys.values(), lambda: reopen()[0], may_rewrite=cache.verify_content
         ) as vae_cache:
@@ -306,13 +291,12 @@ def prepare_caches(
             )
         reencoder = None
     else:  # latents are encoded while training; decode everything once now to drop unreadable files
-        latent_keys = {}
         if (
             mode == "refresh_each_epoch"
             and run_locks is not None
             and (cache.persistent_cache or cache.vae_cache_type == "disk")
         ):
-            run_locks.enter_context(hold_epoch_folder(_epoch_folder(Path(cache_dir).expanduser() / spec.family)))
+            run_locks.enter_context(hold_epoch_folder(_epoch_folder(cache_base(cache_dir, spec.family))))
         reencoder = Reencoder(
             spec,
             encoders.get_vae(),
@@ -320,7 +304,7 @@ def prepare_caches(
             datasets,
             Path(cache_dir).expanduser(),
             state,
-            image_identity,
+            spec.image_encoder_identity(),
             mode,
             VAE_ENCODE_BATCH,
         )
@@ -333,8 +317,7 @@ def prepare_caches(
             config.max_bad_image_fraction,
         )
 
-    captions = sorted({s.caption for ds in datasets for s in ds.samples})  # after dropping undecodable ones
-    text_keys = {c: caption_text_key(c, text_identity, text_dtype) for c in captions}
+    text_keys = keys.texts_of(datasets)  # after dropping undecodable ones; captions sorted
 
     def encode_text(batch: list[str]) -> list[dict[str, torch.Tensor]]:
         out = spec.encode_prompts(encoders.get_text(), batch)
@@ -342,7 +325,10 @@ def prepare_caches(
 
     with _writing(cache_locks, text_cache, text_keys.values(), lambda: reopen()[1]) as text_cache:
         text_report = text_cache.fill(
-            [(text_keys[c], c) for c in captions], encode_text, TEXT_ENCODE_BATCH, desc="text embeddings"
+            [(key, caption) for caption, key in text_keys.items()],
+            encode_text,
+            TEXT_ENCODE_BATCH,
+            desc="text embeddings",
         )
     reports = {"latents": latent_report, "text": text_report}
     return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports, mode, reencoder), encoders

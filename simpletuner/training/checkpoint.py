@@ -50,23 +50,23 @@ leaving the previous checkpoint and ``latest`` as they were.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import random
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import orjson
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from simpletuner import diskspace
 from simpletuner.file_modes import ordinary_permissions
+from simpletuner.models.adapters import trainable_state
 from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefused, Damage: callers import them from here
     _ATOMIC_TEMP,
     MARKER,
@@ -81,6 +81,8 @@ from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefus
 )
 from simpletuner.training.launch import from_every_process, from_main_process
 from simpletuner.training.reliability import fault_point
+from simpletuner.training.rng import capture_rng, restore_rng
+from simpletuner.training.run_identity import check_compatible
 
 logger = logging.getLogger(__name__)
 
@@ -115,38 +117,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a half-written pointer is never useful
         raise
-
-
-# --- RNG ----------------------------------------------------------------------------------
-def capture_rng(generator: torch.Generator) -> dict[str, Any]:
-    """Every RNG the run draws from, in a form torch.load(weights_only=True) accepts."""
-    np_state = np.random.get_state()
-    py_state = random.getstate()
-    state = {
-        "torch": torch.get_rng_state(),
-        "generator": generator.get_state(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "gauss": float(np_state[4]),
-        },
-        "python": {"version": py_state[0], "state": list(py_state[1]), "gauss": py_state[2]},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any], generator: torch.Generator) -> None:
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["generator"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # --- discovery ----------------------------------------------------------------------------
@@ -503,79 +473,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def describe_run(state: dict[str, Any]) -> str:
-    """``run 3f2a9c1b, seed 123`` for a checkpoint's state; what an older checkpoint lacks is left out."""
-    identity = state.get("identity") or {}
-    parts = [f"run {state['run_id']}"] if state.get("run_id") else []
-    if identity.get("seed") is not None:
-        parts.append(f"seed {identity['seed']}")
-    return ", ".join(parts)
-
-
-#: What a checkpoint written before these identity keys existed trained with.
-_IDENTITY_DEFAULTS = {"lycoris_algo": None, "base_model_precision": "no_change", "train_stages": "both"}
-#: Keys older checkpoints did not record and whose value cannot be inferred: not compared then.
-_UNRECORDED_BEFORE = {"seed"}
-
-
-def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
-    if key in saved_identity:
-        return saved_identity[key]
-    if key == "lora_type":  # the only adapter there was, for LoRA runs
-        return "standard" if saved_identity.get("training_type") == "lora" else None
-    return _IDENTITY_DEFAULTS.get(key)
-
-
-def denoiser_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of the denoiser's architecture config, kept in the run identity: a checkpoint of
-    another model is refused."""
-    config = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
-    return hashlib.sha256(orjson.dumps(config, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
-
-
-def identity_differences(state: dict[str, Any], identity: dict[str, Any]) -> list[str]:
-    """How the run identity a checkpoint stores differs from ``identity`` (only its keys are compared)."""
-    saved_identity = state.get("identity", {})
-    problems = []
-    for key, value in identity.items():
-        if key in _UNRECORDED_BEFORE and key not in saved_identity:
-            continue
-        saved = _saved_identity_value(saved_identity, key)
-        if saved != value:
-            problems.append(f"{key}: checkpoint has {saved!r}, config has {value!r}")
-    return problems
-
-
-def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:
-    """Raise ResumeRefused (a ValueError) naming every way the checkpoint does not fit this run, and the fix."""
-    problems = identity_differences(state, identity)
-    saved_world = state.get("world_size")
-    if saved_world != world_size:
-        problems.append(f"world size: checkpoint was written by {saved_world} process(es), this run has {world_size}")
-    if problems:
-        fixes = []
-        if saved_world != world_size and isinstance(saved_world, int):
-            fixes.append(
-                f"launch with the checkpoint's {saved_world} process(es) "
-                f"(`accelerate launch --num_processes {saved_world} ...`) to continue it"
-            )
-        if len(problems) > (saved_world != world_size):
-            fixes.append("put the settings above back to the checkpoint's values to continue it")
-        fixes += [
-            f"set a new `output_dir` to start a new run beside it ({path} stays as it is)",
-            "or set `resume_from_checkpoint: null` and pass `--overwrite` to train from scratch "
-            "(it replaces the run in `output_dir`)",
-        ]
-        run = describe_run(state)
-        raise ResumeRefused(
-            f"cannot resume from {path}{f' ({run})' if run else ''}: it does not fit this run:\n  - "
-            + "\n  - ".join(problems)
-            + "\nTo fix: "
-            + "; ".join(fixes)
-            + "."
-        )
-
-
 def _read(path: Path, name: str, reader: Callable[[Path], Any]) -> Any:
     """``reader(path / name)``; a file that cannot be read is CheckpointDamaged naming it."""
     file = path / name
@@ -611,3 +508,83 @@ def load_tensors(path: Path, process_index: int) -> dict[str, Any]:
         "rng": _read(path, rng_name, _torch_file),
         **({"scaler": _read(path, "scaler.pt", _torch_file)} if (path / "scaler.pt").is_file() else {}),
     }
+
+
+# --- the run's parts: saved and restored in the same places --------------------------------
+@dataclass
+class CheckpointParts:
+    """The live objects a checkpoint holds: :func:`save_parts` writes them and :func:`restore_parts`
+    puts them back, in place. ``model``'s trained parameters (``trainable_state``) and the noise
+    ``generator`` (with the process RNGs, per rank) aside, each has ``state_dict`` / ``load_state_dict``."""
+
+    model: nn.Module  # unwrapped from DDP
+    optimizer: Any
+    lr_scheduler: Any
+    generator: torch.Generator
+    progress: Any  # the run's counters: their keys are trainer_state.json's top level
+    sampler: Any
+    accumulation: Any  # recorded, not restored: a resume under another schedule is warned about
+    scaler: Any = None  # the AMP grad scaler of fp16 runs
+
+
+def save_parts(
+    accelerator,
+    output_dir: Path,
+    step: int,
+    parts: CheckpointParts,
+    *,
+    run_id: str,
+    identity: dict[str, Any],
+    total_limit: int | None,
+    write_adapter: Callable[[Path], Any] | None = None,
+    token: str | None = None,
+) -> Path:
+    """:func:`save_checkpoint` of ``parts`` at ``step`` (collective), the run's id and identity in its state."""
+    trainer_state = {
+        **parts.progress.state_dict(),
+        "sampler": parts.sampler.state_dict(),
+        "accumulation": parts.accumulation.state_dict(),
+        "run_id": run_id,
+        "identity": identity,
+    }
+    return save_checkpoint(
+        accelerator,
+        output_dir,
+        step,
+        trainable_state(parts.model),
+        parts.optimizer,
+        parts.lr_scheduler,
+        trainer_state,
+        parts.generator,
+        total_limit,
+        scaler=parts.scaler,
+        write_adapter=write_adapter,
+        token=token,
+    )
+
+
+def restore_parts(path: Path, accelerator, parts: CheckpointParts, identity: dict[str, Any]) -> dict[str, Any]:
+    """Put ``parts`` back as the checkpoint ``path`` (verified: :func:`resolve_resume`) saved them;
+    returns its trainer state. A checkpoint that does not fit ``identity`` or this world size is
+    refused, and every file is read before any part changes."""
+    state = read_trainer_state(path)
+    check_compatible(state, identity, accelerator.num_processes, path)
+    if state.get("accumulation") != parts.accumulation.state_dict():
+        logger.warning(
+            "resuming with a different accumulation schedule (checkpoint %s, config %s): the run continues, "
+            "but not with the window sequence it started with",
+            state.get("accumulation"),
+            parts.accumulation.state_dict(),
+        )
+    tensors = load_tensors(path, accelerator.process_index)
+    if set(tensors["trainable"]) != set(trainable_state(parts.model)):
+        raise ValueError(f"{path}: trained parameters do not match this model (different adapter or model?)")
+    parts.model.load_state_dict(tensors["trainable"], strict=False)
+    parts.optimizer.load_state_dict(tensors["optimizer"])
+    parts.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
+    parts.sampler.load_state_dict(state["sampler"])
+    restore_rng(tensors["rng"], parts.generator)
+    parts.progress.load_state_dict(state)
+    if parts.scaler is not None and "scaler" in tensors:
+        parts.scaler.load_state_dict(tensors["scaler"])
+    return state

@@ -1,5 +1,7 @@
 """Launch checks and start-up helpers of a run: the process count Accelerate joined against what
-the launcher promised, Accelerate's process-wide state, and a clock for the start-up phases."""
+the launcher promised, the Accelerator's construction, values shared between ranks, and a clock for
+the start-up phases. (Accelerate's process-wide precision state is reset by
+:func:`simpletuner.precision.reset_accelerate_state`.)"""
 
 from __future__ import annotations
 
@@ -36,15 +38,6 @@ def check_launch_matches(num_processes: int, env) -> None:
             "`accelerate launch --cpu --num_processes N` starts ONE process unless MPI is set up (MASTER_ADDR is set "
             f"but no WORLD_SIZE), so the run would not be distributed. {_CPU_FIX} For one process drop --num_processes."
         )
-
-
-def reset_accelerate_state() -> None:
-    """Accelerate keeps precision choices in process-wide state; clear them when a run starts so
-    each run in a process (tests, notebooks) chooses its own. The process group stays up."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
 
 
 class PhaseClock:

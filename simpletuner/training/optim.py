@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from simpletuner.configuration import TrainingConfig
+from simpletuner.training.optimizers import Automagic, automagic_param_groups
 
 #: Per-stage config keys (``{group}_{key}``) -> the optimizer group key they set.
 _STAGE_KEYS = {"learning_rate": "lr", "lr_bump": "lr_bump", "min_lr": "min_lr", "max_lr": "max_lr"}
@@ -29,8 +30,6 @@ def _param_groups(config: TrainingConfig, named: Mapping[str, Iterable[torch.nn.
     named = {name: [p for p in params if p.requires_grad] for name, params in named.items()}
     if list(named) == ["default"]:
         return named["default"]
-    from simpletuner.training.optimizers.automagic import automagic_param_groups
-
     groups = automagic_param_groups(named, stage_bounds(config))
     if config.optimizer != "automagic":  # only the learning rate applies to other optimizers
         groups = [{k: v for k, v in g.items() if k not in ("lr_bump", "min_lr", "max_lr")} for g in groups]
@@ -65,8 +64,6 @@ def build_optimizer(
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.learning_rate, momentum=0.9, weight_decay=config.weight_decay)
     if config.optimizer == "automagic":
-        from simpletuner.training.optimizers import Automagic
-
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
         return Automagic(
             params,

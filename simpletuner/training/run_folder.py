@@ -8,6 +8,10 @@ weights (``*.safetensors`` adapters, or model folders such as ``unet/`` after a 
 ``gh200_runtime.json`` and ``final_weights.json`` (the step the final weights are of), and while a
 final save runs, ``.final-save.*`` temp folders. ``--overwrite`` removes exactly those; any other
 file in the folder (and the caches, which live in ``cache_config.cache_dir``) is kept.
+
+The trainer takes the folder with :func:`lock_output_dir` then :func:`take_output_dir`, and ends
+with :func:`save_final_weights`; each gives every rank the same outcome, so no rank waits in a
+collective for one that stopped.
 """
 
 from __future__ import annotations
@@ -15,12 +19,19 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from simpletuner import locks
+from simpletuner.diskspace import NoSpace
 from simpletuner.models.spec import FINAL_RECORD, FINAL_SAVE_PREFIX, final_weights_step
 from simpletuner.training import checkpoint as ckpt
+from simpletuner.training.launch import from_main_process
+from simpletuner.training.run_identity import describe_run, identity_differences
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +152,9 @@ def _why_not_resumable(output_dir: Path, identity: dict[str, Any]) -> tuple[str,
         state = ckpt.read_trainer_state(latest)
     except ValueError as exc:  # another checkpoint format: it cannot be resumed either
         return f"; {exc}", False
-    run = ckpt.describe_run(state)
+    run = describe_run(state)
     why = f" ({latest.name}: {run})" if run else ""
-    differences = ckpt.identity_differences(state, identity)
+    differences = identity_differences(state, identity)
     if differences:
         why += "; it was trained with another config (" + "; ".join(differences) + "), so this config cannot resume it"
     return why, not differences
@@ -213,3 +224,63 @@ def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_st
         step + max(total_steps, 1),
     )
     return step
+
+
+def write_run_config(output_dir: Path, raw_config: dict[str, Any]) -> None:
+    """``output_dir/config.json``: the config this run trains with, as loaded (rank 0)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.json").write_bytes(orjson.dumps(raw_config, option=orjson.OPT_INDENT_2))
+
+
+def lock_output_dir(accelerator, output_dir: Path, held: ExitStack) -> None:
+    """Lock ``output_dir`` for this run (rank 0; the lock joins ``held``, see simpletuner/locks.py).
+    When it is taken, every rank raises (exit 2; rank 0 alone prints it): none hangs in a collective."""
+    refusal = None
+    if accelerator.is_main_process:
+        try:
+            held.enter_context(locks.hold_output_dir(output_dir))
+        except ValueError as exc:  # FolderLocked, or a lock file that cannot be created
+            refusal = exc
+    text = from_main_process(accelerator, None if refusal is None else str(refusal))
+    if text is not None and refusal is None:
+        refusal = RunFolderTaken(text)  # printed by rank 0 alone (train.main)
+    if refusal is not None:
+        raise refusal
+
+
+def take_output_dir(
+    accelerator, output_dir: Path, resume_from_checkpoint: str | None, identity: dict[str, Any], overwrite: bool
+) -> None:
+    """Refuse to write over another run's results in the locked ``output_dir`` (:func:`check_output_dir`),
+    or with ``overwrite`` remove them first (rank 0; the others wait). The lock comes first, so
+    ``--overwrite`` never removes what a live run writes."""
+    if not overwrite:
+        check_output_dir(output_dir, resume_from_checkpoint, identity)
+        return
+    check_overwrite(output_dir, resume_from_checkpoint)
+    if accelerator.is_main_process:
+        clear_previous_run(output_dir)
+    accelerator.wait_for_everyone()
+
+
+def save_final_weights(accelerator, spec, model, output_dir: Path, full: bool, step: int) -> Path | None:
+    """Rank 0 saves the final adapter (or model, ``full``) of ``model`` (unwrapped) whole or not at
+    all (``ModelSpec.save_final``); returns its path there, None on the other ranks. A full disk on
+    rank 0 raises NoSpace on every rank: they agree on the outcome first."""
+    accelerator.wait_for_everyone()
+    path, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            path = spec.save_final(output_dir, model, full=full, step=step)
+        except NoSpace as exc:
+            failure = exc
+    fields = (
+        None
+        if failure is None
+        else (failure.what, str(failure.folder), failure.needed, failure.free, failure.during_write)
+    )  # picklable: NoSpace(message) is not
+    fields = from_main_process(accelerator, fields)
+    if fields is not None:
+        raise failure if failure is not None else NoSpace(*fields, agreed=True)
+    accelerator.wait_for_everyone()
+    return path

@@ -5,68 +5,96 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
-import orjson
 import torch
 from tqdm.auto import tqdm
 
-from simpletuner import locks
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
-from simpletuner.gh200.ramp import AccumulationPolicy, count_steps
 from simpletuner.gh200.wiring import configure_runtime
+from simpletuner.memory.hardware import detect_hardware
+from simpletuner.memory.oom import explain_out_of_memory
+from simpletuner.memory.preflight import check_run_memory
 from simpletuner.models import get_model_spec
+from simpletuner.precision import PRECISION_DTYPES, reset_accelerate_state, resolve_mixed_precision
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training import offload, run_folder, runlog
-from simpletuner.training import performance as perf
+from simpletuner.training import knobs, metrics, run_folder, runlog
+from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
 from simpletuner.training.launch import (
     PhaseClock,
     check_launch_matches,
-    from_main_process,
     make_accelerator,
-    reset_accelerate_state,
 )
-from simpletuner.training.lora import trainable_state
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
+from simpletuner.training.progress import NonFinitePolicy, Progress, StepOutcome, TrainResult, describe_window
 from simpletuner.training.reliability import (
-    NonFiniteLoss,
     OutOfMemory,
     Preempted,
     RunSignals,
     cache_entries_kept,
     run_phase,
 )
-from simpletuner.training.validation import generate_validation_images
+from simpletuner.training.run_identity import denoiser_fingerprint, run_identity
+from simpletuner.training.validation import EvalLoss, Validator
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch import nn
+
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.data_backend.metadata import Sample
+    from simpletuner.models.spec import ModelSpec
+    from simpletuner.training.batches import CachedData
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Progress:
-    """Where the run is; saved in every checkpoint."""
-
-    global_step: int = 0
-    micro_batches_seen: int = 0
-    samples_seen: int = 0
-    skipped_steps: int = 0  # windows whose loss or gradient was not finite (never applied)
-
-
-@dataclass
-class TrainResult:
-    """What a finished ``train()`` returns (for callers and tests)."""
-
-    global_step: int
-    losses: list[float] = field(default_factory=list)  # window loss per optimizer step this run
-    output_path: Path | None = None
-    validation_images: list[Path] = field(default_factory=list)
-
-
 class Trainer:
-    """Builds every component from the run's StateTracker, then trains."""
+    """One training run: the components declared below, built by ``setup()`` in the order listed,
+    and the loop that trains them.
+
+    ``__init__`` builds nothing: it keeps the run's StateTracker, counters (``progress``) and
+    records. ``setup()`` calls the builder named above each group, which assigns that group only,
+    in the order their side effects need (the builders' comments say why); with
+    ``resume_from_checkpoint``, ``_resume`` puts the checkpoint back last (a resumed run that is
+    already finished stops after ``_setup_runtime``).
+    ``train()`` is ``setup()``, then ``_loop()``: ``run_window()`` (fetch a window, ``train_step()``
+    over it) and what the cadence predicates (``_should_log`` ...) call for; then the final save.
+    """
+
+    # _setup_runtime (and the output_dir lock, held in _locks until train() ends)
+    mixed_precision: str  # in force: "no", "fp16" or "bf16" (fp16 where the GPU has no bf16)
+    spec: ModelSpec
+    accelerator: Accelerator
+    run_id: str  # made per launch; a resume adopts the checkpoint's
+    _save_token: str  # this launch's checkpoint temp-folder token
+    finished_at: int | None  # the step of a resumed run that is already finished: nothing else is built
+    accumulation: AccumulationPolicy
+    generator: torch.Generator  # noise and timesteps: one per rank, saved and restored with checkpoints
+    weight_dtype: torch.dtype
+    # _setup_data: the datasets, registered in state.datasets; _setup_caches:
+    data: CachedData
+    validator: Validator | None  # rank 0, with validation prompts
+    # _setup_model
+    _denoiser_fingerprint: str | None = None  # in the run identity once the model is loaded
+    # _setup_optimization
+    eval_samples: list[Sample]
+    sampler: BucketSampler
+    evaluator: EvalLoss | None  # with eval_steps
+    total_steps: int
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    flops_per_sample: float | None
+    model: nn.Module  # prepared by Accelerate (DDP with several processes)
+    optimizer: torch.optim.Optimizer
+    trainable_params: list[nn.Parameter]
+    # setup(), save_checkpoint()
+    startup_seconds: dict[str, float]
+    _last_saved_step: int | None = None
+    _last_saved_path: Path | None = None
 
     def __init__(
         self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None, overwrite: bool = False
@@ -74,48 +102,66 @@ class Trainer:
         """``hardware`` (a ``simpletuner.memory.hardware.HardwareInfo``) replaces the detected GPU for
         MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak; ``overwrite``
         (``--overwrite``) removes an earlier run's results from ``output_dir`` instead of refusing."""
-        self.state = state
-        self.overwrite = overwrite
-        self.hardware = hardware
-        self.peak_tflops = peak_tflops
-        self.run_log = runlog.RunLog()  # training.log + metrics.jsonl (rank 0)
-        self.config = state.config
+        self.state = state  # the run's registry: config, datasets, cache folders, locks
+        self.config: TrainingConfig = state.config
         self.output_dir = Path(self.config.output_dir).expanduser()
-        self.progress = Progress()
-        self.losses: list[float] = []
+        self.overwrite, self.hardware, self.peak_tflops = overwrite, hardware, peak_tflops
+        self.run_log = runlog.RunLog()  # training.log + metrics.jsonl (rank 0)
+        self.progress = Progress()  # the run's counters, saved in every checkpoint
+        self.nonfinite = NonFinitePolicy(self.config)  # what a window that is not finite does
+        self.losses: list[float] = []  # the window loss of every optimizer step this run
         self.last_logs: dict[str, float] = {}  # figures of the latest logging window
-        self.step_skipped = False
-        self.preempt_signum: int | None = None
-        self._preempt: RunSignals | None = None  # while the step loop runs: its signal is read at each step
-        self._consecutive_skips = 0
         self.validation_images: list[Path] = []
+        self.preempt_signum: int | None = None  # a stop signal every rank agreed on
+        self._preempt: RunSignals | None = None  # while the step loop runs: its signal is read at each step
+        self._pending: list[torch.Tensor] = []  # window losses since the last log line
 
-    # --- setup ---------------------------------------------------------------------------
-    def _make_accelerator(self):
-        return make_accelerator(
-            self.mixed_precision,
-            self.config.report_to,
-            self.output_dir,
-            find_unused_parameters=self.spec.needs_unused_parameter_detection,
-        )
-
-    def _check_world_size(self) -> None:
-        """Stop when the launcher started a different number of processes than Accelerate joined."""
-        check_launch_matches(self.accelerator.num_processes, os.environ)
-
+    # --- setup: the builders, in order ---------------------------------------------------
     def setup(self) -> None:
-        """Everything before the first step: data, caches, model, optimizer, resume."""
+        """Everything before the first step; each builder says what it assigns (see the class doc)."""
+        clock = PhaseClock()
+        self._setup_runtime()
+        if self.finished_at is not None:  # resumed a run already at its last step: nothing to build
+            return
+        clock.mark("accelerator")
+        self._setup_data()
+        clock.mark("datasets")
+        self._setup_caches()
+        clock.mark("caches")
+        denoiser = self._setup_model()
+        clock.mark("model")
+        self._setup_optimization(denoiser)
+        clock.mark("optimizer")
+        if self.config.resume_from_checkpoint:
+            self._resume()
+            clock.mark("resume")
+            # num_train_epochs: the length is known only now
+            self.finished_at = run_folder.finished_step(
+                self.output_dir, self.config.resume_from_checkpoint, self.total_steps
+            )
+        self.startup_seconds = clock.phases
+        logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
+
+    def _setup_runtime(self) -> None:
+        """Process settings, ``spec``, ``accelerator``, the claim on ``output_dir`` (``run_id``), and,
+        unless the resumed run is finished (``finished_at``), ``accumulation``, ``generator`` and the
+        run's files. The allocator is set before anything touches CUDA, and output_dir is locked
+        before anything loads or is written."""
         from accelerate.utils import set_seed
 
         cfg = self.config
-        clock = PhaseClock()
-        perf.apply_cuda_allocator(cfg.cuda_allocator)  # before anything touches CUDA
-        self.mixed_precision = perf.resolve_mixed_precision(cfg.mixed_precision)
-        perf.apply_tf32(cfg.enable_tf32)
+        knobs.apply_cuda_allocator(cfg.cuda_allocator)  # before anything touches CUDA
+        self.mixed_precision = resolve_mixed_precision(cfg.mixed_precision)
+        knobs.apply_tf32(cfg.enable_tf32)
         reset_accelerate_state()
-        self.spec = spec = get_model_spec(cfg)  # reads the folder's JSON only
-        self.accelerator = acc = self._make_accelerator()
-        self._check_world_size()
+        self.spec = get_model_spec(cfg)  # reads the folder's JSON only
+        self.accelerator = acc = make_accelerator(
+            self.mixed_precision,
+            cfg.report_to,
+            self.output_dir,
+            find_unused_parameters=self.spec.needs_unused_parameter_detection,
+        )
+        check_launch_matches(acc.num_processes, os.environ)  # the launcher started as many processes as joined
         self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
         self.run_id, self._save_token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves
         self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
@@ -124,140 +170,104 @@ class Trainer:
         self._log_settings_in_force()
         set_seed(cfg.seed)
         self.accumulation = self._configure_gh200_runtime()
-        # Noise and timesteps: one CPU generator per rank, saved and restored with checkpoints.
-        self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
+        self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)  # a CPU one per rank
         if acc.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.json").write_bytes(
-                orjson.dumps(self.state.raw_config, option=orjson.OPT_INDENT_2)
-            )
+            run_folder.write_run_config(self.output_dir, self.state.raw_config)
         self.run_log.open(self.output_dir, acc.is_main_process)  # before the long work: the cache fill
-        self.weight_dtype = perf.PRECISION_DTYPES[self.mixed_precision]
+        self.weight_dtype = PRECISION_DTYPES[self.mixed_precision]
 
-        clock.mark("accelerator")
-        run_phase(
-            "staging" if any(d.type == "in_memory" for d in cfg.datasets) else "datasets"
-        )  # SIGTERM/SIGINT: stop at once
-        datasets = build_datasets(self.state)
-        clock.mark("datasets")
-        from simpletuner.memory.preflight import (
-            check_run_memory,
-        )  # stops before the cache fill if RAM/GPU cannot hold the run
+    def _setup_data(self) -> None:
+        """Build, scan and register the datasets (``state.datasets``, which the later builders read).
+        A stop signal here ends the run at once."""
+        staging = any(d.type == "in_memory" for d in self.config.datasets)
+        run_phase("staging" if staging else "datasets")  # SIGTERM/SIGINT: stop at once
+        build_datasets(self.state)
 
+    def _setup_caches(self) -> None:
+        """``data`` (every latent and text embedding cached) and ``validator``. Stops first when RAM or
+        GPU cannot hold the run; then rank 0 encodes what is missing and the other ranks read it."""
+        cfg, acc, spec, datasets = self.config, self.accelerator, self.spec, self.state.datasets
         check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
         run_phase("cache_fill", kept=cache_entries_kept(lambda: self.state.cache_dirs))  # a stop keeps what is written
         with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
-            self.data, encoders = prepare_caches(
-                spec, datasets, Path(cfg.cache_config.cache_dir).expanduser(), acc.device, self.weight_dtype, self.state
-            )
-        self._keep_for_validation = None
-        self._offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
+            cache_dir = Path(cfg.cache_config.cache_dir).expanduser()
+            self.data, encoders = prepare_caches(spec, datasets, cache_dir, acc.device, self.weight_dtype, self.state)
+        self.validator = None
         if cfg.validation_prompt_list and acc.is_main_process:
-            self._keep_for_validation = (encoders.get_vae(), encoders.get_text())
-            if (
-                cfg.low_vram
-            ):  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
-                reencodes = cfg.augmentations.is_enabled and cfg.augmentations_cache_mode != "static"
-                self._offloaded = self._keep_for_validation[1:] if reencodes else self._keep_for_validation
-                offload.to_device(self._offloaded, torch.device("cpu"))
+            self.validator = Validator(spec, cfg, encoders, self.output_dir)
         del encoders
-        free_memory()
-        clock.mark("caches")
+        free_memory()  # the encoders the validator does not keep
 
+    def _setup_model(self) -> torch.nn.Module:
+        """The denoiser, ready to train (adapters, low_vram, compile): handed to ``_setup_optimization``."""
+        cfg, spec = self.config, self.spec
         run_phase("model_load")
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         denoiser = spec.prepare_denoiser(denoiser, self.weight_dtype)
         if cfg.low_vram:
             spec.apply_low_vram(denoiser)
-        denoiser = perf.maybe_compile(denoiser, cfg.enable_compile)
-        self._denoiser_fingerprint = ckpt.denoiser_fingerprint(denoiser)
-        clock.mark("model")
-        optimizer = build_optimizer(cfg, spec.named_parameter_groups(denoiser))
-        samples = [s for ds in datasets for s in ds.samples]
+        denoiser = knobs.maybe_compile(denoiser, cfg.enable_compile)
+        self._denoiser_fingerprint = denoiser_fingerprint(denoiser)
+        return denoiser
+
+    def _setup_optimization(self, denoiser: torch.nn.Module) -> None:
+        """``sampler`` (its length sets ``total_steps`` for epoch runs), the eval batches, ``lr_scheduler``,
+        ``flops_per_sample``, then ``model`` / ``optimizer`` prepared by Accelerate, and the trackers."""
+        cfg, acc = self.config, self.accelerator
+        optimizer = build_optimizer(cfg, self.spec.named_parameter_groups(denoiser))
+        samples = [s for ds in self.state.datasets for s in ds.samples]
         self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
         self.eval_samples = samples
-        self.eval_batches = self._eval_batches(samples) if cfg.eval_steps else []
-        self.total_steps = self._total_steps()
+        self.evaluator = EvalLoss(self.spec, self.data, samples, cfg, acc) if cfg.eval_steps else None
+        steps, epochs = cfg.max_train_steps, cfg.num_train_epochs  # epochs: count the windows the ramp makes
+        self.total_steps = steps if steps is not None else count_steps(self.accumulation, epochs * len(self.sampler))
         self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps)
         # The schedule is not prepared: Accelerate would step it once per process per step.
         self.flops_per_sample = self._flops_per_sample(denoiser)  # before DDP wraps it (see there)
         self.model, self.optimizer = acc.prepare(denoiser, optimizer)
         # Walking every module for requires_grad each step cost up to ~1 ms (3-10% of a tiny-model step).
-        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
         if cfg.report_to != "none":
             acc.init_trackers(cfg.tracker_project_name, config=_scalar_config(self.state.raw_config))
-        clock.mark("optimizer")
-        if cfg.resume_from_checkpoint:
-            self._resume()
-            clock.mark("resume")
-            # num_train_epochs: the length is known only now
-            self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, self.total_steps)
-        self.startup_seconds = clock.phases
-        logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
 
     def _log_settings_in_force(self) -> None:
         """Say once, at start, the precision in force and where each launcher-settable key came from."""
-        sources = self.state.setting_sources
+        sources, asked = self.state.setting_sources, self.config.mixed_precision
         precision = sources.get("mixed_precision", "the default: neither the config nor the launcher set it")
-        changed = (
-            ""
-            if self.mixed_precision == self.config.mixed_precision
-            else f" (asked for {self.config.mixed_precision!r}; this GPU has no bf16)"
-        )
+        changed = "" if self.mixed_precision == asked else f" (asked for {asked!r}; this GPU has no bf16)"
         logger.info("mixed precision %s in force%s, %s", self.accelerator.mixed_precision, changed, precision)
-        for key in ("gradient_accumulation_steps", "enable_compile"):
-            if key in sources:
-                logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
+        for key in [k for k in ("gradient_accumulation_steps", "enable_compile") if k in sources]:
+            logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
         for line in self.state.startup_notes:
             logger.info("%s", line)
-        for warning in check_alloc_conf(
-            os.environ.get(ALLOC_CONF_VAR)
-        ).warnings():  # its errors stopped the run earlier
+        for warning in check_alloc_conf(os.environ.get(ALLOC_CONF_VAR)).warnings():  # its errors stopped the run
             logger.warning(warning)
 
     def _configure_gh200_runtime(self) -> AccumulationPolicy:
         """Apply ``cache_config`` / ``gh200_optimizations``: hint override, accumulation policy,
         decisions recorded in the StateTracker and ``<output_dir>/gh200_runtime.json``."""
         acc = self.accelerator
-        return configure_runtime(self.state, acc.num_processes, acc.is_main_process, self.output_dir)
-
-    def _eval_batches(self, samples) -> list[Batch]:
-        """``eval_iters`` fixed micro-batches (a sampler of their own, so training order is untouched)."""
-        acc = self.accelerator
-        sampler = BucketSampler(
-            samples, self.config.train_batch_size, acc.num_processes, acc.process_index, self.config.seed + 1
+        policy = build_accumulation(self.config, acc.num_processes)
+        configure_runtime(
+            self.state, acc.num_processes, acc.is_main_process, self.output_dir, accumulation=policy.state_dict()
         )
-        batches = iter(sampler)
-        return [self.data.batch(next(batches), acc.device) for _ in range(min(self.config.eval_iters, len(sampler)))]
+        return policy
 
-    @torch.no_grad()
     def eval_loss(self) -> float:
         """Mean loss over the fixed eval batches with the same noise and timesteps every time."""
-        acc = self.accelerator
-        generator = torch.Generator().manual_seed(self.config.seed + 104729 + acc.process_index)
-        self.model.eval()
-        try:
-            with acc.autocast():
-                losses = [
-                    self.spec.training_loss(self.model, b.latents, b.conditioning, generator).mean()
-                    for b in self.eval_batches
-                ]
-        finally:
-            self.model.train()
-        local = torch.stack(losses).mean().reshape(1).to(acc.device)
-        return acc.gather(local).mean().item()
+        return self.evaluator(self.model)
+
+    @property
+    def eval_batches(self) -> list[Batch]:
+        return self.evaluator.batches if self.evaluator is not None else []
 
     def _flops_per_sample(self, model: torch.nn.Module) -> float | None:
-        """Forward + backward FLOPs per sample, counted once on a throwaway micro-batch.
-
-        Counting a real step would perturb it (the counter changes how some backward kernels
-        run), so this runs one extra forward and backward with the RNG forked, then drops the
-        gradients: training is bit-identical with or without it. It runs before DDP wraps the
+        """Forward + backward FLOPs per sample, counted once on a throwaway micro-batch (counting a
+        real step would perturb it: see metrics.flops_per_sample). It runs before DDP wraps the
         model: a backward DDP sees (even under no_sync) marks the parameters it reached as used
         for the first real all-reduce, which with find_unused_parameters fails on a Wan 2.2
-        expert that step does not reach (its gradient was dropped).
-        Skipped under torch.compile, which the counter would disturb.
+        expert that step does not reach. Skipped under torch.compile, which the counter would disturb.
         """
         cfg, acc = self.config, self.accelerator
         if cfg.enable_compile or not self.eval_samples:
@@ -266,7 +276,7 @@ class Trainer:
             self.eval_samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2
         )
         batch = self.data.batch(next(iter(sampler)), acc.device)
-        per_sample = perf.flops_per_sample(
+        per_sample = metrics.flops_per_sample(
             lambda m, gen: self.spec.training_loss(m, batch.latents, batch.conditioning, gen),
             model,
             batch.num_samples,
@@ -279,135 +289,49 @@ class Trainer:
         """The peak MFU is measured against (--peak-tflops, else the GPU table's); None leaves MFU out."""
         hardware = self.hardware
         if hardware is None and self.peak_tflops is None and torch.cuda.is_available():
-            from simpletuner.memory.hardware import detect_hardware
-
             hardware = detect_hardware()
-        return perf.peak_tflops_for_run(hardware, self.mixed_precision, self.config.enable_tf32, self.peak_tflops)
-
-    def _total_steps(self) -> int:
-        cfg = self.config
-        if cfg.max_train_steps is not None:
-            return cfg.max_train_steps
-        return count_steps(self.accumulation, cfg.num_train_epochs * len(self.sampler))
+        return metrics.peak_tflops_for_run(hardware, self.mixed_precision, self.config.enable_tf32, self.peak_tflops)
 
     def _identity(self) -> dict:
-        cfg = self.config
-        return {
-            "model_family": cfg.model_family,
-            "training_type": cfg.training_type,
-            "lora_rank": cfg.lora_rank if cfg.training_type == "lora" else None,
-            "lora_targets": self.spec.lora_targets if cfg.training_type == "lora" else None,
-            "train_batch_size": cfg.train_batch_size,
-            "denoiser_config": self._denoiser_fingerprint,
-            "lora_type": cfg.lora_type if cfg.training_type == "lora" else None,
-            "lycoris_algo": cfg.lycoris.algo if cfg.training_type == "lora" and cfg.lora_type == "lycoris" else None,
-            "base_model_precision": cfg.base_model_precision,
-            "train_stages": cfg.train_stages,
-            "seed": cfg.seed,  # another seed is another run: its checkpoints are refused, not continued
-        }
+        return run_identity(self.config, self.spec, self._denoiser_fingerprint)
 
     # --- checkpoints ---------------------------------------------------------------------
-    def _trainer_state(self) -> dict:
-        return {
-            "global_step": self.progress.global_step,
-            "micro_batches_seen": self.progress.micro_batches_seen,
-            "samples_seen": self.progress.samples_seen,
-            "skipped_steps": self.progress.skipped_steps,
-            "sampler": self.sampler.state_dict(),
-            "accumulation": self.accumulation.state_dict(),
-            "run_id": self.run_id,
-            "identity": self._identity(),
-        }
+    def _checkpoint_parts(self) -> ckpt.CheckpointParts:
+        model, acc = self.accelerator.unwrap_model(self.model), self.accelerator
+        parts = (self.optimizer, self.lr_scheduler, self.generator, self.progress, self.sampler, self.accumulation)
+        return ckpt.CheckpointParts(model, *parts, scaler=acc.scaler)
 
     def save_checkpoint(self) -> Path:
         """A resumable checkpoint of this step; LoRA runs also get the adapter the final save writes
         (``spec.save_adapter``), loadable as it is. Full fine-tunes get none: ``trainable.safetensors``
         already holds the whole denoiser, and a second copy would double the checkpoint."""
-        model = self.accelerator.unwrap_model(self.model)
+        parts = self._checkpoint_parts()
         is_lora = self.config.training_type == "lora"
-        write_adapter = (lambda folder: self.spec.save_adapter(folder, model)) if is_lora else None
-        self._last_saved_path = ckpt.save_checkpoint(
+        self._last_saved_path = ckpt.save_parts(
             self.accelerator,
             self.output_dir,
             self.progress.global_step,
-            trainable_state(model),
-            self.optimizer,
-            self.lr_scheduler,
-            self._trainer_state(),
-            self.generator,
-            self.config.checkpoints_total_limit,
-            scaler=self.accelerator.scaler,
-            write_adapter=write_adapter,
+            parts,
+            run_id=self.run_id,
+            identity=self._identity(),
+            total_limit=self.config.checkpoints_total_limit,
+            write_adapter=(lambda folder: self.spec.save_adapter(folder, parts.model)) if is_lora else None,
             token=self._save_token,
         )
         self._last_saved_step = self.progress.global_step  # once it is complete: a failed save saved nothing
         return self._last_saved_path
 
-    def _claim_output_dir(self) -> None:
-        """Lock ``output_dir`` for this run (rank 0), held until ``train()`` ends with the cache locks
-        prepare_caches adds (simpletuner/locks.py); then refuse to write over another run's
-        results there (run_folder.check_output_dir), or with ``overwrite`` remove them first (rank 0;
-        the others wait). The lock comes first, so ``--overwrite`` never removes what a live run writes."""
-        cfg, acc = self.config, self.accelerator
-        held = self.__dict__.setdefault("_locks", ExitStack())  # setup() without train(): freed with the trainer
-        refusal = None
-        if acc.is_main_process:
-            try:
-                held.enter_context(locks.hold_output_dir(self.output_dir))
-            except ValueError as exc:  # FolderLocked, or a lock file that cannot be created
-                refusal = exc
-        # One answer on every rank: none hangs in a collective, all exit 2.
-        text = from_main_process(acc, None if refusal is None else str(refusal))
-        if text is not None and refusal is None:
-            refusal = run_folder.RunFolderTaken(text)  # printed by rank 0 alone (train.main)
-        if refusal is not None:
-            raise refusal
-        self.state.run_locks = held  # prepare_caches adds the cache folder's, once the run starts using it
-        if not self.overwrite:
-            self._denoiser_fingerprint = None  # known once the model is loaded; not compared here
-            identity = {k: v for k, v in self._identity().items() if k != "denoiser_config"}
-            run_folder.check_output_dir(self.output_dir, cfg.resume_from_checkpoint, identity)
-            return
-        run_folder.check_overwrite(self.output_dir, cfg.resume_from_checkpoint)
-        if acc.is_main_process:
-            run_folder.clear_previous_run(self.output_dir)
-        acc.wait_for_everyone()
-
     def _resume(self) -> None:
         """Continue from the checkpoint ``resume_from_checkpoint`` names, verified against its manifest
         first (a damaged ``latest`` falls back to the newest that verifies; see checkpoint.py). Every
         file is read before any state is applied, and the run adopts the checkpoint's run id."""
-        cfg, acc = self.config, self.accelerator
-        path = ckpt.resolve_resume(self.output_dir, cfg.resume_from_checkpoint)
+        path = ckpt.resolve_resume(self.output_dir, self.config.resume_from_checkpoint)
         if path is None:
             logger.info(
                 "resume_from_checkpoint='latest' but %s holds no complete checkpoint: starting fresh", self.output_dir
             )
             return
-        state = ckpt.read_trainer_state(path)
-        ckpt.check_compatible(state, self._identity(), acc.num_processes, path)
-        if state.get("accumulation") != self.accumulation.state_dict():
-            logger.warning(
-                "resuming with a different accumulation schedule (checkpoint %s, config %s): the run continues, "
-                "but not with the window sequence it started with",
-                state.get("accumulation"),
-                self.accumulation.state_dict(),
-            )
-        tensors = ckpt.load_tensors(path, acc.process_index)
-        model = acc.unwrap_model(self.model)
-        expected = set(trainable_state(model))
-        if set(tensors["trainable"]) != expected:
-            raise ValueError(f"{path}: trained parameters do not match this model (different adapter or model?)")
-        model.load_state_dict(tensors["trainable"], strict=False)
-        self.optimizer.load_state_dict(tensors["optimizer"])
-        self.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        ckpt.restore_rng(tensors["rng"], self.generator)
-        self.progress = Progress(
-            state["global_step"], state["micro_batches_seen"], state["samples_seen"], state.get("skipped_steps", 0)
-        )
-        if acc.scaler is not None and "scaler" in tensors:
-            acc.scaler.load_state_dict(tensors["scaler"])
+        state = ckpt.restore_parts(path, self.accelerator, self._checkpoint_parts(), self._identity())
         if state.get("run_id"):
             self.run_id = state["run_id"]
         else:
@@ -422,14 +346,42 @@ class Trainer:
             self.run_id,
         )
 
+    def _claim_output_dir(self) -> None:
+        """Lock ``output_dir`` for this run (rank 0), held until ``train()`` ends with the cache locks
+        prepare_caches adds (simpletuner/locks.py); then refuse to write over another run's results
+        there, or with ``overwrite`` remove them first (run_folder.take_output_dir)."""
+        held = self.__dict__.setdefault("_locks", ExitStack())  # setup() without train(): freed with the trainer
+        run_folder.lock_output_dir(self.accelerator, self.output_dir, held)
+        self.state.run_locks = held  # prepare_caches adds the cache folder's, once the run starts using it
+        identity = {k: v for k, v in self._identity().items() if k != "denoiser_config"}  # no model loaded yet
+        run_folder.take_output_dir(
+            self.accelerator, self.output_dir, self.config.resume_from_checkpoint, identity, self.overwrite
+        )
+
     # --- the step ------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """One optimizer step over a window of micro-batches; returns the window loss.
+    def run_window(self, batches: Iterator[Batch], meter: metrics.ThroughputWindow | None = None) -> StepOutcome:
+        """Take the next accumulation window from ``batches`` (the policy's length for the micro-batches
+        seen so far; the wait is ``meter``'s data time) and make one optimizer step over it.
+        An out-of-memory step raises OutOfMemory, which says what would fit."""
+        window = self.accumulation.window_for(self.progress.micro_batches_seen)
+        with meter.data_wait() if meter is not None else nullcontext():
+            micro = [next(batches) for _ in range(window)]
+        if logger.isEnabledFor(logging.DEBUG):
+            for b in micro:
+                logger.debug("rank %d micro-batch: %s", self.accelerator.process_index, [s.key for s in b.samples])
+        try:
+            return self.train_step(micro)
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc) from None
+
+    def train_step(self, micro_batches: list[Batch]) -> StepOutcome:
+        """One optimizer step over a window of micro-batches: the loss is each sample's loss summed
+        over the window and divided by the window's samples, whatever the micro-batch sizes.
 
         A window whose loss or gradient norm is not finite never reaches the optimizer: its
-        gradients are dropped, nothing advances, and ``self.step_skipped`` is set. Deciding
-        that costs one host sync per optimizer step (none per micro-batch); the same sync
-        carries the preemption flag so every rank agrees on both.
+        gradients are dropped, nothing advances (``progress.skipped_steps`` counts it) and the
+        outcome says ``skipped``. Deciding that costs one host sync per optimizer step (none per
+        micro-batch); the same sync carries the preemption flag so every rank agrees on both.
         """
         acc = self.accelerator
         window_samples = sum(b.num_samples for b in micro_batches)
@@ -442,26 +394,25 @@ class Trainer:
                 loss = per_sample.sum() / window_samples
                 acc.backward(loss)
             total += loss.detach()
-        params = self._trainable
+        params = self.trainable_params
         if self.config.max_grad_norm:
             norm = acc.clip_grad_norm_(params, self.config.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        self.step_skipped = self._agree(total, norm)
-        if self.step_skipped:
+        if self._agree(total, norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_steps += 1
-            self._consecutive_skips += 1
-            self._on_nonfinite(micro_batches, total, norm)
-            return total
-        self._consecutive_skips = 0
+            where = describe_window(self.progress.global_step, total, norm, micro_batches)
+            self.nonfinite.failed(where, self.progress.skipped_steps, self.save_checkpoint)
+            return StepOutcome(total, skipped=True, num_samples=window_samples)
+        self.nonfinite.passed()
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.global_step += 1
         self.progress.micro_batches_seen += len(micro_batches)
         self.progress.samples_seen += window_samples * acc.num_processes
-        return total
+        return StepOutcome(total, skipped=False, num_samples=window_samples)
 
     def _agree(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
         """Whether any rank saw a non-finite loss or gradient; records an agreed preemption signal."""
@@ -470,69 +421,18 @@ class Trainer:
         signum = float(self._preempt.signum or 0) if self._preempt is not None else 0.0
         flags = torch.stack([bad.float(), torch.tensor(signum, device=loss.device)])
         if acc.num_processes > 1:
-            flags = acc.reduce(flags, reduction="max")  # noqa: the one collective of the step
+            flags = acc.reduce(flags, reduction="max")  # the one collective of the step
         any_bad, agreed_signum = flags.tolist()
         self.preempt_signum = int(agreed_signum) or None
         return bool(any_bad)
-
-    def _on_nonfinite(self, micro_batches: list[Batch], loss: torch.Tensor, norm: torch.Tensor) -> None:
-        cfg = self.config
-        keys = [s.key for b in micro_batches for s in b.samples]
-        where = (
-            f"the window after step {self.progress.global_step} (loss {loss.item():.4g}, gradient norm "
-            f"{norm.item():.4g}; samples {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''})"
-        )
-        if cfg.nonfinite_policy == "skip" and self._consecutive_skips < cfg.max_consecutive_nonfinite:
-            logger.warning(
-                "skipped %s: not finite (%d in a row, %d this run)",
-                where,
-                self._consecutive_skips,
-                self.progress.skipped_steps,
-            )
-            return
-        path = self.save_checkpoint()
-        why = (
-            f"{self._consecutive_skips} windows in a row were not finite (max_consecutive_nonfinite="
-            f"{cfg.max_consecutive_nonfinite})"
-            if cfg.nonfinite_policy == "skip"
-            else "nonfinite_policy is 'stop'"
-        )
-        raise NonFiniteLoss(
-            f"non-finite loss or gradient in {where}; {why}. The last good state is saved as {path} (those weights "
-            "never saw the bad window). Try a lower learning_rate, max_grad_norm (gradient clipping), bf16 instead "
-            "of fp16, or nonfinite_policy 'skip' to step over rare bad batches; then resume_from_checkpoint 'latest'"
-        )
 
     def _out_of_memory(self, exc: BaseException) -> OutOfMemory:
         """Free what the failed step held and explain what would fit (nothing is saved)."""
         self.optimizer.zero_grad(set_to_none=True)
         free_memory()
-        from simpletuner.memory.oom import explain_out_of_memory
-
         return OutOfMemory(explain_out_of_memory(self.config, exc, num_processes=self.accelerator.num_processes))
 
     # --- the loop ------------------------------------------------------------------------
-    def _validate(self) -> None:
-        if not (self.config.validation_prompt_list and self.accelerator.is_main_process):
-            return
-        vae, text = self._keep_for_validation
-        model = self.accelerator.unwrap_model(self.model)
-        device = self.accelerator.device
-        with (
-            offload.on_device_while(self.config.low_vram, device, self._offloaded, self.spec.idle_modules(model)),
-            self.accelerator.autocast(),
-        ):
-            self.validation_images += generate_validation_images(
-                self.spec,
-                model,
-                vae,
-                text,
-                self.config,
-                self.progress.global_step,
-                self.output_dir / "validation",
-                self.accelerator.trackers,
-            )
-
     def train(self) -> TrainResult:
         """Run to ``max_train_steps`` (or the epochs) and save the final weights.
 
@@ -548,11 +448,11 @@ class Trainer:
         # stop at once outside the loop, save at the step boundary inside it, finish the final save first.
         with RunSignals() as signals:
             self.setup()
-            cfg, acc = self.config, self.accelerator
+            acc = self.accelerator
             if self.finished_at is not None:  # resumed a run already at max_train_steps: nothing trained, nothing saved
                 acc.end_training()
                 return TrainResult(self.finished_at)
-            if self.progress.global_step == 0 and cfg.validation_prompt_list:
+            if self.progress.global_step == 0 and self.config.validation_prompt_list:
                 run_phase("first_validation")
                 self._validate()
             batches = self.data.iterate(self.sampler, acc.device)
@@ -563,7 +463,7 @@ class Trainer:
                 disable=not acc.is_local_main_process,
                 dynamic_ncols=True,
             )
-            meter = perf.ThroughputWindow(
+            meter = metrics.ThroughputWindow(
                 peak_tflops=self._peak_tflops(), flops_per_sample=self.flops_per_sample, cuda=torch.cuda
             )
             try:
@@ -575,9 +475,7 @@ class Trainer:
             self.data.close()  # the persistent decoding threads, if any
             with signals.deferred("final_save", kept=lambda: f"the final weights were saved ({output or 'by rank 0'})"):
                 output = self._save_final()
-            if cfg.validation_prompt_list and (
-                not cfg.validation_steps or self.progress.global_step % cfg.validation_steps
-            ):
+            if self._should_validate_at_end():
                 run_phase(
                     "final_validation",
                     kept=f"the final weights are saved ({output}); only the last validation images are missing",
@@ -587,53 +485,74 @@ class Trainer:
             acc.end_training()
             return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
 
-    def _loop(self, batches, bar, meter: perf.ThroughputWindow) -> None:
-        cfg, acc = self.config, self.accelerator
-        pending: list[torch.Tensor] = []
+    def _loop(self, batches: Iterator[Batch], bar, meter: metrics.ThroughputWindow) -> None:
         while self.progress.global_step < self.total_steps:
-            window = self.accumulation.window_for(self.progress.micro_batches_seen)
-            with meter.data_wait():
-                micro = [next(batches) for _ in range(window)]
-            if logger.isEnabledFor(logging.DEBUG):
-                for b in micro:
-                    logger.debug("rank %d micro-batch: %s", acc.process_index, [s.key for s in b.samples])
-            local_samples = sum(b.num_samples for b in micro)
-            try:
-                loss = self.train_step(micro)
-            except torch.OutOfMemoryError as exc:
-                raise self._out_of_memory(exc) from None
-            if self.step_skipped:
-                self._stop_if_preempted()
-                continue
-            pending.append(loss)
-            meter.step_done(local_samples)
-            step = self.progress.global_step
-            bar.update(1)
-            if step % cfg.logging_steps == 0 or step == self.total_steps:
-                values = torch.stack(pending).tolist()
-                self.losses += values
-                logs = {"loss": sum(values) / len(values), "lr": self.lr_scheduler.get_last_lr()[0], **meter.report()}
-                logs["samples_per_s"] *= acc.num_processes
-                logs.update(perf.uvm_memory_figures(perf.managed_pool_stats()))
-                if cfg.eval_steps and step % cfg.eval_steps == 0:
-                    logs["eval_loss"] = self.eval_loss()
-                self.last_logs = logs
-                bar.set_postfix(perf.progress_postfix(logs))
-                acc.log(logs, step=step)
-                self.run_log.write_metrics(step, logs)
-                logger.info("step %d/%d %s", step, self.total_steps, perf.log_line(logs))
-                pending = []
-            if cfg.checkpointing_steps and step % cfg.checkpointing_steps == 0:
-                self.save_checkpoint()
-            if cfg.validation_steps and step % cfg.validation_steps == 0:
-                self._validate()
+            outcome = self.run_window(batches, meter)
+            if not outcome.skipped:
+                self._after_step(outcome, bar, meter)
             self._stop_if_preempted()
+
+    def _after_step(self, outcome: StepOutcome, bar, meter: metrics.ThroughputWindow) -> None:
+        """What the cadence asks for after optimizer step ``progress.global_step``."""
+        step = self.progress.global_step
+        self._pending.append(outcome.loss)
+        meter.step_done(outcome.num_samples)
+        bar.update(1)
+        if self._should_log(step):
+            self._log_window(step, bar, meter)
+        if self._should_checkpoint(step):
+            self.save_checkpoint()
+        if self._should_validate(step):
+            self._validate()
+
+    # --- cadence -------------------------------------------------------------------------
+    def _should_log(self, step: int) -> bool:
+        return step % self.config.logging_steps == 0 or step == self.total_steps
+
+    def _should_checkpoint(self, step: int) -> bool:
+        return bool(self.config.checkpointing_steps) and step % self.config.checkpointing_steps == 0
+
+    def _should_validate(self, step: int) -> bool:
+        """Whether the loop validates after ``step`` (rank 0 renders, when there are prompts)."""
+        return bool(self.config.validation_steps) and step % self.config.validation_steps == 0
+
+    def _should_validate_at_end(self) -> bool:
+        """Validation prompts are set and the loop did not just validate the last step."""
+        return bool(self.config.validation_prompt_list) and not self._should_validate(self.progress.global_step)
+
+    def _should_checkpoint_at_end(self) -> bool:
+        """``checkpoint_at_end``, unless ``checkpointing_steps`` just saved the last step."""
+        return self.config.checkpoint_at_end and self._last_saved_step != self.progress.global_step
+
+    # --- what the cadence calls ----------------------------------------------------------
+    def _log_window(self, step: int, bar, meter: metrics.ThroughputWindow) -> None:
+        """Log the window since the last log line: mean loss, learning rate, throughput (+ eval_loss)."""
+        acc = self.accelerator
+        values = torch.stack(self._pending).tolist()
+        self.losses += values
+        logs = {"loss": sum(values) / len(values), "lr": self.lr_scheduler.get_last_lr()[0], **meter.report()}
+        logs["samples_per_s"] *= acc.num_processes
+        logs.update(metrics.uvm_memory_figures(metrics.managed_pool_stats()))
+        if self.config.eval_steps and step % self.config.eval_steps == 0:
+            logs["eval_loss"] = self.eval_loss()
+        self.last_logs = logs
+        bar.set_postfix(metrics.progress_postfix(logs))
+        acc.log(logs, step=step)
+        self.run_log.write_metrics(step, logs)
+        logger.info("step %d/%d %s", step, self.total_steps, metrics.log_line(logs))
+        self._pending = []
+
+    def _validate(self) -> None:
+        if self.validator is None:  # not rank 0, or no validation prompts
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        self.validation_images += self.validator.render(model, self.progress.global_step, self.accelerator)
 
     def _stop_if_preempted(self) -> None:
         """At a step boundary that every rank agreed on: save and stop with the signal's exit code."""
         if self.preempt_signum is None:
             return
-        if getattr(self, "_last_saved_step", None) == self.progress.global_step:  # this step is saved already
+        if self._last_saved_step == self.progress.global_step:  # this step is saved already
             path = self._last_saved_path
         else:
             path = self.save_checkpoint()
@@ -643,35 +562,16 @@ class Trainer:
         """The final adapter (or model), then, with ``checkpoint_at_end``, a checkpoint of the last
         step unless ``checkpointing_steps`` just wrote one: a later run with a higher
         ``max_train_steps`` and ``resume_from_checkpoint: latest`` continues from here.
-
-        The weights are written whole or not at all (``ModelSpec.save_final``). A full disk on
-        rank 0 raises NoSpace on every rank (they agree on the outcome first, so none waits in a
-        collective for a rank that stopped)."""
-        from simpletuner.diskspace import NoSpace
-
-        acc = self.accelerator
-        acc.wait_for_everyone()
-        path, failure = None, None
-        if acc.is_main_process:
-            model = acc.unwrap_model(self.model)
-            try:
-                path = self.spec.save_final(
-                    self.output_dir, model, full=self.config.training_type != "lora", step=self.progress.global_step
-                )
-            except NoSpace as exc:
-                failure = exc
-            else:
-                logger.info("saved %s", path)
-        fields = (
-            None
-            if failure is None
-            else (failure.what, str(failure.folder), failure.needed, failure.free, failure.during_write)
-        )  # picklable: NoSpace(message) is not
-        fields = from_main_process(acc, fields)
-        if fields is not None:
-            raise failure if failure is not None else NoSpace(*fields, agreed=True)
-        acc.wait_for_everyone()
-        if self.config.checkpoint_at_end and getattr(self, "_last_saved_step", None) != self.progress.global_step:
+        The weights are written whole or not at all, and a full disk on rank 0 stops every rank
+        (run_folder.save_final_weights)."""
+        full = self.config.training_type != "lora"
+        model = self.accelerator.unwrap_model(self.model)
+        path = run_folder.save_final_weights(
+            self.accelerator, self.spec, model, self.output_dir, full, self.progress.global_step
+        )
+        if path is not None:
+            logger.info("saved %s", path)
+        if self._should_checkpoint_at_end():
             self.save_checkpoint()  # collective, after the adapter: a kill in between resumes and re-saves both
         return path
 

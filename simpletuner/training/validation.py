@@ -1,4 +1,5 @@
-"""Sample images with the model being trained, on the main process."""
+"""Watching the model train: sample images on the main process (:class:`Validator`), and a
+repeatable loss on fixed batches (:class:`EvalLoss`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from simpletuner.data_backend import BucketSampler
+from simpletuner.diskspace import disk_full_guard, inject_fault
 from simpletuner.faults import fault_point
+from simpletuner.training import offload
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,6 @@ def save_png(image: Image.Image, path: Path) -> None:
     0-byte file when the disk fills, as a small image is buffered whole and the error surfaces on
     close.) A full disk ends as :class:`~simpletuner.diskspace.NoSpace` with the temp file removed.
     """
-    from simpletuner.diskspace import disk_full_guard, inject_fault
-
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     data = buffer.getvalue()
@@ -125,3 +127,66 @@ def generate_validation_images(
         grid_path,
     )
     return paths
+
+
+class Validator:
+    """Rank 0's validation renders: the VAE and text encoders kept from the cache fill, and where
+    they wait between renders (CPU RAM with ``low_vram``, else the training device)."""
+
+    def __init__(self, spec, config, encoders, output_dir: Path):
+        """``encoders`` (the cache fill's, with ``get_vae()`` / ``get_text()``) load what the fill did not."""
+        self.spec, self.config, self.output_dir = spec, config, output_dir
+        self.vae, self.text_encoders = encoders.get_vae(), encoders.get_text()
+        self.offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
+        if (
+            config.low_vram
+        ):  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
+            reencodes = config.augmentations.is_enabled and config.augmentations_cache_mode != "static"
+            self.offloaded = (self.text_encoders,) if reencodes else (self.vae, self.text_encoders)
+            offload.to_device(self.offloaded, torch.device("cpu"))
+
+    def render(self, model, step: int, accelerator) -> list[Path]:
+        """Images of ``model`` (unwrapped) at ``step`` in ``output_dir/validation``; returns their paths."""
+        device, idle = accelerator.device, self.spec.idle_modules(model)
+        with offload.on_device_while(self.config.low_vram, device, self.offloaded, idle), accelerator.autocast():
+            return generate_validation_images(
+                self.spec,
+                model,
+                self.vae,
+                self.text_encoders,
+                self.config,
+                step,
+                self.output_dir / "validation",
+                accelerator.trackers,
+            )
+
+
+class EvalLoss:
+    """``eval_loss``: the mean loss over ``eval_iters`` fixed micro-batches, with the same noise and
+    timesteps every time, averaged over the ranks."""
+
+    def __init__(self, spec, data, samples, config, accelerator):
+        """The batches come from a sampler of their own, so the training order is untouched."""
+        self.spec, self.accelerator = spec, accelerator
+        self.seed = config.seed + 104729 + accelerator.process_index
+        rank = (accelerator.num_processes, accelerator.process_index)
+        sampler = BucketSampler(samples, config.train_batch_size, *rank, config.seed + 1)
+        batches = iter(sampler)
+        self.batches = [
+            data.batch(next(batches), accelerator.device) for _ in range(min(config.eval_iters, len(sampler)))
+        ]
+
+    @torch.no_grad()
+    def __call__(self, model) -> float:
+        acc = self.accelerator
+        generator = torch.Generator().manual_seed(self.seed)
+        model.eval()
+        try:
+            with acc.autocast():
+                losses = [
+                    self.spec.training_loss(model, b.latents, b.conditioning, generator).mean() for b in self.batches
+                ]
+        finally:
+            model.train()
+        local = torch.stack(losses).mean().reshape(1).to(acc.device)
+        return acc.gather(local).mean().item()

@@ -1,5 +1,5 @@
 """Optimizers written here (the torch ones are built in ``simpletuner.training.optim``)."""
 
-from simpletuner.training.optimizers.automagic import Automagic, automagic_param_groups, automagic_state_bytes
+from simpletuner.training.optimizers.automagic import Automagic, automagic_param_groups
 
-__all__ = ["Automagic", "automagic_param_groups", "automagic_state_bytes"]
+__all__ = ["Automagic", "automagic_param_groups"]

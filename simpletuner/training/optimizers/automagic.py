@@ -214,6 +214,7 @@ class Automagic(torch.optim.Optimizer):
         return loss
 
     def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
+        # The memory estimator counts these bytes (simpletuner.memory.estimator.automagic_state_bytes).
         state = self.state[p]
         grid = _grid(group)
         offset = 0 if grid.spacing == 0 else round((group["initial_lr"] - grid.min_lr) / grid.spacing)
@@ -367,12 +368,3 @@ def automagic_param_groups(
                 group[key] = value
         groups.append(group)
     return groups
-
-
-def automagic_state_bytes(p: torch.Tensor) -> int:
-    """Persistent state bytes Automagic keeps for ``p`` (what :meth:`Automagic._init_state` allocates):
-    an int16 lr index and an int8 sign per element, plus fp32 second moments (a row and a column
-    vector for >= 2-D parameters, one per element otherwise). Used by the memory estimator."""
-    numel = p.numel()
-    moments = (p.shape[0] + numel // p.shape[0]) if p.dim() >= 2 else numel
-    return numel * (2 + 1) + moments * 4

@@ -21,6 +21,8 @@ import logging
 import torch
 from torch import nn
 
+from simpletuner.models.library_probes import torchao_in_use
+
 logger = logging.getLogger(__name__)
 
 #: base_model_precision -> (library, its extra)
@@ -111,7 +113,8 @@ def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: 
         from optimum.quanto.nn import quantize_module
     except ImportError as exc:
         raise ValueError(
-            f'base_model_precision {precision!r} needs optimum-quanto: pip install -e ".[quanto]" in the simpletuner checkout (or pip install optimum-quanto) '
+            f'base_model_precision {precision!r} needs optimum-quanto: pip install -e ".[quanto]" in the simpletuner '
+            "checkout (or pip install optimum-quanto) "
             f"(or use base_model_precision 'no_change')"
         ) from exc
     weights = {"qint8": qint8, "qfloat8": qfloat8}[precision]
@@ -156,11 +159,10 @@ def _quantize_torchao(layers: dict[str, nn.Linear], precision: str, device) -> N
         from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     except ImportError as exc:
         raise ValueError(
-            f'base_model_precision {precision!r} needs torchao: pip install -e ".[torchao]" in the simpletuner checkout (or pip install torchao) '
+            f'base_model_precision {precision!r} needs torchao: pip install -e ".[torchao]" in the simpletuner '
+            "checkout (or pip install torchao) "
             f"(or use base_model_precision 'no_change')"
         ) from exc
-    from simpletuner.models.library_probes import torchao_in_use
-
     torchao_in_use()  # peft's torchao-aware LoRA layers for these weights
     config = Int8WeightOnlyConfig() if precision == "int8_torchao" else Float8WeightOnlyConfig()
     for layer in layers.values():

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
+from simpletuner.file_modes import ordinary_permissions
+
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
@@ -38,7 +40,8 @@ def _lycoris():
         import lycoris
     except ImportError as exc:
         raise ValueError(
-            "lora_type 'lycoris' needs the LyCORIS library: pip install -e \".[lycoris]\" in the simpletuner checkout (or pip install lycoris-lora) "
+            "lora_type 'lycoris' needs the LyCORIS library: pip install -e \".[lycoris]\" in the simpletuner checkout "
+            "(or pip install lycoris-lora) "
             "(or use lora_type 'standard')"
         ) from exc
     return lycoris
@@ -183,8 +186,6 @@ def save_lycoris(
     meta = {**adapter_metadata(network), **{k: str(v) for k, v in (metadata or {}).items()}}
     tmp = path.with_name(path.name + ".tmp")
     save_file(state, str(tmp), metadata=meta)
-    from simpletuner.file_modes import ordinary_permissions
-
     ordinary_permissions(tmp)  # safetensors writes 0600
     os.replace(tmp, path)
     return path

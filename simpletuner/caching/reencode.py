@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import logging
 import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from PIL import Image
 
-from simpletuner.caching import FillReport, TensorCache, sample_latent_key
-from simpletuner.caching.tensor_cache import open_tensor_cache
+from simpletuner.caching.keys import epoch_latent_key
+from simpletuner.caching.layout import cache_base, epoch_folder
+from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_tensor_cache
+from simpletuner.caching.threads import run_ahead
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
-from simpletuner.data_backend.augment import augment_pixels, augmentation_key
-
-#: Folder (beside ``vae`` and ``text``) of the per-epoch latents of ``refresh_each_epoch``.
-EPOCH_CACHE_NAME = "vae-epochs"
+from simpletuner.data_backend.augment import augment_pixels
 
 logger = logging.getLogger(__name__)
 
@@ -148,29 +145,6 @@ class DecodeThreads:
             self._pool = None
 
 
-def run_ahead(
-    pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], args: Iterable[Any], depth: int
-) -> Iterator[Any]:
-    """``fn(a)`` for each ``a`` in order, computed on ``pool`` up to ``depth`` ahead (inline when
-    ``pool`` is None). Closing the generator cancels what has not started and waits for the rest."""
-    if pool is None:
-        for arg in args:
-            yield fn(arg)
-        return
-    todo = iter(args)
-    ahead: deque = deque(pool.submit(fn, arg) for arg in itertools.islice(todo, max(1, depth)))
-    try:
-        while ahead:
-            future = ahead.popleft()
-            for arg in itertools.islice(todo, 1):
-                ahead.append(pool.submit(fn, arg))
-            yield future.result()
-    finally:
-        for future in ahead:
-            future.cancel()
-        wait(list(ahead))
-
-
 def epoch_batches(sampler, epoch: int) -> list[list[Sample]]:
     """This process's micro-batches of ``epoch``, from a copy of ``sampler`` (whose position is
     left untouched)."""
@@ -267,7 +241,7 @@ class Reencoder:
         loader: decodes and augments.
         datasets: the run's datasets.
         cache_dir: the run's cache folder; per-epoch latents go to
-            ``<cache_dir>/<family>/vae-epochs/rank-<r>-of-<n>``.
+            ``<cache_dir>/<family>/vae-epochs/rank-<r>-of-<n>`` (:func:`~simpletuner.caching.layout.epoch_folder`).
         state: the StateTracker (registers that folder), or None.
         image_identity: the VAE's identity, for latent keys.
         mode: ``refresh_each_epoch`` or ``disable_cache``.
@@ -293,17 +267,14 @@ class Reencoder:
         cache_cfg = config.cache_config
 
         def open_cache(rank: int, num_replicas: int) -> TensorCache:
-            folder = cache_dir / spec.family / EPOCH_CACHE_NAME / f"rank-{rank}-of-{num_replicas}"
+            folder = epoch_folder(cache_base(cache_dir, spec.family), rank, num_replicas)
             persistent = cache_cfg.vae_cache_type == "disk" or cache_cfg.persistent_cache
             if state is not None and persistent:
                 state.register_cache_dir(folder)
             return open_tensor_cache(folder, cache_cfg.vae_cache_type, "vae-epoch", cache_cfg.persistent_cache)
 
         def key_for(sample: Sample, version: int) -> str:
-            augment = augmentation_key(config.augmentations, config.seed, version)
-            return sample_latent_key(
-                self._datasets[sample.dataset_id], sample, image_identity, config.resolution, augment=augment
-            )
+            return epoch_latent_key(config, image_identity, self._datasets[sample.dataset_id], sample, version)
 
         self.epochs = None
         if mode == "refresh_each_epoch":

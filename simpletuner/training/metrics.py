@@ -1,96 +1,25 @@
-"""Performance knobs and throughput figures: TF32, precision fallback, allocator settings,
-torch.compile, FLOPs per step and the per-window throughput line (samples/s, step time,
-data-wait share, MFU, peak memory).
+"""Throughput figures: FLOPs per sample, the peak MFU is measured against, the per-window figures
+(samples/s, step time, data-wait share, MFU, peak memory, the managed pool), and their log line
+and progress-bar postfix.
 
-The functions take the pieces of the machine they look at as arguments (``cuda`` module,
-environment), so the CPU tests drive the CUDA branches with a fake that records calls.
+The figures take the pieces of the machine they look at as arguments (``cuda`` module, hardware
+description), so the CPU tests drive the CUDA branches with a fake.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, MutableMapping
+from typing import Any, Iterator, Mapping
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from simpletuner.gh200.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
-
-ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
-
-#: The torch dtype of each ``mixed_precision`` mode: frozen LoRA bases and text embeddings use it.
-PRECISION_DTYPES: dict[str, torch.dtype] = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_mixed_precision(requested: str, cuda: Any = torch.cuda) -> str:
-    """``requested``, except bf16 on a CUDA GPU without bf16 (before Ampere) becomes fp16 (said once)."""
-    if requested != "bf16" or not cuda.is_available():
-        return requested
-    if cuda.is_bf16_supported():
-        return requested
-    logger.warning(
-        "mixed_precision 'bf16' is not supported by %s; using 'fp16' (set mixed_precision to 'fp16' or 'no' to "
-        "silence this)",
-        cuda.get_device_name(),
-    )
-    return "fp16"
-
-
-def apply_tf32(enabled: bool, backends: Any = torch.backends) -> None:
-    """Allow (or forbid) TF32 in CUDA matmuls and cuDNN convolutions."""
-    backends.cuda.matmul.allow_tf32 = enabled
-    backends.cudnn.allow_tf32 = enabled
-
-
-def _format_value(value: bool | int | float) -> str:
-    return ("True" if value else "False") if isinstance(value, bool) else str(value)
-
-
-def apply_cuda_allocator(
-    settings: Mapping[str, bool | int | float], environ: MutableMapping[str, str] = os.environ, cuda: Any = torch.cuda
-) -> str | None:
-    """Merge ``settings`` into PYTORCH_CUDA_ALLOC_CONF (config keys win); returns the value set.
-
-    The allocator reads the variable when CUDA starts, so settings that arrive after that are
-    reported as not applied for this process.
-    """
-    if not settings:
-        return environ.get(ALLOC_CONF_VAR)
-    merged: dict[str, str] = {}
-    for part in filter(None, (environ.get(ALLOC_CONF_VAR) or "").split(",")):
-        key, _, value = part.partition(":")
-        merged[key.strip()] = value.strip()
-    for key, value in settings.items():
-        if key in merged and merged[key] != _format_value(value):
-            logger.info(
-                "cuda_allocator.%s=%s overrides %s from the environment", key, _format_value(value), merged[key]
-            )
-        merged[key] = _format_value(value)
-    value = ",".join(f"{k}:{v}" for k, v in merged.items())
-    environ[ALLOC_CONF_VAR] = value
-    if cuda.is_initialized():
-        logger.warning(
-            "cuda_allocator set %s=%s after CUDA started: it applies to new processes only. Launch through "
-            "simpletuner/train.py or export the variable before starting Python",
-            ALLOC_CONF_VAR,
-            value,
-        )
-    return value
-
-
-def maybe_compile(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
-    """``torch.compile(model)`` when enabled (logged); the model unchanged otherwise."""
-    if not enabled:
-        return model
-    logger.info("compiling the denoiser with torch.compile: the first steps (and each new bucket shape) are slow")
-    compile_parts = getattr(model, "compile_parts", None)
-    if compile_parts is not None:  # a container that routes in Python (Wan 2.2's experts): compile each part
-        compile_parts()
-        return model
-    return torch.compile(model)
 
 
 @dataclass
@@ -103,8 +32,6 @@ class FlopCount:
 @contextmanager
 def count_flops(into: FlopCount) -> Iterator[FlopCount]:
     """Count the FLOPs (matmuls, convolutions, attention) of what runs inside into ``into.total``."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     with FlopCounterMode(display=False) as mode:
         yield into
     into.total = int(mode.get_total_flops())
@@ -205,8 +132,6 @@ def uvm_memory_figures(pool_stats: Mapping[str, int] | None) -> dict[str, float]
 
 def managed_pool_stats() -> dict | None:
     """The unified-memory pool's figures once it holds memory (caches in `unified_memory`)."""
-    from simpletuner.gh200.runtime import get_runtime
-
     stats = getattr(get_runtime(), "pool_stats", None)
     return stats() if stats is not None else None
 

@@ -1,0 +1,40 @@
+"""What every ``simpletuner`` command module offers, and the arguments several of them share.
+
+A command module (``simpletuner/train.py``, ``memory/cli.py``, ``caching/admin.py``, ...) exposes
+
+- ``add_arguments(parser)``: its options (and its description) on the parser it is given, the
+  ``simpletuner NAME`` sub-parser or its own parser when it also runs on its own;
+- ``run(args) -> int``: the work, from the parsed arguments; returns the exit code
+  (:mod:`simpletuner.exit_codes`).
+
+:mod:`simpletuner.cli` builds its sub-commands from a table of such modules. A leaf: it imports only
+the standard library, so building a parser stays cheap (``simpletuner --help`` loads no torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+#: The choices of ``--log-level``.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, set_help: str, required: bool) -> None:
+    """``--config`` (the training JSON) and ``--set KEY=VALUE`` (repeatable, into ``args.overrides``).
+
+    Each command words the help for what it does with the config.
+    """
+    parser.add_argument("--config", required=required, help=config_help)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=set_help,
+    )
+
+
+def add_log_level_argument(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--log-level`` (default INFO), the level our log lines start from."""
+    parser.add_argument("--log-level", default="INFO", choices=list(LOG_LEVELS), help=help)

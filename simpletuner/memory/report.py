@@ -1,0 +1,337 @@
+"""One ``simpletuner estimate`` answer, computed once and then rendered as text or as JSON.
+
+:func:`compute_estimate` does the work (resolves the machine, estimates the config or plans its
+batch split, writes the plan with ``--apply``) into an :class:`EstimateReport` (``--profile``'s
+measurement is added by the command, which runs the trainer: :mod:`simpletuner.memory.cli`);
+:meth:`EstimateReport.lines` and :meth:`EstimateReport.as_dict` render it. :func:`resolve_machine`
+says which machine an estimate is judged against.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from simpletuner.configuration import load_config, validate_config
+from simpletuner.configuration.launcher import resolve_launcher_settings
+from simpletuner.configuration.loader import read_raw_config
+from simpletuner.memory import hardware
+from simpletuner.memory.advice import does_not_fit_advice, format_bytes
+from simpletuner.memory.apply import ApplyResult, apply_updates, describe_changes
+from simpletuner.memory.autoconfig import (
+    Estimate,
+    EstimateCache,
+    Plan,
+    plan_batch,
+    scan_data_cap,
+)
+from simpletuner.memory.estimator import GiB
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.memory.profile import ProfileResult
+
+
+def _gib(nbytes: int | None) -> str:
+    return "unknown" if nbytes is None else format_bytes(nbytes)
+
+
+@dataclass
+class Machine:
+    """The machine an estimate is judged against: detected, from the GPU table, generic, or none."""
+
+    hardware: Any | None  # HardwareInfo, None for a generic --gpu-memory card or no GPU
+    usable_bytes: int | None
+    kind: str  # "detected", "table", "generic" or "none"
+    lines: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "usable_bytes": self.usable_bytes,
+            "hardware": None if self.hardware is None else self.hardware.as_dict(),
+        }
+
+
+def resolve_machine(gpu: str | None, gpu_memory_gb: float | None, detect=None) -> Machine:
+    """``--gpu auto`` (default): this machine, or a generic card when ``--gpu-memory`` is given;
+    ``--gpu NAME``: that card from the table, ``--gpu-memory`` overriding its memory.
+    ValueError (listing the known GPUs) for an unknown name."""
+    if gpu_memory_gb is not None and gpu_memory_gb <= 0:
+        raise ValueError(f"--gpu-memory must be a positive number of GB, got {gpu_memory_gb:g}")
+    if gpu in (None, "auto"):
+        if gpu_memory_gb is not None:
+            usable = int(gpu_memory_gb * GiB)
+            return Machine(
+                None,
+                usable,
+                "generic",
+                [
+                    f"GPU: hypothetical card with {gpu_memory_gb:g} GiB (--gpu-memory; not a table entry: "
+                    "no peak FLOPS)",
+                ],
+            )
+        hw = (detect or hardware.detect_hardware)()
+        if not hw.has_gpu:
+            return Machine(
+                hw,
+                None,
+                "none",
+                hw.describe()
+                + [
+                    "no CUDA device here: the table is what one training process would need on a GPU, without "
+                    "headroom. Pass --gpu NAME or --gpu-memory GB to judge it against a card.",
+                ],
+            )
+        lines = hw.describe()
+        if hw.gpu_free_bytes is not None and hw.usable_memory_bytes and hw.gpu_free_bytes < 0.9 * hw.gpu_memory_bytes:
+            lines.append(
+                f"note: {_gib(hw.gpu_free_bytes)} free now; something else holds GPU memory, and the estimate "
+                "is judged against the whole"
+            )
+        return Machine(hw, hw.usable_memory_bytes, "detected", lines + _memory_notes(hw))
+    hw = hardware.hardware_for_gpu(gpu, gpu_memory_gb)
+    lines = [line for line in hw.describe() if not (line.startswith("host:") and hw.host_ram_bytes is None)]
+    return Machine(hw, hw.usable_memory_bytes, "table", lines + _memory_notes(hw))
+
+
+def _memory_notes(hw) -> list[str]:
+    if hw.memory_kind.startswith("integrated"):
+        return [
+            "shared memory: the OS, datasets staged in RAM (in_memory) and `memory` / `unified_memory` caches use "
+            "the same memory as training; the safety margin has to cover them"
+        ]
+    if hw.unified_memory:
+        return [
+            "usable is the GPU's own memory (HBM); managed memory can spill into the host's LPDDR5X, at the "
+            "NVLink-C2C's speed, not the HBM's: plan for the HBM"
+        ]
+    return []
+
+
+def _extras_lines(estimate, usable: int | None) -> list[str]:
+    if not estimate.extras:
+        return []
+    lines = ["beside the denoiser, on the same GPU:"]
+    for name, nbytes in estimate.extras.items():
+        lines.append(f"  {name:<40}{nbytes / GiB:>8.2f} GiB")
+    lines.append(
+        f"  {'total with these':<40}{estimate.total / GiB:>8.2f} GiB"
+        + (f", headroom {_gib(usable - estimate.total)}" if usable else "")
+    )
+    return lines
+
+
+def _verdict(estimate, usable: int, margin: float) -> tuple[bool, str]:
+    total = estimate.total
+    share = f"{_gib(total)} of {_gib(usable)} usable ({100 * total / usable:.0f}%)"
+    if total > usable:
+        return False, f"does not fit: {share}"
+    if total > margin * usable:
+        return True, f"fits, tightly: {share}, above the {margin:.0%} safety margin (allocator spikes may not fit)"
+    return True, f"fits: {share}, within the {margin:.0%} safety margin"
+
+
+def _plan_lines(plan, config) -> list[str]:
+    per = f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.num_processes} process" + (
+        "es" if plan.num_processes > 1 else ""
+    )
+    lines = [
+        f"auto-config: effective batch {plan.effective_batch_size}, budget {_gib(plan.budget_bytes)} "
+        f"({plan.safety_margin:.0%} of {_gib(plan.usable_bytes)} usable)",
+        f"  train_batch_size              {plan.micro_batch_size:<6}(was {config.train_batch_size})",
+    ]
+    if plan.ramp is None:
+        lines.append(
+            f"  gradient_accumulation_steps   {plan.gradient_accumulation_steps:<6}"
+            f"(was {config.gradient_accumulation_steps}; {per} = {plan.effective_batch_size})"
+        )
+    else:
+        start, end = plan.ramp_windows
+        lines.append(
+            f"  accumulation                  {start} -> {end} (the ramp, "
+            f"{plan.ramp.initial} -> {plan.ramp.target} samples per step; gradient_accumulation_steps is ignored)"
+        )
+    lines.append(
+        f"  gradient_checkpointing        {str(plan.gradient_checkpointing).lower():<6}"
+        f"(was {str(config.gradient_checkpointing).lower()})"
+    )
+    lines.append(f"  needs {_gib(plan.estimate.total)} of the {_gib(plan.budget_bytes)} budget")
+    lines += [f"  {note}" for note in plan.notes]
+    tried = ", ".join(
+        f"{e.micro_batch_size}{'+ckpt' if e.gradient_checkpointing else ''} {e.total / GiB:.2f}"
+        f"{'' if e.total <= plan.budget_bytes else ' (over)'}"
+        for e in plan.tried
+    )
+    made = sum(e.seconds for e in plan.tried)
+    split = (
+        f"both ends of the ramp, {plan.ramp.initial} and {plan.ramp.target},"
+        if plan.ramp
+        else f"{plan.effective_batch_size}"
+    )
+    filled = "" if not plan.capped_by_data else " and the largest bucket fills"
+    lines.append(
+        f"  searched micro-batches {', '.join(map(str, plan.candidates))} (those that split {split} exactly"
+        f"{filled}); estimated GiB: {tried} ({made:.1f} s)"
+    )
+    return lines
+
+
+def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """The precision a training run of this config would use, as ``train`` decides it without a
+    launcher (the config, else ACCELERATE_MIXED_PRECISION), a line saying so, and the ``--set``
+    items that bring the environment's launcher settings in. A launch line is not known here, so
+    a config that leaves the precision to it is estimated as fp32, and the line says how to ask."""
+    raw = read_raw_config(config_path, overrides)
+    launch = resolve_launcher_settings(raw, os.environ, None, config_source=str(config_path))
+    setting = launch.settings.get("mixed_precision")
+    if setting is not None:
+        return f"precision: {setting.value} ({setting.source})", launch.overrides
+    return (
+        "precision: no (fp32): the config leaves mixed_precision to the launch, and estimate cannot see a "
+        "launch line; a launch asking for bf16 (`accelerate launch --mixed_precision bf16`, or the GH200 "
+        "Accelerate config) trains in bf16: estimate that with --set mixed_precision=bf16"
+    ), launch.overrides
+
+
+@dataclass
+class EstimateReport:
+    """What ``simpletuner estimate --config`` found: the config's estimate and verdict, or (auto-config)
+    the plan and what ``--apply`` wrote."""
+
+    config_path: str
+    config: "TrainingConfig"
+    machine: Machine
+    safety_margin: float
+    #: The config as it is (no auto-config): its estimate and how long it took.
+    estimate: Estimate | None = None
+    seconds: float = 0.0
+    #: Against a GPU's memory: whether it fits, the line that says how well, what would help if not.
+    fits: bool | None = None
+    verdict: str | None = None
+    advice: str | None = None
+    profile: "ProfileResult | None" = None  # --profile: filled in by the command (it runs the trainer)
+    #: Auto-config: the plan, the config keys it changes, and what ``--apply`` wrote.
+    plan: Plan | None = None
+    updates: dict[str, Any] = field(default_factory=dict)
+    applied: ApplyResult | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """1 when the config as it is does not fit the GPU, else 0."""
+        return 1 if self.fits is False else 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``--json`` answer."""
+        out: dict[str, Any] = {
+            "config": self.config_path,
+            "machine": self.machine.as_dict(),
+            "safety_margin": self.safety_margin,
+        }
+        if self.plan is not None:
+            out["plan"] = self.plan.as_dict()
+            if self.applied is not None:
+                out["applied"] = {
+                    "backup": str(self.applied.backup) if self.applied.backup else None,
+                    "diff": self.applied.diff,
+                    "changed": {k: list(v) for k, v in self.applied.changed.items()},
+                }
+            return out
+        estimate = self.estimate
+        out.update(estimate=estimate.breakdown.as_dict(), extras=estimate.extras, total_bytes=estimate.total)
+        if self.fits is not None:
+            out.update(fits=self.fits, headroom_bytes=self.machine.usable_bytes - estimate.total)
+            if not self.fits:
+                out["advice"] = self.advice
+        if self.profile is not None:
+            out["profile"] = self.profile.as_dict()
+        return out
+
+    def lines(self) -> list[str]:
+        """The text answer, one line per item."""
+        usable = self.machine.usable_bytes
+        text = [*self.machine.lines, ""]
+        if self.plan is not None:
+            return text + self._plan_text(usable)
+        estimate = self.estimate
+        text += [estimate.breakdown.table(usable), *_extras_lines(estimate, usable)]
+        text.append(
+            f"(estimated in {self.seconds:.1f} s, without a GPU; see documentation/MEMORY.md for how far to trust it)"
+        )
+        if self.fits is not None:
+            text += ["", self.verdict if self.fits else self.advice]
+        if self.profile is not None:
+            text += ["", self.profile.table()]
+        return text
+
+    def _plan_text(self, usable: int | None) -> list[str]:
+        plan = self.plan
+        text = _plan_lines(plan, self.config) + [
+            "",
+            plan.estimate.breakdown.table(usable),
+            *_extras_lines(plan.estimate, usable),
+        ]
+        if self.applied is not None:
+            if not self.applied.changed:
+                return text + ["", f"--apply: {self.config_path} already matches the plan; nothing written"]
+            return text + [
+                "",
+                f"--apply: wrote {self.config_path} (original kept as {self.applied.backup}):",
+                *describe_changes(self.applied.changed),
+                "",
+                self.applied.diff.rstrip("\n"),
+            ]
+        if self.updates:
+            return text + ["", "add --apply to write these values into the config (the original is kept as a .backup)"]
+        return text + ["", "the config already has these values"]
+
+
+def compute_estimate(args, margin: float) -> EstimateReport:
+    """``simpletuner estimate --config`` (parsed ``args``, checked): estimate the config as it is, or
+    with ``--target-effective-batch`` / ``--apply`` plan the largest micro-batch that fits under
+    ``margin`` of the GPU's usable memory (and write it)."""
+    auto = args.target_effective_batch is not None or args.apply
+    precision_line, launch_overrides = _precision_in_force(args.config, args.overrides)
+    loaded = load_config(args.config, [*args.overrides, *launch_overrides], check_files=False)
+    config = loaded.config
+    machine = resolve_machine(args.gpu, args.gpu_memory)
+    machine.lines.append(precision_line)
+    if auto and machine.usable_bytes is None:
+        raise ValueError(
+            "auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
+            "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB"
+        )
+    report = EstimateReport(str(args.config), config, machine, margin)
+    estimates = EstimateCache(config, args.num_processes)
+    if not auto:
+        start = time.perf_counter()
+        report.estimate = estimates(config.train_batch_size, config.gradient_checkpointing)
+        report.seconds = time.perf_counter() - start
+        if machine.usable_bytes is not None:
+            report.fits, report.verdict = _verdict(report.estimate, machine.usable_bytes, margin)
+            if not report.fits:
+                report.advice = does_not_fit_advice(config, report.estimate, machine.usable_bytes)
+        return report
+    report.plan = plan_batch(
+        config,
+        machine.usable_bytes,
+        args.target_effective_batch,
+        safety_margin=margin,
+        num_processes=args.num_processes,
+        estimates=estimates,
+        data=scan_data_cap(config),
+    )
+    report.updates = {k: v for k, v in report.plan.config_updates().items() if getattr(config, k) != v}
+    if args.apply:
+        # The file as it will be must still be a valid config (the candidates are chosen so it is).
+        validate_config(
+            {**loaded.raw, **report.updates},
+            base_dir=Path(args.config).parent,
+            source=str(args.config),
+            check_files=False,
+        )
+        report.applied = apply_updates(args.config, report.updates)
+    return report

@@ -1,0 +1,110 @@
+"""A run's identity: the settings a checkpoint records and a resume compares, so a checkpoint of
+another model, adapter, batch size or seed is refused (naming every difference and the fix)
+instead of continued with weights or optimizer state that do not fit.
+
+``trainer_state.json`` keeps it under ``identity``; keys that older checkpoints lack are read as
+the value those versions trained with (``_IDENTITY_DEFAULTS``), or not compared when that value
+cannot be known (``_UNRECORDED_BEFORE``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from simpletuner.training.checkpoint_verify import ResumeRefused
+
+#: What a checkpoint written before these identity keys existed trained with.
+_IDENTITY_DEFAULTS = {"lycoris_algo": None, "base_model_precision": "no_change", "train_stages": "both"}
+#: Keys older checkpoints did not record and whose value cannot be inferred: not compared then.
+_UNRECORDED_BEFORE = {"seed"}
+
+
+def run_identity(config, spec, denoiser_config: str | None) -> dict[str, Any]:
+    """The identity of a run of ``config`` with the ModelSpec ``spec``; ``denoiser_config`` is the
+    :func:`denoiser_fingerprint` of the loaded denoiser (None before it is loaded)."""
+    is_lora = config.training_type == "lora"
+    return {
+        "model_family": config.model_family,
+        "training_type": config.training_type,
+        "lora_rank": config.lora_rank if is_lora else None,
+        "lora_targets": spec.lora_targets if is_lora else None,
+        "train_batch_size": config.train_batch_size,
+        "denoiser_config": denoiser_config,
+        "lora_type": config.lora_type if is_lora else None,
+        "lycoris_algo": config.lycoris.algo if is_lora and config.lora_type == "lycoris" else None,
+        "base_model_precision": config.base_model_precision,
+        "train_stages": config.train_stages,
+        "seed": config.seed,  # another seed is another run: its checkpoints are refused, not continued
+    }
+
+
+def denoiser_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of the denoiser's architecture config, kept in the run identity: a checkpoint of
+    another model is refused."""
+    config = {k: v for k, v in dict(getattr(model, "config", {})).items() if not k.startswith("_")}
+    return hashlib.sha256(orjson.dumps(config, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
+
+
+def describe_run(state: dict[str, Any]) -> str:
+    """``run 3f2a9c1b, seed 123`` for a checkpoint's state; what an older checkpoint lacks is left out."""
+    identity = state.get("identity") or {}
+    parts = [f"run {state['run_id']}"] if state.get("run_id") else []
+    if identity.get("seed") is not None:
+        parts.append(f"seed {identity['seed']}")
+    return ", ".join(parts)
+
+
+def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
+    if key in saved_identity:
+        return saved_identity[key]
+    if key == "lora_type":  # the only adapter there was, for LoRA runs
+        return "standard" if saved_identity.get("training_type") == "lora" else None
+    return _IDENTITY_DEFAULTS.get(key)
+
+
+def identity_differences(state: dict[str, Any], identity: dict[str, Any]) -> list[str]:
+    """How the run identity a checkpoint stores differs from ``identity`` (only its keys are compared)."""
+    saved_identity = state.get("identity", {})
+    problems = []
+    for key, value in identity.items():
+        if key in _UNRECORDED_BEFORE and key not in saved_identity:
+            continue
+        saved = _saved_identity_value(saved_identity, key)
+        if saved != value:
+            problems.append(f"{key}: checkpoint has {saved!r}, config has {value!r}")
+    return problems
+
+
+def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:
+    """Raise ResumeRefused (a ValueError) naming every way the checkpoint does not fit this run, and the fix."""
+    problems = identity_differences(state, identity)
+    saved_world = state.get("world_size")
+    if saved_world != world_size:
+        problems.append(f"world size: checkpoint was written by {saved_world} process(es), this run has {world_size}")
+    if problems:
+        fixes = []
+        if saved_world != world_size and isinstance(saved_world, int):
+            fixes.append(
+                f"launch with the checkpoint's {saved_world} process(es) "
+                f"(`accelerate launch --num_processes {saved_world} ...`) to continue it"
+            )
+        if len(problems) > (saved_world != world_size):
+            fixes.append("put the settings above back to the checkpoint's values to continue it")
+        fixes += [
+            f"set a new `output_dir` to start a new run beside it ({path} stays as it is)",
+            "or set `resume_from_checkpoint: null` and pass `--overwrite` to train from scratch "
+            "(it replaces the run in `output_dir`)",
+        ]
+        run = describe_run(state)
+        raise ResumeRefused(
+            f"cannot resume from {path}{f' ({run})' if run else ''}: it does not fit this run:\n  - "
+            + "\n  - ".join(problems)
+            + "\nTo fix: "
+            + "; ".join(fixes)
+            + "."
+        )

@@ -1,0 +1,50 @@
+"""Fakes and small builders that more than one test module uses."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RecordingEncoder:
+    """A fake VAE: each latent is filled with the payload's id, its shape follows the payload's
+    bucket; records every call."""
+
+    def __init__(self):
+        self.calls: list[list[dict]] = []
+
+    def __call__(self, payloads):
+        self.calls.append(list(payloads))
+        buckets = {p["bucket"] for p in payloads}
+        assert len(buckets) == 1, f"a batch mixed buckets {buckets}"
+        width, height = payloads[0]["bucket"]
+        batch = torch.stack([torch.full((4, height // 8, width // 8), float(p["id"])) for p in payloads])
+        return [{"latent": batch[i].half()} for i in range(len(payloads))]
+
+    @property
+    def num_computed(self):
+        return sum(len(call) for call in self.calls)
+
+
+def data_only_config(dataset: dict, max_bad: float = 0.05) -> dict:
+    """A raw config for tests of the data scan alone: one dataset, no model folder to read
+    (validate it with ``check_files=False``)."""
+    return {
+        "pretrained_model_name_or_path": "unused",
+        "max_train_steps": 1,
+        "resolution": 64,
+        "aspect_bucket_alignment": 16,
+        "max_bad_image_fraction": max_bad,
+        "datasets": [dataset],
+    }
+
+
+class NanGradient(torch.autograd.Function):
+    """Identity forward, NaN gradient: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))

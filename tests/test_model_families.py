@@ -1,0 +1,29 @@
+"""The family table of the configuration (``configuration/families.py``) and the model layer's
+registry (``models.MODEL_FAMILIES``) describe the same families the same way."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from simpletuner.configuration import TrainingConfig
+from simpletuner.configuration.families import FAMILIES, FAMILY_LATENT_GRID, FAMILY_NAMES, FLOW_MATCHING_FAMILIES
+from simpletuner.configuration.model_folder import PIPELINE_FAMILIES
+from simpletuner.models import FAMILY_VARIANTS, MODEL_FAMILIES
+from simpletuner.models.flow import FlowMatchingSpec
+
+
+def test_config_and_models_list_the_same_families():
+    assert list(MODEL_FAMILIES) == list(FAMILIES) == list(FAMILY_NAMES)
+    assert get_args(TrainingConfig.model_fields["model_family"].annotation) == FAMILY_NAMES
+    assert sorted(PIPELINE_FAMILIES.values()) == sorted(FAMILY_NAMES)  # each family has its folder class
+    assert set(FAMILY_VARIANTS) <= set(FAMILY_NAMES)
+
+
+def test_each_spec_matches_its_row():
+    for name, cls in MODEL_FAMILIES.items():
+        row = FAMILIES[name]
+        assert cls.family == name
+        assert issubclass(cls, FlowMatchingSpec) == row.flow_matching == (name in FLOW_MATCHING_FAMILIES), name
+        assert cls.latent_patch == row.latent_grid[1] and FAMILY_LATENT_GRID[name] == row.latent_grid, name
+        variants = [cls, *cls.__subclasses__()]
+        assert any(v.has_experts for v in variants) == row.experts, name

@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # memory sits beside training: it never imports training; training asks it through BESIDE's door.
     ("memory", "training"),
     # Commands: each is a `simpletuner` sub-command (memory.profile runs the Trainer for `estimate --profile`).
-    ("train", "demo", "caching.admin", "memory.cli", "memory.profile"),
+    ("train", "demo", "caching.admin", "memory.cli", "memory.estimate_command", "memory.profile"),
     ("cli",),
 )
 
@@ -65,7 +65,8 @@ BESIDE: dict[tuple[str, str], frozenset[str] | None] = {
             "memory.preflight.check_run_memory",  # does the run fit before the cache fill
         }
     ),
-    ("memory.cli", "memory.profile"): ANY,
+    ("memory.cli", "memory.estimate_command"): ANY,  # the options, then the work (imported on use)
+    ("memory.estimate_command", "memory.profile"): ANY,
     ("demo", "train"): frozenset({"train.main"}),  # the demo ends by training on what it wrote
 }
 

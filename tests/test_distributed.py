@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,6 +102,20 @@ def test_two_processes_shard_batches_and_only_rank0_writes(straight):
     assert state["samples_seen"] == 4 * 2 * 2  # steps x batch x processes
     assert sorted(p.name for p in (out / "checkpoint-4").glob("rng_state_*.pt")) == ["rng_state_0.pt", "rng_state_1.pt"]
     assert not list(out.glob(".checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_two_process_resume_continues_to_a_higher_max_train_steps(straight, tmp_path):
+    """A finished two-process run, resumed with a higher max_train_steps, continues from its last
+    checkpoint to the new end (on a copy: the shared run stays as it is)."""
+    raw, _ = straight
+    out = tmp_path / "output"
+    shutil.copytree(raw["output_dir"], out)
+    more = dict(raw, output_dir=str(out), max_train_steps=STEPS + 2, resume_from_checkpoint="latest")
+    proc = _launch(_write(more, tmp_path / "more.json"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from {out / f'checkpoint-{STEPS}'} at step {STEPS}" in proc.stderr
+    assert (out / "latest").read_text() == f"checkpoint-{STEPS + 2}"
 
 
 def _children(pid: int) -> list[int]:

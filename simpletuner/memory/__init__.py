@@ -9,45 +9,11 @@
   ``apply_preset`` (merge one into a raw config: the config's keys win).
 - :mod:`.apply`: ``apply_updates`` (write keys into a JSON config: backup, atomic, diff).
 - :mod:`.profile`: ``profile_training`` (real steps on a GPU vs the estimate).
+- :mod:`.estimator`, :mod:`.measure`: the estimate and its check against a real CPU step;
+  :mod:`.report`: one ``estimate`` result, rendered as text or JSON; :mod:`.preflight`,
+  :mod:`.oom`: the trainer's two questions (does the run fit; what to say after an OOM).
+- :mod:`.cli` (``simpletuner estimate``'s options) and :mod:`.estimate_command` (its work).
+
+Import the module you need (``from simpletuner.memory.hardware import detect_hardware``): this
+package imports none of them, so ``simpletuner estimate --help`` loads no torch.
 """
-
-from __future__ import annotations
-
-from simpletuner.memory.apply import ApplyError, apply_updates
-from simpletuner.memory.autoconfig import DoesNotFit, EstimateCache, Plan, plan_batch
-from simpletuner.memory.hardware import (
-    GPU_SPECS,
-    GpuSpec,
-    HardwareInfo,
-    achieved_tflops,
-    detect_hardware,
-    hardware_for_gpu,
-    known_gpu_names,
-    lookup_gpu,
-    mfu,
-    resolve_gpu_name,
-)
-from simpletuner.memory.presets import Preset, apply_preset, load_preset, load_presets
-
-__all__ = [
-    "ApplyError",
-    "DoesNotFit",
-    "EstimateCache",
-    "GPU_SPECS",
-    "GpuSpec",
-    "HardwareInfo",
-    "Plan",
-    "Preset",
-    "achieved_tflops",
-    "apply_preset",
-    "apply_updates",
-    "detect_hardware",
-    "hardware_for_gpu",
-    "known_gpu_names",
-    "load_preset",
-    "load_presets",
-    "lookup_gpu",
-    "mfu",
-    "plan_batch",
-    "resolve_gpu_name",
-]

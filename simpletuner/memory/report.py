@@ -2,7 +2,7 @@
 
 :func:`compute_estimate` does the work (resolves the machine, estimates the config or plans its
 batch split, writes the plan with ``--apply``) into an :class:`EstimateReport` (``--profile``'s
-measurement is added by the command, which runs the trainer: :mod:`simpletuner.memory.cli`);
+measurement is added by the command, which runs the trainer: :mod:`simpletuner.memory.estimate_command`);
 :meth:`EstimateReport.lines` and :meth:`EstimateReport.as_dict` render it. :func:`resolve_machine`
 says which machine an estimate is judged against.
 """

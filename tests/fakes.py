@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from simpletuner.caching import latent_cache_key
+
 
 class RecordingEncoder:
     """A fake VAE: each latent is filled with the payload's id, its shape follows the payload's
@@ -48,3 +50,29 @@ class NanGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return torch.full_like(grad, float("nan"))
+
+
+def latent_items(n: int, indices=(), change=None) -> list[tuple[str, dict]]:
+    """``n`` (latent key, payload) pairs for cache-fill tests, in two buckets (every third sample
+    64x32); the samples at ``indices`` get ``change`` applied to their key fields."""
+    items = []
+    for i in range(n):
+        bucket = (64, 64) if i % 3 else (64, 32)
+        fields = dict(
+            sample_key=f"img{i}.png",
+            file_identity=f"{i}:1",
+            bucket=bucket,
+            crop={"top": 0},
+            resolution=64,
+            encoder_identity="vae-a",
+            dtype="float16",
+        )
+        if i in indices:
+            fields.update(change)
+        items.append((latent_cache_key(**fields), {"id": i, "bucket": bucket}))
+    return items
+
+
+def bucket_of(payload: dict):
+    """The ``group`` function for :func:`latent_items`: one encoder batch per bucket."""
+    return payload["bucket"]

@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from fake_cuda import FakeRuntime
-from fakes import RecordingEncoder
+from fakes import RecordingEncoder, bucket_of, latent_items
 
 from simpletuner.caching import (
     MemoryTensorStore,
     ShardedTensorStore,
     TensorCache,
-    latent_cache_key,
     open_caches,
 )
 from simpletuner.gh200 import uvm
@@ -119,7 +118,7 @@ def test_persistent_memory_store_writes_through_and_reloads(tmp_path):
 
 def test_memory_store_without_backing_writes_nothing(tmp_path):
     vae, text = open_caches(tmp_path, "sd", vae_type="memory", text_type="memory", persistent=False)
-    vae.fill(_items(4), RecordingEncoder(), batch_size=2, group=_group)
+    vae.fill(latent_items(4), RecordingEncoder(), batch_size=2, group=bucket_of)
     text.store.put_many({"p": {"embeds": torch.ones(7, 16)}})
     assert len(vae) == 4 and len(text) == 1
     assert list(tmp_path.rglob("*")) == []
@@ -127,17 +126,17 @@ def test_memory_store_without_backing_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("kind", ["memory", "unified_memory"])
 def test_next_run_loads_from_disk_instead_of_encoding(tmp_path, hints_on, kind):
-    items = _items(6)
+    items = latent_items(6)
     first = RecordingEncoder()
     vae, _ = open_caches(tmp_path, "sd", vae_type=kind, text_type=kind, persistent=True)
-    report = vae.fill(items, first, batch_size=4, group=_group)
+    report = vae.fill(items, first, batch_size=4, group=bucket_of)
     assert report.num_computed == 6 and first.num_computed == 6
     assert _shards(tmp_path / "sd" / "vae")
 
     second = RecordingEncoder()
     vae2, _ = open_caches(tmp_path, "sd", vae_type=kind, text_type=kind, persistent=True)
     assert len(vae2) == 6
-    report = vae2.fill(items, second, batch_size=4, group=_group)
+    report = vae2.fill(items, second, batch_size=4, group=bucket_of)
     assert second.calls == [] and report.num_hits == 6 and report.num_computed == 0
     keys = [key for key, payload in items if payload["bucket"] == (64, 64)]
     assert vae2.get_batch(keys)["latent"][:, 0, 0, 0].tolist() == [float(i) for i in (1, 2, 4, 5)]
@@ -277,33 +276,12 @@ def test_unified_memory_without_cuda_falls_back_with_a_warning(tmp_path, caplog,
 # --- TensorCache over a memory store ---
 
 
-def _items(n: int):
-    items = []
-    for i in range(n):
-        bucket = (64, 64) if i % 3 else (64, 32)
-        key = latent_cache_key(
-            sample_key=f"img{i}.png",
-            file_identity=f"{i}:1",
-            bucket=bucket,
-            crop={"top": 0},
-            resolution=64,
-            encoder_identity="vae-a",
-            dtype="float16",
-        )
-        items.append((key, {"id": i, "bucket": bucket}))
-    return items
-
-
-def _group(payload):
-    return payload["bucket"]
-
-
 @pytest.mark.parametrize("kind", ["memory", "unified_memory"])
 def test_tensor_cache_fill_and_get_batch_on_a_memory_store(tmp_path, hints_on, kind):
     vae, _ = open_caches(tmp_path, "sd", vae_type=kind, text_type="disk", persistent=False)
-    items = _items(9)
+    items = latent_items(9)
     encoder = RecordingEncoder()
-    report = vae.fill(items, encoder, batch_size=2, group=_group)
+    report = vae.fill(items, encoder, batch_size=2, group=bucket_of)
     assert (report.num_items, report.num_hits, report.num_computed) == (9, 0, 9)
     assert all(len(call) <= 2 for call in encoder.calls)
     assert len(vae) == 9
@@ -317,5 +295,5 @@ def test_tensor_cache_fill_and_get_batch_on_a_memory_store(tmp_path, hints_on, k
         vae.get_batch([items[0][0], items[1][0]])
 
     again = RecordingEncoder()
-    report = vae.fill(items, again, batch_size=2, group=_group)
+    report = vae.fill(items, again, batch_size=2, group=bucket_of)
     assert again.calls == [] and report.num_hits == 9

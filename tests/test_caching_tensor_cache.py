@@ -2,48 +2,24 @@
 
 import pytest
 import torch
-from fakes import RecordingEncoder
+from fakes import RecordingEncoder, bucket_of, latent_items
 
 from simpletuner.caching import (
     FillReport,
     ShardedTensorStore,
     TensorCache,
-    latent_cache_key,
     open_caches,
 )
 from simpletuner.state import StateTracker
 
 
-def _items(n: int, **overrides):
-    items = []
-    for i in range(n):
-        bucket = (64, 64) if i % 3 else (64, 32)
-        fields = dict(
-            sample_key=f"img{i}.png",
-            file_identity=f"{i}:1",
-            bucket=bucket,
-            crop={"top": 0},
-            resolution=64,
-            encoder_identity="vae-a",
-            dtype="float16",
-        )
-        if i in overrides.get("indices", ()):
-            fields.update(overrides["change"])
-        items.append((latent_cache_key(**fields), {"id": i, "bucket": bucket}))
-    return items
-
-
-def _group(payload):
-    return payload["bucket"]
-
-
 def test_fill_computes_only_misses(tmp_path):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
-    items = _items(10)
+    items = latent_items(10)
     encoder = RecordingEncoder()
-    report = cache.fill(items[:4], encoder, batch_size=3, group=_group)
+    report = cache.fill(items[:4], encoder, batch_size=3, group=bucket_of)
     assert report.num_computed == 4 and report.num_hits == 0
-    report = cache.fill(items, encoder, batch_size=3, group=_group)
+    report = cache.fill(items, encoder, batch_size=3, group=bucket_of)
     assert isinstance(report, FillReport)
     assert (report.num_items, report.num_hits, report.num_computed) == (10, 4, 6)
     assert encoder.num_computed == 10
@@ -51,20 +27,20 @@ def test_fill_computes_only_misses(tmp_path):
 
 
 def test_second_fill_and_reopen_compute_nothing(tmp_path):
-    items = _items(7)
+    items = latent_items(7)
     first = RecordingEncoder()
-    TensorCache(ShardedTensorStore(tmp_path), "vae").fill(items, first, batch_size=4, group=_group)
+    TensorCache(ShardedTensorStore(tmp_path), "vae").fill(items, first, batch_size=4, group=bucket_of)
     again = RecordingEncoder()
-    report = TensorCache(ShardedTensorStore(tmp_path), "vae").fill(items, again, batch_size=4, group=_group)
+    report = TensorCache(ShardedTensorStore(tmp_path), "vae").fill(items, again, batch_size=4, group=bucket_of)
     assert again.calls == [] and report.num_hits == 7 and report.num_computed == 0
 
 
 @pytest.mark.parametrize("change", [{"resolution": 128}, {"encoder_identity": "vae-b"}, {"crop": {"top": 4}}])
 def test_changing_one_key_component_makes_exactly_that_item_a_miss(tmp_path, change):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
-    cache.fill(_items(6), RecordingEncoder(), batch_size=2, group=_group)
+    cache.fill(latent_items(6), RecordingEncoder(), batch_size=2, group=bucket_of)
     encoder = RecordingEncoder()
-    report = cache.fill(_items(6, indices={4}, change=change), encoder, batch_size=2, group=_group)
+    report = cache.fill(latent_items(6, indices={4}, change=change), encoder, batch_size=2, group=bucket_of)
     assert report.num_computed == 1 and report.num_hits == 5
     assert [p["id"] for call in encoder.calls for p in call] == [4]
 
@@ -72,23 +48,23 @@ def test_changing_one_key_component_makes_exactly_that_item_a_miss(tmp_path, cha
 def test_batches_never_mix_groups_and_respect_batch_size(tmp_path):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
     encoder = RecordingEncoder()  # asserts one bucket per call itself
-    cache.fill(_items(20), encoder, batch_size=4, group=_group)
+    cache.fill(latent_items(20), encoder, batch_size=4, group=bucket_of)
     assert all(1 <= len(call) <= 4 for call in encoder.calls)
     assert sorted(p["id"] for call in encoder.calls for p in call) == list(range(20))
 
 
 def test_duplicate_keys_are_computed_once(tmp_path):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
-    items = _items(3)
+    items = latent_items(3)
     encoder = RecordingEncoder()
-    report = cache.fill(items + items[:2], encoder, batch_size=8, group=_group)
+    report = cache.fill(items + items[:2], encoder, batch_size=8, group=bucket_of)
     assert encoder.num_computed == 3 and report.num_items == 3
 
 
 def test_fill_writes_shards_as_it_goes_and_keeps_work_on_a_crash(tmp_path):
     store = ShardedTensorStore(tmp_path)
     cache = TensorCache(store, "vae", flush_every=2)
-    items = [(key, {**payload, "bucket": (64, 64)}) for key, payload in _items(7)]
+    items = [(key, {**payload, "bucket": (64, 64)}) for key, payload in latent_items(7)]
     encoder = RecordingEncoder()
 
     def crashes_on_third_batch(payloads):
@@ -108,15 +84,15 @@ def test_fill_writes_shards_as_it_goes_and_keeps_work_on_a_crash(tmp_path):
 def test_compute_must_return_one_entry_per_payload(tmp_path):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
     with pytest.raises(ValueError, match="returned 1 results for 2"):
-        cache.fill(_items(2), lambda payloads: [{"x": torch.zeros(1)}], batch_size=2)
+        cache.fill(latent_items(2), lambda payloads: [{"x": torch.zeros(1)}], batch_size=2)
     with pytest.raises(ValueError, match="batch_size"):
-        cache.fill(_items(2), RecordingEncoder(), batch_size=0)
+        cache.fill(latent_items(2), RecordingEncoder(), batch_size=0)
 
 
 def test_get_batch_stacks_in_key_order(tmp_path):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae", flush_every=3)
-    items = _items(9)
-    cache.fill(items, RecordingEncoder(), batch_size=2, group=_group)
+    items = latent_items(9)
+    cache.fill(items, RecordingEncoder(), batch_size=2, group=bucket_of)
     keys = [items[i][0] for i in (8, 1, 5, 4)]  # all in the (64, 64) bucket, several shards
     batch = cache.get_batch(keys)
     assert batch["latent"].shape == (4, 4, 8, 8) and batch["latent"].dtype == torch.float16
@@ -125,8 +101,8 @@ def test_get_batch_stacks_in_key_order(tmp_path):
 
 def test_get_batch_rejects_mismatched_entries(tmp_path):
     cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
-    items = _items(2)  # item 0 is (64, 32), item 1 is (64, 64)
-    cache.fill(items, RecordingEncoder(), batch_size=2, group=_group)
+    items = latent_items(2)  # item 0 is (64, 32), item 1 is (64, 64)
+    cache.fill(items, RecordingEncoder(), batch_size=2, group=bucket_of)
     with pytest.raises(ValueError, match=items[1][0]):
         cache.get_batch([items[0][0], items[1][0]])
     cache.store.put_many({"other": {"text": torch.zeros(2)}})

@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo.
+"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, convert.
 
 Each sub-command is a module with ``add_arguments(parser)`` and ``run(args) -> exit code``
 (:mod:`simpletuner.commands`); this module lists them in :data:`COMMANDS`, builds the parser and
@@ -52,6 +52,10 @@ COMMANDS: dict[str, Command] = {
         "print the path of a bundled config file (Accelerate YAMLs, presets, examples), also when installed",
     ),
     "zoo": Command("simpletuner.models.zoo", "write a tiny random-weight diffusers pipeline folder"),
+    "convert": Command(
+        "simpletuner.convert",
+        "write a SimpleTuner config.json (+ multidatabackend.json) as a native config, with the mapping report",
+    ),
 }
 
 #: The distribution (pyproject.toml's name; "simpletuner" on the package index is another project).

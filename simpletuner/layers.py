@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # memory sits beside training: it never imports training; training asks it through BESIDE's door.
     ("memory", "training"),
     # Commands: each is a `simpletuner` sub-command (memory.profile runs the Trainer for `estimate --profile`).
-    ("train", "demo", "caching.admin", "memory.cli", "memory.estimate_command", "memory.profile"),
+    ("train", "demo", "convert", "caching.admin", "memory.cli", "memory.estimate_command", "memory.profile"),
     ("cli",),
 )
 

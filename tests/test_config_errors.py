@@ -140,7 +140,7 @@ def test_valid_config_is_still_frozen_and_unchanged(make_config):
 
 def test_documented_example_is_what_a_run_prints(make_config, tmp_path):
     block = re.search(r"```\n(.*?)```", ERRORS, re.S).group(1).strip().splitlines()
-    raw = make_config(learning_rat=1e-4, validation_resolution="1024x1024", train_batch_size="four", validation_steps=5)
+    raw = make_config(learning_rat=1e-4, network_dim=16, train_batch_size="four", validation_steps=5)
     path = tmp_path / "cfg.json"
     path.write_bytes(orjson.dumps(raw))
     with pytest.raises(ConfigError) as info:
@@ -176,14 +176,13 @@ def test_typos_get_the_right_suggestion(typo, meant):
 @pytest.mark.parametrize(
     "key",
     [
-        "validation_resolution",
-        "loss_type",
+        "validation_noise_scheduler",
         "max_length",
         "model_name",
         "lr",
         "train_batch",
         "random_key",
-        "validation_guidance_rescale",
+        "validation_guidance_real",
     ],
 )
 def test_lookalikes_get_no_suggestion(key):
@@ -205,10 +204,10 @@ def test_lookalike_unknown_key_message_has_no_guess(make_config):
 
 
 def test_simpletuner_key_we_do_not_support_says_so(make_config):
-    problem = _one(_problems(make_config(validation_resolution="1024x1024")), "validation_resolution:")
+    problem = _one(_problems(make_config(tread_config={"routes": []})), "tread_config:")
     assert problem == (
-        "validation_resolution: `validation_resolution` is a SimpleTuner key that this trainer does not "
-        "support yet: validation images use `resolution`; remove it"
+        "tread_config: `tread_config` is a SimpleTuner key that this trainer does not support yet: TREAD token "
+        "routing is not implemented: remove `tread_config`; remove it"
     )
 
 
@@ -232,23 +231,23 @@ def test_renamed_keys_name_ours(make_config, key, value, ours):
 
 
 def test_shared_key_names_every_tool(make_config):
-    problem = _one(_problems(make_config(noise_offset=0.1)), "noise_offset:")
+    problem = _one(_problems(make_config(text_encoder_lr=1e-5)), "text_encoder_lr:")
     assert "a SimpleTuner and kohya sd-scripts key that this trainer does not support yet" in problem
 
 
 def test_approximated_and_ignored_keys(make_config):
-    problems = _problems(make_config(save_every_n_steps=100, push_to_hub=True, job="extension"))
+    problems = _problems(make_config(save_every_n_steps=100, hub_model_id="me/lora", job="extension"))
     assert "the nearest setting here is `checkpointing_steps`" in _one(problems, "save_every_n_steps:")
-    assert "no effect here" in _one(problems, "push_to_hub:")
+    assert "no effect here" in _one(problems, "hub_model_id:")
     assert "config.process[0]" in _one(problems, "job:")
 
 
 def test_dataset_entry_keys_of_other_tools(make_config):
     raw = make_config()
-    raw["datasets"][0].update(crop=True, probability=1.0, folder_path="/data")
+    raw["datasets"][0].update(aws_bucket_name="photos", text_embeds="alt-embeds", folder_path="/data")
     problems = _problems(raw, check_files=False)
-    assert "SimpleTuner key that this trainer does not support yet" in _one(problems, "datasets[0].crop:")
-    assert "SimpleTuner key" in _one(problems, "datasets[0].probability:")
+    assert "SimpleTuner key that this trainer does not support yet" in _one(problems, "datasets[0].aws_bucket_name:")
+    assert "SimpleTuner key" in _one(problems, "datasets[0].text_embeds:")
     assert "use `instance_data_dir` instead" in _one(problems, "datasets[0].folder_path:")
 
 
@@ -395,4 +394,4 @@ def test_allocator_values_pytorch_refuses(make_config, settings, expected):
 def test_config_reference_explains_error_reporting():
     doc = (Path(__file__).resolve().parents[1] / "documentation" / "CONFIG.md").read_text()
     assert "## How problems are reported" in doc and "## Keys from other tools" in doc
-    assert "| `validation_resolution` | SimpleTuner | top level |" in doc
+    assert "| `validation_torch_compile` | SimpleTuner | top level |" in doc

@@ -149,5 +149,5 @@ def test_random_crop_is_deterministic_per_seed():
 
 
 def test_prepare_image_rejects_unknown_crop_style():
-    with pytest.raises(ValueError, match="crop_style 'corner'"):
-        prepare_image(gradient(), (16, 16), "corner", 0)
+    with pytest.raises(ValueError, match="crop_style 'face'"):
+        prepare_image(gradient(), (16, 16), "face", 0)

@@ -63,9 +63,9 @@ def _poison(monkeypatch, calls: set[int], kind: str = "loss"):
     real = StableDiffusionSpec.training_loss
     seen = {"n": 0}
 
-    def poisoned(self, model, latents, conditioning, generator):
+    def poisoned(self, model, latents, conditioning, generator, **kwargs):
         seen["n"] += 1
-        loss = real(self, model, latents, conditioning, generator)
+        loss = real(self, model, latents, conditioning, generator, **kwargs)
         if seen["n"] in calls:
             return loss * float("nan") if kind == "loss" else NanGradient.apply(loss)
         return loss

@@ -142,7 +142,7 @@ def test_a_nan_gradient_is_skipped_with_and_without_clipping(make_config, max_gr
     weights = _weights(trainer)
     window = [_batch(2, 11)]
     original = trainer.spec.training_loss
-    trainer.spec.training_loss = lambda *args: NanGradient.apply(original(*args))  # finite loss, NaN gradient
+    trainer.spec.training_loss = lambda *args, **kwargs: NanGradient.apply(original(*args, **kwargs))  # NaN gradient
     outcome = trainer.train_step(window)
     assert outcome.skipped and torch.isfinite(outcome.loss)
     assert trainer.lr_scheduler.last_epoch == 0 and trainer.progress.global_step == 0

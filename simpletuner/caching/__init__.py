@@ -1,6 +1,8 @@
 """Encode-once caches for VAE latents and text embeddings.
 
-- :mod:`.layout`: where a model's caches live (``<cache_dir>/<family>/{vae,text,vae-epochs}``).
+- :mod:`.layout`: where a model's caches live (``<cache_dir>/<family>/{vae,text,vae-epochs}``);
+  :mod:`.routing`: a dataset's own latent folder (``cache_dir_vae``) and the text folder
+  (``cache_config.text_cache_dir``), for training and ``simpletuner cache`` alike.
 - :mod:`.keys`: :func:`cache_keys`, every latent and text key a config's training reads; training,
   re-encoding and ``simpletuner cache`` all build their keys there.
 - :mod:`.fingerprint`: cache keys over everything that changes a value, plus file and

@@ -1,6 +1,8 @@
 """``simpletuner cache verify|clear --config cfg.json``: list, check and remove a config's caches.
 
-The caches of a config live in ``<cache_dir>/<model_family>/{vae,text}``. ``verify`` opens
+The caches of a config live in ``<cache_dir>/<model_family>/{vae,text}``, plus the latent folder of
+each dataset with a ``cache_dir_vae`` and a ``cache_config.text_cache_dir`` when set
+(:class:`~simpletuner.caching.routing.CacheFolders`, as training places them). ``verify`` opens
 each one read-only, checks every entry against the checksum recorded when it was written,
 and compares what is stored with what the config needs now (the dataset is scanned and the
 keys built the way training builds them), so after a VAE change the old latents show up as
@@ -35,7 +37,7 @@ import orjson
 
 from simpletuner.caching import layout
 from simpletuner.caching.keys import CacheKeys, cache_keys
-from simpletuner.caching.layout import CACHE_NAMES, EPOCH_CACHE_NAME, VAE_CACHE_NAME
+from simpletuner.caching.layout import CACHE_NAMES, EPOCH_CACHE_NAME, TEXT_CACHE_NAME, VAE_CACHE_NAME
 from simpletuner.caching.report import (
     CacheSummary,
     check_sources,
@@ -46,8 +48,11 @@ from simpletuner.caching.report import (
     print_summary,
     summary_json,
 )
-from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.caching.routing import CacheFolders
+from simpletuner.caching.shard_checks import MARKER_SUFFIX, QUARANTINE_SUFFIX
+from simpletuner.caching.store import SHARD_GLOB, ShardedTensorStore
 from simpletuner.commands import add_config_arguments
+from simpletuner.configuration.cache_paths import trained_datasets
 from simpletuner.data_backend import RegisteredDataset, build_local_backend, build_metadata
 from simpletuner.locks import CacheLocks
 from simpletuner.precision import PRECISION_DTYPES, resolve_mixed_precision
@@ -72,6 +77,11 @@ def _spec(config: "TrainingConfig"):
 def cache_base(config: "TrainingConfig") -> Path:
     """``<cache_dir>/<model_family>``, as training opens it (:func:`simpletuner.caching.layout.cache_base`)."""
     return layout.cache_base(config.cache_config.cache_dir, _spec(config).family)
+
+
+def cache_folders(config: "TrainingConfig") -> CacheFolders:
+    """Every cache folder of ``config`` (:class:`~simpletuner.caching.routing.CacheFolders`), as training opens them."""
+    return CacheFolders.of(config, _spec(config).family)
 
 
 def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
@@ -103,7 +113,7 @@ def config_keys(config: "TrainingConfig") -> CacheKeys:
     spec = _spec(config)
     text_dtype = PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision)]
     datasets = []
-    for dataset_cfg in config.datasets:
+    for dataset_cfg in trained_datasets(config):  # `disabled` / `probability: 0` ones: never scanned
         backend = build_local_backend(dataset_cfg, config)
         metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed)
         datasets.append(RegisteredDataset(dataset_cfg.id, dataset_cfg, backend, metadata))
@@ -120,26 +130,35 @@ def _load(args: argparse.Namespace):
 class _Inspection:
     summaries: list[CacheSummary]
     stores: list[ShardedTensorStore | None]
-    needed: dict[str, set[str]] | None
+    needed: list[set[str]] | None  # per summary: the keys the config needs in that folder
     why_not_needed: str | None  # why the needed keys could not be computed
 
 
 def _inspect_all(config: "TrainingConfig", content: bool = False) -> _Inspection:
-    """Inspect every cache of ``config``; with ``content`` also hash the latents' sources."""
-    base = cache_base(config)
+    """Inspect every cache folder of ``config`` (the default latent folder, each dataset's own, the text
+    folder); with ``content`` also hash the latents' sources."""
+    folders = cache_folders(config)
+    vae_folders = folders.all_vae_folders()
     sources: dict[str, tuple[Any, Any]] = {}
+    needed: list[set[str]] | None
     try:
-        needed, sources = _scan_needed(config)
+        keys = config_keys(config)
+        by_folder, sources = folders.latents_by_folder(keys), keys.latent_sources()
+        needed = [*(by_folder[f] for f in vae_folders), keys.needed()[TEXT_CACHE_NAME]]
         why_not = None
     except (ValueError, OSError) as error:
         needed, why_not = None, str(error)
-    pairs = [inspect_cache(name, base / name, needed[name] if needed else None) for name in CACHE_NAMES]
+    places = [*((VAE_CACHE_NAME, f) for f in vae_folders), (TEXT_CACHE_NAME, folders.text)]
+    pairs = [
+        inspect_cache(name, folder, needed[i] if needed is not None else None)
+        for i, (name, folder) in enumerate(places)
+    ]
     if content and needed is not None:
-        summary, store = pairs[CACHE_NAMES.index(VAE_CACHE_NAME)]
-        if store is not None:
-            check_sources(summary, store, sources)
-        else:
-            summary.num_content_checked = summary.num_content_unhashed = 0
+        for i, (summary, store) in enumerate(pairs[: len(vae_folders)]):
+            if store is not None:
+                check_sources(summary, store, {key: sources[key] for key in needed[i]})
+            else:
+                summary.num_content_checked = summary.num_content_unhashed = 0
     return _Inspection([p[0] for p in pairs], [p[1] for p in pairs], needed, why_not)
 
 
@@ -150,16 +169,17 @@ def _fix_changed(config: "TrainingConfig", inspection: _Inspection, wait: bool) 
     Raises:
         FolderLocked (a ValueError): a run uses the cache and ``wait`` is False.
     """
-    index = CACHE_NAMES.index(VAE_CACHE_NAME)
-    summary, store = inspection.summaries[index], inspection.stores[index]
-    if store is None or not summary.content_changed:
-        return
-    with CacheLocks(cache_base(config)).clearing(wait=wait, say=lambda message: print(message, file=sys.stderr)):
-        removed = summary.num_content_removed = store.remove(list(summary.content_changed))
-    summary.num_entries -= removed  # the counts describe the cache as the command leaves it
-    summary.num_ok -= removed
-    if summary.num_present is not None and summary.num_missing is not None:
-        summary.num_present, summary.num_missing = summary.num_present - removed, summary.num_missing + removed
+    folders = cache_folders(config)
+    for summary, store in zip(inspection.summaries, inspection.stores):
+        if summary.name != VAE_CACHE_NAME or store is None or not summary.content_changed:
+            continue
+        locks = CacheLocks(folders.lock_base(Path(summary.folder)))
+        with locks.clearing(wait=wait, say=lambda message: print(message, file=sys.stderr)):
+            removed = summary.num_content_removed = store.remove(list(summary.content_changed))
+        summary.num_entries -= removed  # the counts describe the cache as the command leaves it
+        summary.num_ok -= removed
+        if summary.num_present is not None and summary.num_missing is not None:
+            summary.num_present, summary.num_missing = summary.num_present - removed, summary.num_missing + removed
 
 
 def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -249,40 +269,65 @@ def cmd_clear(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO
     --stale-only) and removes nothing; like ``verify`` it takes no lock."""
     stdin, out = stdin or sys.stdin, out or sys.stdout
     config = _load(args)
-    base = cache_base(config)
-    locks = CacheLocks(base)
-    held = (
-        locks.clearing(wait=args.wait, say=lambda line: print(line, file=out, flush=True))
-        if base.is_dir() and not getattr(args, "dry_run", False)
-        else contextlib.nullcontext()
-    )  # nothing there to protect (or nothing removed); locking would create the folder
-    with held:
+    folders = cache_folders(config)
+    custom = [f for f in [*folders.all_vae_folders(), folders.text] if folders.is_custom(f)]
+    # Nothing there to protect (or nothing removed): locking would create the folder.
+    bases = sorted({b for b in [folders.base, *custom] if b.is_dir()}) if not getattr(args, "dry_run", False) else []
+    with contextlib.ExitStack() as held:
+        locks = {}
+        for base in bases:  # sorted: every clear and run takes them in one order
+            locks[base] = CacheLocks(base)
+            held.enter_context(locks[base].clearing(wait=args.wait, say=lambda line: print(line, file=out, flush=True)))
         if args.stale_only:
             return _clear_stale(config, args, stdin, out)
-        return _clear_all(locks, args, stdin, out)
+        return _clear_all(folders, custom, locks, args, stdin, out)
 
 
-def _clear_all(locks: CacheLocks, args: argparse.Namespace, stdin: TextIO, out: TextIO) -> int:
-    base = locks.base
-    folders = [base / name for name in (*CACHE_NAMES, EPOCH_CACHE_NAME) if (base / name).exists()]
-    if not folders:
-        print(f"nothing to remove: no caches under {base}", file=out)
+def _store_files(folder: Path) -> list[Path]:
+    """The files a cache store writes in ``folder`` (shards, damaged shards moved aside, unfinished
+    writes, markers): what ``clear`` removes from a folder a config key named, which may hold other files."""
+    patterns = (SHARD_GLOB, SHARD_GLOB + QUARANTINE_SUFFIX, ".tmp-shard-*", f"*{MARKER_SUFFIX}")
+    return sorted({p for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
+
+
+def _clear_all(
+    folders: CacheFolders,
+    custom: list[Path],
+    locks: dict[Path, CacheLocks],
+    args: argparse.Namespace,
+    stdin: TextIO,
+    out: TextIO,
+) -> int:
+    base = folders.base
+    whole = [base / name for name in (*CACHE_NAMES, EPOCH_CACHE_NAME) if (base / name).exists()]
+    parts = {folder: _store_files(folder) for folder in custom if folder.is_dir()}
+    parts = {folder: files for folder, files in parts.items() if files}
+    if not whole and not parts:
+        listed = ", ".join(str(p) for p in [base, *custom])
+        print(f"nothing to remove: no caches under {listed}", file=out)
         return 0
     dry_run = getattr(args, "dry_run", False)
     print("would remove:" if dry_run else "will remove:", file=out)
-    for folder in folders:
+    for folder in whole:
         files = [p for p in folder.rglob("*") if p.is_file()]
         print(f"  {folder}  ({len(files)} files, {format_size(sum(p.stat().st_size for p in files))})", file=out)
+    for folder, files in parts.items():
+        size = format_size(sum(p.stat().st_size for p in files))
+        print(f"  the cache files in {folder}  ({len(files)} files, {size})", file=out)
     if dry_run:
         print(_DRY_RUN_DONE, file=out)
         return 0
     status = _confirm("remove these folders?", args.yes, stdin, out)
     if status is not None:
         return status
-    for folder in folders:
+    for folder in whole:
         shutil.rmtree(folder)
-    locks.remove_if_empty()  # the folder goes too when only the locks were left in it
-    print(f"removed {len(folders)} cache folder(s)", file=out)
+    for files in parts.values():
+        for path in files:
+            path.unlink(missing_ok=True)
+    for held in locks.values():
+        held.remove_if_empty()  # a folder goes too when only the locks were left in it
+    print(f"removed {len(whole) + len(parts)} cache folder(s)", file=out)
     return 0
 
 
@@ -297,14 +342,16 @@ def _clear_stale(config: "TrainingConfig", args: argparse.Namespace, stdin: Text
         )
         return 2
     plan = [
-        (s, store) for s, store in zip(inspection.summaries, inspection.stores) if store is not None and s.num_removable
+        (s, store, keep)
+        for s, store, keep in zip(inspection.summaries, inspection.stores, needed)
+        if store is not None and s.num_removable
     ]
     if not plan:
         print("nothing to remove: every stored entry is sound and needed by this config", file=out)
         return 0
     dry_run = getattr(args, "dry_run", False)
     print("would remove:" if dry_run else "will remove:", file=out)
-    for s, _ in plan:
+    for s, _, _ in plan:
         parts = [f"{len(s.stale or ())} stale", f"{len(s.corrupt)} corrupt", f"{s.num_superseded} superseded"]
         damaged = len(s.unreadable_shards) + len(s.quarantined_files)
         print(f"  {s.name} cache {s.folder}: {', '.join(parts)} entries, {damaged} damaged file(s)", file=out)
@@ -318,8 +365,8 @@ def _clear_stale(config: "TrainingConfig", args: argparse.Namespace, stdin: Text
     status = _confirm("rewrite these caches?", args.yes, stdin, out)
     if status is not None:
         return status
-    for s, store in plan:
-        report = store.compact(keep=needed[s.name])
+    for s, store, keep in plan:
+        report = store.compact(keep=keep)
         print(
             f"{s.name} cache: removed {report.num_entries_removed} entries, rewrote {report.num_shards_rewritten} "
             f"shard(s); {format_size(report.bytes_before)} -> {format_size(report.bytes_after)}",

@@ -7,7 +7,8 @@ all build their keys here, so what ``cache clear --stale-only`` keeps is exactly
 - a latent of the ``vae`` cache per distinct sample (a dataset's repeats share one), encoded with the
   ``static`` augmentation version when augmentations are on (:func:`static_latent_key`);
 - ``refresh_each_epoch``: a latent per sample and epoch in the epoch folders (:func:`epoch_latent_key`);
-- a text embedding per distinct caption, in the run's precision (:class:`CacheKeys`.texts).
+- a text embedding per distinct caption, in the run's precision (:class:`CacheKeys`.texts), and of the
+  empty caption :data:`DROPPED_CAPTION` when ``caption_dropout_probability`` is above 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from simpletuner.data_backend.augment import augmentation_key, static_augmentati
 
 #: ``(registered dataset, sample)``: what a latent is encoded from.
 Source = tuple[Any, Any]
+
+#: The caption a sample trains with when caption dropout drops its own (``caption_dropout_probability``).
+DROPPED_CAPTION = ""
 
 
 class EncoderIdentities(Protocol):
@@ -66,12 +70,15 @@ class CacheKeys:
         sources: sample key -> ``(dataset, sample)`` of each distinct sample (the first repeat).
         static_version: the augmentation version the ``vae`` cache's latents are encoded with
             (:func:`static_version`).
+        has_dropped_caption: :data:`DROPPED_CAPTION` is in :attr:`texts` for caption dropout (kept by
+            :meth:`texts_of` whatever the datasets hold).
     """
 
     latents: dict[str, str]
     texts: dict[str, str]
     sources: dict[str, Source]
     static_version: int | None
+    has_dropped_caption: bool = False
 
     def needed(self) -> dict[str, set[str]]:
         """``{"vae": latent keys, "text": text keys}``: every entry these keys name, by cache."""
@@ -84,6 +91,8 @@ class CacheKeys:
     def texts_of(self, datasets: Iterable[Any]) -> dict[str, str]:
         """:attr:`texts` of the captions ``datasets`` still hold (after dropping undecodable images)."""
         kept = {sample.caption for ds in datasets for sample in ds.samples}
+        if self.has_dropped_caption:
+            kept.add(DROPPED_CAPTION)
         return {caption: key for caption, key in self.texts.items() if caption in kept}
 
 
@@ -107,6 +116,9 @@ def cache_keys(
         image_identity = spec.image_encoder_identity()
         latent_keys = {key: static_latent_key(config, image_identity, ds, s) for key, (ds, s) in sources.items()}
     text_identity = spec.text_encoder_identity()
-    captions = sorted({sample.caption for ds in datasets for sample in ds.samples})
-    texts = {caption: caption_text_key(caption, text_identity, text_dtype) for caption in captions}
-    return CacheKeys(latent_keys, texts, sources, static_version(config))
+    captions = {sample.caption for ds in datasets for sample in ds.samples}
+    has_dropped = getattr(config, "caption_dropout_probability", 0) > 0
+    if has_dropped:
+        captions.add(DROPPED_CAPTION)
+    texts = {caption: caption_text_key(caption, text_identity, text_dtype) for caption in sorted(captions)}
+    return CacheKeys(latent_keys, texts, sources, static_version(config), has_dropped)

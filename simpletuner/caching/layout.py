@@ -6,6 +6,9 @@
         vae/                          VAE latents (VAE_CACHE_NAME)
         text/                         text embeddings (TEXT_CACHE_NAME)
         vae-epochs/rank-<r>-of-<n>/   refresh_each_epoch: one epoch's latents per process (epoch_folder)
+
+A dataset's ``cache_dir_vae`` and ``cache_config.text_cache_dir`` move those caches elsewhere
+(:mod:`simpletuner.caching.routing`).
 """
 
 from __future__ import annotations

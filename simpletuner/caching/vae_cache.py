@@ -81,6 +81,8 @@ def sample_latent_key(
     crop = {"style": sample.crop_style, "seed": sample.crop_seed}
     if sample.is_video:  # clips only, so image keys stay as they were
         crop.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
+    if getattr(sample, "canvas", None) is not None:  # downsampled before the crop (maximum_image_size)
+        crop["canvas"] = list(sample.canvas)
     if augment is not None:
         crop["augment"] = dict(augment)
     return latent_cache_key(

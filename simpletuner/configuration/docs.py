@@ -1,6 +1,7 @@
-"""Generate documentation/CONFIG.md from the schema: ``python -m simpletuner.configuration.docs``.
+"""Generate documentation/CONFIG.md from the schema and documentation/MIGRATING_FROM_SIMPLETUNER.md from
+the SimpleTuner dialect table: ``python -m simpletuner.configuration.docs``.
 
-A test regenerates it and compares, so the reference never drifts from the code.
+A test regenerates both and compares, so the references never drift from the code.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from simpletuner.configuration import dialect
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
     CacheConfig,
@@ -20,6 +22,14 @@ from simpletuner.configuration.schema import (
     InMemoryOptions,
     LocalDatasetConfig,
     TrainingConfig,
+)
+from simpletuner.configuration.sections import (
+    AspectBucket,
+    Augmentations,
+    LycorisModuleOptions,
+    LycorisOptions,
+    LycorisPreset,
+    MetadataFileOptions,
 )
 
 HEADER = """# Configuration reference
@@ -58,21 +68,57 @@ input is wrong is checked once that input is fixed, so no line is a consequence 
 4 problem(s) in cfg.json:
   - train_batch_size: expected a whole number, got 'four'
   - learning_rat: unknown key 'learning_rat'; did you mean 'learning_rate'? (remove it or fix the spelling)
-  - validation_resolution: `validation_resolution` is a SimpleTuner key that this trainer does not support yet: validation images use `resolution`; remove it
+  - network_dim: `network_dim` is the kohya sd-scripts name of `lora_rank`: use `lora_rank` instead
   - (top level): `validation_steps` is set but `validation_prompt` is not (nor `validation_prompts`): add a prompt or remove validation_steps
 ```
 
 - **Did you mean**: offered only when the unknown key reads as a typo of one of ours (a letter
   missing, added, swapped or changed, or underscores moved: `train_batchsize`); a key that only
-  looks alike (`loss_type` beside `lora_type`) gets no guess.
-- **Keys of other tools**: keys of SimpleTuner, kohya sd-scripts and ai-toolkit configs that
-  are not ours are named as such, with the key that does the same job here or a note on what
-  happens instead (table below); a few of their values of keys we share are recognised too
-  (`base_model_precision: "int8-quanto"` is our `qint8`). SimpleTuner's `--key` spelling is
-  pointed out. Nothing is translated: the message says what to write.
+  looks alike (`model_name` beside `model_family`) gets no guess.
+- **SimpleTuner configs** are not errors: a config file with `--key` keys or SimpleTuner's own keys
+  is translated, with the same meaning, before it is checked (documentation/MIGRATING_FROM_SIMPLETUNER.md;
+  `simpletuner convert` writes the native equivalent).
+- **Keys of other tools** in a native config (kohya sd-scripts, ai-toolkit, and SimpleTuner keys
+  given through `--set` or an API dict) are named as such, with the key that does the same job here
+  or a note on what happens instead (table below); a few of their values of keys we share are
+  recognised too (`base_model_precision: "int8-quanto"` is our `qint8`). Nothing of theirs is
+  translated there: the message says what to write.
 - **`cuda_allocator`**: one line per key PyTorch would refuse, whatever the value's type:
   `use_uvm` and other keys of patched builds with what to use instead, other unknown keys with
   the list PyTorch accepts, known keys with the values they take.
+"""
+
+
+BUCKETS = """### How a dataset picks its training size
+
+Each image trains at a *bucket* (width x height). A dataset picks buckets one of two ways:
+
+- **This trainer's own way** (the default: `crop` and `resolution_type` both unset): the bucket's area
+  is about `resolution`², its aspect as close to the image's as sides in multiples of
+  `aspect_bucket_alignment` allow (at most 4:1); the image is resized, aspect kept, just enough to
+  cover the bucket and only the overshoot is cropped at `crop_style`. `minimum_image_size` is the
+  shorter side in pixels.
+- **SimpleTuner's way** (as soon as `crop` or `resolution_type` is set; a translated SimpleTuner
+  config always sets them): `resolution_type` gives the unit of `resolution`, `minimum_image_size`,
+  `maximum_image_size` and `target_downsample_size` (`pixel`: the shorter side; `area`: megapixels;
+  `pixel_area`: a side whose square is the area). The aspect is rounded to 2 decimals and each side
+  to a multiple of `aspect_bucket_alignment`. `crop: false` keeps aspect buckets (only the overshoot
+  cropped); `crop: true` takes the bucket from `crop_aspect`: `square`, `preserve` (the image's
+  aspect), `closest` / `random` (from `crop_aspect_buckets`), and first downsamples images above
+  `maximum_image_size` to `target_downsample_size`, so a large photo keeps its scene.
+
+A latent's cache key holds its bucket, crop and any downsampled size, so changing these settings
+never serves an old crop. When the size and aspect rules leave no image, the run stops before any
+model loads, naming how many each rule skipped, the largest skipped image and the value that keeps it.
+
+Example (square 1024 crops out of photos first brought down to about 1280² pixels):
+
+```json
+{"id": "photos", "type": "local", "instance_data_dir": "/data/photos",
+ "resolution": 1024, "resolution_type": "pixel_area", "crop": true, "crop_aspect": "square",
+ "crop_style": "random", "maximum_image_size": 1536, "target_downsample_size": 1280,
+ "minimum_image_size": 768, "minimum_aspect_ratio": 0.5, "maximum_aspect_ratio": 3.0}
+```
 """
 
 
@@ -151,8 +197,18 @@ def render() -> str:
         model_table(CacheConfig),
         "\n## `gh200_optimizations`\n",
         model_table(GH200Optimizations),
+        "\n## `augmentations`\n",
+        model_table(Augmentations),
+        "\n## `lycoris`\n",
+        model_table(LycorisOptions),
+        "\n### `lycoris.apply_preset`\n",
+        "LyCORIS' own preset format (as in a SimpleTuner `lycoris_config.json`): which modules get an adapter.\n",
+        model_table(LycorisPreset),
+        "\n#### An entry of `module_algo_map` / `name_algo_map`\n",
+        model_table(LycorisModuleOptions),
         "\n## Dataset entries (`datasets[]`)\n",
         "Each entry is an object whose `type` picks the storage backend.\n",
+        BUCKETS,
         '### `type: "local"`\n',
         model_table(LocalDatasetConfig),
         '\n### `type: "in_memory"`\n',
@@ -160,6 +216,11 @@ def render() -> str:
         model_table(InMemoryDatasetConfig),
         "\n#### `in_memory`\n",
         model_table(InMemoryOptions),
+        "\n#### `parquet` / `csv` / `jsonl` (caption files)\n",
+        "The sub-table of `caption_strategy` `parquet`, `csv` or `jsonl` (either backend):\n",
+        model_table(MetadataFileOptions),
+        "\n#### An entry of `crop_aspect_buckets` (weighted form)\n",
+        model_table(AspectBucket),
         "",
         foreign_tables(),
         "",
@@ -167,10 +228,134 @@ def render() -> str:
     return "\n".join(parts)
 
 
+MIGRATING_HEADER = """# Bringing a SimpleTuner run
+
+A SimpleTuner `config/config.json` (with its `multidatabackend.json`) trains here as it is:
+
+```bash
+cd /path/you/run/simpletuner/from          # its paths are relative to this folder
+simpletuner train --config config/config.json
+accelerate launch simpletuner/train.py --config config/config.json   # several processes
+simpletuner estimate --config config/config.json                      # memory, before training
+simpletuner convert config/config.json --out native.json              # the same run as a native config
+```
+
+The config is recognised by itself (a key written `--key`, or a key of SimpleTuner's that is not one of
+ours) and translated before anything else is checked; the start of the log says so (`read as a
+SimpleTuner config: N keys mapped, ...`) and lists what each key became. `simpletuner convert`
+prints the same report and writes the native config, datasets inlined; training that file is the
+same run.
+
+How the translation keeps the meaning:
+
+- **Every key of SimpleTuner's dialect is in one table** (below; `simpletuner/configuration/dialect.py`
+  and `dialect_tail.py`). `same`: mapped onto our key with the same meaning. `approximated`: mapped,
+  and a warning at start says exactly what differs. `ignored`: no effect on what is trained here
+  (hub uploads turned off, web-UI and logging settings, attention backends); listed once at start.
+  `unsupported`: the run stops before any model loads, naming the key, why, and what to do. An
+  unsupported key set to a value that does nothing (`false`, `null`, `0`, `""`, or SimpleTuner's
+  default) is listed with the ignored ones: published examples spell out switches that are off.
+- **Values** are read as SimpleTuner reads them: `"true"` / `"false"`, numbers written as strings
+  (`"1e-4"`), `--` in front of keys. SimpleTuner's spellings of values become ours (table below).
+- **SimpleTuner's defaults**: where a key is left out and SimpleTuner's default differs from ours,
+  SimpleTuner's is written into the translation (table below), so a config that relied on
+  SimpleTuner's `train_batch_size: 4` or `max_grad_norm: 2.0` with value clipping gets them here.
+- **Paths** are taken from the working directory, as SimpleTuner does, and written absolute.
+  `data_backend_config` is looked for in the working directory, then beside the config file.
+  `{model_family}` in a cache path is SimpleTuner's family name (`sd1x`, `flux`, ...), as there.
+- **Two keys for one setting** (`checkpoint_step_interval` and `checkpointing_steps`, `--seed` and
+  `seed`) with different values stop the run naming both.
+- **`model_flavour`** names a hub model; nothing is downloaded here, so `pretrained_model_name_or_path`
+  must be a local diffusers folder. Without one, the run stops with the hub id the flavour stands for
+  and the `huggingface-cli download` command to run on a machine with network. Wan 2.2 flavours ending
+  in `-high` / `-low` set `train_stages`.
+- **Datasets**: `dataset_type: text_embeds` entries are not datasets here: the default one's `cache_dir`
+  becomes `cache_config.text_cache_dir`. Top-level `resolution_type`, `minimum_image_size`,
+  `maximum_image_size`, `target_downsample_size` and `caption_strategy` are each dataset's default, as in
+  SimpleTuner; a dataset that leaves out `crop`, `crop_aspect` or `crop_style` gets SimpleTuner's
+  defaults for them.
+- **Flow-matching families** (sd3, flux, wan): SimpleTuner draws noise levels as
+  `sigmoid(N(0, 1) * flow_sigmoid_scale)`; the translation writes that as `timestep_sampling:
+  logit_normal` with `logit_std: flow_sigmoid_scale` unless `flow_use_uniform_schedule` is on.
+
+## Where the meaning differs (each is also a warning or a table note)
+
+- **Buckets.** A dataset that sets `crop` or `resolution_type` (every translated one does) uses
+  SimpleTuner's bucket formulas: aspect rounded to 2 decimals, each side rounded to a multiple of
+  `aspect_bucket_alignment` (SimpleTuner's 64-pixel default is ours too), the near-1/2/4-megapixel
+  squares snapped as there. `maximum_image_size` / `target_downsample_size` downsample only images
+  above the maximum, as SimpleTuner's documentation says (its code resizes nearly every image);
+  `minimum_aspect_ratio` / `maximum_aspect_ratio` compare the image's own aspect (SimpleTuner
+  compares the bucket's, 1.0 under square crops). Random crops and `crop_aspect: random` are drawn
+  once per image from the seed, so each image keeps one crop for the run.
+- **Sampling between datasets.** `probability` weights each dataset by probability x its batches
+  (SimpleTuner's default `auto-weighting`) for the whole epoch; an epoch keeps its length (every
+  dataset's batches added up). In SimpleTuner a dataset that runs out leaves the draw until all have.
+  `probability: 0` leaves a dataset out (one of SimpleTuner's readers turns 0 into 1.0).
+- **Captions.** Caption dropout is decided by a hash of the seed, the step and the sample, so a resumed
+  run drops the same captions; SDXL's size conditioning is not zeroed for dropped captions.
+- **Regularisation data** (`is_regularisation_data`) trains a LoRA or LyCORIS adapter towards the
+  frozen base model's own prediction, as SimpleTuner's trainer does (its documentation says standard
+  LoRA is not supported; here both are). A full fine-tune uses the plain target, as there.
+- **Optimizers.** Adapters and full fine-tunes train fp32 weights here, so `adamw_bf16` is exact AdamW.
+  `prodigy` is prodigyopt's Prodigy (SimpleTuner's is prodigy-plus-schedule-free), run at learning
+  rate 1.0 as SimpleTuner passes it; `optimizer_config` settings of prodigy-plus only are refused.
+- **EMA.** A `cpu` EMA always updates on the CPU (SimpleTuner's `ema_cpu_only`); the decay rule,
+  warm-up and interval are SimpleTuner's.
+- **Validation.** Unset `validation_resolution` is the training `resolution`, square. Comparison
+  images of `ema_validation: comparison` are separate `_ema` files and extra grid columns.
+- **Caches** are this trainer's own shard stores: latents SimpleTuner cached are not reused.
+- **Noise offset** needs `offset_noise: true` there; here any `noise_offset` above 0 is on (the
+  translation writes it only when `offset_noise` is on, and never for flow families, as SimpleTuner).
+
+This file is generated from `simpletuner/configuration/dialect.py` by `python -m simpletuner.configuration.docs`;
+a test fails when they differ.
+"""
+
+
+def _here(ours: str | None) -> str:
+    return f"`{ours}`" if ours else "—"
+
+
+def dialect_tables() -> str:
+    """The SimpleTuner dialect: defaults, value spellings, flavours and every key (dialect.py)."""
+    rows = ["## SimpleTuner defaults written into the translation\n", "| key | SimpleTuner default |", "| --- | --- |"]
+    for key, value in dialect.SIMPLETUNER_DEFAULTS.items():
+        rows.append(f"| `{key}` | `{value!r}` |".replace("'", '"'))
+    for key, value in dialect.SIMPLETUNER_DATASET_DEFAULTS.items():
+        rows.append(f"| dataset `{key}` | `{value!r}` |".replace("'", '"'))
+    rows += ["", "## Model families and flavours\n", "| SimpleTuner family | here | flavours (hub model) |"]
+    rows.append("| --- | --- | --- |")
+    for family, ours in dialect.FAMILIES.items():
+        flavours = ", ".join(f"`{f}` ({hub})" for f, hub in dialect.FLAVOURS.get(family, {}).items())
+        rows.append(f"| `{family}` | {_here(ours)} | {flavours or '—'} |")
+    unsupported = "; ".join(f"`{marker}...`: {why}" for marker, why in dialect._FLAVOUR_UNSUPPORTED.items())
+    rows += ["", f"Flavours that stop the run: {unsupported}.", ""]
+    rows += ["## Value spellings\n", "| key | SimpleTuner value | here |", "| --- | --- | --- |"]
+    for key, table in dialect.VALUE_TABLES.items():
+        for value, ours in table.items():
+            rows.append(f"| `{key}` | `{value}` | {_here(ours) if ours is not None else 'unsupported'} |")
+    for section, title in (("top", "Top-level keys"), ("dataset", "Dataset entries (`multidatabackend.json`)")):
+        rows += ["", f"## {title}\n", "| key | kind | here | note |", "| --- | --- | --- | --- |"]
+        for e in sorted((e for e in dialect.DIALECT if e.section == section), key=lambda e: e.key):
+            rows.append(f"| `{e.key}` | {e.kind} | {_here(e.ours)} | {_cell(e.note)} |")
+    return "\n".join(rows)
+
+
+def render_migrating() -> str:
+    return "\n".join([MIGRATING_HEADER, dialect_tables(), ""])
+
+
+#: Each generated document and its renderer.
+DOCUMENTS = {"CONFIG.md": render, "MIGRATING_FROM_SIMPLETUNER.md": render_migrating}
+
+
 def main(argv: list[str] | None = None) -> int:
-    out = Path(argv[0] if argv else "documentation/CONFIG.md")
-    out.write_text(render())
-    print(f"wrote {out}")
+    folder = Path(argv[0] if argv else "documentation")
+    for name, renderer in DOCUMENTS.items():
+        out = folder / name
+        out.write_text(renderer())
+        print(f"wrote {out}")
     return 0
 
 

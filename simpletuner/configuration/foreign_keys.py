@@ -3,8 +3,9 @@
 People bring configs from SimpleTuner, kohya sd-scripts and ai-toolkit. When one of their keys
 is not ours, guessing the nearest spelling of ours ("did you mean ...") is usually wrong; this
 table says instead what the key is, which of our keys does the same job, or that it is not
-supported yet. It only shapes error messages: nothing here translates a config (the full
-SimpleTuner dialect table of issue 15 grows from this one, adding what each key maps to).
+supported yet. It only shapes error messages. A SimpleTuner config *file* is translated instead
+(configuration/dialect.py); its keys appear here, generated from that dialect table, for when they
+reach a native config another way (`--set`, a dict given to ``validate_config``).
 
 Each entry's ``kind``:
   ``same``          our key ``ours`` means the same thing: use it instead.
@@ -17,7 +18,10 @@ A key that is also one of ours must not be in the table (a test checks): it is o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
+
+from simpletuner.configuration import dialect
+from simpletuner.configuration.schema import InMemoryDatasetConfig, LocalDatasetConfig, TrainingConfig
 
 Kind = Literal["same", "approximated", "unsupported", "ignored"]
 Section = Literal["top", "dataset"]
@@ -62,6 +66,53 @@ def _ait(key, ours, kind, note="", section="top"):
     return ForeignKey(key, AI_TOOLKIT, ours, kind, note, section)
 
 
+def _native_keys(section: Section) -> frozenset[str]:
+    if section == "top":
+        return frozenset(TrainingConfig.model_fields)
+    return frozenset(LocalDatasetConfig.model_fields) | frozenset(InMemoryDatasetConfig.model_fields)
+
+
+def _simpletuner_keys() -> list[ForeignKey]:
+    """SimpleTuner's keys that are not ours, as its dialect table describes them (one source: a SimpleTuner
+    config file is translated by that table; these entries name its keys when they reach a native config,
+    through `--set` or an API dict)."""
+    out = []
+    for entry in dialect.DIALECT:
+        if entry.key in _native_keys(entry.section):
+            continue
+        # a key mapped with no key of its own (read with others, as `aspect_bucket_rounding`) has nothing to
+        # name in a native config: there it does nothing
+        kind = "ignored" if entry.ours is None and entry.kind in ("same", "approximated") else entry.kind
+        out.append(ForeignKey(entry.key, SIMPLETUNER, entry.ours, kind, entry.note, entry.section))
+    return out
+
+
+def _native_choices(key: str) -> frozenset:
+    """The values our key ``key`` takes, when it is a choice (a Literal)."""
+    for model in (TrainingConfig, LocalDatasetConfig):
+        field = model.model_fields.get(key)
+        if field is not None:
+            args = get_args(field.annotation)
+            inner = [a for a in args if get_args(a)] or [field.annotation]
+            return frozenset(v for a in inner for v in get_args(a) if isinstance(v, str)) | frozenset(
+                a for a in args if isinstance(a, str)
+            )
+    return frozenset()
+
+
+def _simpletuner_values() -> list[ForeignValue]:
+    """SimpleTuner's spellings of values of keys we share (its dialect's value tables); a value that is
+    also one of ours is ours (SimpleTuner's `caption_strategy: csv` means another thing, see the dialect)."""
+    out = []
+    for key, table in dialect.VALUE_TABLES.items():
+        for value, ours in table.items():
+            if value == ours or value in _native_choices(key):
+                continue
+            note = "" if ours is not None else f"not supported here; `simpletuner convert` lists what works for `{key}`"
+            out.append(ForeignValue(key, value, SIMPLETUNER, ours, note))
+    return out
+
+
 _AIT_NESTED = (
     "an ai-toolkit job file nests its settings under config.process[0]; this trainer reads one flat JSON "
     "object of the keys in documentation/CONFIG.md"
@@ -69,130 +120,8 @@ _AIT_NESTED = (
 _NO_HUB = "this trainer does not upload to the Hugging Face Hub"
 
 FOREIGN_KEYS: tuple[ForeignKey, ...] = (
-    # --- SimpleTuner (config/config.json; keys may carry a leading `--`) ---
-    _st("model_type", "training_type", "same", "`lora` or `full`"),
-    _st(
-        "model_flavour",
-        "pretrained_model_name_or_path",
-        "approximated",
-        "a flavour names a hub model; here give the local diffusers folder (Wan 2.2 `-high` / `-low`: `train_stages`)",
-    ),
-    _st("checkpoint_step_interval", "checkpointing_steps", "same"),
-    _st("validation_step_interval", "validation_steps", "same"),
-    _st("validation_guidance", "validation_guidance_scale", "same"),
-    _st("validation_resolution", None, "unsupported", "validation images use `resolution`"),
-    _st("validation_seed", None, "unsupported", "validation images use `seed`"),
-    _st("validation_negative_prompt", None, "unsupported", "validation uses no negative prompt"),
-    _st("validation_guidance_rescale", None, "unsupported", "validation applies no guidance rescale"),
-    _st("validation_torch_compile", None, "unsupported", "the validation pipeline is not compiled"),
-    _st(
-        "disable_benchmark",
-        None,
-        "unsupported",
-        "validation runs at the start (with `validation_prompt`) and cannot be skipped",
-    ),
-    _st("caption_dropout_probability", None, "unsupported", "captions are never dropped"),
-    _st(
-        "lycoris_config",
-        "lycoris",
-        "approximated",
-        "LyCORIS settings are the `lycoris` table (algo, factor, full_matrix) with `lora_rank` / `lora_alpha`, "
-        "not a JSON file",
-    ),
-    _st("use_dora", "lora_use_dora", "same"),
-    _st("adam_weight_decay", "weight_decay", "same"),
-    _st("optimizer_beta1", "adam_beta1", "same"),
-    _st("optimizer_beta2", "adam_beta2", "same"),
-    _st("flow_schedule_shift", "flow_shift", "same"),
-    _st("disable_tf32", "enable_tf32", "approximated", "inverted: `disable_tf32: true` is `enable_tf32: false`"),
-    _st(
-        "resolution_type",
-        None,
-        "unsupported",
-        "`resolution` is always a side in pixels whose square is the bucket area (SimpleTuner's `pixel_area`)",
-    ),
-    _st(
-        "minimum_image_size",
-        "datasets[].minimum_image_size",
-        "approximated",
-        "set per dataset here, always in pixels of the shorter side (SimpleTuner's unit follows `resolution_type`)",
-    ),
-    _st("aspect_bucket_rounding", None, "unsupported", "bucket sides are multiples of `aspect_bucket_alignment`"),
-    _st("noise_offset", None, "unsupported", "no noise offset is applied"),
-    _st("loss_type", None, "unsupported", "the loss is mean squared error (see `loss_weighting`)"),
-    _st("use_ema", None, "unsupported", "no EMA copy of the weights is kept"),
-    _st("ema_decay", None, "unsupported", "no EMA copy of the weights is kept"),
-    _st("train_text_encoder", None, "unsupported", "text encoders stay frozen (their outputs are cached)"),
-    _st("text_encoder_lr", None, "unsupported", "text encoders stay frozen (their outputs are cached)"),
-    _st("lr_end", None, "unsupported", "schedules decay as diffusers' `get_scheduler` defines them"),
-    _st("tracker_run_name", None, "unsupported", "the tracker names the run"),
-    _st("logging_dir", None, "unsupported", "logs are written under `output_dir`"),
-    _st("hub_model_id", None, "ignored", _NO_HUB),
-    _st("push_to_hub", None, "ignored", _NO_HUB),
-    _st("push_checkpoints_to_hub", None, "ignored", _NO_HUB),
-    # SimpleTuner dataloader (multidatabackend.json) entries
-    _st(
-        "crop",
-        None,
-        "unsupported",
-        "each image is resized into its aspect bucket and only the overshoot is cropped (`crop_style`)",
-        "dataset",
-    ),
-    _st(
-        "crop_aspect",
-        None,
-        "unsupported",
-        "each image is resized into its aspect bucket and only the overshoot is cropped (`crop_style`)",
-        "dataset",
-    ),
-    _st(
-        "resolution_type",
-        None,
-        "unsupported",
-        "`resolution` is always a side in pixels whose square is the bucket area (SimpleTuner's `pixel_area`)",
-        "dataset",
-    ),
-    _st("maximum_image_size", None, "unsupported", "large images are resized to `resolution`", "dataset"),
-    _st("target_downsample_size", None, "unsupported", "large images are resized to `resolution`", "dataset"),
-    _st(
-        "cache_dir_vae",
-        "cache_config.cache_dir",
-        "approximated",
-        "one cache root at the top level holds every dataset's latents",
-        "dataset",
-    ),
-    _st(
-        "probability",
-        None,
-        "unsupported",
-        "datasets are sampled in proportion to their size; `repeats` weights one up",
-        "dataset",
-    ),
-    _st("only_instance_prompt", "caption_strategy", "approximated", '`caption_strategy: "instance_prompt"`', "dataset"),
-    _st("prepend_instance_prompt", None, "unsupported", "captions are used as they are", "dataset"),
-    _st(
-        "vae_cache_clear_each_epoch",
-        "augmentations_cache_mode",
-        "approximated",
-        'top-level `augmentations_cache_mode: "refresh_each_epoch"`',
-        "dataset",
-    ),
-    _st("is_regularisation_data", None, "unsupported", "regularisation datasets are not supported yet", "dataset"),
-    _st("disabled", None, "unsupported", "remove the entry to leave a dataset out", "dataset"),
-    _st(
-        "text_embeds",
-        "cache_config.cache_dir",
-        "approximated",
-        "text embeddings are cached under the top-level cache root",
-        "dataset",
-    ),
-    _st(
-        "aws_bucket_name",
-        None,
-        "unsupported",
-        'S3 storage is not supported: copy the data to a folder and use `type: "local"`',
-        "dataset",
-    ),
+    # --- SimpleTuner: generated from the dialect table (configuration/dialect.py) ---
+    *_simpletuner_keys(),
     # --- kohya sd-scripts (train_network.py arguments) ---
     _kohya("network_dim", "lora_rank", "same"),
     _kohya("network_alpha", "lora_alpha", "same"),
@@ -231,9 +160,7 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
     _kohya("unet_lr", "learning_rate", "approximated", "only the denoiser trains, at `learning_rate`"),
     _kohya("text_encoder_lr", None, "unsupported", "text encoders stay frozen (their outputs are cached)"),
     _kohya("min_snr_gamma", "snr_gamma", "approximated", 'also set `loss_weighting: "min_snr"`'),
-    _kohya("noise_offset", None, "unsupported", "no noise offset is applied"),
-    _kohya("loss_type", None, "unsupported", "the loss is mean squared error (see `loss_weighting`)"),
-    _kohya("caption_dropout_rate", None, "unsupported", "captions are never dropped"),
+    _kohya("caption_dropout_rate", "caption_dropout_probability", "same"),
     _kohya("sample_every_n_steps", "validation_steps", "approximated", "with `validation_prompt`"),
     _kohya(
         "sample_prompts",
@@ -246,7 +173,7 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
     _kohya("max_data_loader_n_workers", "dataloader_num_workers", "approximated", "image-decoding threads"),
     _kohya("persistent_data_loader_workers", "dataloader_persistent_workers", "same"),
     _kohya("log_with", "report_to", "same", "`tensorboard` or `wandb`"),
-    _kohya("logging_dir", None, "unsupported", "logs are written under `output_dir`"),
+    _kohya("logging_dir", None, "ignored", "logs are written under `output_dir`"),
     _kohya("save_model_as", None, "unsupported", "adapters are saved as diffusers-format safetensors"),
     _kohya(
         "caption_extension", None, "unsupported", 'captions are read from `.txt` files (`caption_strategy: "textfile"`)'
@@ -299,7 +226,7 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
     _ait("dtype", "mixed_precision", "approximated", "the autocast precision; adapters train in fp32"),
     _ait("noise_scheduler", None, "ignored", "the model family's own schedule is used"),
     _ait("train_unet", None, "ignored", "the denoiser always trains"),
-    _ait("ema_config", None, "unsupported", "no EMA copy of the weights is kept"),
+    _ait("ema_config", "use_ema", "approximated", "`use_ema`, `ema_decay`, `ema_update_interval`"),
     _ait("folder_path", "instance_data_dir", "same", section="dataset"),
     _ait(
         "caption_ext",
@@ -308,7 +235,13 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
         'captions are read from `.txt` files (`caption_strategy: "textfile"`)',
         "dataset",
     ),
-    _ait("caption_dropout_rate", None, "unsupported", "captions are never dropped", "dataset"),
+    _ait(
+        "caption_dropout_rate",
+        "caption_dropout_probability",
+        "approximated",
+        "one top-level probability here, for every dataset",
+        "dataset",
+    ),
     _ait("shuffle_tokens", None, "unsupported", "captions are used as they are", "dataset"),
     _ait(
         "cache_latents_to_disk",
@@ -320,42 +253,8 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (
-    ForeignValue("base_model_precision", "int8-quanto", SIMPLETUNER, "qint8"),
-    ForeignValue("base_model_precision", "fp8-quanto", SIMPLETUNER, "qfloat8"),
-    ForeignValue("base_model_precision", "int8-torchao", SIMPLETUNER, "int8_torchao"),
-    ForeignValue("base_model_precision", "fp8-torchao", SIMPLETUNER, "fp8_torchao"),
-    ForeignValue(
-        "base_model_precision", "int4-quanto", SIMPLETUNER, None, "4-bit weights are not supported; the 8-bit kinds are"
-    ),
-    ForeignValue(
-        "base_model_precision", "nf4-bnb", SIMPLETUNER, None, "bitsandbytes is not supported; the 8-bit kinds are"
-    ),
-    ForeignValue("model_family", "sd1x", SIMPLETUNER, "sd"),
-    ForeignValue("model_family", "sd2x", SIMPLETUNER, "sd"),
-    ForeignValue("model_family", "legacy", SIMPLETUNER, "sd"),
-    ForeignValue(
-        "optimizer",
-        "adamw_bf16",
-        SIMPLETUNER,
-        None,
-        "`adamw` trains fp32 adapter weights; `automagic` rounds stochastically into bf16 weights",
-    ),
+    *_simpletuner_values(),
     ForeignValue("optimizer", "adamw8bit", AI_TOOLKIT, None, "8-bit optimizers are not supported; use `adamw`"),
-    ForeignValue(
-        "mixed_precision",
-        "fp8",
-        SIMPLETUNER,
-        None,
-        "there is no fp8 autocast; use `bf16` and store the base in 8 bits with `base_model_precision`",
-    ),
-    ForeignValue("caption_strategy", "instanceprompt", SIMPLETUNER, "instance_prompt"),
-    ForeignValue(
-        "caption_strategy",
-        "parquet",
-        SIMPLETUNER,
-        None,
-        "captions come from .txt files, file names or `instance_prompt`",
-    ),
     ForeignValue(
         "type", "aws", SIMPLETUNER, None, "S3 storage is not supported: copy the data to a folder and use `local`"
     ),
@@ -364,7 +263,7 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
         "text_embeds",
         SIMPLETUNER,
         None,
-        "text embeddings are cached under `cache_config.cache_dir`: remove this entry",
+        "a SimpleTuner text-cache entry: set `cache_config.text_cache_dir` to its `cache_dir` and remove the entry",
     ),
 )
 

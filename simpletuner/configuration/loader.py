@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -16,10 +17,14 @@ from typing import Any, Iterable, Iterator
 import orjson
 from pydantic import ValidationError
 
+from simpletuner.configuration import dialect
 from simpletuner.configuration.errors import ConfigError, format_validation_error
 from simpletuner.configuration.model_folder import looks_local, settle_model_family
 from simpletuner.configuration.partial import InvalidInput, PartialModel, partial_config, run_rules
 from simpletuner.configuration.schema import CacheConfig, TrainingConfig
+from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES, metadata_file_format
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_OUTPUT_DIR: str = TrainingConfig.model_fields["output_dir"].default
 _DEFAULT_CACHE_DIR: str = CacheConfig.model_fields["cache_dir"].default
@@ -109,10 +114,32 @@ def _dataset_dirs(config) -> Iterator[str]:
     for i, ds in enumerate(config.datasets or []):
         try:
             d = Path(ds.instance_data_dir).expanduser()
+            is_left_out = ds.disabled or ds.probability == 0  # never read: its folder may be gone
         except InvalidInput:  # this entry failed validation: its own errors say why
             continue
-        if not d.is_dir():
+        if not is_left_out and not d.is_dir():
             yield f"datasets[{i}].instance_data_dir: {d} is not a folder"
+
+
+def _caption_files(config) -> Iterator[str]:
+    """Each metadata caption file exists (and, read as Parquet, pyarrow is installed)."""
+    for i, ds in enumerate(config.datasets or []):
+        try:
+            strategy = ds.caption_strategy
+            if strategy not in METADATA_CAPTION_STRATEGIES or getattr(ds, strategy) is None:
+                continue
+            table = getattr(ds, strategy)
+            path = Path(table.path).expanduser()
+        except InvalidInput:  # this entry failed validation: its own errors say why
+            continue
+        if not path.is_file():
+            yield f"datasets[{i}].{strategy}.path: {path} is not a file; give the {strategy} file of captions"
+        elif metadata_file_format(strategy, table.path) == "parquet" and not _is_installed("pyarrow"):
+            yield (
+                f"datasets[{i}].{strategy}.path: reading a Parquet file needs pyarrow, which this Python "
+                f'({sys.executable}) does not have: install it with `pip install -e ".[parquet]"` in the '
+                "simpletuner checkout (or `pip install pyarrow`)"
+            )
 
 
 def _resume_dir(config) -> Iterator[str]:
@@ -152,7 +179,15 @@ def _tracker_package(config) -> Iterator[str]:
         )
 
 
-_PATH_CHECKS = (_model_folder, _output_dir, _cache_dir, _dataset_dirs, _resume_dir, _tracker_package)
+_PATH_CHECKS = (
+    _model_folder,
+    _output_dir,
+    _cache_dir,
+    _dataset_dirs,
+    _caption_files,
+    _resume_dir,
+    _tracker_package,
+)
 
 
 def check_paths(config: TrainingConfig | PartialModel) -> list[str]:
@@ -191,7 +226,8 @@ def _from_base(value: Any, base_dir: Path) -> Any:
 
 
 def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
-    """Relative ``output_dir``, ``cache_config.cache_dir``, ``datasets[].instance_data_dir``, a
+    """Relative ``output_dir``, ``cache_config.cache_dir`` / ``text_cache_dir``, ``datasets[].instance_data_dir`` /
+    ``cache_dir_vae``, a
     ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir``
     (the config file's folder), so the same config run from another folder writes and reads the same places.
     ``--set`` values are part of the config and follow the same rule. Without ``base_dir`` (a dict, no file) nothing
@@ -207,6 +243,8 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
     cache = out.get("cache_config", {})
     if isinstance(cache, dict):
         out["cache_config"] = {**cache, "cache_dir": _from_base(cache.get("cache_dir", _DEFAULT_CACHE_DIR), base_dir)}
+        if "text_cache_dir" in cache:
+            out["cache_config"]["text_cache_dir"] = _cache_folder_from_base(cache["text_cache_dir"], base_dir)
     datasets = out.get("datasets")
     if isinstance(datasets, list):
         out["datasets"] = [
@@ -215,6 +253,33 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
             else d
             for d in datasets
         ]
+        out["datasets"] = [_caption_tables_from_base(d, base_dir) for d in out["datasets"]]
+        out["datasets"] = [
+            {**d, "cache_dir_vae": _cache_folder_from_base(d["cache_dir_vae"], base_dir)}
+            if isinstance(d, dict) and "cache_dir_vae" in d
+            else d
+            for d in out["datasets"]
+        ]
+    return out
+
+
+def _cache_folder_from_base(value: Any, base_dir: Path) -> Any:
+    """A ``cache_dir_vae`` / ``text_cache_dir`` taken from ``base_dir`` like any path, unless it starts at
+    ``{output_dir}`` (already absolute once filled in)."""
+    if isinstance(value, str) and value.startswith("{output_dir}"):
+        return value
+    return _from_base(value, base_dir)
+
+
+def _caption_tables_from_base(dataset: Any, base_dir: Path) -> Any:
+    """A dataset entry whose `parquet` / `csv` / `jsonl` table's relative `path` is taken from ``base_dir``."""
+    if not isinstance(dataset, dict):
+        return dataset
+    out = dataset
+    for name in METADATA_CAPTION_STRATEGIES:
+        table = dataset.get(name)
+        if isinstance(table, dict) and "path" in table:
+            out = {**out, name: {**table, "path": _from_base(table["path"], base_dir)}}
     return out
 
 
@@ -247,12 +312,38 @@ def validate_config(
 
 
 def read_raw_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict[str, Any]:
-    """The config file's JSON object with ``--set`` overrides applied, not validated yet."""
+    """The config file's JSON object with ``--set`` overrides applied, not validated yet. A SimpleTuner
+    config is translated first (configuration/dialect.py; its report is logged once per file), so the
+    overrides, like everything after, use our key names."""
     p = Path(path)
     raw = _read_json(p, "config file")
     if not isinstance(raw, dict):
         raise ConfigError(["the config must be a JSON object ({...})"], str(p))
-    return apply_overrides(raw, overrides)
+    return apply_overrides(native_config(raw, p), overrides)
+
+
+NATIVE_KEYS: frozenset[str] = frozenset(TrainingConfig.model_fields)
+_REPORTED: set[Path] = set()
+
+
+def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """``raw`` itself when it is a native config; a SimpleTuner config translated (and its report logged:
+    the summary and mapping at INFO, each approximation as a warning)."""
+    if not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
+        return raw
+    try:
+        native, report = dialect.translate(raw, path)
+    except dialect.DialectError as exc:
+        raise ConfigError(exc.problems, exc.source) from None
+    key = path.resolve() if path is not None else None
+    if key is None or key not in _REPORTED:
+        if key is not None:
+            _REPORTED.add(key)
+        for line in report.lines():
+            logger.info("%s", line)
+        for line in report.approximated:
+            logger.warning("SimpleTuner key approximated: %s", line)
+    return native
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), check_files: bool = True) -> LoadedConfig:

@@ -18,6 +18,10 @@ from simpletuner.configuration.families import (
     FLOW_MATCHING_FAMILIES,
     VIDEO_FAMILIES,
 )
+from simpletuner.configuration.optimizer_settings import (
+    optimizer_config_problems,
+    prodigy_learning_rate_problems,
+)
 
 Rule = Callable[[Any], Iterator[str]]
 
@@ -25,6 +29,30 @@ Rule = Callable[[Any], Iterator[str]]
 def _caption_prompt(ds) -> Iterator[str]:
     if ds.caption_strategy == "instance_prompt" and not ds.instance_prompt:
         yield "caption_strategy 'instance_prompt' needs `instance_prompt`: add the caption every image should get"
+
+
+_CAPTION_TABLES = ("parquet", "csv", "jsonl")
+
+
+def _caption_table(ds) -> Iterator[str]:
+    strategy = ds.caption_strategy
+    for name in _CAPTION_TABLES:
+        table = getattr(ds, name)
+        if name == strategy and table is None:
+            yield (
+                f"caption_strategy {name!r} needs a `{name}` table naming the file and its columns: "
+                f'"{name}": {{"path": ..., "filename_column": ..., "caption_column": ...}}'
+            )
+        elif name != strategy and table is not None:
+            yield (
+                f"`{name}` is set but caption_strategy is {strategy!r}: set caption_strategy {name!r} "
+                f"or remove `{name}`"
+            )
+
+
+def _prepend_needs_prompt(ds) -> Iterator[str]:
+    if ds.prepend_instance_prompt and not ds.instance_prompt:
+        yield "prepend_instance_prompt needs `instance_prompt`: add the words to put before every caption"
 
 
 def _video_frames(ds) -> Iterator[str]:
@@ -71,6 +99,16 @@ def _datasets_listed(cfg) -> Iterator[str]:
         yield "`datasets` is empty: add at least one dataset entry"
 
 
+def _some_dataset_trained(cfg) -> Iterator[str]:
+    datasets = cfg.datasets or []
+    if datasets and all(ds.disabled or ds.probability == 0 for ds in datasets):
+        listed = ", ".join(f"{ds.id!r} ({'disabled' if ds.disabled else 'probability 0'})" for ds in datasets)
+        yield (
+            f"every dataset is left out of training: {listed}. Enable one: remove `disabled: true` or give it a "
+            "`probability` above 0"
+        )
+
+
 def _unique_dataset_ids(cfg) -> Iterator[str]:
     ids = [d.id for d in cfg.datasets or []]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
@@ -107,6 +145,17 @@ def _automagic_lr_range(cfg) -> Iterator[str]:
         )
 
 
+def _optimizer_config_fits(cfg) -> Iterator[str]:
+    yield from optimizer_config_problems(cfg.optimizer, cfg.optimizer_config)
+
+
+def _prodigy_learning_rate(cfg) -> Iterator[str]:
+    if cfg.optimizer != "prodigy":
+        return
+    for key in ("learning_rate", "high_noise_learning_rate", "low_noise_learning_rate"):
+        yield from prodigy_learning_rate_problems({key: getattr(cfg, key)})
+
+
 def _automagic_stage_ranges(cfg) -> Iterator[str]:
     if cfg.optimizer != "automagic":
         return
@@ -133,6 +182,17 @@ def _full_not_quantised(cfg) -> Iterator[str]:
         )
 
 
+def _lycoris_merge_needs_plain_base(cfg) -> Iterator[str]:
+    if cfg.training_type != "lora" or cfg.lora_type != "lycoris" or cfg.lycoris.bypass_mode:
+        return
+    if cfg.base_model_precision != "no_change":
+        yield (
+            f"lycoris.bypass_mode false merges each adapter's delta into its layer's weight, which a "
+            f"{cfg.base_model_precision!r} base cannot take: set lycoris.bypass_mode true or base_model_precision "
+            "'no_change'"
+        )
+
+
 def _video_needs_video_family(cfg) -> Iterator[str]:
     if cfg.model_family not in VIDEO_FAMILIES and any(d.dataset_type == "video" for d in cfg.datasets or []):
         yield f"video datasets need a video model family ({', '.join(VIDEO_FAMILIES)}), not {cfg.model_family!r}"
@@ -149,6 +209,15 @@ def _loss_weighting_fits_family(cfg) -> Iterator[str]:
         yield (
             f"loss_weighting {cfg.loss_weighting} is a flow-matching weighting, but model_family "
             f"{cfg.model_family!r} uses a DDPM schedule: use none or min_snr"
+        )
+
+
+def _noise_offset_fits_family(cfg) -> Iterator[str]:
+    if cfg.noise_offset > 0 and cfg.model_family in FLOW_MATCHING_FAMILIES:
+        yield (
+            f"noise_offset {cfg.noise_offset} is offset noise for DDPM schedules (sd, sdxl), but model_family "
+            f"{cfg.model_family!r} trains with flow matching, which takes no offset noise (SimpleTuner ignores it "
+            "there): remove noise_offset or set it to 0"
         )
 
 
@@ -246,7 +315,9 @@ def _dataset_resolution_aligned(cfg) -> Iterator[str]:
     alignment = cfg.aspect_bucket_alignment
     for index, ds in enumerate(cfg.datasets or []):
         resolution = ds.resolution
-        if resolution is not None and resolution % alignment:
+        if ds.resolution_type == "area" or not isinstance(resolution, int):
+            continue  # megapixels, or a fraction (refused by the dataset's own rules)
+        if resolution % alignment:
             below = resolution - resolution % alignment
             lower, upper = max(alignment, below), below + alignment
             yield (
@@ -254,6 +325,81 @@ def _dataset_resolution_aligned(cfg) -> Iterator[str]:
                 f"{alignment} (bucket sides are, so it would train at another size): use {lower}"
                 + (f" or {upper}" if upper != lower else "")
             )
+
+
+# --- validation options: what the family's pipeline accepts ---------------------------------------------
+
+#: Families whose diffusers pipeline takes ``guidance_rescale`` (StableDiffusion / StableDiffusionXL);
+#: SD3's, Flux's and Wan's do not (tests/test_validation_options.py checks the installed diffusers).
+GUIDANCE_RESCALE_FAMILIES = frozenset({"sd", "sdxl"})
+
+
+def validation_sizes(value: int | str) -> list[tuple[int, int]]:
+    """``validation_resolution`` as (width, height) pairs: a number (square), ``"WxH"``, or several of
+    those separated by commas (SimpleTuner's spellings; ``x`` or ``X``). Raises ValueError naming the
+    piece that is neither."""
+    pieces = [value] if isinstance(value, int) else str(value).split(",")
+    sizes = []
+    for piece in pieces:
+        text = str(piece).strip().lower()
+        sides = text.split("x") if "x" in text else [text, text]
+        if len(sides) != 2 or not all(side.strip().isdigit() for side in sides):
+            raise ValueError(
+                f"{str(piece).strip()!r} is not a size: give a number (1024, a square), WIDTHxHEIGHT (832x480), or "
+                'several separated by commas ("1024, 832x480")'
+            )
+        width, height = (int(side) for side in sides)
+        if not 0 < width <= 16384 or not 0 < height <= 16384:
+            raise ValueError(f"{str(piece).strip()!r}: each side must be between 1 and 16384 pixels")
+        sizes.append((width, height))
+    return sizes
+
+
+def _validation_sizes_fit_family(cfg) -> Iterator[str]:
+    value = cfg.validation_resolution
+    grid = FAMILY_LATENT_GRID.get(cfg.model_family)
+    if value is None or grid is None:
+        return
+    step = grid[0] * grid[1]
+    for width, height in validation_sizes(value):
+        bad = [side for side in (width, height) if side % step]
+        if bad:
+            lower = "x".join(str(max(step, side - side % step)) for side in (width, height))
+            upper = "x".join(str(side + (-side) % step) for side in (width, height))
+            fixed = lower if lower == upper else f"{lower} or {upper}"
+            yield (
+                f"validation_resolution {width}x{height}: model_family {cfg.model_family!r} renders sides that are "
+                f"multiples of {step} (the VAE's {grid[0]} pixels per latent"
+                + (f" times {grid[1]} latents per token" if grid[1] > 1 else "")
+                + f"), and {', '.join(map(str, bad))} is not: use {fixed}"
+            )
+
+
+def _guidance_rescale_fits_family(cfg) -> Iterator[str]:
+    if cfg.validation_guidance_rescale and cfg.model_family not in GUIDANCE_RESCALE_FAMILIES:
+        yield (
+            f"validation_guidance_rescale {cfg.validation_guidance_rescale} needs a pipeline with guidance rescale "
+            f"({', '.join(sorted(GUIDANCE_RESCALE_FAMILIES))}); the {cfg.model_family} pipeline has none: set it "
+            "to 0 or remove it"
+        )
+
+
+def _validation_frames_fit_family(cfg) -> Iterator[str]:
+    frames = cfg.validation_num_video_frames
+    if frames is None:
+        return
+    if cfg.model_family not in VIDEO_FAMILIES:
+        if frames != 1:
+            yield (
+                f"validation_num_video_frames {frames} is for video families ({', '.join(VIDEO_FAMILIES)}); "
+                f"model_family {cfg.model_family!r} renders single images: remove it"
+            )
+    elif frames % 4 != 1:
+        lower, upper = frames - (frames - 1) % 4, frames + (5 - frames % 4) % 4
+        yield (
+            f"validation_num_video_frames {frames} is not of the form 4k+1 (the video VAE decodes 4 frames per "
+            f"latent frame after the first): use {lower} or {upper}"
+        )
 
 
 # --- names the run turns into files and folders --------------------------------------------------------
@@ -325,28 +471,134 @@ def folder_name_problem(value: str) -> str | None:
     return None
 
 
+# --- dataset geometry: crop, resolution units, size and aspect limits (data_backend/geometry.py) -----------
+
+#: Megapixel values above this are refused with ``resolution_type: area``: they read as pixels.
+MAX_AREA_MEGAPIXELS = 64
+_SIZE_KEYS = ("minimum_image_size", "maximum_image_size", "target_downsample_size")
+
+
+def _resolution_units(ds) -> Iterator[str]:
+    """``area`` takes megapixels (and the dataset's own ``resolution``); other units take whole pixels."""
+    if ds.resolution_type == "area":
+        if ds.resolution is None:
+            yield (
+                "resolution_type 'area' needs this dataset's `resolution` in megapixels (1.0 gives buckets around "
+                "1024x1024): set it, or use resolution_type 'pixel_area' to keep the top-level `resolution` in pixels"
+            )
+        for key in ("resolution", *_SIZE_KEYS):
+            value = getattr(ds, key)
+            if value is not None and value > MAX_AREA_MEGAPIXELS:
+                yield (
+                    f"{key} {value} is megapixels with resolution_type 'area', and more than {MAX_AREA_MEGAPIXELS} "
+                    f"megapixels reads as pixels: give megapixels (a {value} px side is about "
+                    f"{value * value / 1e6:.2f} megapixels), or use resolution_type 'pixel_area' for a side in pixels"
+                )
+        return
+    for key in ("resolution", *_SIZE_KEYS):
+        value = getattr(ds, key)
+        if isinstance(value, float):  # a whole number was made an int by the field
+            yield (
+                f"{key} {value} is not a whole number of pixels: a fraction is megapixels, which needs "
+                "resolution_type 'area'; give pixels (e.g. 1024) or set resolution_type 'area'"
+            )
+
+
+def _crop_settings(ds) -> Iterator[str]:
+    """crop_aspect, its buckets and the downsample pair apply only with ``crop: true``, and fit together."""
+    if ds.crop is not True:
+        given = [
+            key
+            for key in ("crop_aspect", "crop_aspect_buckets", "maximum_image_size", "target_downsample_size")
+            if getattr(ds, key) is not None
+        ]
+        if given and ds.crop is None:  # `crop: false` ignores them, as SimpleTuner does
+            yield (
+                f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only with `crop: true`, and crop is "
+                f"unset: set `crop: true`, or remove {'them' if len(given) > 1 else 'it'}"
+            )
+        return
+    aspect, buckets = ds.crop_aspect or "square", ds.crop_aspect_buckets
+    if aspect in ("closest", "random") and not buckets:
+        yield (
+            f"crop_aspect {aspect!r} needs `crop_aspect_buckets`, the aspect ratios (width / height) to choose "
+            "from, e.g. [0.75, 1.0, 1.5]"
+        )
+    elif aspect not in ("closest", "random") and buckets is not None:
+        yield (
+            f"crop_aspect_buckets is used by crop_aspect 'closest' or 'random' only, and crop_aspect is {aspect!r}: "
+            "remove it or change crop_aspect"
+        )
+    elif buckets:
+        weighted = [not isinstance(b, (int, float)) for b in buckets]
+        if any(weighted) and not all(weighted):
+            yield (
+                "crop_aspect_buckets mixes numbers and {aspect, weight} objects: give all numbers (equal chances) "
+                "or all objects"
+            )
+        elif all(weighted) and aspect == "random" and abs(sum(b.weight for b in buckets) - 1.0) > 1e-6:
+            total = sum(b.weight for b in buckets)
+            yield f"the weights of crop_aspect_buckets add up to {total:g}; they must add up to 1"
+    maximum, target = ds.maximum_image_size, ds.target_downsample_size
+    if (maximum is None) != (target is None):
+        missing = "target_downsample_size" if target is None else "maximum_image_size"
+        yield (
+            f"maximum_image_size and target_downsample_size work together (images larger than the maximum are "
+            f"resized to the target before the crop): set {missing} too, or remove both"
+        )
+    elif maximum is not None and target > maximum:
+        yield (
+            f"target_downsample_size {target} is larger than maximum_image_size {maximum}: images above the "
+            "maximum would be enlarged before the crop; use a target at most the maximum"
+        )
+
+
+def _aspect_range(ds) -> Iterator[str]:
+    low, high = ds.minimum_aspect_ratio, ds.maximum_aspect_ratio
+    if low is not None and high is not None and low > high:
+        yield (
+            f"minimum_aspect_ratio {low} is above maximum_aspect_ratio {high}: every image would be skipped; swap them"
+        )
+
+
 #: Rules of a dataset entry, of ``gh200_optimizations`` and of the whole config (each model names its
 #: tuple as ``cross_field_rules``). Add a rule to its tuple to have it checked both in validation and
 #: in the loader's one-pass report.
-DATASET_RULES: tuple[Rule, ...] = (_caption_prompt, _video_frames)
+DATASET_RULES: tuple[Rule, ...] = (
+    _caption_prompt,
+    _caption_table,
+    _prepend_needs_prompt,
+    _video_frames,
+    _resolution_units,
+    _crop_settings,
+    _aspect_range,
+)
 RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds,)
 TRAINING_RULES: tuple[Rule, ...] = (
     _stop_condition,
     _one_dataset_source,
     _datasets_listed,
+    _some_dataset_trained,
     _unique_dataset_ids,
     _resolution_aligned,
     _ramp_batch_multiple,
     _automagic_lr_range,
     _automagic_stage_ranges,
+    _optimizer_config_fits,
+    _prodigy_learning_rate,
     _stages_need_experts,
     _full_not_quantised,
+    _lycoris_merge_needs_plain_base,
     _video_needs_video_family,
     _loss_weighting_fits_family,
+    _noise_offset_fits_family,
     _validation_prompt_given,
     _places_apart,
     _alignment_fits_family,
     _dataset_resolution_aligned,
+    _validation_sizes_fit_family,
+    _guidance_rescale_fits_family,
+    _validation_frames_fit_family,
 )
 
 

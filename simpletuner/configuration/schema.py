@@ -15,8 +15,9 @@ from pydantic import Field, field_validator, model_validator
 
 from simpletuner.configuration.alloc_conf import allocator_settings_problems
 from simpletuner.configuration.families import FAMILY_NAMES
+from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
-from simpletuner.configuration.rules import TRAINING_RULES, Rule, check_rules
+from simpletuner.configuration.rules import TRAINING_RULES, Rule, check_rules, validation_sizes
 from simpletuner.configuration.sections import (
     MAX_LEARNING_RATE,
     MAX_RESOLUTION,
@@ -178,13 +179,19 @@ class TrainingConfig(_Strict):
         "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
     ] = Field("constant", description="Learning-rate schedule (diffusers' `get_scheduler`).")
     lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
-    optimizer: Literal["adamw", "adam", "sgd", "automagic"] = Field(
+    optimizer: Literal["adamw", "adam", "sgd", "automagic", "adamw_bf16", "prodigy"] = Field(
         "adamw",
         description=(
             "`adamw`, `adam`, `sgd` (torch), or `automagic`: a learning rate per element, starting at "
             "`learning_rate`, raised by `lr_bump` while its update keeps its sign and lowered when it flips, "
             "within [`min_lr`, `max_lr`]; Adafactor-style factored second moments (about 3 bytes of state per "
-            "weight instead of AdamW's 8), decoupled weight decay, stochastic rounding into bf16 weights."
+            "weight instead of AdamW's 8), decoupled weight decay, stochastic rounding into bf16 weights. "
+            "`adamw_bf16`: AdamW that keeps bf16 weights and moments in bf16 and rounds each update "
+            "stochastically (unbiased, so steps below a bf16 ulp still add up); on fp32 weights (LoRA and "
+            "LyCORIS adapters, full fine-tunes here) it is exactly `adamw`. `prodigy`: Prodigy (the `prodigy` "
+            "extra, prodigyopt), Adam with a step size `d` it estimates itself; `learning_rate` multiplies `d` and "
+            "should be about 1.0; its other settings go in `optimizer_config`, and each param group (each Wan 2.2 "
+            "expert) estimates its own `d`."
         ),
     )
     lr_bump: float = Field(
@@ -192,6 +199,35 @@ class TrainingConfig(_Strict):
     )
     min_lr: float = Field(1e-7, gt=0, le=MAX_LEARNING_RATE, description="Automagic: lowest per-element learning rate.")
     max_lr: float = Field(1e-3, gt=0, le=MAX_LEARNING_RATE, description="Automagic: highest per-element learning rate.")
+    optimizer_config: dict[str, Union[bool, int, float, str, None]] = Field(
+        default_factory=dict,
+        description=(
+            "The optimizer's own settings: a JSON object, or SimpleTuner's string of comma-separated "
+            '`key=value` pairs (`"d_coef=0.5,use_bias_correction=true"`). Only `prodigy` takes any: `d_coef` '
+            "(multiplies the estimate of `d`, default 1.0), `d0` (initial `d`, 1e-6), `growth_rate` (most `d` may "
+            "grow per step, unbounded), `beta3` (decay of the `d` statistics, sqrt(`adam_beta2`)), "
+            "`use_bias_correction` (false), `safeguard_warmup` (false), `decouple` (decoupled weight decay, true), "
+            "`slice_p` (estimate `d` from every p-th element, 1), `split_groups` (one `d` per param group, true). "
+            "Learning rate, betas, epsilon and weight decay come from `learning_rate`, `adam_beta1`, `adam_beta2`, "
+            "`adam_epsilon` and `weight_decay`."
+        ),
+    )
+    prodigy_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Prodigy: steps during which each param group adapts its step size `d`; after them `d` stays fixed "
+            "and training goes on at that size. 0: adapt throughout."
+        ),
+    )
+    vae_batch_size: int = Field(
+        8,
+        ge=1,
+        description=(
+            "Images (or videos) per VAE call when filling the latent cache and when re-encoding it; lower it if "
+            "encoding runs out of memory."
+        ),
+    )
     high_noise_learning_rate: Optional[float] = Field(
         None,
         gt=0,
@@ -245,7 +281,70 @@ class TrainingConfig(_Strict):
     adam_epsilon: float = Field(1e-8, gt=0, le=1, description="Adam epsilon.")
     weight_decay: float = Field(1e-2, ge=0, le=1, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
     max_grad_norm: Optional[float] = Field(
-        1.0, gt=0, description="Clip the gradient norm to this; null disables clipping."
+        1.0,
+        gt=0,
+        description="Clip gradients to this (how: `grad_clip_method`) before each optimizer step; null: no clipping.",
+    )
+    grad_clip_method: Literal["norm", "value"] = Field(
+        "norm",
+        description=(
+            "`norm`: scale all gradients together so their total L2 norm is at most `max_grad_norm`; `value`: clamp "
+            "each gradient element to [-`max_grad_norm`, `max_grad_norm`] (SimpleTuner's default)."
+        ),
+    )
+    use_ema: bool = Field(
+        False,
+        description=(
+            "Keep an exponential moving average (EMA) of the trained weights (the adapter's, or the whole denoiser's "
+            "in a full fine-tune), updated after each real optimizer step (`ema_update_interval`; a skipped window "
+            "does not count). Saved in every checkpoint (`ema.safetensors`, restored exactly on resume) and at the "
+            "end as a second set of final weights under `output_dir/ema/` (same file names and format as the "
+            "final weights, e.g. `ema/pytorch_lora_weights.safetensors`); `ema_validation` says which weights "
+            "validation renders. Costs a copy of the trained weights (on `ema_device`) and an update per step."
+        ),
+    )
+    ema_decay: float = Field(
+        0.995,
+        ge=0,
+        lt=1,
+        description=(
+            "The EMA's decay: `ema = decay * ema + (1 - decay) * weights`. As in SimpleTuner it ramps up: at "
+            "optimizer step `t` the decay used is `min((1 + s) / (10 + s), ema_decay)` with `s = t - 1` (so step 1 "
+            "copies the weights), unless `ema_warmup_steps` is set."
+        ),
+    )
+    ema_update_interval: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Update the EMA after optimizer steps that are multiples of this (1: every step). The decay still follows "
+            "the step number, not the count of updates."
+        ),
+    )
+    ema_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "0: the decay ramp of `ema_decay`. N > 0: before optimizer step N the EMA copies the weights (decay 0), "
+            "from step N on it uses `ema_decay` unchanged (no ramp)."
+        ),
+    )
+    ema_device: Literal["cpu", "accelerator"] = Field(
+        "cpu",
+        description=(
+            "Where the EMA lives: `cpu` (no GPU memory; each update copies the trained weights to the CPU and "
+            "averages there) or `accelerator` (the training GPU: fastest updates, costs GPU memory for one more "
+            "copy of the trained weights)."
+        ),
+    )
+    ema_validation: Literal["none", "ema_only", "comparison"] = Field(
+        "comparison",
+        description=(
+            "With `use_ema`, which weights validation renders: `none` (the trained weights only), `ema_only` (the "
+            "EMA weights only, under the usual file names), `comparison` (both: the EMA images are saved as "
+            "`step_NNNNNN_K_ema.png` and each grid row shows the trained weights' images, then the EMA's). "
+            "Without `use_ema` it has no effect."
+        ),
     )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         "uniform",
@@ -291,6 +390,52 @@ class TrainingConfig(_Strict):
         ),
     )
     snr_gamma: float = Field(5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")
+    loss_type: Literal["l2", "huber", "smooth_l1"] = Field(
+        "l2",
+        description=(
+            "The per-element loss between prediction and target, averaged per sample before `loss_weighting`: `l2` "
+            "(mean squared error); `huber` (pseudo-Huber `2 c (sqrt(d^2 + c^2) - c)`: squared for small errors, "
+            "linear for large ones, so outliers pull less); `smooth_l1` (the same curve without the factor c: "
+            "`2 (sqrt(d^2 + c^2) - c)`). c is `huber_c`, scheduled over the noise level by `huber_schedule`. "
+            "Every family."
+        ),
+    )
+    huber_schedule: Literal["snr", "exponential", "constant"] = Field(
+        "snr",
+        description=(
+            "How the threshold c of `huber` / `smooth_l1` follows the noise level: `snr` "
+            "(`(1 - huber_c) / (1 + s)^2 + huber_c`, s the noise-to-signal ratio: near 1 at low noise, `huber_c` at "
+            "high noise); `exponential` (1 at the cleanest timestep down to `huber_c` at the noisiest: "
+            "`huber_c ** (t / T)`); `constant` (`huber_c`). Unused with `loss_type` `l2`."
+        ),
+    )
+    huber_c: float = Field(
+        0.1,
+        gt=0,
+        description=(
+            "The threshold c of `huber` / `smooth_l1` where the loss turns from squared to linear (the value at "
+            "the noisiest step under `huber_schedule` `snr` / `exponential`). Unused with `loss_type` `l2`."
+        ),
+    )
+    noise_offset: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Offset noise for DDPM families (sd, sdxl): adds `noise_offset` times one normal draw per sample and "
+            "channel, constant over the image, to the training noise, so the model can learn very dark or very "
+            "light images (typical 0.05-0.1). 0: off. Flow-matching families refuse it."
+        ),
+    )
+    noise_offset_probability: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description=(
+            "The share of micro-batches that get the `noise_offset` (one draw per micro-batch decides; 1: every "
+            "one). Unused while `noise_offset` is 0."
+        ),
+    )
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
         "no",
         description=(
@@ -303,6 +448,17 @@ class TrainingConfig(_Strict):
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, ~30% more compute."
+    )
+    caption_dropout_probability: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description=(
+            "Chance that a training sample's caption is replaced by the empty prompt, an empty string (its embedding, "
+            "cached like any caption), so the model also learns the unconditional prediction classifier-free "
+            "guidance needs (0.1 is usual). Decided per sample from `seed`, the step and the sample, so a resumed "
+            "run drops the same captions. Validation and evaluation batches are never dropped. 0: off."
+        ),
     )
 
     # --- adapter ---
@@ -402,6 +558,54 @@ class TrainingConfig(_Strict):
     validation_num_inference_steps: int = Field(20, ge=1, description="Sampler steps for validation images.")
     validation_guidance_scale: float = Field(
         7.5, ge=0, description="Classifier-free guidance scale for validation images."
+    )
+    validation_resolution: Optional[Union[int, str]] = Field(
+        None,
+        description=(
+            'Size of the validation images: a number (`1024`: square), `"WIDTHxHEIGHT"` (`"832x480"`), or several '
+            'of those separated by commas (`"1024, 832x480"`): each size renders every prompt. Each side must be a '
+            "multiple of the family's latent grid (8 for sd / sdxl, 16 for sd3 / flux / wan). Unset: `resolution` "
+            "square. With one size the files are named as without this key; with several, each size gets its own "
+            "images and grid, named `step_NNNNNN_WxH_K.png` and `step_NNNNNN_WxH_grid.png`."
+        ),
+    )
+    validation_negative_prompt: Optional[str] = Field(
+        None,
+        description=(
+            "Negative prompt for validation images (used where classifier-free guidance is on, "
+            "`validation_guidance_scale` > 1). Unset: none. Flux's guidance-distilled sampling uses no negative "
+            "prompt: there it is ignored, with a warning."
+        ),
+    )
+    validation_seed: Optional[int] = Field(
+        None,
+        ge=0,
+        le=2**32 - 1,
+        description=(
+            "Seed of every validation prompt's noise (each validation starts every prompt from it, so steps differ "
+            "only by the training in between). Unset: `seed`."
+        ),
+    )
+    validation_guidance_rescale: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Guidance rescale (the `guidance_rescale` of diffusers' SD / SDXL pipelines: blends the guided "
+            "prediction toward its rescaled standard deviation, against over-exposure with v-prediction and "
+            "zero-terminal-SNR models); 0 turns it off. Only sd and sdxl have it; another family refuses a "
+            "non-zero value."
+        ),
+    )
+    validation_num_video_frames: Optional[int] = Field(
+        None,
+        ge=1,
+        description=(
+            "Video families (wan): frames per validation video, 4k+1 (1, 5, 9, ..., 81). Unset or 1: one frame, "
+            "saved as a PNG as for images. More: the first frame is the PNG (and the grid's tile), and the whole "
+            "clip is saved beside it as an animated GIF (`step_NNNNNN_K.gif`, 16 frames per second). Image "
+            "families refuse a value other than 1."
+        ),
     )
 
     # --- performance ---
@@ -508,6 +712,11 @@ class TrainingConfig(_Strict):
             )
         return value
 
+    @field_validator("optimizer_config", mode="before")
+    @classmethod
+    def _optimizer_config_read(cls, value: Any) -> Any:
+        return parse_optimizer_config(value)  # SimpleTuner's "key=value,..." string -> a dict
+
     @field_validator("cuda_allocator")
     @classmethod
     def _allocator_keys(cls, value: dict) -> dict:
@@ -528,6 +737,23 @@ class TrainingConfig(_Strict):
     @property
     def effective_lora_alpha(self) -> float:
         return float(self.lora_alpha if self.lora_alpha is not None else self.lora_rank)
+
+    @field_validator("validation_resolution", mode="before")
+    @classmethod
+    def _validation_sizes_read(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, str, type(None))):
+            raise ValueError(f'{value!r} is not a size: give a number (1024), "WIDTHxHEIGHT" or a comma-separated list')
+        if value is not None:
+            validation_sizes(value)  # raises with what is wrong
+        return value
+
+    @property
+    def validation_sizes(self) -> list[tuple[int, int]]:
+        """The (width, height) of every validation image size, in the order given; one square
+        `resolution` when `validation_resolution` is unset."""
+        if self.validation_resolution is None:
+            return [(self.resolution, self.resolution)]
+        return validation_sizes(self.validation_resolution)
 
     @property
     def validation_prompt_list(self) -> list[str]:

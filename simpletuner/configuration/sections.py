@@ -5,10 +5,12 @@ and LyCORIS options, and what every config model shares (``_Strict``, the checke
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from simpletuner.configuration.cache_paths import TEXT_TEMPLATE_NAMES, template_problem
 from simpletuner.configuration.rules import (
     DATASET_RULES,
     RAMP_RULES,
@@ -41,13 +43,96 @@ def _checked(problem):
 PathText = Annotated[str, _checked(path_problem)]
 #: One folder name (it becomes a folder under output_dir): no separators, within 255 bytes.
 FolderName = Annotated[str, _checked(folder_name_problem)]
+#: A cache folder that may hold the place-holders of :mod:`.cache_paths` (``{model_family}``, ``{id}``, ...).
+CacheFolderText = Annotated[PathText, _checked(template_problem)]
+#: ``cache_config.text_cache_dir``: the same, without ``{id}`` (no dataset owns it).
+TextCacheFolderText = Annotated[PathText, _checked(lambda value: template_problem(value, TEXT_TEMPLATE_NAMES))]
 
 #: Bounds no real run comes near, so a typo (or 1e12) is refused instead of overflowing later.
 MAX_RESOLUTION = 16384
 MAX_LEARNING_RATE = 1.0
 
 
-CaptionStrategy = Literal["textfile", "filename", "instance_prompt"]
+CaptionStrategy = Literal["textfile", "filename", "instance_prompt", "parquet", "csv", "jsonl"]
+
+#: Caption strategies that read a metadata file; each reads the dataset's sub-table of the same name.
+METADATA_CAPTION_STRATEGIES = ("parquet", "csv", "jsonl")
+
+
+def metadata_file_format(strategy: str, path: str) -> str:
+    """How the metadata file of ``strategy`` at ``path`` is read: ``parquet``, ``jsonl`` (one JSON object a
+    line), ``json`` (one JSON array of objects) or ``csv``. ``parquet`` goes by the file's extension
+    (``.jsonl`` / ``.json`` are JSON, as in SimpleTuner; ``.csv`` is CSV; anything else is Parquet);
+    ``csv`` and ``jsonl`` always read their own format."""
+    if strategy != "parquet":
+        return strategy
+    suffix = path.lower().rsplit(".", 1)[-1] if "." in path else ""
+    return {"jsonl": "jsonl", "json": "json", "csv": "csv"}.get(suffix, "parquet")
+
+
+class MetadataFileOptions(_Strict):
+    """A table of captions (Parquet, CSV or JSON lines): one row per image, matched by file name."""
+
+    path: PathText = Field(
+        ...,
+        description=(
+            "The metadata file. A relative path is taken from the folder of the config file that loads it (like "
+            "`instance_data_dir`). Under `parquet` the extension picks the reader: `.jsonl` (JSON lines), `.json` "
+            "(a JSON array of objects), `.csv`, anything else Parquet (the `parquet` extra: pyarrow)."
+        ),
+    )
+    filename_column: str = Field(
+        ...,
+        min_length=1,
+        description=(
+            "Column naming each row's image: its path relative to `instance_data_dir` (`cat.png`, or "
+            "`sub/cat.png` for an image in a sub-folder), without the extension unless "
+            "`identifier_includes_extension`. Numbers are read as their text (`42` matches `42.png`)."
+        ),
+    )
+    caption_column: str = Field(..., min_length=1, description="Column holding each image's caption.")
+    fallback_caption_column: Optional[str] = Field(
+        None,
+        min_length=1,
+        description="Column whose caption is used where `caption_column` is empty or null.",
+    )
+    identifier_includes_extension: bool = Field(
+        False,
+        description=(
+            "`true`: `filename_column` values carry the file extension (`cat.png`) and must match exactly; "
+            "`false`: they do not (`cat`), and an extension written there anyway is dropped before matching."
+        ),
+    )
+    width_column: Optional[str] = Field(
+        None,
+        min_length=1,
+        description=(
+            "Column of each image's width in pixels, read together with `height_column`. Sizes still come from "
+            "the image headers (a fast read); rows whose size differs are counted in one warning."
+        ),
+    )
+    height_column: Optional[str] = Field(
+        None, min_length=1, description="Column of each image's height in pixels (see `width_column`)."
+    )
+
+
+def _whole_to_int(value: float) -> Union[int, float]:
+    """``512.0`` -> ``512``: a whole number is an int (so keys and messages read as before); ``1.05`` stays."""
+    return int(value) if value.is_integer() else value
+
+
+#: A size that is pixels (a whole number) or, with `resolution_type: area`, megapixels (a fraction allowed).
+SizeValue = Annotated[float, AfterValidator(_whole_to_int)]
+
+ResolutionType = Literal["pixel", "area", "pixel_area"]
+CropAspect = Literal["square", "preserve", "closest", "random"]
+
+
+class AspectBucket(_Strict):
+    """One weighted entry of `crop_aspect_buckets`."""
+
+    aspect: float = Field(..., gt=0, description="Aspect ratio, width / height (1.0 square, 1.5 landscape 3:2).")
+    weight: float = Field(..., ge=0, description="Chance of this aspect with `crop_aspect: random`; all add up to 1.")
 
 
 class _FolderDatasetConfig(_Strict):
@@ -94,34 +179,186 @@ class _FolderDatasetConfig(_Strict):
             "beside the folder `walk/`; falls back to "
             "`instance_prompt`, then to the file name, and reports how many fell back); "
             "`filename`: caption from the file name (underscores and dashes become spaces); "
-            "`instance_prompt`: every image gets `instance_prompt`."
+            "`instance_prompt`: every image gets `instance_prompt`; "
+            "`parquet` / `csv` / `jsonl`: caption from a row of the metadata file of the sub-table of the same name "
+            "(images with no row, or an empty caption, are skipped and counted in a warning)."
         ),
     )
     instance_prompt: Optional[str] = Field(
         None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback."
     )
-    resolution: Optional[int] = Field(
+    prepend_instance_prompt: bool = Field(
+        False,
+        description=(
+            "Put `instance_prompt` and a space before every caption read from elsewhere (a .txt file, the file "
+            "name, a metadata file): `sks dog` + `on a sofa` -> `sks dog on a sofa`. Needs `instance_prompt`. An "
+            "image captioned with `instance_prompt` itself (the strategy, or the textfile fallback) keeps it as is."
+        ),
+    )
+    parquet: Optional[MetadataFileOptions] = Field(
+        None,
+        description=(
+            "With `caption_strategy: parquet`: the metadata file (`path`, `filename_column`, `caption_column`, ...; "
+            "see the table below)."
+        ),
+    )
+    csv: Optional[MetadataFileOptions] = Field(
+        None,
+        description="With `caption_strategy: csv`: a CSV file with a header row (UTF-8), the same keys as `parquet`.",
+    )
+    jsonl: Optional[MetadataFileOptions] = Field(
+        None,
+        description=(
+            "With `caption_strategy: jsonl`: a JSON-lines file (one object a line), the same keys as `parquet`."
+        ),
+    )
+    resolution: Optional[SizeValue] = Field(
         None,
         gt=0,
         le=MAX_RESOLUTION,
         description=(
-            "Overrides the top-level `resolution` for this dataset; like it, a multiple of `aspect_bucket_alignment`."
+            "Overrides the top-level `resolution` for this dataset; like it, a multiple of `aspect_bucket_alignment`. "
+            "With `resolution_type: area` it is megapixels instead (a fraction such as 1.0 or 0.25, at most 64), "
+            "and the dataset must give it."
         ),
     )
-    crop_style: Literal["center", "random"] = Field(
+    crop_style: Literal["center", "random", "corner"] = Field(
         "center",
         description=(
-            "Where to crop when the resized image overshoots its bucket. `random` picks a fixed offset per image from "
-            "the seed, so caches stay valid."
+            "Where the crop window sits in the resized image: `center`; `random`, a fixed offset per image from "
+            "the seed, so caches stay valid; `corner`, the top-left corner."
         ),
     )
-    repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
-    minimum_image_size: Optional[int] = Field(
+    crop: Optional[bool] = Field(
+        None,
+        description=(
+            "SimpleTuner's crop switch; setting it (or `resolution_type`) makes this dataset use SimpleTuner's "
+            "bucket sizes (see `resolution_type`). `false`: every image keeps its aspect: resized to cover its "
+            "bucket and only the overshoot cropped. `true`: the bucket comes from `crop_aspect`, and "
+            "`maximum_image_size` / `target_downsample_size` apply. Unset (with `resolution_type` unset): this "
+            "trainer's own buckets, area about `resolution`², aspect as close as `aspect_bucket_alignment` allows "
+            "(at most 4:1), only the overshoot cropped."
+        ),
+    )
+    crop_aspect: Optional[CropAspect] = Field(
+        None,
+        description=(
+            "With `crop: true` (ignored with `crop: false`, as in SimpleTuner; refused with `crop` unset), the "
+            "bucket's aspect: `square` (the default: every image trains as one square of "
+            "the dataset's area), `preserve` (the image's own aspect), `closest` (the aspect of "
+            "`crop_aspect_buckets` nearest to the image's), `random` (one of `crop_aspect_buckets` drawn per image "
+            "from the seed, by weight when weights are given; fixed per image so caches stay valid)."
+        ),
+    )
+    crop_aspect_buckets: Optional[list[Union[float, AspectBucket]]] = Field(
+        None,
+        min_length=1,
+        description=(
+            "For `crop_aspect` `closest` / `random`: aspect ratios (width / height) to choose from, either numbers "
+            '(`[0.75, 1.0, 1.5]`, drawn uniformly by `random`) or objects `{"aspect": 1.5, "weight": 0.25}` '
+            "whose weights add up to 1 (`random` draws by weight; `closest` ignores weights); all numbers or all "
+            "objects."
+        ),
+    )
+    resolution_type: Optional[ResolutionType] = Field(
+        None,
+        description=(
+            "SimpleTuner's unit of `resolution`, `minimum_image_size`, `maximum_image_size` and "
+            "`target_downsample_size`; setting it (or `crop`) makes this dataset use SimpleTuner's bucket sizes, each "
+            "side rounded to the nearest multiple of `aspect_bucket_alignment` and the image's aspect to 2 decimals. "
+            "`pixel`: the image's shorter side becomes `resolution` px, the other follows its aspect (sizes: the "
+            "shorter side, px). `area`: `resolution` is megapixels (1.0 gives buckets around 1024x1024; sizes in "
+            "megapixels). `pixel_area` (the default once `crop` is set): `resolution` is a side in px whose square is "
+            "the bucket area (sizes: sides in px whose squares are compared with the image's area). Unset (with "
+            "`crop` unset): this trainer's own buckets (see `crop`)."
+        ),
+    )
+    maximum_image_size: Optional[SizeValue] = Field(
         None,
         gt=0,
         description=(
-            "Skip images (clips: their first frame) whose shorter side is below this many pixels, whatever "
-            "`resolution` is; the scan reports how many were skipped. Unset: none skipped for size."
+            "With `crop: true` (ignored with `crop: false`, as in SimpleTuner) and `target_downsample_size`: an "
+            "image larger than this (`pixel`: either side above "
+            "it; `area`: more megapixels; `pixel_area`: an area above its square) is first resized, aspect kept, to "
+            "`target_downsample_size`, then its bucket is cropped from that, so a huge photo keeps its scene "
+            "instead of becoming a small tile of it. Units follow `resolution_type`."
+        ),
+    )
+    target_downsample_size: Optional[SizeValue] = Field(
+        None,
+        gt=0,
+        description=(
+            "The size images above `maximum_image_size` are resized to before the crop (`pixel`: their shorter side; "
+            "`area`: megapixels; `pixel_area`: a side whose square is their area); never smaller than needed to cover "
+            "the bucket. At most `maximum_image_size`."
+        ),
+    )
+    minimum_aspect_ratio: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "Skip images whose aspect ratio (width / height) is below this, e.g. 0.5 drops images taller than 1:2; "
+            "the scan reports how many. Unset: none skipped for aspect."
+        ),
+    )
+    maximum_aspect_ratio: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "Skip images whose aspect ratio (width / height) is above this, e.g. 3.0 drops panoramas wider than 3:1; "
+            "the scan reports how many. Unset: none skipped for aspect."
+        ),
+    )
+    repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
+    is_regularisation_data: bool = Field(
+        False,
+        description=(
+            "Regularisation (prior-preservation) images. In an adapter run (`training_type` `lora`, standard or "
+            "LyCORIS) their target is the frozen base model's own prediction on the same noisy input (the adapter "
+            "switched off, no gradients): the adapter learns to leave such images as the base model draws them. "
+            "Costs one more forward pass per such batch. A full fine-tune has no frozen copy and trains them on the "
+            "usual target."
+        ),
+    )
+    probability: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Sampling weight of this dataset against the others. Each step's batch comes from one dataset, drawn "
+            "with chance proportional to `probability` x the dataset's batches per epoch (its images with "
+            "`repeats`, over `train_batch_size` x processes). Every dataset at the same value (default 1.0): each "
+            "is drawn in proportion to its size, the order of a run without the key. 0 leaves the dataset out "
+            "(not scanned, not cached, said once in the log). An epoch keeps its length (the batches of every "
+            "trained dataset); a weighted-up dataset starts a new shuffled pass when it runs out within one."
+        ),
+    )
+    disabled: bool = Field(
+        False,
+        description=(
+            "`true`: leave this dataset out of the run (not scanned, not cached, said once in the log); the entry "
+            "is still checked, so a typo in it is still refused."
+        ),
+    )
+    cache_dir_vae: Optional[CacheFolderText] = Field(
+        None,
+        description=(
+            "Folder of this dataset's VAE latents instead of `<cache_dir>/<model_family>/vae` (it holds their "
+            "shards and its own cache locks directly). `{model_family}`, `{id}` (this dataset's id) and "
+            "`{output_dir}` are replaced by their values. A relative path is taken from the config file's folder. "
+            "Datasets naming the same folder share it. Not used when latents are re-encoded while training "
+            "(`augmentations_cache_mode` `refresh_each_epoch` / `disable_cache`)."
+        ),
+    )
+    minimum_image_size: Optional[SizeValue] = Field(
+        None,
+        gt=0,
+        description=(
+            "Skip images (clips: their first frame) smaller than this, whatever `resolution` is; the scan reports "
+            "how many were skipped, and stops, naming the largest, when none is left. The unit follows "
+            "`resolution_type`: unset or `pixel`, the shorter side in px; `area`, megapixels of area; `pixel_area`, a "
+            "side in px whose square is compared with the area. With `crop: true` and `crop_aspect: square`, `area` "
+            "and `pixel_area` also skip images whose shorter side is below the square root of that area. Unset: none "
+            "skipped for size."
         ),
     )
     allow_upscale: Optional[bool] = Field(
@@ -213,6 +450,15 @@ class CacheConfig(_Strict):
         True,
         description="Also write `memory` / `unified_memory` caches to `cache_dir` and load them from there next run.",
     )
+    text_cache_dir: Optional[TextCacheFolderText] = Field(
+        None,
+        description=(
+            "Folder of the text-embedding cache instead of `<cache_dir>/<model_family>/text` (it holds the shards "
+            "and its own cache locks directly). `{model_family}` and `{output_dir}` are replaced by their values. "
+            "A relative path is taken from the config file's folder. SimpleTuner's `text_embeds` dataset entry's "
+            "`cache_dir` means this."
+        ),
+    )
     verify_content: bool = Field(
         False,
         description=(
@@ -287,6 +533,79 @@ class Augmentations(_Strict):
         return bool(self.flip_probability or self.crop_jitter or self.color_jitter)
 
 
+class LycorisModuleOptions(_Strict):
+    """The LyCORIS settings of the layers one `apply_preset.module_algo_map` / `name_algo_map` entry covers;
+    what is left out comes from the `lycoris` table, `lora_rank` and `lora_alpha`."""
+
+    algo: Optional[Literal["locon", "loha", "lokr"]] = Field(None, description="The algo for these layers.")
+    factor: Optional[int] = Field(None, description="LoKr: the Kronecker factor for these layers.")
+    full_matrix: Optional[bool] = Field(None, description="LoKr: a full larger factor for these layers.")
+    dim: Optional[int] = Field(None, ge=1, description="The rank for these layers (default `lora_rank`).")
+    alpha: Optional[float] = Field(None, gt=0, description="The alpha for these layers (default `lora_alpha`).")
+
+
+class LycorisPreset(_Strict):
+    """Which layers get a LyCORIS module, as LyCORIS' `apply_preset` says it (SimpleTuner's
+    `lycoris_config.json` carries one): module classes whose Linear / Conv layers are all adapted, and
+    layer names; each with optional per-class / per-name settings. Names and classes that match nothing in
+    the denoiser stop the run before training, naming them and the denoiser's block classes."""
+
+    target_module: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Module class names (`Attention`, `FeedForward`, `BasicTransformerBlock`, ...): every Linear and Conv "
+            "layer inside a module of these classes gets a LyCORIS module."
+        ),
+    )
+    target_name: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Layer names (module paths such as `conv_in` or `blocks.0.attn1.to_q`), or patterns: regular "
+            "expressions matched at the start of the path, or shell-style with `use_fnmatch`."
+        ),
+    )
+    module_algo_map: dict[str, LycorisModuleOptions] = Field(
+        default_factory=dict,
+        description=(
+            "Module class -> settings (`algo`, `factor`, `full_matrix`, `dim`, `alpha`) for the layers inside "
+            "modules of that class; a class named here is a target too. The innermost such class wins."
+        ),
+    )
+    name_algo_map: dict[str, LycorisModuleOptions] = Field(
+        default_factory=dict,
+        description="Layer name or pattern -> settings for that layer; a name here is a target too.",
+    )
+    exclude_name: list[str] = Field(
+        default_factory=list, description="Layer names or patterns that get no LyCORIS module."
+    )
+    use_fnmatch: bool = Field(
+        False, description="Match name patterns shell-style (`blocks.*.attn1`) instead of as regular expressions."
+    )
+    enable_conv: bool = Field(
+        True,
+        description="Adapt Conv layers with a kernel larger than 1x1 too (1x1 convolutions are adapted as linear).",
+    )
+
+    @model_validator(mode="after")
+    def _names_something(self) -> "LycorisPreset":
+        if not (self.target_module or self.target_name or self.module_algo_map or self.name_algo_map):
+            raise ValueError(
+                "apply_preset names no layers: give `target_module` (module class names such as Attention) or "
+                "`target_name` (layer names), or remove apply_preset to adapt `lora_target_modules`"
+            )
+        if not self.use_fnmatch:
+            for key in ("target_name", "name_algo_map", "exclude_name"):
+                for pattern in getattr(self, key):
+                    try:
+                        re.compile(pattern)
+                    except re.error as exc:
+                        raise ValueError(
+                            f"apply_preset.{key}: {pattern!r} is not a regular expression ({exc}); fix it, or set "
+                            "use_fnmatch true for shell-style patterns"
+                        ) from None
+        return self
+
+
 class LycorisOptions(_Strict):
     """The LyCORIS adapter (`lora_type: lycoris`, needs the `lycoris` extra): on the layers `lora_target_modules`
     names, rank `lora_rank`, alpha `lora_alpha`, dropout `lora_dropout`; saved in LyCORIS' own key format
@@ -308,4 +627,35 @@ class LycorisOptions(_Strict):
     )
     full_matrix: bool = Field(
         False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair."
+    )
+    apply_preset: Optional[LycorisPreset] = Field(
+        None,
+        description=(
+            "LyCORIS' preset of target classes and names with per-class settings (the `apply_preset` of "
+            "SimpleTuner's `lycoris_config.json`); when given it decides which layers are adapted and "
+            "`lora_target_modules` is not used. Unset: the layers `lora_target_modules` names."
+        ),
+    )
+    multiplier: float = Field(
+        1.0,
+        gt=0,
+        description="Scale of every LyCORIS module's output while training (LyCORIS' `multiplier`); keep 1.0.",
+    )
+    bypass_mode: bool = Field(
+        True,
+        description=(
+            "Compute each adapted layer as `layer(x) + adapter(x)` (no weight-sized delta; works on an 8-bit base). "
+            "false: merge the delta into the weight at every forward, as LyCORIS does by default (needs "
+            "`base_model_precision` `no_change`)."
+        ),
+    )
+    conv_dim: Optional[int] = Field(
+        None,
+        ge=1,
+        description="Rank of Conv layers with a kernel larger than 1x1 (LyCORIS' `conv_dim`; default `lora_rank`).",
+    )
+    conv_alpha: Optional[float] = Field(
+        None,
+        gt=0,
+        description="Alpha of Conv layers with a kernel larger than 1x1 (LyCORIS' `conv_alpha`; default `lora_alpha`).",
     )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from simpletuner.configuration.cache_paths import is_trained, left_out_reason
 from simpletuner.data_backend.base import DataBackend, SupportsStagingReport
 from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.images import load_rgb, prepare_image
@@ -83,9 +84,11 @@ def builder_for(dataset_cfg: Any) -> Callable[[Any, "TrainingConfig"], DataBacke
 def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
     """Build, scan and register every dataset of ``state.config``; returns them in config order.
 
+    Entries with ``disabled: true`` or ``probability: 0`` are left out (logged once each).
+
     Raises:
-        ValueError: no dataset entries, an unknown type, or a dataset the scan rejects
-            (empty folder, too many unreadable images).
+        ValueError: no dataset entries, every one left out, an unknown type, or a dataset the scan
+            rejects (empty folder, too many unreadable images).
     """
     config = state.config
     if not config.datasets:
@@ -95,12 +98,19 @@ def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
         )
     built = []
     for dataset_cfg in config.datasets:
+        if not is_trained(dataset_cfg):  # never scanned or cached; the config rules refuse "all left out"
+            logger.info("dataset %r left out of this run (%s)", dataset_cfg.id, left_out_reason(dataset_cfg))
+            continue
         backend = builder_for(dataset_cfg)(dataset_cfg, config)
         metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed, unreadable=staging_failures(backend))
         dataset = RegisteredDataset(id=dataset_cfg.id, config=dataset_cfg, backend=backend, metadata=metadata)
         state.register_dataset(dataset)
         built.append(dataset)
         _log_summary(dataset)
+    if not built:
+        raise ValueError(
+            "every dataset is left out (`disabled: true` or `probability: 0`): enable at least one dataset"
+        )
     return built
 
 
@@ -136,4 +146,4 @@ def load_sample_pixels(dataset: RegisteredDataset, sample: Sample) -> tuple[torc
     if sample.is_video:
         return load_clip_pixels(dataset.backend, sample)
     image = load_rgb(dataset.backend.read(sample.path))
-    return prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed)
+    return prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed, getattr(sample, "canvas", None))

@@ -31,7 +31,7 @@ _DECODE_ERRORS = (OSError, SyntaxError, EOFError, struct.error, ValueError, Inde
 #: Background that transparent pixels are composited onto.
 _BACKGROUND = (255, 255, 255)
 
-CROP_STYLES = ("center", "random")
+CROP_STYLES = ("center", "random", "corner")
 
 #: Bytes read first to parse a JPEG/PNG header (a JPEG's EXIF segment is at most 64 KiB);
 #: the whole file is read only if that fails. WebP keeps EXIF at the end: always read whole.
@@ -156,13 +156,21 @@ def _high_depth_to_rgb(image: Image.Image) -> Image.Image:
 
 
 def prepare_image(
-    image: Image.Image, bucket: tuple[int, int], crop_style: str, crop_seed: int
+    image: Image.Image,
+    bucket: tuple[int, int],
+    crop_style: str,
+    crop_seed: int,
+    canvas: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Resize ``image`` to cover ``bucket`` (keeping its aspect), crop to it, make a tensor.
 
-    ``crop_style`` is ``"center"`` or ``"random"``; a random crop takes its offset from
-    ``random.Random(crop_seed)``, so the same seed always gives the same pixels (which keeps
-    cached latents valid).
+    ``crop_style`` is ``"center"``, ``"random"`` or ``"corner"`` (the top-left window); a random
+    crop takes its offset from ``random.Random(crop_seed)``, so the same seed always gives the same
+    pixels (which keeps cached latents valid).
+
+    ``canvas`` ``(w, h)``: resize to this size instead (a large image downsampled before its crop,
+    :attr:`~simpletuner.data_backend.geometry.CropPlan.canvas`); a side smaller than the bucket's
+    is raised to it. None: just cover the bucket.
 
     Returns:
         ``(pixels, info)``: a float32 tensor ``[3, H, W]`` in ``[-1, 1]`` with
@@ -179,13 +187,19 @@ def prepare_image(
         raise ValueError(f"bucket sides must be positive, got {target_w}x{target_h}")
     image = to_rgb(image)
     width, height = image.size
-    scale = max(target_w / width, target_h / height)
-    # ``max`` guards against rounding a side to one pixel short of the bucket.
-    resized_w = max(target_w, round(width * scale))
-    resized_h = max(target_h, round(height * scale))
+    if canvas is None:
+        scale = max(target_w / width, target_h / height)
+        # ``max`` guards against rounding a side to one pixel short of the bucket.
+        resized_w = max(target_w, round(width * scale))
+        resized_h = max(target_h, round(height * scale))
+    else:
+        resized_w, resized_h = max(target_w, int(canvas[0])), max(target_h, int(canvas[1]))
+        scale = max(resized_w / width, resized_h / height)
     if crop_style == "center":
         left = (resized_w - target_w) // 2
         top = (resized_h - target_h) // 2
+    elif crop_style == "corner":
+        left = top = 0
     else:
         rng = random.Random(crop_seed)
         left = rng.randint(0, resized_w - target_w)

@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tqdm.auto import tqdm
 
+from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
-from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_for, bucket_name, upscale_factor
+from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_name, upscale_factor
+from simpletuner.data_backend.caption_files import CaptionTable, load_caption_table
+from simpletuner.data_backend.geometry import Geometry, geometry_for
 from simpletuner.data_backend.images import image_size_of
 from simpletuner.data_backend.video import (
     CLIP_KINDS,
@@ -69,6 +72,9 @@ class Sample:
     frame_stride: int = 1
     media: str = "image"  # or a clip's kind: "video" (PyAV file), "animated" (gif/webp), "frames" (a folder)
     frame_paths: tuple[str, ...] = ()  # a frame folder's frames this sample takes, in order
+    is_regularisation_data: bool = False  # from a dataset with `is_regularisation_data` (its batches' target)
+    #: The size the image is resized to before its crop (``maximum_image_size``), or None: just cover the bucket.
+    canvas: tuple[int, int] | None = None
 
     @property
     def is_video(self) -> bool:
@@ -82,7 +88,7 @@ class DatasetMetadata:
 
     ``samples`` holds each image ``1 + repeats`` times; ``bad_files`` lists skipped files as
     ``(path, reason)``; ``caption_sources`` counts where captions came from (``textfile``,
-    ``instance_prompt`` or ``filename``), per distinct image.
+    ``instance_prompt``, ``filename``, or a metadata file: ``parquet``, ``csv``, ``jsonl``), per distinct image.
     """
 
     samples: list[Sample] = field(default_factory=list)
@@ -152,7 +158,14 @@ def caption_file(path: str, *, is_folder: bool = False) -> str:
     return f"{path}.txt" if is_folder else PurePosixPath(path).with_suffix(".txt").as_posix()
 
 
-def caption_for(backend: DataBackend, path: str, dataset_cfg: Any, *, is_folder: bool = False) -> tuple[str, str]:
+def caption_for(
+    backend: DataBackend,
+    path: str,
+    dataset_cfg: Any,
+    *,
+    is_folder: bool = False,
+    table: CaptionTable | None = None,
+) -> tuple[str, str]:
     """The caption of the image (or clip, or frame folder when ``is_folder``) at ``path`` and where
     it came from.
 
@@ -162,11 +175,39 @@ def caption_for(backend: DataBackend, path: str, dataset_cfg: Any, *, is_folder:
       ``instance_prompt``, and without one the file name.
     - ``filename``: :func:`caption_from_filename`.
     - ``instance_prompt``: ``dataset_cfg.instance_prompt`` for every image.
+    - ``parquet`` / ``csv`` / ``jsonl``: the row of ``path`` in the metadata file (``table``, read
+      here when not given; :mod:`simpletuner.data_backend.caption_files`).
+
+    With ``prepend_instance_prompt``, ``instance_prompt`` and a space go before every caption that
+    did not come from ``instance_prompt`` itself.
 
     Returns:
-        ``(caption, source)`` with source ``"textfile"``, ``"instance_prompt"`` or ``"filename"``.
+        ``(caption, source)`` with source ``"textfile"``, ``"instance_prompt"``, ``"filename"`` or the
+        metadata strategy's name.
+
+    Raises:
+        ValueError: a metadata strategy has no caption for ``path``.
     """
+    caption, source = _own_caption(backend, path, dataset_cfg, is_folder, table)
+    if getattr(dataset_cfg, "prepend_instance_prompt", False) and source != "instance_prompt":
+        caption = f"{dataset_cfg.instance_prompt} {caption}"
+    return caption, source
+
+
+def _own_caption(
+    backend: DataBackend, path: str, dataset_cfg: Any, is_folder: bool, table: CaptionTable | None
+) -> tuple[str, str]:
+    """:func:`caption_for` before ``prepend_instance_prompt``."""
     strategy = dataset_cfg.caption_strategy
+    if strategy in METADATA_CAPTION_STRATEGIES:
+        table = table if table is not None else load_caption_table(dataset_cfg, backend.id)
+        caption = table.caption(path, is_folder=is_folder)
+        if caption is None:
+            raise ValueError(
+                f"dataset {backend.id!r}: {strategy} file {table.source} has no caption for {path!r} "
+                f"(looked up as {table.identifier(path, is_folder=is_folder)!r} in `{table.filename_column}`)"
+            )
+        return caption, strategy
     if strategy == "textfile":
         text_path = caption_file(path, is_folder=is_folder)
         if backend.exists(text_path):
@@ -186,7 +227,8 @@ def caption_for(backend: DataBackend, path: str, dataset_cfg: Any, *, is_folder:
             )
         return dataset_cfg.instance_prompt, "instance_prompt"
     raise ValueError(
-        f"dataset {backend.id!r}: unknown caption_strategy {strategy!r}; use textfile, filename or instance_prompt"
+        f"dataset {backend.id!r}: unknown caption_strategy {strategy!r}; use textfile, filename, instance_prompt, "
+        "parquet, csv or jsonl"
     )
 
 
@@ -266,7 +308,7 @@ def build_metadata(
     unreadable = unreadable or {}
     root = _describe_root(backend, dataset_cfg)
     resolution = dataset_cfg.resolution or config.resolution
-    alignment = config.aspect_bucket_alignment
+    geometry = geometry_for(dataset_cfg, config)
     is_video = getattr(dataset_cfg, "dataset_type", "image") == "video"
     if is_video:
         clips, failed, stray = find_clips(backend, unreadable)
@@ -293,13 +335,18 @@ def build_metadata(
     sources: Counter[str] = Counter()
     unique: list[Sample] = []
     too_short: list[tuple[str, int]] = []
-    sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction)
+    sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction, geometry)
+    is_table = dataset_cfg.caption_strategy in METADATA_CAPTION_STRATEGIES
+    table = load_caption_table(dataset_cfg, backend.id) if is_table else None  # before any image is read
     for path, clip in tqdm(entries, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None):
         fault_point("dataset:scan")  # tests: a signal in the middle of the scan
         shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
         if not _is_utf8_name(path):
             # Sample keys, cache keys and file-name captions are UTF-8 text.
             result.bad_files.append((display_path(shown), "file name is not valid UTF-8; rename the file"))
+            continue
+        if table is not None and table.caption(path, is_folder=is_folder) is None:
+            table.missing.append(shown)  # skipped, as SimpleTuner does; counted in table.report
             continue
         try:
             width, height, num_source = probe_clip(backend, clip) if clip else (*image_size_of(backend, path), 1)
@@ -312,13 +359,17 @@ def build_metadata(
         if clip is not None and num_source < needed:
             too_short.append((shown, num_source))
             continue
-        bucket = bucket_for(width, height, resolution, alignment)
-        if not sizes.keep(shown, width, height, bucket):
+        if table is not None:
+            table.check_size(path, width, height, is_folder=is_folder)
+        key = f"{backend.id}/{path}"
+        crop_seed = crop_seed_for(seed, key)
+        plan = geometry.plan(width, height, crop_seed)
+        if not sizes.keep(shown, width, height, plan.bucket):
             continue
         problem = _caption_problem(backend, path, dataset_cfg, unreadable, is_folder)
         if problem is None:
             try:
-                caption, source = caption_for(backend, path, dataset_cfg, is_folder=is_folder)
+                caption, source = caption_for(backend, path, dataset_cfg, is_folder=is_folder, table=table)
             except OSError as exc:
                 text_path = caption_file(path, is_folder=is_folder)
                 problem = f"caption file {text_path} cannot be read: {exc.strerror or exc}"
@@ -326,7 +377,6 @@ def build_metadata(
             result.bad_files.append((shown, problem))
             continue
         sources[source] += 1
-        key = f"{backend.id}/{path}"
         unique.append(
             Sample(
                 key=key,
@@ -334,13 +384,17 @@ def build_metadata(
                 path=path,
                 caption=caption,
                 original_size=(width, height),
-                bucket=bucket,
+                bucket=plan.bucket,
                 crop_style=dataset_cfg.crop_style,
-                crop_seed=crop_seed_for(seed, key),
+                crop_seed=crop_seed,
+                canvas=plan.canvas,
+                is_regularisation_data=dataset_cfg.is_regularisation_data,
                 **(_clip_fields(clip, dataset_cfg) if clip else {}),
             )
         )
 
+    if table is not None:
+        table.report(backend.id, root, result.num_files)
     if too_short:
         raise too_short_error(
             backend.id, root, too_short, result.num_files, dataset_cfg.num_frames, dataset_cfg.frame_stride
@@ -372,7 +426,9 @@ def build_metadata(
 class _SizeRules:
     """The dataset's size rules, applied to each image as it is scanned (before any caching).
 
-    ``minimum_image_size`` (pixels of the shorter side) skips smaller images; ``allow_upscale:
+    ``minimum_image_size`` (in the unit of ``resolution_type``; unset: pixels of the shorter side) skips
+    smaller images, ``minimum_aspect_ratio`` / ``maximum_aspect_ratio`` images of another shape
+    (:class:`~simpletuner.data_backend.geometry.Geometry`); ``allow_upscale:
     false`` skips images smaller than their bucket (any upscale); unset, images needing more
     than :data:`MAX_UPSCALE_FACTOR` to cover their bucket stop the run (:meth:`report`), naming
     how many and by how much, when they are more than ``max_bad_image_fraction`` of the dataset
@@ -380,17 +436,20 @@ class _SizeRules:
     on them upscaled, with a warning. Skips are counted and reported in one warning per rule.
     """
 
-    def __init__(self, dataset_cfg: Any, resolution: int, tolerance: float):
+    def __init__(self, dataset_cfg: Any, resolution: float, tolerance: float, geometry: Geometry):
         self.tolerance = tolerance
-        self.minimum = getattr(dataset_cfg, "minimum_image_size", None)
+        self.geometry = geometry
         self.allow_upscale = getattr(dataset_cfg, "allow_upscale", None)
         self.resolution = resolution
-        self.skipped: dict[str, list[tuple[str, int, int]]] = {"minimum_image_size": [], "allow_upscale": []}
+        rules = ("minimum_image_size", "minimum_aspect_ratio", "maximum_aspect_ratio", "allow_upscale")
+        self.skipped: dict[str, list[tuple[str, int, int]]] = {rule: [] for rule in rules}
         self.far: list[tuple[float, str, int, int, tuple[int, int]]] = []  # (factor, path, w, h, bucket)
 
     def keep(self, path: str, width: int, height: int, bucket: tuple[int, int]) -> bool:
-        if self.minimum is not None and min(width, height) < self.minimum:
-            self.skipped["minimum_image_size"].append((path, width, height))
+        rule = "minimum_image_size" if self.geometry.is_below_minimum(width, height) else None
+        rule = rule or self.geometry.aspect_rule(width, height)
+        if rule is not None:
+            self.skipped[rule].append((path, width, height))
             return False
         factor = upscale_factor(width, height, bucket)
         if self.allow_upscale is False and factor > 1:
@@ -407,21 +466,41 @@ class _SizeRules:
     def report(self, dataset_id: str, root: str, total: int, noun: str, has_kept: bool) -> None:
         """Warn about skipped images; stop on far upscales (``allow_upscale`` unset) or when the
         rules left nothing to train on."""
+        geometry = self.geometry
         shown = {
-            "minimum_image_size": f"with a shorter side below minimum_image_size {self.minimum} px",
+            "minimum_image_size": geometry.describe_minimum() if geometry.minimum_image_size is not None else "",
+            "minimum_aspect_ratio": f"with an aspect ratio (width / height) below minimum_aspect_ratio "
+            f"{geometry.minimum_aspect_ratio}",
+            "maximum_aspect_ratio": f"with an aspect ratio (width / height) above maximum_aspect_ratio "
+            f"{geometry.maximum_aspect_ratio}",
             "allow_upscale": "smaller than their bucket (allow_upscale: false)",
         }
-        lines = []
+        lines, fixes = [], []
         for rule, found in self.skipped.items():
-            if found:
-                examples = ", ".join(f"{p} ({w}x{h})" for p, w, h in found[:3])
-                lines.append(f"{len(found)} of {total} {noun} {shown[rule]}, e.g. {examples}")
+            if not found:
+                continue
+            examples = ", ".join(f"{p} ({w}x{h})" for p, w, h in found[:3])
+            lines.append(f"{len(found)} of {total} {noun} {shown[rule]}, e.g. {examples}")
+            if rule == "minimum_image_size":
+                path, width, height = max(found, key=lambda f: geometry.minimum_that_keeps(f[1], f[2]))
+                lines[-1] += f"; the largest is {path} ({geometry.describe_size(width, height)})"
+                keeps = geometry.minimum_that_keeps(width, height)
+                fixes.append(f"lower `minimum_image_size` to at most {keeps:g} (keeps the largest) or remove it")
+            elif rule == "allow_upscale":
+                fixes.append("set `allow_upscale` to true (or leave it unset), or lower `resolution`")
+            else:
+                aspects = sorted(w / h for _, w, h in found)
+                change = "lower" if rule == "minimum_aspect_ratio" else "raise"
+                fixes.append(
+                    f"{change} `{rule}` or remove it (the skipped images' aspect ratios, width / height, run from "
+                    f"{aspects[0]:.3g} to {aspects[-1]:.3g})"
+                )
         if lines and not has_kept:
             raise ValueError(
                 f"dataset {dataset_id!r}: every image under {root} was skipped by its size rules: "
                 + "; ".join(lines)
-                + ". Lower `minimum_image_size`, set `allow_upscale` to true "
-                "(or leave it unset), or lower `resolution`"
+                + ". To train on them: "
+                + "; ".join(fixes)
             )
         for line in lines:
             logger.warning("dataset %r: skipped %s", dataset_id, line)

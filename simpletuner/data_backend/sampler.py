@@ -6,14 +6,23 @@ group waits for a later epoch's shuffle), and the global batches are shuffled. P
 ``rank`` takes its slice of every global batch, so the processes of one step see distinct
 samples of the same shape, and the whole order is a pure function of ``(seed, epoch)``:
 resuming from ``state_dict()`` replays exactly the batches an uninterrupted run would see.
+
+Dataset weights (``datasets[].probability``): when they differ, each position of an epoch draws
+its dataset with chance proportional to ``weight x the dataset's global batches per epoch``, and
+takes that dataset's next batch; a dataset's batches are shuffled per pass as above and a dataset
+that runs out starts another pass, reshuffled. The epoch keeps its length (every dataset's batches)
+and the order is still a pure function of ``(seed, epoch)``. Equal weights (the default) take the
+unweighted path, so their order is exactly the one without weights. A weight of 0 drops the
+dataset's samples.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.metadata import Sample
@@ -26,6 +35,12 @@ GroupKey = tuple[str, tuple[int, int]]
 def _epoch_rng(seed: int, epoch: int) -> random.Random:
     digest = hashlib.sha256(f"bucket-sampler\x00{seed}\x00{epoch}".encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def _stream_rng(seed: int, epoch: int, *names: object) -> random.Random:
+    """The generator of one named stream of an epoch (the weighted dataset draw, one dataset's pass)."""
+    text = "\x00".join(str(part) for part in ("bucket-sampler-mix", seed, epoch, *names))
+    return random.Random(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big"))
 
 
 def _describe(key: GroupKey) -> str:
@@ -41,12 +56,23 @@ class BucketSampler:
         num_replicas: number of processes; each step consumes ``batch_size * num_replicas``.
         rank: this process's index in ``[0, num_replicas)``.
         seed: base seed of the data order.
+        weights: dataset id -> sampling weight (``probability``, >= 0); a dataset not named weighs 1.
+            None, or every weight equal: batches in proportion to dataset size (the unweighted order).
 
     Raises:
-        ValueError: bad arguments, or no ``(dataset, bucket)`` group holds a full global batch.
+        ValueError: bad arguments, every dataset weighted 0, or no ``(dataset, bucket)`` group holds a
+            full global batch.
     """
 
-    def __init__(self, samples: list[Sample], batch_size: int, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        samples: list[Sample],
+        batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        weights: Mapping[str, float] | None = None,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if num_replicas < 1:
@@ -61,9 +87,11 @@ class BucketSampler:
         self.seed = seed
         self.epoch = 0
         self.batch_index = 0
+        samples, self._weights = self._apply_weights(samples, weights)
         self._groups = self._group(samples)
         self._num_batches = sum(len(g) // self.global_batch_size for g in self._groups.values())
         self._check_sizes()
+        self._dataset_batches = self._batches_per_dataset()
         self._cached_epoch: int | None = None
         self._cached_batches: list[list[Sample]] = []
 
@@ -79,6 +107,40 @@ class BucketSampler:
             groups.setdefault((sample.dataset_id, tuple(sample.bucket)), []).append(sample)
         # Sorted groups and members: the order depends only on (seed, epoch), not on input order.
         return {key: sorted(groups[key], key=lambda s: s.key) for key in sorted(groups)}
+
+    @staticmethod
+    def _apply_weights(
+        samples: list[Sample], weights: Mapping[str, float] | None
+    ) -> tuple[list[Sample], dict[str, float] | None]:
+        """The samples of datasets weighted above 0, and their weights (None when all are equal)."""
+        if not weights:
+            return samples, None
+        ids = sorted({s.dataset_id for s in samples})
+        bad = {i: w for i, w in weights.items() if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0)}
+        if bad:
+            raise ValueError(f"dataset weights must be finite and >= 0, got {bad}: fix datasets[].probability")
+        of = {i: float(weights.get(i, 1.0)) for i in ids}
+        kept = {i for i, w in of.items() if w > 0}
+        if ids and not kept:
+            raise ValueError(
+                f"every dataset has probability 0 ({', '.join(ids)}): nothing to train on. "
+                "Give at least one dataset a `probability` above 0"
+            )
+        if len(kept) < len(ids):
+            samples = [s for s in samples if s.dataset_id in kept]
+        positive = {i: of[i] for i in sorted(kept)}
+        return samples, None if len(set(positive.values())) <= 1 else positive
+
+    def _batches_per_dataset(self) -> dict[str, list[GroupKey]]:
+        """Dataset id -> its groups that yield at least one global batch (weighted runs only)."""
+        if self._weights is None:
+            return {}
+        need = self.global_batch_size
+        out: dict[str, list[GroupKey]] = {}
+        for key, group in self._groups.items():
+            if len(group) >= need:
+                out.setdefault(key[0], []).append(key)
+        return out
 
     def _check_sizes(self) -> None:
         need = self.global_batch_size
@@ -110,19 +172,50 @@ class BucketSampler:
         """This rank's batches of ``epoch``, in order (computed once per epoch)."""
         if self._cached_epoch == epoch:
             return self._cached_batches
-        rng = _epoch_rng(self.seed, epoch)
+        global_batches = self._weighted_epoch(epoch) if self._weights is not None else self._plain_epoch(epoch)
+        start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        self._cached_epoch = epoch
+        self._cached_batches = [batch[start:stop] for batch in global_batches]
+        return self._cached_batches
+
+    def _cut(self, groups: Iterable[list[Sample]], rng: random.Random) -> list[list[Sample]]:
+        """Each group shuffled and cut into global batches (its remainder left out), then all shuffled."""
         need = self.global_batch_size
         global_batches: list[list[Sample]] = []
-        for group in self._groups.values():
+        for group in groups:
             shuffled = list(group)
             rng.shuffle(shuffled)
             usable = len(shuffled) - len(shuffled) % need
             global_batches.extend(shuffled[i : i + need] for i in range(0, usable, need))
         rng.shuffle(global_batches)
-        start, stop = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
-        self._cached_epoch = epoch
-        self._cached_batches = [batch[start:stop] for batch in global_batches]
-        return self._cached_batches
+        return global_batches
+
+    def _plain_epoch(self, epoch: int) -> list[list[Sample]]:
+        """Every group's batches once, shuffled together: datasets in proportion to their size."""
+        return self._cut(self._groups.values(), _epoch_rng(self.seed, epoch))
+
+    def _weighted_epoch(self, epoch: int) -> list[list[Sample]]:
+        """``len(self)`` global batches, each from a dataset drawn with chance proportional to its weight x
+        its batches per pass; each dataset's batches in shuffled passes, a new pass when one runs out."""
+        assert self._weights is not None
+        ids = [i for i in self._weights if i in self._dataset_batches]
+        per_pass = {
+            i: sum(len(self._groups[k]) // self.global_batch_size for k in self._dataset_batches[i]) for i in ids
+        }
+        draws = _stream_rng(self.seed, epoch, "draw").choices(
+            ids, weights=[self._weights[i] * per_pass[i] for i in ids], k=self._num_batches
+        )
+        queues: dict[str, list[list[Sample]]] = {i: [] for i in ids}
+        passes = dict.fromkeys(ids, 0)
+        out = []
+        for dataset_id in draws:
+            queue = queues[dataset_id]
+            if not queue:
+                groups = [self._groups[k] for k in self._dataset_batches[dataset_id]]
+                queue.extend(reversed(self._cut(groups, _stream_rng(self.seed, epoch, dataset_id, passes[dataset_id]))))
+                passes[dataset_id] += 1
+            out.append(queue.pop())
+        return out
 
     def __iter__(self) -> Iterator[list[Sample]]:
         """The rest of the current epoch from the current position; then the epoch advances."""

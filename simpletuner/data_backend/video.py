@@ -284,10 +284,14 @@ def _decode_video(data: bytes, indices: list[int]) -> list[Image.Image]:
 
 
 def prepare_clip(
-    frames: list[Image.Image], bucket: tuple[int, int], crop_style: str, crop_seed: int
+    frames: list[Image.Image],
+    bucket: tuple[int, int],
+    crop_style: str,
+    crop_seed: int,
+    canvas: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Every frame through :func:`~simpletuner.data_backend.images.prepare_image` with the same
-    bucket and seed (so the same resize and crop): ``([3, F, H, W] in [-1, 1], first frame's info)``.
+    bucket, seed and canvas (so the same resize and crop): ``([3, F, H, W] in [-1, 1], first frame's info)``.
 
     Raises:
         ValueError: the frames do not all have the first frame's size.
@@ -299,14 +303,16 @@ def prepare_clip(
                 f"frame {index + 1} of the sample is {frame.size[0]}x{frame.size[1]} but the first is "
                 f"{size[0]}x{size[1]}; every frame of a clip must have one size"
             )
-    prepared = [prepare_image(frame, bucket, crop_style, crop_seed) for frame in frames]
+    prepared = [prepare_image(frame, bucket, crop_style, crop_seed, canvas) for frame in frames]
     return torch.stack([pixels for pixels, _ in prepared], dim=1).contiguous(), dict(prepared[0][1])
 
 
 def load_clip_pixels(backend: DataBackend, sample: Any) -> tuple[torch.Tensor, dict]:
     """Decode, resize and crop a video ``sample``: ``([3, num_frames, H, W] in [-1, 1], crop info)``;
     the info adds ``num_frames`` and ``frame_stride`` to what ``prepare_image`` reports."""
-    pixels, info = prepare_clip(read_clip_frames(backend, sample), sample.bucket, sample.crop_style, sample.crop_seed)
+    frames = read_clip_frames(backend, sample)
+    canvas = getattr(sample, "canvas", None)
+    pixels, info = prepare_clip(frames, sample.bucket, sample.crop_style, sample.crop_seed, canvas)
     info.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
     return pixels, info
 

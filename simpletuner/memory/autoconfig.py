@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from simpletuner.configuration.cache_paths import trained_datasets
 from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.data_backend.metadata import build_metadata
@@ -210,7 +211,7 @@ def scan_data_cap(config: "TrainingConfig") -> DataCap:
     if not config.datasets:
         return DataCap(None, reason="the config has no datasets here (data_backend_config not found?)")
     groups: Counter[tuple[str, tuple[int, int]]] = Counter()
-    for dataset_cfg in config.datasets:
+    for dataset_cfg in trained_datasets(config):  # `disabled` / `probability: 0` ones are never read
         root = Path(dataset_cfg.instance_data_dir).expanduser()
         if not root.is_dir():
             return DataCap(None, reason=f"dataset {dataset_cfg.id!r}: {root} is not a folder on this machine")

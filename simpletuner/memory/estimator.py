@@ -64,8 +64,10 @@ FRAGMENTATION_FRACTION = 0.10
 
 #: Persistent optimizer state per trainable element, in the trainable dtype. Adam/AdamW:
 #: exp_avg and exp_avg_sq (their ``step`` counters are CPU scalars unless capturable/fused).
-#: SGD: one momentum buffer (``build_optimizer`` always uses momentum 0.9).
-OPTIMIZER_STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1}
+#: SGD: one momentum buffer (``build_optimizer`` always uses momentum 0.9). AdamW-bf16: exp_avg and
+#: exp_avg_sq in the parameter's dtype (2 bytes each on bf16 weights, 4 on fp32 ones).
+#: Prodigy's state depends on ``slice_p``: see :func:`prodigy_state_bytes`.
+OPTIMIZER_STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1, "adamw_bf16": 2}
 
 # mixed_precision -> dtype, as the Trainer maps it.
 _DTYPES = PRECISION_DTYPES
@@ -371,6 +373,16 @@ def automagic_state_bytes(p: torch.Tensor) -> int:
     return numel * (2 + 1) + moments * 4
 
 
+def prodigy_state_bytes(p: torch.Tensor, slice_p: int = 1) -> int:
+    """Persistent state bytes prodigyopt's Prodigy keeps for ``p``, in ``p``'s dtype: exp_avg and
+    exp_avg_sq (one element each per element) and the ``d`` statistics ``s`` and ``p0`` (every
+    ``slice_p``-th element). An upper bound: a parameter that is all zeros at its first step (a LoRA
+    up-projection) keeps a one-element ``p0`` instead. ``tests/test_optimizers_dialect.py`` checks it
+    against a real optimizer's state."""
+    numel = p.numel()
+    return p.element_size() * (2 * numel + 2 * -(-numel // slice_p))
+
+
 def optimizer_bytes(
     config: "TrainingConfig", trainable: list[nn.Parameter], device_kind: str = "cuda"
 ) -> tuple[int, int]:
@@ -385,6 +397,18 @@ def optimizer_bytes(
         # Updated one parameter at a time: temporaries of about four fp32 copies of the largest.
         largest = max((p.numel() for p in trainable), default=0)
         return sum(automagic_state_bytes(p) for p in trainable), 4 * 4 * largest
+    if config.optimizer == "prodigy":
+        # Per parameter: sqrt(exp_avg_sq) + eps, p0 - p and |s|: about three copies of the largest.
+        slice_p = int(config.optimizer_config.get("slice_p", 1))
+        largest = max((p.nbytes for p in trainable), default=0)
+        return sum(prodigy_state_bytes(p, slice_p) for p in trainable), 3 * largest
+    if config.optimizer == "adamw_bf16":
+        # One parameter at a time: on bf16 weights fp32 copies of weight, gradient, both moments, sqrt and
+        # denominator (24 bytes an element); on other dtypes torch AdamW's sqrt and denominator.
+        largest = max(
+            (p.numel() * (24 if p.dtype == torch.bfloat16 else 2 * p.element_size()) for p in trainable), default=0
+        )
+        return OPTIMIZER_STATES_PER_ELEMENT["adamw_bf16"] * sum(p.nbytes for p in trainable), largest
     try:
         states = OPTIMIZER_STATES_PER_ELEMENT[config.optimizer]
     except KeyError:

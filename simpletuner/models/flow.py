@@ -4,8 +4,9 @@ the loss itself, written once in :meth:`FlowMatchingSpec.flow_loss`.
 
 The loss is rectified flow matching: ``sigma`` is drawn by ``timestep_sampling`` (uniform,
 logit_normal, mode) and shifted; ``noisy = (1 - sigma) * latents + sigma * noise``, the target is
-``noise - latents``, the per-sample loss the mean squared error, weighted by ``loss_weighting``
-(``sigma_sqrt``, ``cosmap``). A family says how its denoiser is called (``predict``) and, where
+``noise - latents``, the per-sample loss ``loss_type`` (mean squared error by default; see
+``losses.py``), weighted by ``loss_weighting`` (``sigma_sqrt``, ``cosmap``). ``noise_offset`` is a
+DDPM trick: the config refuses it for these families. A family says how its denoiser is called (``predict``) and, where
 needed, how its latents are laid out for it (flux packs 2x2 patches) and how sigmas are drawn
 (flux's resolution-dependent shift, Wan 2.2's one-side draw).
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
+from simpletuner.models import losses
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd import StableDiffusionSpec
 
@@ -69,11 +71,17 @@ class FlowMatchingSpec(StableDiffusionSpec):
         predict: Predict,
         sample_sigmas: Callable[[int, torch.Generator], torch.Tensor] | None = None,
         layout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        denoiser: nn.Module | None = None,
+        is_regularisation_data: bool = False,
     ) -> torch.Tensor:
         """Per-sample flow-matching loss, shape [B]. Draw order from ``generator``: the noise
         (float32, the latents' shape), then the sigmas (``sample_sigmas``, by default
         :meth:`sample_sigmas`). ``layout`` rearranges the clean latents and the noise into the
-        denoiser's layout before they are mixed (flux's packing); the loss is taken in that layout."""
+        denoiser's layout before they are mixed (flux's packing); the loss is taken in that layout.
+        A regularisation batch of an adapter run (``is_regularisation_data``) trains towards
+        ``predict`` with ``denoiser``'s adapters off (the base model), on the same noisy input."""
+        cfg = self.config
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
         sigmas = (sample_sigmas or self.sample_sigmas)(latents.shape[0], generator)
         clean = latents.float()
@@ -82,16 +90,23 @@ class FlowMatchingSpec(StableDiffusionSpec):
         s = sigmas.view(-1, *([1] * (clean.ndim - 1))).to(latents.device)
         noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
         target = noise - clean
+        if losses.uses_parent_target(cfg, is_regularisation_data):
+            if denoiser is None:
+                raise ValueError(f"{type(self).__name__}.flow_loss needs `denoiser` for a regularisation batch")
+            target = losses.parent_prediction(denoiser, lambda: predict(noisy, sigmas))
         pred = predict(noisy, sigmas)
-        loss = F.mse_loss(pred.float(), target, reduction="none").mean(dim=tuple(range(1, pred.ndim)))
-        if self.config.loss_weighting in ("sigma_sqrt", "cosmap"):
-            loss = loss * noise_lib.flow_weights(sigmas, self.config.loss_weighting).to(loss.device)
+        huber_c = losses.flow_huber_c(sigmas, cfg.huber_schedule, cfg.huber_c) if cfg.loss_type != "l2" else None
+        loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c)
+        if cfg.loss_weighting in ("sigma_sqrt", "cosmap"):
+            loss = loss * noise_lib.flow_weights(sigmas, cfg.loss_weighting).to(loss.device)
         return loss
 
-    def training_loss(self, denoiser, latents, conditioning, generator):
+    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
         """Per-sample flow-matching loss (:meth:`flow_loss`) with the family's :meth:`predict`."""
 
         def predict(noisy, sigmas):
             return self.predict(denoiser, noisy, self.timesteps_of(sigmas, latents.device), conditioning)
 
-        return self.flow_loss(latents, generator, predict)
+        return self.flow_loss(
+            latents, generator, predict, denoiser=denoiser, is_regularisation_data=is_regularisation_data
+        )

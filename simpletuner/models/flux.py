@@ -182,7 +182,7 @@ class FluxSpec(FlowMatchingSpec):
         )
         return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
 
-    def training_loss(self, denoiser, latents, conditioning, generator):
+    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
         """Per-sample flow-matching loss (:meth:`flow_loss`) on packed latents. Draw order from
         ``generator``: the noise (float32, the unpacked latents' shape), then the sigmas
         (``sample_sigmas`` at the packed sequence length)."""
@@ -202,6 +202,8 @@ class FluxSpec(FlowMatchingSpec):
             predict,
             sample_sigmas=lambda size, gen: self.sample_sigmas(size, gen, (h // 2) * (w // 2)),
             layout=pack_latents,
+            denoiser=denoiser,
+            is_regularisation_data=is_regularisation_data,
         )
 
     def predict(self, denoiser, noisy, timesteps, conditioning, latent_size):

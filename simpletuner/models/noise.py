@@ -5,6 +5,7 @@ matching (a noise level ``sigma`` in (0, 1); sd3, flux, wan). The sampling distr
 same for both — ``uniform``, ``logit_normal`` (``sigmoid(N(logit_mean, logit_std))``, more weight
 mid-schedule) and ``mode`` (SD3's mode sampling with ``mode_scale``) — drawn as ``u`` in (0, 1);
 flow matching then applies the resolution ``shift``, DDPM scales ``u`` to a timestep index.
+DDPM families may also shift their noise per sample and channel (:func:`offset_noise`).
 All draws come from the caller's CPU generator, so a resumed run draws the same values.
 """
 
@@ -14,6 +15,7 @@ import logging
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +78,21 @@ def flow_weights(sigmas: torch.Tensor, kind: str) -> torch.Tensor:
         bot = 1 - 2 * sigmas + 2 * sigmas**2
         return 2 / (math.pi * bot)
     raise ValueError(f"loss_weighting {kind!r} is not a flow-matching weighting (sigma_sqrt, cosmap)")
+
+
+def offset_noise(noise: torch.Tensor, generator: torch.Generator, offset: float, probability: float) -> torch.Tensor:
+    """``noise`` plus ``offset`` times one normal draw per sample and channel, constant over the
+    other dimensions (``randn(B, C, 1, 1)``): the offset-noise trick that lets a DDPM model learn
+    very dark or very light images. Applied to the whole batch with ``probability`` (one uniform
+    draw from ``generator`` decides, none when it is 1); ``offset`` 0: ``noise`` unchanged, nothing drawn.
+    Draw order: the gate, then the offsets (float32, CPU)."""
+    if offset == 0:
+        return noise
+    if probability < 1:
+        gate = torch.rand(1, generator=generator)
+        # The memory estimator's fake step holds no values: it takes the offset (shapes only).
+        if not is_fake(gate) and not gate.item() < probability:
+            return noise
+    shape = (*noise.shape[:2], *([1] * (noise.ndim - 2)))
+    shift = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return noise + (offset * shift).to(noise.device, noise.dtype)

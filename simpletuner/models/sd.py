@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from simpletuner.caching.fingerprint import fingerprint, folder_identity
 from simpletuner.file_modes import ordinary_permissions
+from simpletuner.models import losses
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.spec import ModelSpec
 
@@ -109,7 +109,11 @@ class StableDiffusionSpec(ModelSpec):
         return [{"prompt_embeds": e} for e in embeds]
 
     # --- training ------------------------------------------------------------------------
-    def training_loss(self, denoiser, latents, conditioning, generator):
+    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
+        """Per-sample DDPM loss, shape [B]. Draw order from ``generator``: the noise, the timesteps,
+        then (``noise_offset`` > 0) the offset noise's gate and offsets. A regularisation batch of an
+        adapter run trains towards the base model's prediction on the same noisy input
+        (:func:`~simpletuner.models.losses.uses_parent_target`)."""
         scheduler = self.load_noise_scheduler()
         bsz = latents.shape[0]
         # Noise and timesteps come from our own CPU generator so a resumed run draws the same ones.
@@ -120,11 +124,15 @@ class StableDiffusionSpec(ModelSpec):
         else:
             u = noise_lib.sample_u(bsz, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale)
             timesteps = noise_lib.ddpm_timesteps(u, scheduler.config.num_train_timesteps)
+        noise = noise_lib.offset_noise(noise, generator, cfg.noise_offset, cfg.noise_offset_probability)
         weights = (
             noise_lib.min_snr_weights(timesteps, scheduler, cfg.snr_gamma, self.prediction_type)
             if cfg.loss_weighting == "min_snr"
             else None
         )
+        huber_c = None
+        if cfg.loss_type != "l2":
+            huber_c = losses.ddpm_huber_c(timesteps, scheduler, cfg.huber_schedule, cfg.huber_c)
         timesteps = timesteps.to(latents.device)
         noisy = scheduler.add_noise(latents, noise, timesteps)
         if self.prediction_type == "epsilon":
@@ -136,8 +144,10 @@ class StableDiffusionSpec(ModelSpec):
                 f"prediction_type {self.prediction_type!r} is not supported by family {self.family!r} "
                 "(epsilon, v_prediction)"
             )
+        if losses.uses_parent_target(cfg, is_regularisation_data):
+            target = losses.parent_prediction(denoiser, lambda: self.predict(denoiser, noisy, timesteps, conditioning))
         pred = self.predict(denoiser, noisy, timesteps, conditioning)
-        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c)
         return loss if weights is None else loss * weights.to(loss.device)
 
     def predict(self, denoiser, noisy, timesteps, conditioning):

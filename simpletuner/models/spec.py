@@ -351,8 +351,11 @@ class ModelSpec(abc.ABC):
         latents: torch.Tensor,
         conditioning: dict[str, torch.Tensor],
         generator: torch.Generator,
+        is_regularisation_data: bool = False,
     ) -> torch.Tensor:
-        """Per-sample loss, shape [B] (the trainer sums and normalises over the window)."""
+        """Per-sample loss, shape [B] (the trainer sums and normalises over the window), of the
+        config's ``loss_type``. ``is_regularisation_data``: the batch comes from a regularisation
+        dataset; in an adapter run its target is the base model's prediction (adapters off)."""
 
     # --- output --------------------------------------------------------------------------
     @abc.abstractmethod

@@ -309,9 +309,10 @@ class WanImageSampler:
     def set_progress_bar_config(self, **kwargs):
         self.pipe.set_progress_bar_config(**kwargs)
 
-    def __call__(self, prompt, num_images_per_prompt: int = 1, **kwargs):
+    def __call__(self, prompt, num_images_per_prompt: int = 1, num_frames: int = 1, **kwargs):
+        """``.images``: each video's first frame; ``.frames``: the videos (``num_frames`` frames each)."""
         kwargs.setdefault("max_sequence_length", self.max_sequence_length)
         videos = self.pipe(
-            prompt, num_videos_per_prompt=num_images_per_prompt, num_frames=1, output_type="pil", **kwargs
+            prompt, num_videos_per_prompt=num_images_per_prompt, num_frames=num_frames, output_type="pil", **kwargs
         ).frames
         return SimpleNamespace(images=[video[0] for video in videos], frames=videos)

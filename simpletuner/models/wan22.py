@@ -231,7 +231,7 @@ class Wan22Spec(WanSpec):
         return len(self.stages) > 1
 
     # --- training ------------------------------------------------------------------------
-    def training_loss(self, denoiser, latents, conditioning, generator):
+    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
         """The flow-matching loss (:meth:`flow_loss`), each sample through the expert its sigma
         belongs to: the route is decided on the CPU from the drawn sigmas (:meth:`route`) and passed
         to the experts, so routing costs no device sync."""
@@ -240,7 +240,9 @@ class Wan22Spec(WanSpec):
             timesteps = self.timesteps_of(sigmas, latents.device)
             return self.predict(denoiser, noisy, timesteps, conditioning, route=self.route(sigmas))
 
-        return self.flow_loss(latents, generator, predict)
+        return self.flow_loss(
+            latents, generator, predict, denoiser=denoiser, is_regularisation_data=is_regularisation_data
+        )
 
     def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         """As Wan 2.1, restricted to the trained expert's side of the boundary when one stage trains:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache, open_caches
-from simpletuner.caching.keys import cache_keys
+from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache
+from simpletuner.caching.keys import DROPPED_CAPTION, cache_keys
 from simpletuner.caching.layout import cache_base, epoch_folder
 from simpletuner.caching.reencode import (
     DecodeThreads,
@@ -23,6 +24,7 @@ from simpletuner.caching.reencode import (
     batch_group,
     encode_loaded,
 )
+from simpletuner.caching.routing import CacheFolders, merge_fill_reports, open_folder_cache
 from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
 from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
@@ -32,28 +34,70 @@ from simpletuner.models import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-#: Images encoded per VAE call while filling the cache.
+#: Images encoded per VAE call while filling the cache: the default of the config's `vae_batch_size`.
 VAE_ENCODE_BATCH = 8
 TEXT_ENCODE_BATCH = 32
 
 
+@dataclass(frozen=True)
+class CaptionDropout:
+    """``caption_dropout_probability``: which training samples train with the empty caption instead of their own.
+
+    Each decision is a pure function of the run's ``seed`` and the sample's place in the data order (epoch,
+    micro-batch of the epoch, slot in the global batch) and key, so a resumed run (whose sampler resumes at
+    the same place) drops exactly the captions the uninterrupted run would, on every process.
+    """
+
+    seed: int
+    probability: float
+
+    def is_dropped(self, epoch: int, position: int, slot: int, key: str) -> bool:
+        """Whether the sample ``key`` at ``slot`` of micro-batch ``position`` of ``epoch`` loses its caption:
+        a uniform draw in [0, 1) from sha256 of those values, below ``probability``."""
+        if self.probability <= 0:
+            return False
+        text = f"caption-dropout\x00{self.seed}\x00{epoch}\x00{position}\x00{slot}\x00{key}"
+        draw = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
+        return draw < self.probability
+
+    def of_batch(self, sampler, samples: list[Sample]) -> tuple[bool, ...]:
+        """The decisions for ``samples``, the micro-batch ``sampler`` (a BucketSampler) has just yielded."""
+        if self.probability <= 0:
+            return ()
+        position = sampler.batch_index - 1  # counted before the batch was yielded
+        first_slot = sampler.rank * sampler.batch_size  # this process's slice of the global batch
+        return tuple(self.is_dropped(sampler.epoch, position, first_slot + i, s.key) for i, s in enumerate(samples))
+
+
 @dataclass
 class Batch:
-    """One micro-batch: latents, conditioning tensors, and the samples they came from."""
+    """One micro-batch: latents, conditioning tensors, and the samples they came from.
+
+    ``dropped_captions``: per sample, whether it trains with the empty caption (caption dropout); empty when
+    none does (dropout off, or a batch outside the training order)."""
 
     latents: torch.Tensor
     conditioning: dict[str, torch.Tensor]
     samples: list[Sample]
+    dropped_captions: tuple[bool, ...] = ()
 
     @property
     def num_samples(self) -> int:
         return len(self.samples)
+
+    @property
+    def is_regularisation_data(self) -> bool:
+        """Whether the batch comes from a regularisation dataset (a batch holds one dataset)."""
+        return bool(self.samples) and self.samples[0].is_regularisation_data
 
 
 class CachedData:
     """Maps samples to cache keys and reads batches: latents from the VAE cache, or, with
     augmentations in ``refresh_each_epoch`` / ``disable_cache`` mode, re-encoded while training
     (the VAE stays loaded: this object holds it). Text embeddings are always cached."""
+
+    #: ``caption_dropout_probability`` of training batches (``iterate``); None: captions are never dropped.
+    caption_dropout: CaptionDropout | None = None
 
     def __init__(
         self,
@@ -64,8 +108,10 @@ class CachedData:
         fill_reports: dict[str, FillReport],
         mode: str = "static",
         reencoder: Reencoder | None = None,
+        dataset_vae_caches: Mapping[str, TensorCache] | None = None,
     ):
-        self.vae_cache = vae_cache
+        self.vae_cache = vae_cache  # the default latent folder's cache (or the only one in use)
+        self.dataset_vae_caches = dict(dataset_vae_caches or {})  # dataset id -> its latents' cache
         self.text_cache = text_cache
         self.latent_keys = latent_keys  # static mode: sample key -> latent key
         self.text_keys = text_keys
@@ -83,28 +129,47 @@ class CachedData:
         """The decoding threads used while training (re-encoding modes only)."""
         return self._reencoder.threads if self._reencoder is not None else None
 
-    def _prepared(self, latents: torch.Tensor, samples: list[Sample], device: torch.device) -> Batch:
+    def _prepared(
+        self, latents: torch.Tensor, samples: list[Sample], device: torch.device, dropped: tuple[bool, ...] = ()
+    ) -> Batch:
         """The one place a micro-batch is finished: stacked text embeddings joined to the latents,
         then the GH200 batch hook, once, on the stacked fields (``optimize_batch_for_gh200``: residency
         advice by role and a prefetch to ``device`` for those in managed memory, i.e. from a
-        `unified_memory` cache; it returns at once when hints are off or there is no CUDA)."""
-        cond = self.text_cache.get_batch([self.text_keys[s.caption] for s in samples])
+        `unified_memory` cache; it returns at once when hints are off or there is no CUDA).
+        A sample whose ``dropped`` flag is set gets the empty caption's embeddings."""
+        captions = [DROPPED_CAPTION if dropped and dropped[i] else s.caption for i, s in enumerate(samples)]
+        cond = self.text_cache.get_batch([self.text_keys[c] for c in captions])
         fields = {
             "latents": latents.to(device, non_blocking=True),
             "conditioning": {k: v.to(device, non_blocking=True) for k, v in cond.items()},
         }
         optimize_batch_for_gh200(fields, device)
-        return Batch(fields["latents"], fields["conditioning"], samples)
+        return Batch(fields["latents"], fields["conditioning"], samples, dropped)
 
-    def _from_cache(self, cache: TensorCache, keys: dict[str, str], samples: list[Sample], device) -> Batch:
-        return self._prepared(cache.get_batch([keys[s.key] for s in samples])["latents"], samples, device)
+    def _from_cache(
+        self, cache: TensorCache, keys: dict[str, str], samples: list[Sample], device, dropped: tuple[bool, ...] = ()
+    ) -> Batch:
+        latents = cache.get_batch([keys[s.key] for s in samples])["latents"]
+        return self._prepared(latents, samples, device, dropped)
+
+    def _dropped(self, sampler, samples: list[Sample]) -> tuple[bool, ...]:
+        return self.caption_dropout.of_batch(sampler, samples) if self.caption_dropout is not None else ()
+
+    def _cached_latents(self, samples: list[Sample], device, dropped: tuple[bool, ...] = ()) -> Batch:
+        """``samples``' latents from the folder of their dataset (``cache_dir_vae``); a training batch
+        holds one dataset, so one folder; samples of several are read folder by folder, order kept."""
+        caches = [self.dataset_vae_caches.get(s.dataset_id, self.vae_cache) for s in samples]
+        if all(c is caches[0] for c in caches):
+            return self._from_cache(caches[0], self.latent_keys, samples, device, dropped)
+        latents = torch.stack([c.get_batch([self.latent_keys[s.key]])["latents"][0] for c, s in zip(caches, samples)])
+        return self._prepared(latents, samples, device, dropped)
 
     def batch(self, samples: list[Sample], device: torch.device) -> Batch:
         """The micro-batch of ``samples`` outside the training order (evaluation, FLOP counting):
         cached latents, or, when latents are re-encoded while training, encoded now with one fixed
         augmentation version (``"eval"``), the same on every call."""
         if self._reencoder is None:
-            return self._from_cache(self.vae_cache, self.latent_keys, samples, device)
+            return self._cached_latents(samples, device)
         return self._prepared(self._reencoder.encode(samples, ["eval"] * len(samples), device), samples, device)
 
     def iterate(self, sampler, device: torch.device) -> Iterator[Batch]:
@@ -117,15 +182,16 @@ class CachedData:
             epoch = sampler.epoch + 1 if sampler.batch_index >= len(sampler) else sampler.epoch
             if self.mode == "disable_cache":
                 for samples, latents in self._reencoder.iterate_epoch(sampler, epoch, device):
-                    yield self._prepared(latents, samples, device)
+                    yield self._prepared(latents, samples, device, self._dropped(sampler, samples))
                 continue
             if self.mode == "refresh_each_epoch":
                 keys = self._reencoder.epochs.prepare(sampler, epoch)
                 cache = self._reencoder.epochs.cache
-            else:
-                cache, keys = self.vae_cache, self.latent_keys
+                for samples in sampler:
+                    yield self._from_cache(cache, keys, samples, device, self._dropped(sampler, samples))
+                continue
             for samples in sampler:
-                yield self._from_cache(cache, keys, samples, device)
+                yield self._cached_latents(samples, device, self._dropped(sampler, samples))
 
     def close(self) -> None:
         """Stop the persistent decoding threads, if any."""
@@ -248,26 +314,37 @@ def prepare_caches(
     Locks (simpletuner/locks.py), for caches on disk: the cache folder is held shared from here
     until the run ends (added to ``state.run_locks``, the Trainer's, when there is one), each fill
     with something to encode holds the folder's writer lock (a second run waits, then encodes only
-    what is still missing), and ``refresh_each_epoch`` holds this process's per-epoch folder.
+    what is still missing), and ``refresh_each_epoch`` holds this process's per-epoch folder. A latent
+    folder of a dataset's own (``cache_dir_vae``) or a ``text_cache_dir`` holds its own locks, taken the same way.
     """
     cache = spec.config.cache_config
-    vae_cache, text_cache = open_caches(
-        cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
-    )
-    on_disk = cache.persistent_cache or "disk" in (cache.vae_cache_type, cache.text_cache_type)
-    cache_locks = CacheLocks(cache_base(cache_dir, spec.family)) if on_disk else None
-    run_locks = getattr(state, "run_locks", None)  # the Trainer's, released when train() ends
-    if cache_locks is not None and run_locks is not None:  # in use from here: `cache clear` refuses
-        run_locks.enter_context(cache_locks.use())
-
-    def reopen() -> tuple[TensorCache, TensorCache]:
-        return open_caches(
-            cache_dir, spec.family, state, cache.vae_cache_type, cache.text_cache_type, cache.persistent_cache
-        )
-
-    encoders = _LazyEncoders(spec, device, text_dtype)
     config = spec.config
     mode = _cache_mode(config)
+    folders = CacheFolders.of(config, spec.family, cache_dir)
+    if mode != "static":  # latents are re-encoded while training: no latent folder is read
+        folders = CacheFolders(folders.base, folders.default_vae, folders.text)
+    vae_folders = folders.vae_folders(ds.id for ds in datasets)
+
+    def open_vae(folder: Path) -> TensorCache:
+        return open_folder_cache(folder, cache.vae_cache_type, "vae", cache.persistent_cache, state)
+
+    def open_text() -> TensorCache:
+        return open_folder_cache(folders.text, cache.text_cache_type, "text", cache.persistent_cache, state)
+
+    vae_caches = {folder: open_vae(folder) for folder in vae_folders}
+    text_cache = open_text()
+    on_disk = cache.persistent_cache or "disk" in (cache.vae_cache_type, cache.text_cache_type)
+    lock_bases = sorted({folders.lock_base(f) for f in [*vae_folders, folders.text]}) if on_disk else []
+    cache_locks = {base: CacheLocks(base) for base in lock_bases}  # sorted: runs take them in one order
+    run_locks = getattr(state, "run_locks", None)  # the Trainer's, released when train() ends
+    if run_locks is not None:  # in use from here: `cache clear` refuses
+        for locks in cache_locks.values():
+            run_locks.enter_context(locks.use())
+
+    def locks_of(folder: Path) -> CacheLocks | None:
+        return cache_locks.get(folders.lock_base(folder))
+
+    encoders = _LazyEncoders(spec, device, text_dtype)
     loader = PixelLoader(config, pin=config.dataloader_pin_memory and device.type == "cuda")
 
     keys = cache_keys(spec, datasets, text_dtype, latents=mode == "static")  # what `simpletuner cache` counts
@@ -275,20 +352,35 @@ def prepare_caches(
     latent_keys = keys.latents
     if mode == "static":
         version = keys.static_version
-        with _writing(
-            cache_locks, vae_cache, latent_keys.values(), lambda: reopen()[0], may_rewrite=cache.verify_content
-        ) as vae_cache:
-            latent_report = vae_cache.fill(
-                [(latent_keys[key], (ds, s, version)) for key, (ds, s) in distinct.items()],
-                lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded),
-                VAE_ENCODE_BATCH,
-                group=batch_group,
-                desc="VAE latents",
-                prepare=loader.load_batch,
-                prepare_workers=config.dataloader_num_workers,
-                sources=_latent_sources(cache.verify_content),
-                entry_bytes=_latent_entry_bytes(spec),
-            )
+        reports = []
+        for folder in vae_folders:  # each folder's latents under its own writer lock
+            items = [
+                (latent_keys[key], (ds, s, version))
+                for key, (ds, s) in distinct.items()
+                if folders.vae_folder(ds.id) == folder
+            ]
+            with _writing(
+                locks_of(folder),
+                vae_caches[folder],
+                [key for key, _ in items],
+                lambda folder=folder: open_vae(folder),
+                may_rewrite=cache.verify_content,
+            ) as filled:
+                reports.append(
+                    filled.fill(
+                        items,
+                        lambda loaded: encode_loaded(spec, encoders.get_vae(), loaded),
+                        config.vae_batch_size,
+                        group=batch_group,
+                        desc="VAE latents" if len(vae_folders) == 1 else f"VAE latents ({folder})",
+                        prepare=loader.load_batch,
+                        prepare_workers=config.dataloader_num_workers,
+                        sources=_latent_sources(cache.verify_content),
+                        entry_bytes=_latent_entry_bytes(spec),
+                    )
+                )
+            vae_caches[folder] = filled
+        latent_report = merge_fill_reports(reports)
         reencoder = None
     else:  # latents are encoded while training; decode everything once now to drop unreadable files
         if (
@@ -306,7 +398,7 @@ def prepare_caches(
             state,
             spec.image_encoder_identity(),
             mode,
-            VAE_ENCODE_BATCH,
+            config.vae_batch_size,
         )
         latent_report = reencoder.probe([(ds, s, None) for ds, s in distinct.values()])
     for ds in datasets:
@@ -323,7 +415,7 @@ def prepare_caches(
         out = spec.encode_prompts(encoders.get_text(), batch)
         return [{k: v.cpu() for k, v in entry.items()} for entry in out]
 
-    with _writing(cache_locks, text_cache, text_keys.values(), lambda: reopen()[1]) as text_cache:
+    with _writing(locks_of(folders.text), text_cache, text_keys.values(), open_text) as text_cache:
         text_report = text_cache.fill(
             [(key, caption) for caption, key in text_keys.items()],
             encode_text,
@@ -331,7 +423,11 @@ def prepare_caches(
             desc="text embeddings",
         )
     reports = {"latents": latent_report, "text": text_report}
-    return CachedData(vae_cache, text_cache, latent_keys, text_keys, reports, mode, reencoder), encoders
+    by_dataset = {ds.id: vae_caches[folders.vae_folder(ds.id)] for ds in datasets}
+    default = vae_caches.get(folders.default_vae) or next(iter(vae_caches.values()))
+    data = CachedData(default, text_cache, latent_keys, text_keys, reports, mode, reencoder, by_dataset)
+    data.caption_dropout = CaptionDropout(config.seed, config.caption_dropout_probability)
+    return data, encoders
 
 
 def free_memory() -> None:

@@ -7,6 +7,7 @@ Layout of ``checkpoint-<step>/``::
                             LoRA runs: the adapter as the final save writes it (the family's
                             diffusers ``load_lora_weights`` format, or LyCORIS' own), so any
                             checkpoint can be used as it is; full fine-tunes have none
+    ema.safetensors         use_ema: the EMA of the trained parameters, by the same names
     optimizer.pt            optimizer state (loaded with weights_only=True)
     lr_scheduler.pt         schedule state
     scaler.pt               AMP grad scaler state (fp16 runs only)
@@ -79,6 +80,7 @@ from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefus
     build_manifest,
     verify_checkpoint,
 )
+from simpletuner.training.ema import EMA_FILE
 from simpletuner.training.launch import from_every_process, from_main_process
 from simpletuner.training.reliability import fault_point
 from simpletuner.training.rng import capture_rng, restore_rng
@@ -363,6 +365,7 @@ def save_checkpoint(
     scaler=None,
     write_adapter: Callable[[Path], Any] | None = None,
     token: str | None = None,
+    ema: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save collectively (every rank calls it); returns the final checkpoint folder.
 
@@ -379,6 +382,7 @@ def save_checkpoint(
     tmp = output_dir / f".checkpoint-{step}.tmp-{token}"
     what = f"checkpoint-{step}"
     needed = checkpoint_bytes(trainable, optimizer, write_adapter is not None, acc.num_processes)
+    needed += sum(t.numel() * t.element_size() for t in (ema or {}).values())
 
     def guard():
         return diskspace.disk_full_guard(output_dir, needed, what, cleanup=[tmp])
@@ -400,6 +404,9 @@ def save_checkpoint(
             save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
             diskspace.inject_fault("checkpoint")  # tests: the disk fills once the first file is written
             ordinary_permissions(tmp / "trainable.safetensors")  # safetensors writes 0600
+            if ema is not None:  # rank 0's EMA (training/ema.py)
+                save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA_FILE)
+                ordinary_permissions(tmp / EMA_FILE)
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
             if scaler is not None:
@@ -495,9 +502,9 @@ def _torch_file(file: Path) -> Any:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def load_tensors(path: Path, process_index: int) -> dict[str, Any]:
+def load_tensors(path: Path, process_index: int, with_ema: bool = False) -> dict[str, Any]:
     """The checkpoint's tensors and states for this rank, all read before the caller applies any
-    (so a file that cannot be read leaves the run as it was)."""
+    (so a file that cannot be read leaves the run as it was); ``with_ema``: its EMA too, if saved."""
     rng_name = f"rng_state_{process_index}.pt"
     if not (path / rng_name).is_file():
         raise CheckpointDamaged(f"{path} has no RNG state for process {process_index} ({rng_name})")
@@ -507,6 +514,7 @@ def load_tensors(path: Path, process_index: int) -> dict[str, Any]:
         "lr_scheduler": _read(path, "lr_scheduler.pt", _torch_file),
         "rng": _read(path, rng_name, _torch_file),
         **({"scaler": _read(path, "scaler.pt", _torch_file)} if (path / "scaler.pt").is_file() else {}),
+        **({"ema": _read(path, EMA_FILE, load_file)} if with_ema and (path / EMA_FILE).is_file() else {}),
     }
 
 
@@ -525,6 +533,7 @@ class CheckpointParts:
     sampler: Any
     accumulation: Any  # recorded, not restored: a resume under another schedule is warned about
     scaler: Any = None  # the AMP grad scaler of fp16 runs
+    ema: Any = None  # use_ema, rank 0: training.ema.EMA (state_dict / load_state_dict / reset)
 
 
 def save_parts(
@@ -560,6 +569,7 @@ def save_parts(
         scaler=parts.scaler,
         write_adapter=write_adapter,
         token=token,
+        ema=parts.ema.state_dict() if parts.ema is not None else None,
     )
 
 
@@ -576,9 +586,12 @@ def restore_parts(path: Path, accelerator, parts: CheckpointParts, identity: dic
             state.get("accumulation"),
             parts.accumulation.state_dict(),
         )
-    tensors = load_tensors(path, accelerator.process_index)
+    tensors = load_tensors(path, accelerator.process_index, with_ema=parts.ema is not None)
     if set(tensors["trainable"]) != set(trainable_state(parts.model)):
         raise ValueError(f"{path}: trained parameters do not match this model (different adapter or model?)")
+    ema_problem = parts.ema.mismatch(tensors["ema"]) if "ema" in tensors else None
+    if ema_problem:
+        raise ValueError(f"{path}/{EMA_FILE}: {ema_problem}")
     parts.model.load_state_dict(tensors["trainable"], strict=False)
     parts.optimizer.load_state_dict(tensors["optimizer"])
     parts.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
@@ -587,4 +600,14 @@ def restore_parts(path: Path, accelerator, parts: CheckpointParts, identity: dic
     parts.progress.load_state_dict(state)
     if parts.scaler is not None and "scaler" in tensors:
         parts.scaler.load_state_dict(tensors["scaler"])
+    if parts.ema is not None:
+        if "ema" in tensors:
+            parts.ema.load_state_dict(tensors["ema"])
+        else:  # use_ema turned on for a run saved without it
+            parts.ema.reset()
+            logger.warning(
+                "%s holds no %s (the run was saved without use_ema): the EMA starts from the resumed weights",
+                path,
+                EMA_FILE,
+            )
     return state

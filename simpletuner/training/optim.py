@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from simpletuner.configuration import TrainingConfig
-from simpletuner.training.optimizers import Automagic, automagic_param_groups
+from simpletuner.training.optimizers import AdamWBF16, Automagic, automagic_param_groups, prodigy_class
 
 #: Per-stage config keys (``{group}_{key}``) -> the optimizer group key they set.
 _STAGE_KEYS = {"learning_rate": "lr", "lr_bump": "lr_bump", "min_lr": "min_lr", "max_lr": "max_lr"}
@@ -60,6 +60,28 @@ def build_optimizer(
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_epsilon,
             weight_decay=config.weight_decay,
+        )
+    if config.optimizer == "adamw_bf16":
+        # The same seed on every rank: data-parallel copies round their bf16 weights identically.
+        return AdamWBF16(
+            params,
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+            seed=config.seed,
+        )
+    if config.optimizer == "prodigy":
+        # learning_rate multiplies Prodigy's estimated step size (about 1.0; a config rule checks it).
+        # optimizer_config holds prodigyopt's other settings, checked at config time.
+        return prodigy_class()(
+            params,
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+            prodigy_steps=config.prodigy_steps,
+            **config.optimizer_config,
         )
     if config.optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.learning_rate, momentum=0.9, weight_decay=config.weight_decay)

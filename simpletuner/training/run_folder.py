@@ -4,10 +4,11 @@ asked, and remove it when asked (``--overwrite``).
 A run writes, at the top of ``output_dir``: ``checkpoint-N/`` folders (and the temp folders of
 saves, ``.checkpoint-N.tmp-<token>``, when one is interrupted) and ``latest``, its final
 weights (``*.safetensors`` adapters, or model folders such as ``unet/`` after a full fine-tune),
-``validation/``, ``logs/``, ``config.json``, ``training.log``, ``metrics.jsonl``,
-``gh200_runtime.json`` and ``final_weights.json`` (the step the final weights are of), and while a
-final save runs, ``.final-save.*`` temp folders. ``--overwrite`` removes exactly those; any other
-file in the folder (and the caches, which live in ``cache_config.cache_dir``) is kept.
+``validation/``, ``logs/``, ``ema/`` (the EMA's final weights, with ``use_ema``), ``config.json``,
+``training.log``, ``metrics.jsonl``, ``gh200_runtime.json`` and ``final_weights.json`` (the step
+the final weights are of), and while a final save runs, ``.final-save.*`` temp folders.
+``--overwrite`` removes exactly those; any other file in the folder (and the caches, which live in
+``cache_config.cache_dir``) is kept.
 
 The trainer takes the folder with :func:`lock_output_dir` then :func:`take_output_dir`, and ends
 with :func:`save_final_weights`; each gives every rank the same outcome, so no rank waits in a
@@ -30,6 +31,7 @@ from simpletuner import locks
 from simpletuner.diskspace import NoSpace
 from simpletuner.models.spec import FINAL_RECORD, FINAL_SAVE_PREFIX, final_weights_step
 from simpletuner.training import checkpoint as ckpt
+from simpletuner.training.ema import EMA_FOLDER
 from simpletuner.training.launch import from_main_process
 from simpletuner.training.run_identity import describe_run, identity_differences
 
@@ -37,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 #: Files and folders every run writes at the top of output_dir, besides checkpoints and weights.
 RUN_FILES = ("config.json", "training.log", "metrics.jsonl", "gh200_runtime.json", ckpt.LATEST, FINAL_RECORD)
-RUN_FOLDERS = ("validation", "logs")
+RUN_FOLDERS = ("validation", "logs", EMA_FOLDER)
 #: checkpoint-N folders and the temp / replaced copies of saves (``.checkpoint-N.tmp-<token>``,
 #: ``.checkpoint-N.old-<token>``; older versions wrote them without a token).
 _CHECKPOINT_ENTRY = re.compile(r"^\.?checkpoint-\d+(\.(tmp|old)(-[0-9a-f]+)?)?$")
@@ -263,15 +265,21 @@ def take_output_dir(
     accelerator.wait_for_everyone()
 
 
-def save_final_weights(accelerator, spec, model, output_dir: Path, full: bool, step: int) -> Path | None:
+def save_final_weights(accelerator, spec, model, output_dir: Path, full: bool, step: int, ema=None) -> Path | None:
     """Rank 0 saves the final adapter (or model, ``full``) of ``model`` (unwrapped) whole or not at
-    all (``ModelSpec.save_final``); returns its path there, None on the other ranks. A full disk on
-    rank 0 raises NoSpace on every rank: they agree on the outcome first."""
+    all (``ModelSpec.save_final``); returns its path there, None on the other ranks. With ``ema``
+    (rank 0's :class:`~simpletuner.training.ema.EMA`) the averaged weights follow, saved the same way
+    under ``output_dir/ema`` (the family's loader reads that folder as it reads ``output_dir``). A
+    full disk on rank 0 raises NoSpace on every rank: they agree on the outcome first."""
     accelerator.wait_for_everyone()
     path, failure = None, None
     if accelerator.is_main_process:
         try:
             path = spec.save_final(output_dir, model, full=full, step=step)
+            if ema is not None:
+                with ema.applied():
+                    ema_path = spec.save_final(output_dir / EMA_FOLDER, model, full=full)
+                logger.info("saved the EMA weights: %s", ema_path)
         except NoSpace as exc:
             failure = exc
     fields = (

@@ -24,6 +24,7 @@ from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import knobs, metrics, run_folder, runlog
 from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
 from simpletuner.training.batches import Batch, free_memory, prepare_caches
+from simpletuner.training.ema import EMA
 from simpletuner.training.launch import (
     PhaseClock,
     check_launch_matches,
@@ -91,6 +92,7 @@ class Trainer:
     model: nn.Module  # prepared by Accelerate (DDP with several processes)
     optimizer: torch.optim.Optimizer
     trainable_params: list[nn.Parameter]
+    ema: EMA | None = None  # use_ema, on rank 0: the average of the trained weights
     # setup(), save_checkpoint()
     startup_seconds: dict[str, float]
     _last_saved_step: int | None = None
@@ -217,7 +219,10 @@ class Trainer:
         cfg, acc = self.config, self.accelerator
         optimizer = build_optimizer(cfg, self.spec.named_parameter_groups(denoiser))
         samples = [s for ds in self.state.datasets for s in ds.samples]
-        self.sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed)
+        weights = {ds.id: ds.config.probability for ds in self.state.datasets}  # datasets[].probability
+        self.sampler = BucketSampler(
+            samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed, weights=weights
+        )
         self.eval_samples = samples
         self.evaluator = EvalLoss(self.spec, self.data, samples, cfg, acc) if cfg.eval_steps else None
         steps, epochs = cfg.max_train_steps, cfg.num_train_epochs  # epochs: count the windows the ramp makes
@@ -228,6 +233,8 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(denoiser, optimizer)
         # Walking every module for requires_grad each step cost up to ~1 ms (3-10% of a tiny-model step).
         self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
+        if cfg.use_ema and acc.is_main_process:  # every rank holds the same weights: rank 0 averages them
+            self.ema = EMA.for_model(acc.unwrap_model(self.model), cfg, acc.device)
         if cfg.report_to != "none":
             acc.init_trackers(cfg.tracker_project_name, config=_scalar_config(self.state.raw_config))
 
@@ -299,7 +306,7 @@ class Trainer:
     def _checkpoint_parts(self) -> ckpt.CheckpointParts:
         model, acc = self.accelerator.unwrap_model(self.model), self.accelerator
         parts = (self.optimizer, self.lr_scheduler, self.generator, self.progress, self.sampler, self.accumulation)
-        return ckpt.CheckpointParts(model, *parts, scaler=acc.scaler)
+        return ckpt.CheckpointParts(model, *parts, scaler=acc.scaler, ema=self.ema)
 
     def save_checkpoint(self) -> Path:
         """A resumable checkpoint of this step; LoRA runs also get the adapter the final save writes
@@ -390,15 +397,23 @@ class Trainer:
             # Gradients are all-reduced only on the window's last micro-batch.
             sync = nullcontext() if i == len(micro_batches) - 1 else acc.no_sync(self.model)
             with sync:
-                per_sample = self.spec.training_loss(self.model, batch.latents, batch.conditioning, self.generator)
+                per_sample = self.spec.training_loss(
+                    self.model,
+                    batch.latents,
+                    batch.conditioning,
+                    self.generator,
+                    is_regularisation_data=batch.is_regularisation_data,
+                )
                 loss = per_sample.sum() / window_samples
                 acc.backward(loss)
             total += loss.detach()
         params = self.trainable_params
-        if self.config.max_grad_norm:
+        if self.config.max_grad_norm and self.config.grad_clip_method == "norm":
             norm = acc.clip_grad_norm_(params, self.config.max_grad_norm)
-        else:
+        else:  # the norm before any clipping: it decides whether the window is finite
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if self.config.max_grad_norm:
+                acc.clip_grad_value_(params, self.config.max_grad_norm)
         if self._agree(total, norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_steps += 1
@@ -412,6 +427,8 @@ class Trainer:
         self.progress.global_step += 1
         self.progress.micro_batches_seen += len(micro_batches)
         self.progress.samples_seen += window_samples * acc.num_processes
+        if self.ema is not None:  # after a real optimizer step only: a skipped window returned above
+            self.ema.step(self.progress.global_step)
         return StepOutcome(total, skipped=False, num_samples=window_samples)
 
     def _agree(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
@@ -546,7 +563,9 @@ class Trainer:
         if self.validator is None:  # not rank 0, or no validation prompts
             return
         model = self.accelerator.unwrap_model(self.model)
-        self.validation_images += self.validator.render(model, self.progress.global_step, self.accelerator)
+        self.validation_images += self.validator.render(
+            model, self.progress.global_step, self.accelerator, ema=self.ema
+        )
 
     def _stop_if_preempted(self) -> None:
         """At a step boundary that every rank agreed on: save and stop with the signal's exit code."""
@@ -567,7 +586,7 @@ class Trainer:
         full = self.config.training_type != "lora"
         model = self.accelerator.unwrap_model(self.model)
         path = run_folder.save_final_weights(
-            self.accelerator, self.spec, model, self.output_dir, full, self.progress.global_step
+            self.accelerator, self.spec, model, self.output_dir, full, self.progress.global_step, ema=self.ema
         )
         if path is not None:
             logger.info("saved %s", path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -54,78 +55,155 @@ def save_png(image: Image.Image, path: Path) -> None:
         os.replace(temp, path)
 
 
-def _log_to_trackers(trackers, images: list[Image.Image], grid: Image.Image, prompts: list[str], step: int) -> None:
+def _log_to_trackers(
+    trackers, images: list[Image.Image], grid: Image.Image, prompts: list[str], step: int, tag: str = ""
+) -> None:
     """TensorBoard gets the single images (tag ``validation``) and the grid (``validation_grid``);
-    W&B gets the grid (``validation_grid``, captioned with the prompts row by row)."""
+    W&B gets the grid (``validation_grid``, captioned with the prompts row by row). ``tag`` follows
+    each name (``_WxH`` when validation renders several sizes)."""
     import numpy as np
 
     for tracker in trackers:
         if tracker.name == "tensorboard":
             if len({img.size for img in images}) == 1:  # add_images needs one shape
                 stacked = np.stack([np.asarray(img.convert("RGB")) for img in images])
-                tracker.writer.add_images("validation", stacked, step, dataformats="NHWC")
-            tracker.writer.add_image("validation_grid", np.asarray(grid), step, dataformats="HWC")
+                tracker.writer.add_images(f"validation{tag}", stacked, step, dataformats="NHWC")
+            tracker.writer.add_image(f"validation_grid{tag}", np.asarray(grid), step, dataformats="HWC")
         elif tracker.name == "wandb":
             import wandb
 
             caption = " | ".join(f"row {i}: {p}" for i, p in enumerate(prompts))
-            tracker.log({"validation_grid": wandb.Image(grid, caption=caption)}, step=step)
+            tracker.log({f"validation_grid{tag}": wandb.Image(grid, caption=caption)}, step=step)
+
+
+#: Frames per second of the animated GIF a validation video is saved as.
+VIDEO_FPS = 16
+#: Families whose sampling takes no negative prompt (Flux: guidance-distilled, no true CFG here).
+NO_NEGATIVE_PROMPT = frozenset({"flux"})
+
+
+def pipeline_arguments(family: str, config, width: int, height: int) -> dict:
+    """The keyword arguments of one validation call (the prompt and generator aside) for ``family``.
+
+    A key the config leaves at its default is not passed, so an unchanged config makes the call it
+    always made: ``negative_prompt`` (not for Flux), ``guidance_rescale`` (sd / sdxl; the config
+    refuses it elsewhere) and ``num_frames`` (video families) only when set.
+    """
+    kwargs = {
+        "num_images_per_prompt": config.num_validation_images,
+        "num_inference_steps": config.validation_num_inference_steps,
+        "guidance_scale": config.validation_guidance_scale,
+        "height": height,
+        "width": width,
+    }
+    if config.validation_negative_prompt is not None and family not in NO_NEGATIVE_PROMPT:
+        kwargs["negative_prompt"] = config.validation_negative_prompt
+    if config.validation_guidance_rescale:
+        kwargs["guidance_rescale"] = config.validation_guidance_rescale
+    if config.validation_num_video_frames not in (None, 1):
+        kwargs["num_frames"] = config.validation_num_video_frames
+    return kwargs
+
+
+def _weight_variants(config, ema) -> list[tuple[str, object]]:
+    """The weights each validation renders, as (file-name suffix, context that puts them in the
+    model): the trained weights, the EMA's (``ema_only``), or both (``comparison``: EMA files end in ``_ema``)."""
+    if ema is None or config.ema_validation == "none":
+        return [("", nullcontext)]
+    if config.ema_validation == "ema_only":
+        return [("", ema.applied)]
+    return [("", nullcontext), ("_ema", ema.applied)]
+
+
+def save_gif(frames: list[Image.Image], path: Path) -> None:
+    """Write ``frames`` as a looping animated GIF at :data:`VIDEO_FPS`, whole or not at all."""
+    buffer = io.BytesIO()
+    first, *rest = [f.convert("RGB") for f in frames]
+    first.save(buffer, format="GIF", save_all=True, append_images=rest, duration=1000 // VIDEO_FPS, loop=0)
+    data = buffer.getvalue()
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with disk_full_guard(path.parent, len(data), f"validation video {path.name}", cleanup=[temp]):
+        with open(temp, "wb") as f:
+            f.write(data)
+        os.replace(temp, path)
 
 
 @torch.no_grad()
 def generate_validation_images(
-    spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=()
+    spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=(), ema=None
 ) -> list[Path]:
-    """Render ``num_validation_images`` for each validation prompt and save them as PNGs.
+    """Render ``num_validation_images`` for each validation prompt, at each validation size, and save
+    them as PNGs.
 
     The prompts are ``config.validation_prompt_list`` (``validation_prompt``, then
-    ``validation_prompts``). Image ``i`` of prompt ``p`` is saved as ``step_NNNNNN_K.png`` with
+    ``validation_prompts``); the sizes ``config.validation_sizes`` (``validation_resolution``, else
+    ``resolution`` square). Image ``i`` of prompt ``p`` is saved as ``step_NNNNNN_K.png`` with
     ``K = p * num_validation_images + i`` (one prompt: the names of earlier releases), and all of
-    them as one grid, ``step_NNNNNN_grid.png`` (a row per prompt). Each prompt's generator starts
-    from ``config.seed``, so image ``K`` of every validation step starts from the same noise:
-    steps differ only by the training in between. Returns the single images' paths.
+    them as one grid, ``step_NNNNNN_grid.png`` (a row per prompt). With several sizes each size has
+    its own images and grid, ``step_NNNNNN_WxH_K.png`` / ``step_NNNNNN_WxH_grid.png``. With ``ema``
+    (an :class:`~simpletuner.training.ema.EMA`) ``config.ema_validation`` picks the weights: the
+    EMA's alone, or both (``comparison``: the EMA's images end in ``_ema`` and follow the trained
+    weights' images in each grid row). Each prompt's generator starts from ``validation_seed``
+    (else ``seed``), so image ``K`` of every validation step starts from the same noise: steps
+    differ only by the training in between. A video (``validation_num_video_frames`` > 1) is saved
+    as its first frame (the PNG) and the whole clip beside it (``.gif``). Returns the PNGs' paths.
     """
     prompts = config.validation_prompt_list
+    sizes = config.validation_sizes
+    seed = config.validation_seed if config.validation_seed is not None else config.seed
+    variants = _weight_variants(config, ema)
+    is_video = config.validation_num_video_frames not in (None, 1)
     was_training = denoiser.training
     denoiser.eval()
-    rows: list[list[Image.Image]] = []
+    # rendered[(suffix, size)] = one list of outputs per prompt
+    rendered: dict[tuple[str, tuple[int, int]], list] = {}
     try:
         pipe = spec.build_pipeline(denoiser, vae, text_encoders)
         pipe.set_progress_bar_config(disable=True)
-        for prompt in prompts:
-            fault_point("validation:prompt")  # tests: a signal while a validation renders
-            # A generator of its own, so validation never shifts the training RNG streams.
-            generator = torch.Generator(device="cpu").manual_seed(config.seed)
-            rows.append(
-                pipe(
-                    prompt,
-                    num_images_per_prompt=config.num_validation_images,
-                    num_inference_steps=config.validation_num_inference_steps,
-                    guidance_scale=config.validation_guidance_scale,
-                    height=config.resolution,
-                    width=config.resolution,
-                    generator=generator,
-                ).images
-            )
+        for suffix, weights in variants:
+            with weights():
+                for width, height in sizes:
+                    kwargs = pipeline_arguments(spec.family, config, width, height)
+                    outputs = []
+                    for prompt in prompts:
+                        fault_point("validation:prompt")  # tests: a signal while a validation renders
+                        # A generator of its own, so validation never shifts the training RNG streams.
+                        generator = torch.Generator(device="cpu").manual_seed(seed)
+                        outputs.append(pipe(prompt, generator=generator, **kwargs))
+                    rendered[(suffix, (width, height))] = outputs
     finally:
         denoiser.train(was_training)
     out_dir.mkdir(parents=True, exist_ok=True)
-    images = [img for row in rows for img in row]
     paths = []
-    for i, image in enumerate(images):
-        path = out_dir / f"step_{step:06d}_{i}.png"
-        save_png(image, path)
-        paths.append(path)
-    grid = make_grid(rows)
-    grid_path = out_dir / f"step_{step:06d}_grid.png"
-    save_png(grid, grid_path)
-    _log_to_trackers(trackers, images, grid, prompts, step)
-    logger.info(
-        "validation images for step %d: %s; grid (a row per prompt): %s",
-        step,
-        ", ".join(str(p) for p in paths),
-        grid_path,
-    )
+    for width, height in sizes:
+        tag = f"_{width}x{height}" if len(sizes) > 1 else ""
+        rows: list[list[Image.Image]] = [[] for _ in prompts]
+        images = []
+        for suffix, _ in variants:
+            outputs = rendered[(suffix, (width, height))]
+            k = 0
+            for p, output in enumerate(outputs):
+                rows[p] += output.images
+                for i, image in enumerate(output.images):
+                    path = out_dir / f"step_{step:06d}{tag}_{k}{suffix}.png"
+                    save_png(image, path)
+                    paths.append(path)
+                    images.append(image)
+                    clip = getattr(output, "frames", None)
+                    if is_video and clip is not None:
+                        save_gif(list(clip[i]), path.with_suffix(".gif"))
+                    k += 1
+        grid = make_grid(rows)
+        grid_path = out_dir / f"step_{step:06d}{tag}_grid.png"
+        save_png(grid, grid_path)
+        _log_to_trackers(trackers, images, grid, prompts, step, tag)
+        logger.info(
+            "validation images for step %d%s: %s; grid (a row per prompt): %s",
+            step,
+            f" at {width}x{height}" if tag else "",
+            ", ".join(str(p) for p in paths[-len(images) :]),
+            grid_path,
+        )
     return paths
 
 
@@ -144,9 +222,16 @@ class Validator:
             reencodes = config.augmentations.is_enabled and config.augmentations_cache_mode != "static"
             self.offloaded = (self.text_encoders,) if reencodes else (self.vae, self.text_encoders)
             offload.to_device(self.offloaded, torch.device("cpu"))
+        if config.validation_negative_prompt is not None and spec.family in NO_NEGATIVE_PROMPT:
+            logger.warning(
+                "validation_negative_prompt is ignored for model_family %r: its guidance-distilled sampling takes "
+                "no negative prompt (remove the key to silence this)",
+                spec.family,
+            )
 
-    def render(self, model, step: int, accelerator) -> list[Path]:
-        """Images of ``model`` (unwrapped) at ``step`` in ``output_dir/validation``; returns their paths."""
+    def render(self, model, step: int, accelerator, ema=None) -> list[Path]:
+        """Images of ``model`` (unwrapped) at ``step`` in ``output_dir/validation``; returns their paths.
+        ``ema``: the run's EMA, rendered as ``ema_validation`` says."""
         device, idle = accelerator.device, self.spec.idle_modules(model)
         with offload.on_device_while(self.config.low_vram, device, self.offloaded, idle), accelerator.autocast():
             return generate_validation_images(
@@ -158,6 +243,7 @@ class Validator:
                 step,
                 self.output_dir / "validation",
                 accelerator.trackers,
+                ema=ema,
             )
 
 

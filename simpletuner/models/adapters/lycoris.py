@@ -1,11 +1,13 @@
 """LyCORIS adapters (LoCon, LoHa, LoKr) on the frozen denoiser, saved in LyCORIS' own format.
 
 The network is built module by module over the denoiser's layers named by the family's LoRA
-targets (peft's rule: a module whose name is a target or ends with ``.<target>``), not through
-``create_lycoris`` / ``LycorisNetwork.apply_preset``, which keep the target lists in class
-attributes shared by every network in the process. Each LyCORIS module hooks its layer's forward
-(``y = layer(x) + adapter(x)``: bypass mode, which never materialises a weight-sized delta and
-runs on quantised layers too), and the network is registered as the denoiser's submodule
+targets (peft's rule: a module whose name is a target or ends with ``.<target>``), or, with
+``lycoris.apply_preset``, by the preset's classes and names read as LyCORIS' ``apply_preset`` reads
+them (:func:`plan_preset`). Not through ``create_lycoris`` / ``LycorisNetwork.apply_preset``
+themselves, which keep the target lists in class attributes shared by every network in the process.
+Each LyCORIS module hooks its layer's forward (``y = layer(x) + adapter(x)``: bypass mode, which never
+materialises a weight-sized delta and runs on quantised layers too; ``lycoris.bypass_mode`` false
+merges the delta into the weight at each forward instead), and the network is registered as the denoiser's submodule
 ``lycoris``: the optimizer, Accelerate/DDP, ``trainable_state`` and checkpoint resume see its
 parameters through ``denoiser.parameters()`` like any other.
 
@@ -15,10 +17,12 @@ the format ``create_lycoris_from_weights`` and other LyCORIS-aware tools load.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -27,6 +31,7 @@ from simpletuner.file_modes import ordinary_permissions
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.sections import LycorisPreset
 
 #: The network's name as a submodule of the denoiser.
 SUBMODULE = "lycoris"
@@ -61,13 +66,143 @@ def lora_name(module_path: str) -> str:
     return f"{PREFIX}_{module_path}".replace(".", "_")
 
 
-def apply_lycoris(denoiser: nn.Module, targets: list[str], config: "TrainingConfig") -> nn.Module:
-    """Add a trainable fp32 LyCORIS network (``config.lycoris.algo``, rank ``lora_rank``, alpha
-    ``lora_alpha``) on the frozen ``denoiser``'s ``targets``; returns the network (also the
-    denoiser's submodule ``lycoris``).
+class PlannedLayer(NamedTuple):
+    """One layer to adapt and the settings its preset entry gives (empty: the network's own)."""
+
+    layer: nn.Module
+    settings: Mapping[str, Any]
+
+
+_SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Class-name endings that make a module a likely `target_module` (listed when a preset matches nothing).
+_CANDIDATE_ENDINGS = ("Attention", "FeedForward", "MLP", "Block", "Block2D", "Block3D", "Layer")
+
+
+def _is_wide_conv(layer: nn.Module) -> bool:
+    return isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and layer.kernel_size[0] != 1
+
+
+def candidate_classes(denoiser: nn.Module) -> list[str]:
+    """The denoiser's module classes a preset most likely means (attention, feed-forward, blocks), sorted."""
+    names = {type(m).__name__ for m in denoiser.modules()}
+    return sorted(n for n in names if n.endswith(_CANDIDATE_ENDINGS))
+
+
+def plan_preset(denoiser: nn.Module, preset: "LycorisPreset") -> dict[str, PlannedLayer]:
+    """The layers ``preset`` adapts, by module path, with their per-class / per-name settings, as LyCORIS'
+    ``apply_preset`` reads a preset:
+
+    - a module whose class is in ``target_module`` or ``module_algo_map`` (and whose path no
+      ``target_name`` matches): each Linear / Conv layer inside it, with that class's settings; inside it,
+      a module of another ``module_algo_map`` class passes that class's settings to its own layers;
+    - a layer whose path is in ``target_name`` / ``name_algo_map`` (equal, or matched by a pattern): that
+      layer, with its ``name_algo_map`` settings (else its class's);
+    - paths ``exclude_name`` matches are skipped; the first entry to reach a layer decides its settings.
+      Layers neither Linear nor Conv, and Conv layers wider than 1x1 without ``enable_conv`` (unless their
+      settings give a ``dim``), get nothing.
 
     Raises:
-        ValueError: LyCORIS is not installed, an option it does not take, or no layer matches.
+        ValueError: a class or name of the preset matches nothing in the denoiser (naming each, and the
+            denoiser's attention / feed-forward / block classes), or nothing it matches can be adapted.
+    """
+
+    def matches(pattern: str, path: str) -> bool:
+        return fnmatch.fnmatch(path, pattern) if preset.use_fnmatch else re.match(pattern, path) is not None
+
+    def excluded(path: str) -> bool:
+        return bool(path) and any(path == p or matches(p, path) for p in preset.exclude_name)
+
+    def settings_of(entry) -> dict[str, Any]:
+        return {} if entry is None else entry.model_dump(exclude_none=True)
+
+    def adaptable(layer: nn.Module, settings: Mapping[str, Any]) -> bool:
+        if not isinstance(layer, _SUPPORTED):
+            return False
+        return not _is_wide_conv(layer) or preset.enable_conv or "dim" in settings
+
+    class_maps = preset.module_algo_map
+    target_classes = set(preset.target_module) | set(class_maps)
+    name_patterns = list(dict.fromkeys([*preset.target_name, *preset.name_algo_map]))
+    plan: dict[str, PlannedLayer] = {}
+    seen_classes: set[str] = set()
+    seen_names: set[str] = set()
+
+    def walk(root_path: str, root: nn.Module, settings: dict[str, Any]) -> None:
+        for sub_path, sub in root.named_modules():
+            path = f"{root_path}.{sub_path}" if root_path and sub_path else (root_path or sub_path)
+            if excluded(path):
+                continue
+            cls = type(sub).__name__
+            if sub is not root and cls in class_maps:
+                walk(path, sub, settings_of(class_maps[cls]))  # its own layers take its own settings
+                continue
+            if path not in plan and adaptable(sub, settings):
+                plan[path] = PlannedLayer(sub, settings)
+
+    for path, module in denoiser.named_modules():
+        if not path or excluded(path):
+            continue
+        cls = type(module).__name__
+        hits = [p for p in name_patterns if path == p or matches(p, path)]
+        if cls in target_classes and not hits:
+            seen_classes.add(cls)
+            walk(path, module, settings_of(class_maps.get(cls)))
+        elif hits:
+            seen_names.update(hits)
+            by_name = next((preset.name_algo_map[p] for p in hits if p in preset.name_algo_map), None)
+            settings = settings_of(by_name if by_name is not None else class_maps.get(cls))
+            if path not in plan and adaptable(module, settings):
+                plan[path] = PlannedLayer(module, settings)
+
+    unmatched_classes = sorted(target_classes - seen_classes)
+    unmatched_names = [p for p in name_patterns if p not in seen_names]
+    model = type(denoiser).__name__
+    if unmatched_classes or unmatched_names:
+        what = []
+        if unmatched_classes:
+            what.append(f"module classes {unmatched_classes}")
+        if unmatched_names:
+            what.append(f"layer names {unmatched_names}")
+        raise ValueError(
+            f"lycoris.apply_preset: {' and '.join(what)} match nothing in the {model}. Its attention, "
+            f"feed-forward and block classes are {candidate_classes(denoiser)}: name those in target_module "
+            "(or module paths from the model in target_name)"
+        )
+    if not plan:
+        raise ValueError(
+            f"lycoris.apply_preset matches modules of the {model}, but none of their layers is a Linear or Conv "
+            "layer LyCORIS can adapt: target the classes that hold them (e.g. Attention, FeedForward)"
+        )
+    return plan
+
+
+def _targets_plan(denoiser: nn.Module, targets: list[str]) -> dict[str, PlannedLayer]:
+    layers = match_targets(denoiser, targets)
+    unsupported = sorted(n for n, m in layers.items() if not isinstance(m, _SUPPORTED))
+    if unsupported:
+        raise ValueError(
+            f"lora_target_modules match layers LyCORIS cannot adapt ({unsupported[:3]}...): "
+            "name Linear or Conv layers (e.g. to_q, to_k, to_v, to_out.0)"
+        )
+    if not layers:
+        raise ValueError(
+            f"lora_target_modules {targets} match no module of the {type(denoiser).__name__}; "
+            "use names of its Linear/Conv layers (e.g. to_q, to_k, to_v, to_out.0)"
+        )
+    return {path: PlannedLayer(layer, {}) for path, layer in layers.items()}
+
+
+def apply_lycoris(denoiser: nn.Module, targets: list[str], config: "TrainingConfig") -> nn.Module:
+    """Add a trainable fp32 LyCORIS network (``config.lycoris.algo``, rank ``lora_rank``, alpha
+    ``lora_alpha``) on the frozen ``denoiser``'s ``targets`` (or the layers ``lycoris.apply_preset``
+    names, with their per-class settings); returns the network (also the denoiser's submodule ``lycoris``).
+
+    Conv layers wider than 1x1 take ``lycoris.conv_dim`` / ``conv_alpha`` when set; a preset entry's
+    ``dim`` / ``alpha`` / ``algo`` / ``factor`` / ``full_matrix`` override the network's for its layers.
+
+    Raises:
+        ValueError: LyCORIS is not installed, an option it does not take, or no layer matches (with a
+            preset: any of its classes or names that matches nothing).
     """
     _lycoris()
     from lycoris.wrapper import network_module_dict
@@ -79,38 +214,43 @@ def apply_lycoris(denoiser: nn.Module, targets: list[str], config: "TrainingConf
         raise ValueError(
             f"{type(denoiser).__name__} already has a LyCORIS network (or a submodule named {SUBMODULE!r})"
         )
-    layers = match_targets(denoiser, targets)
-    supported = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    unsupported = sorted(n for n, m in layers.items() if not isinstance(m, supported))
-    if unsupported:
-        raise ValueError(
-            f"lora_target_modules match layers LyCORIS cannot adapt ({unsupported[:3]}...): "
-            "name Linear or Conv layers (e.g. to_q, to_k, to_v, to_out.0)"
-        )
-    if not layers:
-        raise ValueError(
-            f"lora_target_modules {targets} match no module of the {type(denoiser).__name__}; "
-            "use names of its Linear/Conv layers (e.g. to_q, to_k, to_v, to_out.0)"
-        )
-    extra = {"factor": options.factor, "full_matrix": options.full_matrix} if options.algo == "lokr" else {}
-    module_cls = network_module_dict[options.algo]
+    if options.apply_preset is not None:
+        plan = plan_preset(denoiser, options.apply_preset)
+    else:
+        plan = _targets_plan(denoiser, targets)
+    rank, alpha = config.lora_rank, config.effective_lora_alpha
+    conv_rank = options.conv_dim if options.conv_dim is not None else rank
+    conv_alpha = options.conv_alpha if options.conv_alpha is not None else alpha
     network = _empty_network(denoiser)
-    for path, layer in layers.items():
+    algos = set()
+    for path, (layer, settings) in plan.items():
+        algo = settings.get("algo", options.algo)
+        algos.add(algo)
+        wide = _is_wide_conv(layer)
+        extra = {}
+        if algo == "lokr":
+            extra = {
+                "factor": settings.get("factor", options.factor),
+                "full_matrix": settings.get("full_matrix", options.full_matrix),
+            }
         network.loras.append(
-            module_cls(
+            network_module_dict[algo](
                 lora_name(path),
                 layer,
-                1.0,
-                config.lora_rank,
-                config.effective_lora_alpha,
+                options.multiplier,
+                settings.get("dim", conv_rank if wide else rank),
+                settings.get("alpha", conv_alpha if wide else alpha),
                 config.lora_dropout,
                 0.0,
                 0.0,
-                bypass_mode=True,
+                bypass_mode=options.bypass_mode,
                 **extra,
             )
         )
-    network.simpletuner_options = {"algo": options.algo, **{k: str(v) for k, v in extra.items()}}
+    # The file's metadata (adapter_metadata): the algo, and LoKr's network-wide settings.
+    network.simpletuner_options = {"algo": next(iter(algos)) if len(algos) == 1 else "mixed"}
+    if algos == {"lokr"}:
+        network.simpletuner_options.update(factor=str(options.factor), full_matrix=str(options.full_matrix))
     return _attach(denoiser, network)
 
 

@@ -54,6 +54,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from simpletuner.training.optimizers.rounding import RoundingGenerators, stochastic_round_to_bf16
+
 #: Grid points for the per-element learning rate (int16 range).
 _GRID_POINTS = 1 << 16
 _INDEX_MIN = -(1 << 15)
@@ -123,14 +125,6 @@ def _grid(group: Mapping[str, Any]) -> _Grid:
     return _Grid(min_lr, max_lr, spacing, steps_per_bump, _INDEX_MIN + num_steps)
 
 
-def _stochastic_round_to_bf16(src: torch.Tensor, dst: torch.Tensor, generator: torch.Generator) -> None:
-    """Round fp32 ``src`` into bf16 ``dst``, up or down with probability by distance."""
-    bits = src.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
-    rounded = noise.add_(bits).bitwise_and_(-(1 << 16))  # keep the bf16 bits; exact cast below
-    dst.copy_(rounded.view(torch.float32))
-
-
 class Automagic(torch.optim.Optimizer):
     """Adafactor-normalised steps with a self-adjusting per-element learning rate.
 
@@ -182,9 +176,7 @@ class Automagic(torch.optim.Optimizer):
             weight_decay=weight_decay,
             stochastic_rounding=stochastic_rounding,
         )
-        self._seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
-        self._pending_rng_states: dict[str, torch.Tensor] = {}
+        self._rounding = RoundingGenerators(seed)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -272,7 +264,7 @@ class Automagic(torch.optim.Optimizer):
         if work is param:
             return
         if param.dtype == torch.bfloat16 and group["stochastic_rounding"]:
-            _stochastic_round_to_bf16(work, param, self._generator(param.device))
+            stochastic_round_to_bf16(work, param, self._rounding.get(param.device))
         else:
             param.copy_(work)
 
@@ -300,28 +292,12 @@ class Automagic(torch.optim.Optimizer):
             means.append(float(total) / max(1, sum(p.numel() for p in params)))
         return means
 
-    # -- stochastic rounding RNG ------------------------------------------------------
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        generator = self._generators.get(key)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self._seed)
-            pending = self._pending_rng_states.pop(key, None)
-            if pending is not None:
-                generator.set_state(pending.cpu())
-            self._generators[key] = generator
-        return generator
-
     # -- checkpoints ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus the stochastic-rounding generators (weights_only-loadable)."""
         state_dict = super().state_dict()
-        rng = {key: state.clone() for key, state in self._pending_rng_states.items()}
-        rng.update({key: generator.get_state() for key, generator in self._generators.items()})
-        state_dict[_RNG_KEY] = {"seed": self._seed, "states": rng}
+        state_dict[_RNG_KEY] = self._rounding.state_dict()
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -340,9 +316,7 @@ class Automagic(torch.optim.Optimizer):
                     k: v.to(device=p.device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in saved.items()
                 }
         if rng is not None:
-            self._seed = int(rng["seed"])
-            self._generators = {}
-            self._pending_rng_states = {key: state.clone().cpu() for key, state in rng["states"].items()}
+            self._rounding.load_state_dict(rng)
 
 
 def automagic_param_groups(

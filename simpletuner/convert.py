@@ -1,0 +1,66 @@
+"""``simpletuner convert SRC [--out native.json]``: a SimpleTuner config written as a native one.
+
+The translation is the one ``train`` and ``estimate`` apply when they are given a SimpleTuner config
+(simpletuner/configuration/dialect.py): the same mapping report is printed, datasets from
+``data_backend_config`` are inlined, and paths (which SimpleTuner reads from the working directory)
+are written absolute, so training the converted file is the same run as training the original.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Write a SimpleTuner config (config.json with its multidatabackend.json) as a native config and print "
+        "what each key became. Run it from the folder you run SimpleTuner from: its paths are relative to it."
+    )
+    parser.add_argument("source", metavar="SRC", help="SimpleTuner config.json")
+    parser.add_argument("--out", help="write the native config here (default: print it)")
+    parser.add_argument("--force", action="store_true", help="overwrite --out when it exists (default: refuse)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from simpletuner.configuration import dialect
+    from simpletuner.configuration.errors import ConfigError
+    from simpletuner.configuration.loader import NATIVE_KEYS, _read_json
+
+    source = Path(args.source)
+    try:
+        raw = _read_json(source, "config file")
+        if not isinstance(raw, dict):
+            raise ConfigError(["the config must be a JSON object ({...})"], str(source))
+        if not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
+            print(
+                f"{source} is already a native config (no SimpleTuner key in it): nothing to convert", file=sys.stderr
+            )
+            return 2
+        native, report = dialect.translate(raw, source)
+    except dialect.DialectError as exc:
+        exc = ConfigError(exc.problems, exc.source)
+        print(exc, file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    for line in report.lines():
+        print(line, file=sys.stderr)
+    for line in report.approximated:
+        print(f"warning: approximated: {line}", file=sys.stderr)
+    text = json.dumps(native, indent=2, ensure_ascii=False) + "\n"
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        print(f"{out} exists: choose another --out, or add --force to overwrite it", file=sys.stderr)
+        return 2
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
+    print(f"wrote {out}: train it with `simpletuner train --config {out}`", file=sys.stderr)
+    return 0

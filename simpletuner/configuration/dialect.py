@@ -147,14 +147,15 @@ class Report:
     defaults: list[str] = field(default_factory=list)  # SimpleTuner defaults written in
     notes: list[str] = field(default_factory=list)  # how paths and files were found
 
-    def lines(self) -> list[str]:
-        """The report as log lines, the summary first."""
+    def lines(self, mapped: bool = True) -> list[str]:
+        """The report as log lines, the summary first; ``mapped=False`` leaves out the key-by-key mapping
+        (the start of a training log keeps the summary, defaults and ignored keys; `convert` prints all)."""
         out = [
             f"read as a SimpleTuner config: {len(self.mapped)} keys mapped, {len(self.approximated)} approximated, "
             f"{len(self.ignored)} ignored, {len(self.defaults)} SimpleTuner defaults applied"
         ]
         out += [f"  {line}" for line in self.notes]
-        out += [f"  mapped: {line}" for line in self.mapped]
+        out += [f"  mapped: {line}" for line in self.mapped] if mapped else []
         out += [f"  default: {line}" for line in self.defaults]
         if self.ignored:
             out.append("  ignored (no effect here): " + "; ".join(self.ignored))
@@ -1274,7 +1275,7 @@ def _apply_key(t: Translation, name: str, value: Any, entry: Optional[DialectKey
         (entry.apply or _rename)(t, value, entry)
     except _Problem as exc:
         t.problems.append(f"{label + ': ' if label else ''}{exc}")
-    if len(t.problems) == before:
+    if len(t.problems) == before and not any(line.startswith(f"`{shown}") for line in t.report.mapped):
         t.report.mapped.append(f"`{shown}` -> `{entry.ours}`" if entry.ours != name else f"`{shown}`")
         if entry.kind == "approximated" and not is_inert(value):
             t.approx(shown, entry.note)

@@ -339,8 +339,10 @@ def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, An
     if key is None or key not in _REPORTED:
         if key is not None:
             _REPORTED.add(key)
-        for line in report.lines():
+        for line in report.lines(mapped=False):
             logger.info("%s", line)
+        for line in report.mapped:
+            logger.debug("SimpleTuner key mapped: %s", line)
         for line in report.approximated:
             logger.warning("SimpleTuner key approximated: %s", line)
     return native

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from simpletuner.configuration import dialect, load_config
+from simpletuner.configuration import dialect, dialect_read, dialect_values, load_config
 from simpletuner.configuration.docs import render_migrating
 from simpletuner.configuration.errors import ConfigError
 from simpletuner.configuration.loader import NATIVE_KEYS
@@ -33,7 +33,7 @@ def test_table_entries_are_unique_and_well_formed():
     for entry in dialect.DIALECT:
         assert (entry.section, entry.key) not in seen, f"{entry.key} ({entry.section}) is in the table twice"
         seen.add((entry.section, entry.key))
-        assert entry.kind in dialect.KINDS
+        assert entry.kind in dialect_read.KINDS
         if entry.kind in ("same", "approximated"):
             assert entry.ours or entry.apply, f"{entry.key}: a mapped key must name ours or say how it applies"
         if entry.kind in ("approximated", "ignored", "unsupported"):
@@ -203,7 +203,7 @@ def test_wan22_flavours_pick_the_stage_or_stop_naming_what_is_missing(tmp_path, 
     with pytest.raises(dialect.DialectError, match="AnimeGen"):
         dialect.translate({**base, "model_flavour": "animegen-t2v-low"}, None, tmp_path)
     # a text-to-video A14B flavour (none is published yet) would train its one expert
-    monkeypatch.setitem(dialect.FLAVOURS["wan"], "t2v-a14b-2.2-high", "Wan-AI/Wan2.2-T2V-A14B-Diffusers")
+    monkeypatch.setitem(dialect_values.FLAVOURS["wan"], "t2v-a14b-2.2-high", "Wan-AI/Wan2.2-T2V-A14B-Diffusers")
     native, _ = dialect.translate({**base, "model_flavour": "t2v-a14b-2.2-high"}, None, tmp_path)
     assert native["train_stages"] == "high"
 

@@ -11,22 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import train
+from training_helpers import fixed_batch, step_trainer, train
 
-from simpletuner.configuration import validate_config
-from simpletuner.data_backend.metadata import Sample
-from simpletuner.models import get_model_spec
-from simpletuner.precision import reset_accelerate_state
-from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training.accumulation import build_accumulation
 from simpletuner.training.batches import Batch
 from simpletuner.training.ema import EMA, decay_at
-from simpletuner.training.launch import make_accelerator
-from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.trainer import Trainer
-
-LATENT_SHAPE, TOKENS, WIDTH = (4, 8, 8), 6, 32  # the tiny UNet at resolution 64
 
 
 def _hand_decay(step: int, cap: float) -> float:
@@ -39,31 +29,14 @@ def _hand_decay(step: int, cap: float) -> float:
 
 def _trainer(make_config, **overrides) -> Trainer:
     """A Trainer holding only what ``train_step`` uses, and its EMA made as setup makes it."""
-    config = validate_config(make_config(nonfinite_policy="skip", use_ema=True, **overrides))
-    trainer = Trainer(StateTracker(config, {}))
-    reset_accelerate_state()
-    trainer.spec = spec = get_model_spec(config)
-    trainer.accelerator = acc = make_accelerator("no", "none", trainer.output_dir, find_unused_parameters=False)
-    denoiser = spec.prepare_denoiser(spec.load_denoiser(torch.float32), torch.float32)
-    optimizer = build_optimizer(config, spec.named_parameter_groups(denoiser))
-    trainer.lr_scheduler = build_lr_scheduler(config, optimizer, total_steps=10)
-    trainer.model, trainer.optimizer = acc.prepare(denoiser, optimizer)
-    trainer.trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
-    trainer.accumulation = build_accumulation(config, acc.num_processes)
-    trainer.generator = torch.Generator().manual_seed(1234)
-    trainer.ema = EMA.for_model(acc.unwrap_model(trainer.model), config, acc.device)
+    trainer = step_trainer(make_config, use_ema=True, **overrides)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    trainer.ema = EMA.for_model(model, trainer.config, trainer.accelerator.device)
     return trainer
 
 
 def _batch(seed: int, nan: bool = False) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    latents = torch.randn((2, *LATENT_SHAPE), generator=gen)
-    if nan:
-        latents[0, 0, 0, 0] = float("nan")
-    samples = [
-        Sample(f"f/{seed}-{i}.png", "f", f"{seed}-{i}.png", "a", (64, 64), (64, 64), "center", 0) for i in (0, 1)
-    ]
-    return Batch(latents, {"prompt_embeds": torch.randn((2, TOKENS, WIDTH), generator=gen)}, samples)
+    return fixed_batch(2, seed, nan)
 
 
 def _weights(trainer) -> list[torch.Tensor]:

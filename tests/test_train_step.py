@@ -10,50 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 from fakes import NanGradient
+from training_helpers import fixed_batch, step_trainer
 
-from simpletuner.configuration import validate_config
-from simpletuner.data_backend.metadata import Sample
-from simpletuner.models import get_model_spec
-from simpletuner.precision import reset_accelerate_state
-from simpletuner.state import StateTracker
-from simpletuner.training.accumulation import build_accumulation
 from simpletuner.training.batches import Batch
-from simpletuner.training.launch import make_accelerator
-from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.trainer import Trainer
-
-LATENT_SHAPE = (4, 8, 8)  # the tiny UNet at resolution 64
-TOKENS, WIDTH = 6, 32  # prompt embeddings: any length, the UNet's cross-attention width
 
 
 def _trainer(make_config, **overrides) -> Trainer:
-    """A Trainer holding only the parts ``train_step`` / ``run_window`` use."""
-    raw = make_config(nonfinite_policy="skip", lr_scheduler="linear", **overrides)
-    config = validate_config(raw)
-    trainer = Trainer(StateTracker(config, raw))
-    reset_accelerate_state()
-    trainer.spec = spec = get_model_spec(config)
-    trainer.accelerator = acc = make_accelerator("no", "none", trainer.output_dir, find_unused_parameters=False)
-    denoiser = spec.prepare_denoiser(spec.load_denoiser(torch.float32), torch.float32)
-    optimizer = build_optimizer(config, spec.named_parameter_groups(denoiser))
-    trainer.lr_scheduler = build_lr_scheduler(config, optimizer, total_steps=10)
-    trainer.model, trainer.optimizer = acc.prepare(denoiser, optimizer)
-    trainer.trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
-    trainer.accumulation = build_accumulation(config, acc.num_processes)
-    trainer.generator = torch.Generator().manual_seed(1234)
-    return trainer
+    return step_trainer(make_config, **{"lr_scheduler": "linear", **overrides})
 
 
 def _batch(num_samples: int, seed: int, nan: bool = False) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    latents = torch.randn((num_samples, *LATENT_SHAPE), generator=gen)
-    if nan:
-        latents[0, 0, 0, 0] = float("nan")
-    samples = [
-        Sample(f"fixed/{seed}-{i}.png", "fixed", f"{seed}-{i}.png", "a shape", (64, 64), (64, 64), "center", 0)
-        for i in range(num_samples)
-    ]
-    return Batch(latents, {"prompt_embeds": torch.randn((num_samples, TOKENS, WIDTH), generator=gen)}, samples)
+    return fixed_batch(num_samples, seed, nan)
 
 
 def _weights(trainer: Trainer) -> list[torch.Tensor]:

@@ -71,3 +71,50 @@ def untrained_loss(trainer: Trainer) -> float:
 def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """The same tensor names, each bit for bit equal."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+#: The tiny UNet's latents at resolution 64, and prompt embeddings it takes (any length; its width).
+LATENT_SHAPE = (4, 8, 8)
+TOKENS, WIDTH = 6, 32
+
+
+def step_trainer(make_config, **overrides) -> Trainer:
+    """A Trainer holding only the parts ``train_step`` / ``run_window`` use (the tiny SD UNet with its
+    LoRA, a real optimizer and schedule; no dataset, no cache fill). Keyword overrides go to the config."""
+    from simpletuner.models import get_model_spec
+    from simpletuner.precision import reset_accelerate_state
+    from simpletuner.training.accumulation import build_accumulation
+    from simpletuner.training.launch import make_accelerator
+    from simpletuner.training.optim import build_lr_scheduler, build_optimizer
+
+    raw = make_config(**{"nonfinite_policy": "skip", **overrides})
+    config = validate_config(raw)
+    trainer = Trainer(StateTracker(config, raw))
+    reset_accelerate_state()
+    trainer.spec = spec = get_model_spec(config)
+    trainer.accelerator = acc = make_accelerator("no", "none", trainer.output_dir, find_unused_parameters=False)
+    denoiser = spec.prepare_denoiser(spec.load_denoiser(torch.float32), torch.float32)
+    optimizer = build_optimizer(config, spec.named_parameter_groups(denoiser))
+    trainer.lr_scheduler = build_lr_scheduler(config, optimizer, total_steps=10)
+    trainer.model, trainer.optimizer = acc.prepare(denoiser, optimizer)
+    trainer.trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.accumulation = build_accumulation(config, acc.num_processes)
+    trainer.generator = torch.Generator().manual_seed(1234)
+    return trainer
+
+
+def fixed_batch(num_samples: int, seed: int, nan: bool = False):
+    """A micro-batch of random latents and prompt embeddings for the tiny UNet, drawn from ``seed``;
+    ``nan`` puts one NaN in the latents."""
+    from simpletuner.data_backend.metadata import Sample
+    from simpletuner.training.batches import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    latents = torch.randn((num_samples, *LATENT_SHAPE), generator=gen)
+    if nan:
+        latents[0, 0, 0, 0] = float("nan")
+    samples = [
+        Sample(f"fixed/{seed}-{i}.png", "fixed", f"{seed}-{i}.png", "a shape", (64, 64), (64, 64), "center", 0)
+        for i in range(num_samples)
+    ]
+    return Batch(latents, {"prompt_embeds": torch.randn((num_samples, TOKENS, WIDTH), generator=gen)}, samples)

@@ -13,7 +13,7 @@ from typing import Any, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from simpletuner.configuration import dialect
+from simpletuner.configuration import dialect, dialect_values
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
     CacheConfig,
@@ -248,8 +248,8 @@ same run.
 
 How the translation keeps the meaning:
 
-- **Every key of SimpleTuner's dialect is in one table** (below; `simpletuner/configuration/dialect.py`
-  and `dialect_tail.py`). `same`: mapped onto our key with the same meaning. `approximated`: mapped,
+- **Every key of SimpleTuner's dialect is in one table** (below; `DIALECT` in
+  `simpletuner/configuration/dialect.py`, built from `dialect_keys.py` and `dialect_tail.py`). `same`: mapped onto our key with the same meaning. `approximated`: mapped,
   and a warning at start says exactly what differs. `ignored`: no effect on what is trained here
   (hub uploads turned off, web-UI and logging settings, attention backends); listed once at start.
   `unsupported`: the run stops before any model loads, naming the key, why, and what to do. An
@@ -308,7 +308,7 @@ How the translation keeps the meaning:
 - **Noise offset** needs `offset_noise: true` there; here any `noise_offset` above 0 is on (the
   translation writes it only when `offset_noise` is on, and never for flow families, as SimpleTuner).
 
-This file is generated from `simpletuner/configuration/dialect.py` by `python -m simpletuner.configuration.docs`;
+This file is generated from the dialect table by `python -m simpletuner.configuration.docs`;
 a test fails when they differ.
 """
 
@@ -318,21 +318,21 @@ def _here(ours: str | None) -> str:
 
 
 def dialect_tables() -> str:
-    """The SimpleTuner dialect: defaults, value spellings, flavours and every key (dialect.py)."""
+    """The SimpleTuner dialect: defaults, value spellings, flavours (dialect_values.py) and every key (DIALECT)."""
     rows = ["## SimpleTuner defaults written into the translation\n", "| key | SimpleTuner default |", "| --- | --- |"]
-    for key, value in dialect.SIMPLETUNER_DEFAULTS.items():
+    for key, value in dialect_values.SIMPLETUNER_DEFAULTS.items():
         rows.append(f"| `{key}` | `{value!r}` |".replace("'", '"'))
-    for key, value in dialect.SIMPLETUNER_DATASET_DEFAULTS.items():
+    for key, value in dialect_values.SIMPLETUNER_DATASET_DEFAULTS.items():
         rows.append(f"| dataset `{key}` | `{value!r}` |".replace("'", '"'))
     rows += ["", "## Model families and flavours\n", "| SimpleTuner family | here | flavours (hub model) |"]
     rows.append("| --- | --- | --- |")
-    for family, ours in dialect.FAMILIES.items():
-        flavours = ", ".join(f"`{f}` ({hub})" for f, hub in dialect.FLAVOURS.get(family, {}).items())
+    for family, ours in dialect_values.FAMILIES.items():
+        flavours = ", ".join(f"`{f}` ({hub})" for f, hub in dialect_values.FLAVOURS.get(family, {}).items())
         rows.append(f"| `{family}` | {_here(ours)} | {flavours or '—'} |")
-    unsupported = "; ".join(f"`{marker}...`: {why}" for marker, why in dialect._FLAVOUR_UNSUPPORTED.items())
+    unsupported = "; ".join(f"`{marker}...`: {why}" for marker, why in dialect_values.FLAVOUR_UNSUPPORTED.items())
     rows += ["", f"Flavours that stop the run: {unsupported}.", ""]
     rows += ["## Value spellings\n", "| key | SimpleTuner value | here |", "| --- | --- | --- |"]
-    for key, table in dialect.VALUE_TABLES.items():
+    for key, table in dialect_values.VALUE_TABLES.items():
         for value, ours in table.items():
             rows.append(f"| `{key}` | `{value}` | {_here(ours) if ours is not None else 'unsupported'} |")
     for section, title in (("top", "Top-level keys"), ("dataset", "Dataset entries (`multidatabackend.json`)")):

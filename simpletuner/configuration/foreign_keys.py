@@ -4,7 +4,7 @@ People bring configs from SimpleTuner, kohya sd-scripts and ai-toolkit. When one
 is not ours, guessing the nearest spelling of ours ("did you mean ...") is usually wrong; this
 table says instead what the key is, which of our keys does the same job, or that it is not
 supported yet. It only shapes error messages. A SimpleTuner config *file* is translated instead
-(configuration/dialect.py); its keys appear here, generated from that dialect table, for when they
+(configuration/dialect.py, `DIALECT`); its keys appear here, generated from that dialect table, for when they
 reach a native config another way (`--set`, a dict given to ``validate_config``).
 
 Each entry's ``kind``:
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from simpletuner.configuration import dialect
+from simpletuner.configuration import dialect, dialect_values
 from simpletuner.configuration.schema import InMemoryDatasetConfig, LocalDatasetConfig, TrainingConfig
 
 Kind = Literal["same", "approximated", "unsupported", "ignored"]
@@ -104,7 +104,7 @@ def _simpletuner_values() -> list[ForeignValue]:
     """SimpleTuner's spellings of values of keys we share (its dialect's value tables); a value that is
     also one of ours is ours (SimpleTuner's `caption_strategy: csv` means another thing, see the dialect)."""
     out = []
-    for key, table in dialect.VALUE_TABLES.items():
+    for key, table in dialect_values.VALUE_TABLES.items():
         for value, ours in table.items():
             if value == ours or value in _native_choices(key):
                 continue

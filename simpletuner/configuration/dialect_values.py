@@ -1,0 +1,303 @@
+"""Facts about SimpleTuner that the translation relies on, read from its code and documentation at
+``SIMPLETUNER_COMMIT``: its model families and flavours, its spellings of values, its defaults where ours
+differ, and the groups of its keys that act together. Data only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+#: The SimpleTuner commit whose documentation, examples and defaults this table was written from.
+SIMPLETUNER_COMMIT = "bc8e6ab7738ce457a2ed8eb2d26cadd91c6442cb"
+
+
+#: SimpleTuner's model families -> ours (None: a family this trainer does not train).
+FAMILIES: dict[str, Optional[str]] = {
+    "sd1x": "sd",
+    "sd2x": "sd",
+    "legacy": "sd",
+    "sdxl": "sdxl",
+    "sd3": "sd3",
+    "flux": "flux",
+    "wan": "wan",
+}
+
+
+#: SimpleTuner's model_flavour -> the hub model it stands for, per family (its HUGGINGFACE_PATHS).
+FLAVOURS: dict[str, dict[str, str]] = {
+    "sd1x": {
+        "1.5": "stable-diffusion-v1-5/stable-diffusion-v1-5",
+        "1.4": "CompVis/stable-diffusion-v1-4",
+        "dreamshaper": "Lykon/dreamshaper-8",
+        "realvis": "SG161222/RealVisXL_V5.0",
+    },
+    "sd2x": {
+        "digitaldiffusion": "Junglerally/Digital-Diffusion",
+        "pseudoflex-v2": "bghira/pseudo-flex-v2",
+        "pseudojourney": "bghira/pseudo-journey-v2",
+        "2.1": "stabilityai/stable-diffusion-2-1",
+        "2.0": "stabilityai/stable-diffusion-2-0",
+    },
+    "sdxl": {
+        "base-1.0": "stabilityai/stable-diffusion-xl-base-1.0",
+        "refiner-1.0": "stabilityai/stable-diffusion-xl-refiner-1.0",
+        "base-0.9": "stabilityai/stable-diffusion-xl-base-0.9",
+        "refiner-0.9": "stabilityai/stable-diffusion-xl-refiner-0.9",
+    },
+    "sd3": {"medium": "stabilityai/stable-diffusion-3.5-medium", "large": "stabilityai/stable-diffusion-3.5-large"},
+    "flux": {
+        "dev": "black-forest-labs/flux.1-dev",
+        "krea": "black-forest-labs/flux.1-krea-dev",
+        "schnell": "black-forest-labs/flux.1-schnell",
+        "kontext": "black-forest-labs/flux.1-kontext-dev",
+        "fluxbooru": "terminusresearch/fluxbooru-v0.3",
+        "libreflux": "jimmycarter/LibreFlux-SimpleTuner",
+    },
+    "wan": {
+        "t2v-480p-1.3b-2.1": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "t2v-480p-14b-2.1": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        "i2v-14b-2.1": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+        "i2v-14b-2.1-720p": "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+        "i2v-14b-2.2-high": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+        "i2v-14b-2.2-low": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+        "animegen-t2v-high": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "animegen-t2v-low": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "flf2v-14b-2.1": "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers",
+        "vace-1.3b-2.1": "Wan-AI/Wan2.1-VACE-1.3B-diffusers",
+        "vace-14b-2.1": "Wan-AI/Wan2.1-VACE-14B-diffusers",
+        "ti2v-5b-2.2": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    },
+}
+
+
+#: Each family's flavour when the config names none (SimpleTuner's DEFAULT_MODEL_FLAVOUR).
+DEFAULT_FLAVOURS = {
+    "sd1x": "dreamshaper",
+    "sd2x": "pseudoflex-v2",
+    "sdxl": "base-1.0",
+    "sd3": "medium",
+    "flux": "krea",
+    "wan": "t2v-480p-1.3b-2.1",
+}
+
+
+#: Flavours of a kind this trainer does not train yet, and why.
+FLAVOUR_UNSUPPORTED = {
+    "i2v": "image-to-video training is not supported yet (text-to-video Wan is)",
+    "flf2v": "first-last-frame-to-video training is not supported",
+    "vace": "Wan VACE training is not supported",
+    "ti2v": "Wan 2.2 TI2V-5B training is not supported yet",
+    "kontext": "Flux Kontext (image editing) training is not supported",
+    "refiner": "the SDXL refiner is not supported (it has one text encoder and an aesthetic-score input)",
+    "animegen": "AnimeGen expert weights are downloaded from URLs, which this trainer does not do",
+}
+
+
+#: A LyCORIS JSON file's keys -> ours (rank and alpha are `lora_rank` / `lora_alpha` here).
+LYCORIS_KEYS = {
+    "algo": "lycoris.algo",
+    "factor": "lycoris.factor",
+    "full_matrix": "lycoris.full_matrix",
+    "apply_preset": "lycoris.apply_preset",
+    "multiplier": "lycoris.multiplier",
+    "bypass_mode": "lycoris.bypass_mode",
+    "linear_dim": "lora_rank",
+    "linear_alpha": "lora_alpha",
+    "conv_dim": "lycoris.conv_dim",
+    "conv_alpha": "lycoris.conv_alpha",
+}
+
+
+#: SimpleTuner's values -> ours; None: a value of SimpleTuner's that does not run here.
+OPTIMIZERS: dict[str, Optional[str]] = {
+    "adamw_bf16": "adamw_bf16",
+    "prodigy": "prodigy",
+    "optimi-adamw": "adamw",
+    "optimi-adam": "adam",
+    "optimi-sgd": "sgd",
+    **dict.fromkeys(
+        (
+            "ao-adamw8bit",
+            "ao-adamw4bit",
+            "ao-adamfp8",
+            "ao-adamwfp8",
+            "adamw_schedulefree",
+            "adamw_schedulefree+aggressive",
+            "adamw_schedulefree+no_kahan",
+            "optimi-stableadamw",
+            "optimi-lion",
+            "optimi-radam",
+            "optimi-ranger",
+            "optimi-adan",
+            "soap",
+        )
+    ),
+}
+
+
+LR_SCHEDULERS: dict[str, Optional[str]] = {
+    "constant": "constant",
+    "constant_with_warmup": "constant_with_warmup",
+    "linear": "linear",
+    "cosine": "cosine",
+    "cosine_with_restarts": "cosine_with_restarts",
+    "polynomial": "polynomial",
+    "sine": None,
+}
+
+
+PRECISIONS: dict[str, Optional[str]] = {
+    "no_change": "no_change",
+    "int8-quanto": "qint8",
+    "fp8-quanto": "qfloat8",
+    "int8-torchao": "int8_torchao",
+    "fp8-torchao": "fp8_torchao",
+    **dict.fromkeys(
+        (
+            "int4-quanto",
+            "int2-quanto",
+            "int8dq-torchao",
+            "int8dq-int4-torchao",
+            "nf4-bnb",
+            "int4-torchao",
+            "fp8uz-quanto",
+            "fp8-native",
+            "fp8wo-torchao",
+            "fp8-int4-torchao",
+            "fp8-transformerengine",
+        )
+    ),
+}
+
+
+MIXED: dict[str, Optional[str]] = {"bf16": "bf16", "fp16": "fp16", "no": "no", "fp8": None}
+
+
+CAPTION_STRATEGIES: dict[str, Optional[str]] = {
+    "textfile": "textfile",
+    "filename": "filename",
+    "instanceprompt": "instance_prompt",
+    "instance_prompt": "instance_prompt",
+    "parquet": "parquet",
+    "huggingface": None,
+    "webshart": None,
+    "csv": None,  # SimpleTuner's `csv` downloads images from a URL list; ours reads local captions
+}
+
+
+#: Top-level keys SimpleTuner gives each dataset that does not set its own.
+DATASET_DEFAULTS_FROM_TOP = (
+    "resolution_type",
+    "minimum_image_size",
+    "maximum_image_size",
+    "target_downsample_size",
+    "caption_strategy",
+    "instance_prompt",
+    "prepend_instance_prompt",
+    "only_instance_prompt",
+    "cache_dir_vae",
+)
+
+
+#: SimpleTuner's defaults (its field registry at SIMPLETUNER_COMMIT) where ours differ, for keys a
+#: config leaves out: written into the translation so the run means what it meant there.
+SIMPLETUNER_DEFAULTS: dict[str, Any] = {
+    "model_type": "full",
+    "train_batch_size": 4,
+    "learning_rate": 4e-7,
+    "lr_scheduler": "constant_with_warmup",
+    "optimizer": "adamw_bf16",
+    "max_grad_norm": 2.0,
+    "grad_clip_method": "value",
+    "lora_dropout": 0.1,
+    "gradient_checkpointing": True,
+    "mixed_precision": "bf16",
+    "resolution": 1024,
+    "resolution_type": "pixel_area",
+    "caption_strategy": "filename",
+    "flow_schedule_shift": 3.0,
+    "vae_batch_size": 4,
+    "checkpoint_step_interval": 500,
+    "checkpoints_total_limit": 5,
+    "resume_from_checkpoint": "latest",
+    "output_dir": "simpletuner-results",
+    "validation_guidance": 7.5,
+    "validation_num_inference_steps": 30,
+    "num_train_epochs": 1,
+    "caption_dropout_probability": 0.1,
+}
+
+
+#: Each dataset's defaults in SimpleTuner's loader where ours differ.
+SIMPLETUNER_DATASET_DEFAULTS: dict[str, Any] = {
+    "crop": False,
+    "crop_aspect": "square",
+    "crop_style": "random",
+    "allow_upscale": True,  # SimpleTuner upscales small images whatever the factor (`max_upscale_threshold` unset)
+}
+
+
+#: Flow-matching families: SimpleTuner draws sigmas as sigmoid(N(0, 1) * flow_sigmoid_scale) unless a
+#: uniform or beta schedule is asked for.
+FLOW_FAMILIES = ("sd3", "flux", "wan")
+
+
+#: Every value spelling the translation reads, by key (for documentation/MIGRATING_FROM_SIMPLETUNER.md).
+VALUE_TABLES: dict[str, Mapping[str, Optional[str]]] = {
+    "model_family": FAMILIES,
+    "base_model_precision": PRECISIONS,
+    "optimizer": OPTIMIZERS,
+    "lr_scheduler": LR_SCHEDULERS,
+    "mixed_precision": MIXED,
+    "caption_strategy": CAPTION_STRATEGIES,
+}
+
+
+#: SimpleTuner features whose settings share a prefix and are turned on by one switch: with the
+#: switch off (or absent), the other keys of the feature do nothing.
+FEATURE_SWITCHES: dict[str, str] = {
+    "crepa_": "crepa_enabled",
+    "layersync_": "layersync_enabled",
+    "urepa_": "urepa_enabled",
+    "irepa_": "irepa_enabled",
+    "nextlat_": "nextlat_enabled",
+    "xm_": "xm_enabled",
+    "mixflow_": "mixflow_enabled",
+    "diff2flow_": "diff2flow_enabled",
+    "internal_guidance_": "internal_guidance_enabled",
+    "hidream_": "hidream_use_load_balancing_loss",
+    "distillation_": "distillation_method",
+    "controlnet_": "controlnet",
+}
+
+
+_FLUX_ATTENTION = ["to_k", "to_q", "to_v", "to_qkv", "add_qkv_proj", "add_k_proj", "add_q_proj", "add_v_proj"]
+
+
+_FLUX_FFS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"]
+
+
+_FLUX_CONTEXT = ["add_k_proj", "add_q_proj", "add_v_proj", "add_qkv_proj", "to_add_out"]
+
+
+#: SimpleTuner's named Flux LoRA layer sets (its flux model's target-module lists).
+FLUX_LORA_TARGETS: dict[str, list[str]] = {
+    "all": [*_FLUX_ATTENTION, "to_out.0", "to_add_out"],
+    "all+ffs": [*_FLUX_ATTENTION, "to_out.0", "to_add_out", *_FLUX_FFS],
+    "all+ffs+embedder": ["x_embedder", *_FLUX_ATTENTION, "to_out.0", "to_add_out", *_FLUX_FFS],
+    "context": _FLUX_CONTEXT,
+    "context+ffs": [*_FLUX_CONTEXT, "ff_context.net.0.proj", "ff_context.net.2"],
+}
+
+
+#: optimizer_config settings that are keys of their own here.
+LIFTED_OPTIMIZER_SETTINGS = {"weight_decay": "weight_decay", "eps": "adam_epsilon"}
+
+
+UNSUPPORTED_DATASET_TYPES = {
+    "image_embeds": "image-embedding caches are not used here",
+    "conditioning_image_embeds": "conditioning image embeddings belong to image-to-video families not supported yet",
+    "conditioning": "conditioning datasets (ControlNet, edit pairs) are not supported yet",
+    "audio": "audio datasets are not supported",
+    "caption": "caption-only datasets are not supported",
+}

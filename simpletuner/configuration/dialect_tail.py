@@ -194,7 +194,11 @@ _TOP_IGNORED = (
         "training_scheduler_timestep_spacing",
         "training timesteps are drawn from the whole schedule; spacing only matters when sampling",
     ),
-    *_ignored("framerate", "clips train on `num_frames` frames taken `frame_stride` apart; the frame rate is not used"),
+    *_ignored(
+        "framerate",
+        "clips train on `num_frames` frames taken `frame_stride` apart; validation videos use the family's rate "
+        "(Wan: 16 fps, SimpleTuner's too when unset)",
+    ),
     *_ignored(
         "validation_adapter_config validation_adapter_mode validation_adapter_name validation_adapter_path "
         "validation_adapter_strength validation_audio_duration validation_audio_only validation_disable_unconditional "

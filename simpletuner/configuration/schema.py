@@ -603,7 +603,12 @@ class TrainingConfig(_Strict):
         description=(
             "Video families (wan): frames per validation video, 4k+1 (1, 5, 9, ..., 81). Unset or 1: one frame, "
             "saved as a PNG as for images. More: the first frame is the PNG (and the grid's tile), and the whole "
-            "clip is saved beside it as an animated GIF (`step_NNNNNN_K.gif`, 16 frames per second). Image "
+            "clip is saved beside it with the PNG's name, at the family's frame rate (wan: 16 fps): "
+            "`step_NNNNNN_K.mp4` (H.264; needs PyAV, the `video` extra; an odd side is padded by one pixel), "
+            "without PyAV an animated `step_NNNNNN_K.webp` (an animated `.gif` where Pillow cannot write animated "
+            "WebP; the log says so once). The clips also go to the trackers as `validation_video`: W&B gets one "
+            "video per clip; TensorBoard one clip of them all tiled, which needs moviepy 1.x (`pip install "
+            '"moviepy<2"`; without it a warning, once, and TensorBoard keeps the first frames only). Image '
             "families refuse a value other than 1."
         ),
     )

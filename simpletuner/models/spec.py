@@ -163,6 +163,10 @@ class ModelSpec(abc.ABC):
         self.check_alignment()
         self.check_positions()
 
+    #: Frames per second of the validation videos of a video family (the .mp4 / animated .webp
+    #: and the trackers' videos); image families render no video and never read it.
+    video_fps: ClassVar[int] = 16
+
     # --- latent grid ---------------------------------------------------------------------
     #: Latents the denoiser takes per token along a side when the folder does not say: 2 for
     #: sd3 / wan (patches) and flux (2x2 packing); 1 for a UNet (it pads odd sides itself).

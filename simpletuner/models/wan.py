@@ -102,6 +102,10 @@ class WanSpec(FlowMatchingSpec):
             return  # Wan 2.1: no low-noise expert
         super()._check_index_entry(index_file, name, entry, library, allowed)
 
+    #: Validation videos play at 16 fps, as the diffusers Wan pipelines' examples export them
+    #: (``export_to_video(output, "output.mp4", fps=16)``) and as SimpleTuner's ``framerate`` default.
+    video_fps = 16
+
     # --- latent grid ---------------------------------------------------------------------
     latent_patch = 2  # WanTransformer3DModel's patch_size (1, 2, 2): 2x2 latents per token
 

@@ -3,6 +3,7 @@ repeatable loss on fixed batches (:class:`EvalLoss`)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -55,12 +56,51 @@ def save_png(image: Image.Image, path: Path) -> None:
         os.replace(temp, path)
 
 
+@functools.cache
+def tensorboard_can_write_video() -> bool:
+    """Whether ``SummaryWriter.add_video`` can encode here: torch's encodes with moviepy 1.x's
+    ``moviepy.editor`` (gone in moviepy 2) and, without it, prints a line and records a value with
+    no video, which TensorBoard does not show. Warns once when it cannot."""
+    try:
+        from moviepy import editor  # noqa: F401
+    except Exception:  # ImportError, or moviepy 1.x missing its own dependencies (imageio)
+        logger.warning(
+            "TensorBoard gets no validation videos: torch's SummaryWriter.add_video encodes them with moviepy 1.x "
+            '(moviepy.editor), which cannot be imported here; install it with `pip install "moviepy<2"` to see '
+            "them in TensorBoard. The clips are still saved beside the validation PNGs, and TensorBoard still gets "
+            "their first frames"
+        )
+        return False
+    return True
+
+
+def _wandb_video(wandb, path: Path, frames: list[Image.Image], fps: int, caption: str):
+    """A ``wandb.Video`` of a saved clip: the file itself when W&B takes its format (mp4, gif), else
+    (animated .webp, which W&B does not play) the frames as a GIF in memory."""
+    if path.suffix in (".mp4", ".gif"):
+        return wandb.Video(str(path), caption=caption, fps=fps, format=path.suffix[1:])
+    return wandb.Video(io.BytesIO(encode_video(frames, fps, "gif")), caption=caption, fps=fps, format="gif")
+
+
 def _log_to_trackers(
-    trackers, images: list[Image.Image], grid: Image.Image, prompts: list[str], step: int, tag: str = ""
+    trackers,
+    images: list[Image.Image],
+    grid: Image.Image,
+    prompts: list[str],
+    step: int,
+    tag: str = "",
+    videos: list[tuple[list[Image.Image], Path, str]] = (),
+    fps: int = 16,
 ) -> None:
     """TensorBoard gets the single images (tag ``validation``) and the grid (``validation_grid``);
     W&B gets the grid (``validation_grid``, captioned with the prompts row by row). ``tag`` follows
-    each name (``_WxH`` when validation renders several sizes)."""
+    each name (``_WxH`` when validation renders several sizes).
+
+    ``videos`` (a video family's clips: frames, saved file, caption) go to TensorBoard as one
+    ``add_video`` (``validation_video``: a [N, T, C, H, W] uint8 batch, which TensorBoard tiles into
+    one clip; only when :func:`tensorboard_can_write_video`) and to W&B as a list of ``wandb.Video``
+    (``validation_video``, one per clip, captioned with its prompt), both at ``fps``.
+    """
     import numpy as np
 
     for tracker in trackers:
@@ -69,15 +109,22 @@ def _log_to_trackers(
                 stacked = np.stack([np.asarray(img.convert("RGB")) for img in images])
                 tracker.writer.add_images(f"validation{tag}", stacked, step, dataformats="NHWC")
             tracker.writer.add_image(f"validation_grid{tag}", np.asarray(grid), step, dataformats="HWC")
+            shapes = {(len(frames), frames[0].size) for frames, _, _ in videos}
+            if len(shapes) == 1 and tensorboard_can_write_video():  # one batch needs one shape
+                clips = np.stack([np.stack([np.asarray(f.convert("RGB")) for f in frames]) for frames, _, _ in videos])
+                batch = torch.from_numpy(clips).permute(0, 1, 4, 2, 3)  # [N, T, H, W, C] -> [N, T, C, H, W]
+                tracker.writer.add_video(f"validation_video{tag}", batch, step, fps=fps)
         elif tracker.name == "wandb":
             import wandb
 
             caption = " | ".join(f"row {i}: {p}" for i, p in enumerate(prompts))
-            tracker.log({f"validation_grid{tag}": wandb.Image(grid, caption=caption)}, step=step)
+            logged = {f"validation_grid{tag}": wandb.Image(grid, caption=caption)}
+            if videos:
+                clips = [_wandb_video(wandb, path, frames, fps, caption) for frames, path, caption in videos]
+                logged[f"validation_video{tag}"] = clips
+            tracker.log(logged, step=step)
 
 
-#: Frames per second of the animated GIF a validation video is saved as.
-VIDEO_FPS = 16
 #: Families whose sampling takes no negative prompt (Flux: guidance-distilled, no true CFG here).
 NO_NEGATIVE_PROMPT = frozenset({"flux"})
 
@@ -115,17 +162,84 @@ def _weight_variants(config, ema) -> list[tuple[str, object]]:
     return [("", nullcontext), ("_ema", ema.applied)]
 
 
-def save_gif(frames: list[Image.Image], path: Path) -> None:
-    """Write ``frames`` as a looping animated GIF at :data:`VIDEO_FPS`, whole or not at all."""
+def _even_sides(frame: Image.Image):
+    """``frame`` as an RGB array with even sides (H.264 in yuv420p halves the colour planes): an odd
+    side grows by one pixel, a copy of the last row / column."""
+    import numpy as np
+
+    pixels = np.asarray(frame.convert("RGB"))
+    height, width = pixels.shape[:2]
+    return np.pad(pixels, ((0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+
+
+def encode_video(frames: list[Image.Image], fps: int, fmt: str) -> bytes:
+    """``frames`` encoded as ``fmt``: ``mp4`` (H.264, yuv420p, through PyAV; odd sides padded by
+    :func:`_even_sides`), ``webp`` (animated, Pillow) or ``gif`` (animated, Pillow); both animations
+    loop forever and show each frame ``1000 / fps`` ms (a GIF counts in 10 ms units)."""
     buffer = io.BytesIO()
+    if fmt == "mp4":
+        import av
+
+        arrays = [_even_sides(f) for f in frames]
+        with av.open(buffer, mode="w", format="mp4") as container:
+            stream = container.add_stream("h264", rate=fps)
+            stream.height, stream.width = arrays[0].shape[:2]
+            stream.pix_fmt = "yuv420p"
+            if stream.codec_context.name == "libx264":
+                stream.options = {"crf": "18"}  # near-transparent quality; x264's default (23) smears fine detail
+            for array in arrays:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+            container.mux(stream.encode())  # flush the encoder
+        return buffer.getvalue()
     first, *rest = [f.convert("RGB") for f in frames]
-    first.save(buffer, format="GIF", save_all=True, append_images=rest, duration=1000 // VIDEO_FPS, loop=0)
-    data = buffer.getvalue()
+    options = {"quality": 90} if fmt == "webp" else {}
+    first.save(
+        buffer, format=fmt.upper(), save_all=True, append_images=rest, duration=round(1000 / fps), loop=0, **options
+    )
+    return buffer.getvalue()
+
+
+@functools.cache
+def video_format() -> str:
+    """The format validation clips are saved in: ``mp4`` when PyAV (the ``video`` extra) can encode
+    H.264 here, else ``webp`` when this Pillow writes animated WebP, else ``gif``. Probed once by
+    encoding a 2-frame clip; a fallback is logged once, with what would give the better format."""
+    probe = [Image.new("RGB", (16, 16), color) for color in ("black", "white")]
+    try:
+        encode_video(probe, 16, "mp4")
+        return "mp4"
+    except Exception as error:  # no PyAV, or a PyAV build without an H.264 encoder
+        why = f"PyAV cannot encode H.264 here ({type(error).__name__}: {error})"
+    try:
+        if Image.open(io.BytesIO(encode_video(probe, 16, "webp"))).n_frames == 2:
+            logger.warning(
+                "validation videos are saved as animated .webp: %s; for .mp4 install the video extra "
+                '(`pip install -e ".[video]"`, or `pip install av`)',
+                why,
+            )
+            return "webp"
+    except Exception:  # a Pillow built without libwebp (or its animation support)
+        pass
+    logger.warning(
+        "validation videos are saved as animated .gif: %s, and this Pillow cannot write animated WebP; for .mp4 "
+        'install the video extra (`pip install -e ".[video]"`, or `pip install av`)',
+        why,
+    )
+    return "gif"
+
+
+def save_video(frames: list[Image.Image], path: Path, fps: int) -> Path:
+    """Write ``frames`` beside ``path`` (its stem, the suffix of :func:`video_format`), whole or not
+    at all (encoded in memory, written to a temp name, renamed); returns the file's path."""
+    fmt = video_format()
+    data = encode_video(frames, fps, fmt)
+    path = path.with_suffix(f".{fmt}")
     temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with disk_full_guard(path.parent, len(data), f"validation video {path.name}", cleanup=[temp]):
         with open(temp, "wb") as f:
             f.write(data)
         os.replace(temp, path)
+    return path
 
 
 @torch.no_grad()
@@ -146,13 +260,16 @@ def generate_validation_images(
     weights' images in each grid row). Each prompt's generator starts from ``validation_seed``
     (else ``seed``), so image ``K`` of every validation step starts from the same noise: steps
     differ only by the training in between. A video (``validation_num_video_frames`` > 1) is saved
-    as its first frame (the PNG) and the whole clip beside it (``.gif``). Returns the PNGs' paths.
+    as its first frame (the PNG) and the whole clip beside it with the PNG's stem (:func:`save_video`:
+    ``.mp4``, else animated ``.webp`` / ``.gif``, at the spec's ``video_fps``), and the clips go to the
+    trackers too. Returns the PNGs' paths.
     """
     prompts = config.validation_prompt_list
     sizes = config.validation_sizes
     seed = config.validation_seed if config.validation_seed is not None else config.seed
     variants = _weight_variants(config, ema)
     is_video = config.validation_num_video_frames not in (None, 1)
+    fps = spec.video_fps
     was_training = denoiser.training
     denoiser.eval()
     # rendered[(suffix, size)] = one list of outputs per prompt
@@ -179,6 +296,7 @@ def generate_validation_images(
         tag = f"_{width}x{height}" if len(sizes) > 1 else ""
         rows: list[list[Image.Image]] = [[] for _ in prompts]
         images = []
+        videos: list[tuple[list[Image.Image], Path, str]] = []  # (frames, file, caption) per clip
         for suffix, _ in variants:
             outputs = rendered[(suffix, (width, height))]
             k = 0
@@ -191,18 +309,21 @@ def generate_validation_images(
                     images.append(image)
                     clip = getattr(output, "frames", None)
                     if is_video and clip is not None:
-                        save_gif(list(clip[i]), path.with_suffix(".gif"))
+                        frames = list(clip[i])
+                        caption = prompts[p] + (" (EMA weights)" if suffix else "")
+                        videos.append((frames, save_video(frames, path, fps), caption))
                     k += 1
         grid = make_grid(rows)
         grid_path = out_dir / f"step_{step:06d}{tag}_grid.png"
         save_png(grid, grid_path)
-        _log_to_trackers(trackers, images, grid, prompts, step, tag)
+        _log_to_trackers(trackers, images, grid, prompts, step, tag, videos, fps)
         logger.info(
-            "validation images for step %d%s: %s; grid (a row per prompt): %s",
+            "validation images for step %d%s: %s; grid (a row per prompt): %s%s",
             step,
             f" at {width}x{height}" if tag else "",
             ", ".join(str(p) for p in paths[-len(images) :]),
             grid_path,
+            f"; videos ({fps} fps): " + ", ".join(str(v[1]) for v in videos) if videos else "",
         )
     return paths
 

@@ -1,7 +1,7 @@
 """Trainer overhead per model family, and adapter file sizes, on the tiny zoo models.
 
-For each family (sd, sdxl, sd3, flux, wan, and Wan 2.2's two experts) this builds the real
-Trainer on a small captioned dataset and compares, on the same prepared model, in one process:
+For each family (sd, sdxl, sd3, flux, wan, Wan 2.2's two experts, Wan 2.2 I2V A14B and TI2V-5B, qwen_image) this
+builds the real Trainer on a small captioned dataset and compares, on the same prepared model, in one process:
 
 - ours: the trainer's hot path, the batch read from the latent/text caches + ``Trainer.train_step``
   (window-normalised loss, clipping, non-finite check, scheduler, progress counters);
@@ -53,7 +53,12 @@ FAMILIES = {
     "flux": ("flux", "flux"),
     "wan": ("wan", "wan"),
     "wan22": ("wan22", "wan"),
+    "wan22_i2v": ("wan22_i2v", "wan"),
+    "wan22_ti2v": ("wan22_ti2v", "wan"),
+    "qwen_image": ("qwen_image", "qwen_image"),
 }
+#: Config keys a benchmark needs beyond the shared ones (TI2V-5B's VAE is /16: buckets of 32 px).
+EXTRA_CONFIG = {"wan22_ti2v": {"aspect_bucket_alignment": 32}}
 TARGET = 0.95
 WARMUP_STEPS = 5
 
@@ -97,6 +102,7 @@ def make_raw(name: str, root: Path, data: Path, batch_size: int, max_train_steps
         "seed": 123,
         "cache_config": {"cache_dir": str(root / name / "cache")},
         "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(data), "caption_strategy": "textfile"}],
+        **EXTRA_CONFIG.get(name, {}),
     }
 
 

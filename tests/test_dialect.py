@@ -198,8 +198,13 @@ def test_model_flavour_needs_a_local_folder_and_says_what_to_download(tmp_path, 
 
 def test_wan22_flavours_pick_the_stage_or_stop_naming_what_is_missing(tmp_path, monkeypatch):
     base = {"model_family": "wan", "pretrained_model_name_or_path": str(tmp_path)}
-    with pytest.raises(dialect.DialectError, match="image-to-video"):
-        dialect.translate({**base, "model_flavour": "i2v-14b-2.2-high"}, None, tmp_path)
+    native, _ = dialect.translate({**base, "model_flavour": "i2v-14b-2.2-high"}, None, tmp_path)
+    assert native["train_stages"] == "high" and "ti2v_first_frame" not in native
+    native, _ = dialect.translate({**base, "model_flavour": "ti2v-5b-2.2"}, None, tmp_path)
+    assert native["ti2v_first_frame"] is True and "train_stages" not in native
+    for wan21_i2v in ("i2v-14b-2.1", "i2v-14b-2.1-720p"):
+        with pytest.raises(dialect.DialectError, match="Wan 2.1 image-to-video"):
+            dialect.translate({**base, "model_flavour": wan21_i2v}, None, tmp_path)
     with pytest.raises(dialect.DialectError, match="AnimeGen"):
         dialect.translate({**base, "model_flavour": "animegen-t2v-low"}, None, tmp_path)
     # a text-to-video A14B flavour (none is published yet) would train its one expert

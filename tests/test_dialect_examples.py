@@ -360,7 +360,8 @@ def models(tmp_path_factory):
     from simpletuner.models.zoo import write_tiny_model
 
     root = tmp_path_factory.mktemp("example-models")
-    return {family: write_tiny_model(family, root / family) for family in ("sd", "sdxl", "flux", "wan")}
+    families = ("sd", "sdxl", "flux", "wan", "wan22_i2v", "wan22_ti2v")
+    return {family: write_tiny_model(family, root / family) for family in families}
 
 
 @pytest.fixture(scope="module")
@@ -455,14 +456,28 @@ def test_flux_lora_with_regularisation_data(tmp_path, models, images, monkeypatc
 
 
 @pytest.mark.parametrize(
-    "flavour, stops", [(None, {"tread_config"}), ("i2v-14b-2.2-high", {"tread_config", "model_flavour"})]
+    "flavour, model", [(None, "wan"), ("i2v-14b-2.2-high", "wan22_i2v"), ("ti2v-5b-2.2", "wan22_ti2v")]
 )
-def test_wan_examples_stop_naming_only_what_is_unsupported(tmp_path, models, images, monkeypatch, flavour, stops):
-    path = _write(tmp_path, images, _wan(str(models["wan"]), flavour))
+def test_wan_examples_stop_naming_only_what_is_unsupported(tmp_path, models, images, monkeypatch, flavour, model):
+    path = _write(tmp_path, images, _wan(str(models[model]), flavour))
     monkeypatch.chdir(path.parent.parent)
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert _named_keys(err.value) == stops, err.value.problems
+    assert _named_keys(err.value) == {"tread_config"}, err.value.problems
+    # Without tread_config (and with what the example's video dataset lacks: num_frames, a folder, a size
+    # that fits the buckets) it loads with the flavour's meaning.
+    raw = json.loads(path.read_text())
+    del raw["tread_config"]
+    raw["resolution"] = 512
+    path.write_text(json.dumps(raw))
+    backends = path.parent / "multidatabackend.json"
+    datasets = json.loads(backends.read_text())
+    datasets[0].update(num_frames=5, resolution=512)
+    backends.write_text(json.dumps(datasets))
+    (path.parent.parent / "datasets" / "video").mkdir()
+    config = load_config(path).config
+    assert config.train_stages == ("high" if flavour == "i2v-14b-2.2-high" else "both")
+    assert config.ti2v_first_frame == (flavour == "ti2v-5b-2.2")
 
 
 def test_config_json_example_stops_on_hub_uploads_then_trains_its_meaning(tmp_path, models, images, monkeypatch):

@@ -20,11 +20,14 @@ from simpletuner.models import get_model_spec
 from simpletuner.models.adapters import prepare_for_training
 from simpletuner.models.flux import FLUX_TRAINING_GUIDANCE
 from simpletuner.models.flux import T5_MAX_LENGTH as FLUX_T5_LENGTH
+from simpletuner.models.qwen_image import QWEN_MAX_LENGTH
 from simpletuner.models.sd3 import T5_MAX_LENGTH as SD3_T5_LENGTH
 from simpletuner.models.wan import WAN_MAX_LENGTH
 from simpletuner.models.zoo import (
     TINY_FLUX_CLIP_HIDDEN,
     TINY_FLUX_T5_WIDTH,
+    TINY_QWEN_LATENT_CHANNELS,
+    TINY_QWEN_TEXT_HIDDEN,
     TINY_SD3_CLIP_PROJECTION,
     TINY_SD3_T5_WIDTH,
     TINY_SDXL_HIDDEN,
@@ -86,6 +89,27 @@ def _wan_call(model, gen, trainer):
     )[0]
 
 
+def _wan_ti2v_call(model, gen, trainer):
+    """4x4 latents (the TI2V VAE's /16), per-token timesteps as WanPipeline's expand_timesteps passes them."""
+    return model(
+        hidden_states=torch.randn(2, TINY_WAN_LATENT_CHANNELS, 1, 4, 4, generator=gen),
+        timestep=torch.tensor([[10.0] * 4, [500.0] * 4]),
+        encoder_hidden_states=torch.randn(2, WAN_MAX_LENGTH, TINY_WAN_T5_WIDTH, generator=gen),
+        return_dict=False,
+    )[0]
+
+
+def _qwen_image_call(model, gen, trainer):
+    """Packed 8x8 latents, a 6-token caption (unpadded, as QwenImagePipeline passes one prompt); timestep = sigma."""
+    return model(
+        hidden_states=torch.randn(2, 16, 4 * TINY_QWEN_LATENT_CHANNELS, generator=gen),
+        encoder_hidden_states=torch.randn(2, 6, TINY_QWEN_TEXT_HIDDEN, generator=gen),
+        timestep=torch.tensor([0.01, 0.5]),
+        img_shapes=[[(1, 4, 4)]] * 2,
+        return_dict=False,
+    )[0]
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     """One family's row: its zoo model, the diffusers pipeline that loads it, and its shapes."""
@@ -99,6 +123,8 @@ class FamilyCase:
     conditioning: dict  #: batch_shapes' conditioning shapes at batch 2
     pipeline_kwargs: dict = field(default_factory=dict)
     lora_parameter: str | None = None  #: a name the adapted denoiser must have a LoRA parameter under
+    model_family: str | None = None  #: the config's model_family when it is not ``name`` (a variant's zoo model)
+    config: dict = field(default_factory=dict)  #: config keys the row needs
 
     def __str__(self) -> str:
         return self.name
@@ -153,6 +179,29 @@ CASES = [
         (2, TINY_WAN_LATENT_CHANNELS, 1, 8, 8),
         {"prompt_embeds": (2, WAN_MAX_LENGTH, TINY_WAN_T5_WIDTH)},
     ),
+    FamilyCase(  # Wan 2.2 TI2V-5B (its VAE /16: 4x4 latents at 64 px); I2V A14B: test_model_wan22_i2v.py
+        "wan22_ti2v",
+        "WanPipeline",
+        "transformer",
+        _wan_ti2v_call,
+        30,
+        (2, TINY_WAN_LATENT_CHANNELS, 1, 4, 4),
+        {"prompt_embeds": (2, WAN_MAX_LENGTH, TINY_WAN_T5_WIDTH)},
+        model_family="wan",
+        config={"aspect_bucket_alignment": 32},
+    ),
+    FamilyCase(
+        "qwen_image",
+        "QwenImagePipeline",
+        "transformer",
+        _qwen_image_call,
+        40,
+        (2, TINY_QWEN_LATENT_CHANNELS, 8, 8),
+        {
+            "prompt_embeds": (2, QWEN_MAX_LENGTH, TINY_QWEN_TEXT_HIDDEN),
+            "prompt_embeds_mask": (2, QWEN_MAX_LENGTH),
+        },
+    ),
 ]
 
 
@@ -172,7 +221,11 @@ def zoo(tiny_sd, tmp_path_factory):
 
 
 def _config(make_config, zoo, case: FamilyCase, **overrides) -> dict:
-    return make_config(pretrained_model_name_or_path=str(zoo(case.name)), model_family=case.name, **overrides)
+    return make_config(
+        pretrained_model_name_or_path=str(zoo(case.name)),
+        model_family=case.model_family or case.name,
+        **{**case.config, **overrides},
+    )
 
 
 def _pipeline(case: FamilyCase, folder):

@@ -61,9 +61,9 @@ def hub_advice(hub_id: str) -> str:
 
 
 def resolve_flavour(t: Translation, flavour: str, model_path: Any) -> None:
-    """What ``model_flavour`` means here: Wan 2.2 ``-high`` / ``-low`` set ``train_stages``; a flavour
-    of a kind not trained here stops; without a local ``pretrained_model_name_or_path`` it stops with the
-    hub id it stands for and the download command."""
+    """What ``model_flavour`` means here: Wan 2.2 ``-high`` / ``-low`` set ``train_stages`` and
+    ``ti2v-5b-2.2`` sets ``ti2v_first_frame``; a flavour of a kind not trained here stops; without a local
+    ``pretrained_model_name_or_path`` it stops with the hub id it stands for and the download command."""
     family = t.family or ""
     table = FLAVOURS.get(family, {})
     if flavour not in table:
@@ -76,6 +76,8 @@ def resolve_flavour(t: Translation, flavour: str, model_path: Any) -> None:
             return
     if flavour.endswith("-high") or flavour.endswith("-low"):
         t.put("train_stages", flavour.rsplit("-", 1)[1], "model_flavour")
+    if flavour.startswith("ti2v"):  # SimpleTuner trains TI2V-5B with the first frame as the condition
+        t.put("ti2v_first_frame", True, "model_flavour")
     if model_path is None and "pretrained_model_name_or_path" not in t.sources:
         t.problems.append(
             f"`model_flavour`: {flavour!r}: no `pretrained_model_name_or_path` is set; {hub_advice(table[flavour])}"

@@ -101,7 +101,7 @@ _SLA = "Sparse-Linear Attention (trained SLA projections) is not supported: remo
 
 
 def _family(name: str) -> str:
-    return f"{name} is not a model family this trainer supports (sd, sdxl, sd3, flux, wan): remove it"
+    return f"{name} is not a model family this trainer supports (sd, sdxl, sd3, flux, wan, qwen_image): remove it"
 
 
 def _group(keys: str, kind: Kind, note: str, section: Section = "top") -> tuple[Entry, ...]:

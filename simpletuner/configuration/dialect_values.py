@@ -20,6 +20,7 @@ FAMILIES: dict[str, Optional[str]] = {
     "sd3": "sd3",
     "flux": "flux",
     "wan": "wan",
+    "qwen_image": "qwen_image",
 }
 
 
@@ -67,6 +68,14 @@ FLAVOURS: dict[str, dict[str, str]] = {
         "vace-14b-2.1": "Wan-AI/Wan2.1-VACE-14B-diffusers",
         "ti2v-5b-2.2": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
     },
+    "qwen_image": {
+        "v1.0": "Qwen/Qwen-Image",
+        "v2.0": "Qwen/Qwen-Image-2512",
+        "edit-v1": "Qwen/Qwen-Image-Edit",
+        "edit-v2": "Qwen/Qwen-Image-Edit-2509",
+        "edit-v2+": "Qwen/Qwen-Image-Edit-2509",
+        "edit-v3": "Qwen/Qwen-Image-Edit-2511",
+    },
 }
 
 
@@ -78,18 +87,21 @@ DEFAULT_FLAVOURS = {
     "sd3": "medium",
     "flux": "krea",
     "wan": "t2v-480p-1.3b-2.1",
+    "qwen_image": "v2.0",
 }
 
 
 #: Flavours of a kind this trainer does not train yet, and why.
 FLAVOUR_UNSUPPORTED = {
-    "i2v": "image-to-video training is not supported yet (text-to-video Wan is)",
+    # Prefixes: Wan 2.1 I2V (and its 720p flavour) needs the CLIP image encoder path; Wan 2.2 I2V A14B
+    # (i2v-14b-2.2-*) and TI2V-5B (ti2v-5b-2.2) train.
+    "i2v-14b-2.1": "Wan 2.1 image-to-video (with its CLIP image encoder) is not supported (Wan 2.2 I2V A14B is)",
     "flf2v": "first-last-frame-to-video training is not supported",
     "vace": "Wan VACE training is not supported",
-    "ti2v": "Wan 2.2 TI2V-5B training is not supported yet",
     "kontext": "Flux Kontext (image editing) training is not supported",
     "refiner": "the SDXL refiner is not supported (it has one text encoder and an aesthetic-score input)",
     "animegen": "AnimeGen expert weights are downloaded from URLs, which this trainer does not do",
+    "edit": "image editing (Qwen-Image-Edit) is not supported yet",
 }
 
 
@@ -239,7 +251,7 @@ SIMPLETUNER_DATASET_DEFAULTS: dict[str, Any] = {
 
 #: Flow-matching families: SimpleTuner draws sigmas as sigmoid(N(0, 1) * flow_sigmoid_scale) unless a
 #: uniform or beta schedule is asked for.
-FLOW_FAMILIES = ("sd3", "flux", "wan")
+FLOW_FAMILIES = ("sd3", "flux", "wan", "qwen_image")
 
 
 #: Every value spelling the translation reads, by key (for documentation/MIGRATING_FROM_SIMPLETUNER.md).

@@ -41,6 +41,7 @@ FAMILIES: dict[str, Family] = {
         Family("sd3", flow_matching=True, video=False, experts=False, latent_grid=(8, 2)),
         Family("flux", flow_matching=True, video=False, experts=False, latent_grid=(8, 2)),
         Family("wan", flow_matching=True, video=True, experts=True, latent_grid=(8, 2)),
+        Family("qwen_image", flow_matching=True, video=False, experts=False, latent_grid=(8, 2)),
     )
 }
 

@@ -24,6 +24,8 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
+    "QwenImagePipeline": "qwen_image",
 }
 
 #: The families a config may name (other values are the schema's to report).

@@ -174,6 +174,14 @@ def _stages_need_experts(cfg) -> Iterator[str]:
         )
 
 
+def _ti2v_needs_wan(cfg) -> Iterator[str]:
+    if cfg.ti2v_first_frame and cfg.model_family != "wan":
+        yield (
+            f"ti2v_first_frame trains Wan 2.2 TI2V-5B's image-to-video mode, but model_family is "
+            f"{cfg.model_family!r}: remove ti2v_first_frame, or use model_family 'wan' with a TI2V-5B folder"
+        )
+
+
 def _full_not_quantised(cfg) -> Iterator[str]:
     if cfg.training_type == "full" and cfg.base_model_precision != "no_change":
         yield (
@@ -587,6 +595,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _optimizer_config_fits,
     _prodigy_learning_rate,
     _stages_need_experts,
+    _ti2v_needs_wan,
     _full_not_quantised,
     _lycoris_merge_needs_plain_base,
     _video_needs_video_family,

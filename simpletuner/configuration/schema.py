@@ -62,7 +62,8 @@ class TrainingConfig(_Strict):
         description=(
             "Omit it to take the family from the model folder's `model_index.json` (`_class_name`: "
             "`StableDiffusionPipeline` -> `sd`, `StableDiffusionXLPipeline` -> `sdxl`, `StableDiffusion3Pipeline` -> "
-            "`sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`; the start-up log says where it came from); "
+            "`sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`, `QwenImagePipeline` -> `qwen_image`; the "
+            "start-up log says where it came from); "
             "omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, "
             "or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), "
             "`sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable "
@@ -70,7 +71,8 @@ class TrainingConfig(_Strict):
             "flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 "
             "text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a "
             "Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split "
-            "at the pipeline's `boundary_ratio`)."
+            "at the pipeline's `boundary_ratio`), `qwen_image` (Qwen-Image MMDiT text-to-image, flow matching with "
+            "the resolution-dependent shift and 2x2 packed latents, Qwen2.5-VL text encoder)."
         ),
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
@@ -94,6 +96,15 @@ class TrainingConfig(_Strict):
             "Wan 2.2 (two experts): `both` trains an adapter on each expert in one run (each sample goes to the "
             "expert its timestep belongs to); `high` / `low` trains only the high-noise (`transformer`, timesteps at "
             "or above the boundary) or low-noise (`transformer_2`) expert, sampling timesteps on its side only."
+        ),
+    )
+    ti2v_first_frame: bool = Field(
+        False,
+        description=(
+            "Wan 2.2 TI2V-5B only: train its image-to-video mode. The first latent frame of each clip stays clean "
+            "(timestep 0 on its tokens, the others at the drawn timestep, as WanImageToVideoPipeline with "
+            "`expand_timesteps` runs it) and the loss covers the other frames; one-frame samples (images) train "
+            "text-to-video. `false`: text-to-video, as WanPipeline runs the model."
         ),
     )
     low_vram: bool = Field(

@@ -172,3 +172,167 @@ def write_sd15_config_only(out_dir: str | Path) -> Path:
     text = CLIPTextConfig(**SD15_TEXT, architectures=["CLIPTextModel"])
     components = {"unet": unet, "vae": vae, "text_encoder": text, "scheduler": DDPMScheduler(**SD15_SCHEDULER)}
     return write_config_only_model(out_dir, "StableDiffusionPipeline", components)
+
+
+#: Qwen-Image's released architecture (Qwen/Qwen-Image): the 20B MMDiT transformer (60 blocks,
+#: 24 heads x 128, text width 3584, 64 packed input channels), the 16-channel video-style VAE and
+#: the Qwen2.5-VL-7B text encoder.
+QWEN_IMAGE_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
+)
+QWEN_IMAGE_VAE = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+)
+QWEN_IMAGE_TEXT = dict(
+    text_config=dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=128000,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    ),
+    vision_config=dict(
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14
+    ),
+)
+QWEN_IMAGE_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+
+
+def write_qwen_image_config_only(out_dir: str | Path) -> Path:
+    """Qwen-Image's architecture (20B transformer) as a config-only folder: estimates without the 57 GB download."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig
+
+    with torch.device("meta"):
+        transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER)
+        vae = AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)
+    text = Qwen2_5_VLConfig(**QWEN_IMAGE_TEXT, architectures=["Qwen2_5_VLForConditionalGeneration"])
+    components = {
+        "transformer": transformer,
+        "vae": vae,
+        "text_encoder": text,
+        "scheduler": FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    }
+    return write_config_only_model(out_dir, "QwenImagePipeline", components)
+
+
+#: Wan 2.2's released transformers (Wan-AI/Wan2.2-I2V-A14B-Diffusers, each expert; and
+#: Wan-AI/Wan2.2-TI2V-5B-Diffusers), the UMT5-XXL text encoder both use, and their VAEs: the Wan 2.1
+#: VAE (16 channels, /8) for A14B, the Wan 2.2 VAE (48 channels, 2x2 patchified, /16) for TI2V-5B.
+WAN22_I2V_A14B_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=36,  # 16 noisy + 4 mask + 16 condition latents
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    rope_max_seq_len=1024,
+)
+WAN22_I2V_BOUNDARY_RATIO = 0.9
+WAN22_TI2V_5B_TRANSFORMER = dict(
+    WAN22_I2V_A14B_TRANSFORMER, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336, num_layers=30
+)
+WAN_UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    feed_forward_proj="gated-gelu",
+    dense_act_fn="gelu_new",
+    is_gated_act=True,
+)
+WAN21_VAE = dict(
+    base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+)
+WAN22_VAE = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    temperal_downsample=[False, True, True],
+    in_channels=12,
+    out_channels=12,
+    is_residual=True,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+    # The released per-channel statistics are not needed for an estimate: placeholders of the right length.
+    latents_mean=[0.0] * 48,
+    latents_std=[1.0] * 48,
+)
+
+
+def _wan_config_only(out_dir, pipeline_class: str, transformers: dict, vae_config: dict, **index_extra) -> Path:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config
+
+    with torch.device("meta"):
+        components: dict[str, Any] = {name: WanTransformer3DModel(**cfg) for name, cfg in transformers.items()}
+        components["vae"] = AutoencoderKLWan(**vae_config)
+    components["text_encoder"] = UMT5Config(**WAN_UMT5_XXL, architectures=["UMT5EncoderModel"])
+    components["scheduler"] = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=5.0
+    )
+    out = write_config_only_model(out_dir, pipeline_class, components)
+    index = json.loads((out / "model_index.json").read_text())
+    index.update(index_extra)
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def write_wan22_i2v_config_only(out_dir: str | Path) -> Path:
+    """Wan 2.2 I2V A14B's architecture (two 14B experts, boundary 0.9) as a config-only folder."""
+    experts = {"transformer": WAN22_I2V_A14B_TRANSFORMER, "transformer_2": WAN22_I2V_A14B_TRANSFORMER}
+    return _wan_config_only(
+        out_dir, "WanImageToVideoPipeline", experts, WAN21_VAE, boundary_ratio=WAN22_I2V_BOUNDARY_RATIO
+    )
+
+
+def write_wan22_ti2v_config_only(out_dir: str | Path) -> Path:
+    """Wan 2.2 TI2V-5B's architecture (one 5B transformer, the /16 VAE) as a config-only folder."""
+    return _wan_config_only(
+        out_dir,
+        "WanPipeline",
+        {"transformer": WAN22_TI2V_5B_TRANSFORMER},
+        WAN22_VAE,
+        transformer_2=[None, None],
+        boundary_ratio=None,
+        expand_timesteps=True,
+    )

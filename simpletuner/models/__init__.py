@@ -9,12 +9,15 @@ from simpletuner.models.library_probes import quiet_model_libraries
 quiet_model_libraries()  # before any model library loads: no torchao unless a config quantises with it
 
 from simpletuner.models.flux import FluxSpec  # noqa: E402
+from simpletuner.models.qwen_image import QwenImageSpec  # noqa: E402
 from simpletuner.models.sd import StableDiffusionSpec  # noqa: E402
 from simpletuner.models.sd3 import StableDiffusion3Spec  # noqa: E402
 from simpletuner.models.sdxl import StableDiffusionXLSpec  # noqa: E402
 from simpletuner.models.spec import ModelSpec  # noqa: E402
 from simpletuner.models.wan import WanSpec, read_boundary_ratio  # noqa: E402
 from simpletuner.models.wan22 import Wan22Spec  # noqa: E402
+from simpletuner.models.wan22_i2v import Wan22I2VSpec  # noqa: E402
+from simpletuner.models.wan22_ti2v import Wan22TI2VSpec, expands_timesteps  # noqa: E402
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -27,12 +30,41 @@ MODEL_FAMILIES: dict[str, type[ModelSpec]] = {
     "sd3": StableDiffusion3Spec,
     "flux": FluxSpec,
     "wan": WanSpec,
+    "qwen_image": QwenImageSpec,
 }
 
 
 def _wan_variant(config: "TrainingConfig") -> type[ModelSpec]:
-    """Wan 2.2 (two experts) for a folder that names a boundary between them, else Wan 2.1."""
-    return Wan22Spec if read_boundary_ratio(config.pretrained_model_name_or_path) is not None else WanSpec
+    """From the folder's ``model_index.json``: Wan 2.2 TI2V-5B (``expand_timesteps``), Wan 2.2 I2V
+    A14B (a ``WanImageToVideoPipeline`` with two experts), Wan 2.2 T2V A14B (two experts), else Wan 2.1.
+
+    Raises:
+        ValueError: ``ti2v_first_frame`` set for a folder that is not TI2V-5B.
+    """
+    from pathlib import Path
+
+    from simpletuner.models.spec import read_model_index
+
+    root = Path(config.pretrained_model_name_or_path).expanduser()
+    index = read_model_index(root) if root.is_dir() else None
+    if expands_timesteps(index):
+        return Wan22TI2VSpec
+    if config.ti2v_first_frame:
+        raise ValueError(
+            f"ti2v_first_frame is set but {config.pretrained_model_name_or_path} is not a Wan 2.2 TI2V-5B folder "
+            "(model_index.json without expand_timesteps: true): remove ti2v_first_frame, or point "
+            "pretrained_model_name_or_path at a Wan2.2-TI2V-5B-Diffusers folder"
+        )
+    i2v = (index or {}).get("_class_name") == "WanImageToVideoPipeline"
+    if read_boundary_ratio(config.pretrained_model_name_or_path) is None:
+        if i2v:
+            raise ValueError(
+                f"{root / 'model_index.json'} is a one-transformer WanImageToVideoPipeline (Wan 2.1 I2V, with a CLIP "
+                "image encoder), which is not supported: use a Wan 2.2 I2V A14B folder (transformer and "
+                "transformer_2), Wan 2.2 TI2V-5B, or a text-to-video Wan folder"
+            )
+        return WanSpec
+    return Wan22I2VSpec if i2v else Wan22Spec
 
 
 #: Families with variants: family name -> the function choosing the class for a config's folder.
@@ -53,10 +85,13 @@ __all__ = [
     "MODEL_FAMILIES",
     "FluxSpec",
     "ModelSpec",
+    "QwenImageSpec",
     "StableDiffusion3Spec",
     "StableDiffusionSpec",
     "StableDiffusionXLSpec",
+    "Wan22I2VSpec",
     "Wan22Spec",
+    "Wan22TI2VSpec",
     "WanSpec",
     "get_model_spec",
 ]

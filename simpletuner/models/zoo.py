@@ -348,6 +348,127 @@ def write_tiny_wan22(out_dir: str | Path, seed: int = 0) -> Path:
     return write_tiny_wan(out_dir, seed=seed, boundary_ratio=WAN22_T2V_BOUNDARY_RATIO)
 
 
+#: The Wan 2.2 I2V A14B boundary (its model_index.json): timesteps >= 900 go to the high-noise expert.
+WAN22_I2V_BOUNDARY_RATIO = 0.9
+
+
+def _tiny_wan_text(seed: int):
+    """The tiny T5 tokenizer and UMT5 encoder of the tiny Wan pipelines (seeded)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_t5_tokenizer()
+    encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=TINY_WAN_T5_WIDTH,
+            d_kv=8,
+            d_ff=2 * TINY_WAN_T5_WIDTH,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+    )
+    return tokenizer, encoder
+
+
+def _tiny_wan_transformer(in_channels: int, out_channels: int):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=out_channels,
+        text_dim=TINY_WAN_T5_WIDTH,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        rope_max_seq_len=32,
+    )
+
+
+def _tiny_wan_scheduler():
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+
+
+def write_tiny_wan22_i2v(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.2 I2V A14B-style pipeline (``WanImageToVideoPipeline``, no image encoder):
+    two experts whose input is ``z + 4 + z`` channels (noisy latents, the first-frame mask, the
+    condition latents) and output ``z``, the tiny Wan VAE, boundary 0.9 as the real folder."""
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+
+    out = Path(out_dir)
+    tokenizer, text_encoder = _tiny_wan_text(seed)
+    z = TINY_WAN_LATENT_CHANNELS
+    transformer, transformer_2 = (_tiny_wan_transformer(2 * z + 4, z) for _ in range(2))
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, -0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.2],
+    )
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=_tiny_wan_scheduler(),
+        transformer=transformer,
+        transformer_2=transformer_2,
+        boundary_ratio=WAN22_I2V_BOUNDARY_RATIO,
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny wan 2.2 i2v pipeline to %s", out)
+    return out
+
+
+def write_tiny_wan22_ti2v(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.2 TI2V-5B-style pipeline (``WanPipeline`` with ``expand_timesteps``): one
+    transformer, and a Wan 2.2-style VAE (residual, 2x2 patchified input, /16 spatially)."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    out = Path(out_dir)
+    tokenizer, text_encoder = _tiny_wan_text(seed)
+    z = TINY_WAN_LATENT_CHANNELS
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=z,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=[0.1, -0.2, 0.3, -0.05],
+        latents_std=[1.5, 0.8, 2.0, 1.2],
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=_tiny_wan_scheduler(),
+        transformer=_tiny_wan_transformer(z, z),
+        expand_timesteps=True,
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny wan 2.2 ti2v pipeline to %s", out)
+    return out
+
+
 #: Tiny Flux widths: CLIP-L-like hidden size (its pooled output is the pooled projection) and T5 width.
 TINY_FLUX_CLIP_HIDDEN = 32
 TINY_FLUX_T5_WIDTH = 48
@@ -420,6 +541,136 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
     return out
 
 
+#: The Qwen-Image prompt template's system prefix; the tiny tokenizer learns merges of its words so that it
+#: tokenizes to the same 34 tokens as Qwen2.5-VL's (the count the pipeline drops).
+_QWEN_TEMPLATE_WORDS = (
+    "system user assistant Describe the image by detailing color shape size texture quantity text "
+    "spatial relationships of objects and background"
+)
+#: Tiny Qwen-Image widths: the Qwen2.5-VL text hidden size (the transformer's joint_attention_dim)
+#: and the VAE's latent channels (the transformer takes 4x as many packed channels).
+TINY_QWEN_TEXT_HIDDEN = 32
+TINY_QWEN_LATENT_CHANNELS = 4
+
+
+def tiny_qwen_tokenizer():
+    """A byte-level BPE Qwen2 tokenizer built in memory: every byte is a token, plus merges that make
+    each word of the Qwen-Image template one token (as in Qwen2.5-VL's own vocabulary), and the
+    chat / vision special tokens; no files."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AddedToken, Qwen2Tokenizer
+
+    # Learn the merges of the template's words (each alone and after a space) on top of the 256 bytes.
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    words = _QWEN_TEMPLATE_WORDS.split()
+    trainer = trainers.BpeTrainer(vocab_size=100_000, initial_alphabet=alphabet, show_progress=False)
+    bpe.train_from_iterator(words + [" " + w for w in words], trainer=trainer)
+    learned = json.loads(bpe.to_str())["model"]
+    vocab = learned["vocab"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+    specials += ["<|image_pad|>", "<|video_pad|>"]
+    tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=2048)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in specials[1:]]}
+    )
+    return tokenizer
+
+
+def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen-Image pipeline (``QwenImagePipeline``): a QwenImageTransformer2DModel (one
+    block), an AutoencoderKLQwenImage (video-style, /8, ``TINY_QWEN_LATENT_CHANNELS`` latent channels
+    with per-channel latents_mean / latents_std), a two-layer Qwen2_5_VLForConditionalGeneration
+    (with a one-block vision tower: the class needs one), the tokenizer of
+    :func:`tiny_qwen_tokenizer` and a FlowMatchEulerDiscreteScheduler configured as Qwen-Image's
+    (dynamic exponential shift, base 0.5 at 256 tokens to max 0.9 at 8192)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    heads, head_dim = 4, TINY_QWEN_TEXT_HIDDEN // 4
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": TINY_QWEN_TEXT_HIDDEN,
+            "intermediate_size": 2 * TINY_QWEN_TEXT_HIDDEN,
+            "num_hidden_layers": 2,
+            "num_attention_heads": heads,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
+            "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.pad_token_id,
+            "eos_token_id": ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": TINY_QWEN_TEXT_HIDDEN,
+            "fullatt_block_indexes": [0],
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    assert head_dim == 2 * sum(config.text_config.rope_parameters["mrope_section"])
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(seed)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=TINY_QWEN_LATENT_CHANNELS,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[round(float(x), 4) for x in torch.randn(TINY_QWEN_LATENT_CHANNELS, generator=generator) * 0.5],
+        latents_std=[round(float(x), 4) for x in torch.rand(TINY_QWEN_LATENT_CHANNELS, generator=generator) + 0.5],
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=TINY_QWEN_LATENT_CHANNELS * 4,
+        out_channels=TINY_QWEN_LATENT_CHANNELS,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=TINY_QWEN_TEXT_HIDDEN,
+        axes_dims_rope=(2, 2, 4),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler config
+        num_train_timesteps=1000,
+        shift=1.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
+    )
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny qwen_image pipeline to %s", out)
+    return out
+
+
 TINY_MODELS = {
     "sd": write_tiny_sd,
     "sdxl": write_tiny_sdxl,
@@ -427,6 +678,9 @@ TINY_MODELS = {
     "flux": write_tiny_flux,
     "wan": write_tiny_wan,
     "wan22": write_tiny_wan22,
+    "wan22_i2v": write_tiny_wan22_i2v,
+    "wan22_ti2v": write_tiny_wan22_ti2v,
+    "qwen_image": write_tiny_qwen_image,
 }
 
 

@@ -1,0 +1,100 @@
+"""Wan 2.2 TI2V-5B: one transformer, its own VAE (48 latent channels, /16 spatially), per-token timesteps.
+
+The folder is a ``WanPipeline`` with ``expand_timesteps: true`` in ``model_index.json``. Both of
+the diffusers pipelines run it with one timestep per latent token (``expand_timesteps``):
+
+- text-to-video (``WanPipeline``): every token at the step's timestep. Training passes the
+  timestep once per sample, which the transformer turns into the same embedding for every token
+  (the per-token form repeats one value), so the loss is Wan 2.1's (:class:`WanSpec`).
+- image-to-video (``WanImageToVideoPipeline`` with ``expand_timesteps``; ``ti2v_first_frame``):
+  latent frame 0 is the VAE encoding of the image alone, kept clean (timestep 0 on its tokens)
+  and pasted back over the prediction, the other frames denoised at the step's timestep. With
+  the causal Wan VAE the encoding of a clip's first frame alone is the clip's first latent
+  frame, so training takes the condition from the cached clip latents: latent frame 0 enters the
+  transformer clean with timestep 0 on its tokens, the other frames noised at the drawn sigma,
+  and the loss is taken over those other frames only (flow_loss's ``layout`` drops frame 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from simpletuner.models.wan import WanImageSampler, WanSpec
+from simpletuner.models.wan22_i2v import WanFirstFrameSampler
+
+
+def expands_timesteps(index: dict | None) -> bool:
+    """Whether a Wan folder's ``model_index.json`` (``index``) asks for per-token timesteps (TI2V-5B)."""
+    return bool(index and index.get("expand_timesteps") is True)
+
+
+class Wan22TI2VSpec(WanSpec):
+    """Wan 2.2 TI2V-5B (see the module docstring)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if not expands_timesteps(self.model_index) and self.local_root is not None:
+            raise ValueError(
+                f"{self.model_path}/model_index.json does not set expand_timesteps: it is not a Wan 2.2 TI2V-5B folder"
+            )
+
+    @property
+    def first_frame(self) -> bool:
+        return bool(self.config.ti2v_first_frame)
+
+    def _token_grid(self, latents: torch.Tensor) -> tuple[int, int, int]:
+        p = self.latent_patch_from_folder()
+        _, _, frames, h, w = latents.shape
+        return frames, h // p, w // p
+
+    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
+        """Text-to-video: Wan 2.1's loss. ``ti2v_first_frame`` with more than one latent frame: the
+        image-to-video loss over frames 1.. (the module docstring)."""
+        if not self.first_frame or latents.shape[2] < 2:
+            return super().training_loss(denoiser, latents, conditioning, generator, is_regularisation_data)
+        first = latents[:, :, :1]
+        frames, th, tw = self._token_grid(latents)
+        per_frame = th * tw
+
+        def predict(noisy_rest, sigmas):
+            hidden = torch.cat([first.to(noisy_rest.dtype), noisy_rest], dim=2)
+            t = self.timesteps_of(sigmas, latents.device)
+            # The pipeline's first_frame_mask[:, ::2, ::2] * t, flattened: 0 on frame 0's tokens.
+            timestep = torch.cat(
+                [
+                    torch.zeros(t.shape[0], per_frame, device=t.device, dtype=t.dtype),
+                    t[:, None].expand(-1, (frames - 1) * per_frame),
+                ],
+                dim=1,
+            )
+            out = self.predict(denoiser, hidden, timestep, conditioning)
+            return out[:, :, 1:]
+
+        return self.flow_loss(
+            latents,
+            generator,
+            predict,
+            layout=lambda x: x[:, :, 1:],
+            denoiser=denoiser,
+            is_regularisation_data=is_regularisation_data,
+        )
+
+    def build_pipeline(self, denoiser, vae, text_encoders):
+        """``WanPipeline`` with ``expand_timesteps`` (text-to-video), or with ``ti2v_first_frame``
+        ``WanImageToVideoPipeline`` with ``expand_timesteps`` from a mid-grey first frame."""
+        sampler = super().build_pipeline(denoiser, vae, text_encoders)
+        t2v = sampler.pipe
+        if not self.first_frame:
+            t2v.register_to_config(expand_timesteps=True)
+            return WanImageSampler(t2v, self.max_sequence_length)
+        from diffusers import WanImageToVideoPipeline
+
+        pipe = WanImageToVideoPipeline(
+            tokenizer=t2v.tokenizer,
+            text_encoder=t2v.text_encoder,
+            vae=vae,
+            scheduler=t2v.scheduler,
+            transformer=denoiser,
+            expand_timesteps=True,
+        )
+        return WanFirstFrameSampler(pipe, t2v, self.max_sequence_length)

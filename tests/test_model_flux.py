@@ -12,7 +12,8 @@ import torch
 from simpletuner.configuration import validate_config
 from simpletuner.models import FluxSpec, get_model_spec
 from simpletuner.models import noise as noise_lib
-from simpletuner.models.flux import FLUX_TRAINING_GUIDANCE, T5_MAX_LENGTH, pack_latents, unpack_latents
+from simpletuner.models.flux import FLUX_TRAINING_GUIDANCE, T5_MAX_LENGTH
+from simpletuner.models.packed import pack_latents, unpack_latents
 from simpletuner.models.zoo import TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_T5_WIDTH
 
 

@@ -183,7 +183,7 @@ def test_loss_is_flow_matching_on_packed_latents(qwen_config, flow_shift):
 
 
 def test_linear_time_shift_is_read_from_the_scheduler():
-    from simpletuner.models.qwen_image import dynamic_shift_sigmas
+    from simpletuner.models.packed import dynamic_shift_sigmas
 
     u = torch.tensor([0.2, 0.5, 0.9])
     base = {"base_shift": 0.5, "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192}

@@ -31,14 +31,12 @@ embedded guidance ``FLUX_TRAINING_GUIDANCE = 1.0`` (as diffusers' Flux LoRA scri
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 import torch
 
-from simpletuner.models import noise as noise_lib
-from simpletuner.models.flow import FlowMatchingSpec
+from simpletuner.models.packed import PackedFlowSpec
 from simpletuner.models.spec import save_transformer_lora
 
 #: T5 tokens per caption: FluxPipeline's default ``max_sequence_length``, so training and
@@ -48,22 +46,6 @@ T5_MAX_LENGTH = 512
 FLUX_TRAINING_GUIDANCE = 1.0
 
 
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """``[B, C, h, w]`` -> ``[B, (h/2)(w/2), 4C]`` (``FluxPipeline._pack_latents``)."""
-    from diffusers import FluxPipeline
-
-    b, c, h, w = latents.shape
-    return FluxPipeline._pack_latents(latents, b, c, h, w)
-
-
-def unpack_latents(packed: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """``[B, (h/2)(w/2), 4C]`` -> ``[B, C, h, w]`` for latent sides ``h``, ``w``."""
-    from diffusers import FluxPipeline
-
-    # _unpack_latents takes pixel sides and the VAE factor; latent sides with factor 1 are the same thing.
-    return FluxPipeline._unpack_latents(packed, h, w, 1)
-
-
 def latent_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     """Rotary ids ``[(h/2)(w/2), 3]`` of the packed latents of latent sides ``h``, ``w``."""
     from diffusers import FluxPipeline
@@ -71,21 +53,7 @@ def latent_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, device, dtype)
 
 
-def dynamic_shift_sigmas(sigmas: torch.Tensor, image_seq_len: int, scheduler_config) -> torch.Tensor:
-    """The pipeline's resolution-dependent shift: ``e^mu / (e^mu + (1 / sigma - 1))``."""
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    mu = calculate_shift(
-        image_seq_len,
-        scheduler_config.get("base_image_seq_len", 256),
-        scheduler_config.get("max_image_seq_len", 4096),
-        scheduler_config.get("base_shift", 0.5),
-        scheduler_config.get("max_shift", 1.15),
-    )
-    return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
-
-
-class FluxSpec(FlowMatchingSpec):
+class FluxSpec(PackedFlowSpec):
     """Flux.1 with the rectified-flow target ``noise - latents`` on packed latents."""
 
     family = "flux"
@@ -124,13 +92,6 @@ class FluxSpec(FlowMatchingSpec):
     }
 
     # --- loading -------------------------------------------------------------------------
-    @property
-    def dynamic_shift(self) -> bool:
-        """Whether sigmas get the resolution-dependent shift (no ``flow_shift`` and a dynamic scheduler)."""
-        return self.config.flow_shift is None and bool(
-            self.load_noise_scheduler().config.get("use_dynamic_shifting", False)
-        )
-
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
@@ -171,41 +132,6 @@ class FluxSpec(FlowMatchingSpec):
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
 
     # --- training ------------------------------------------------------------------------
-    def sample_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
-        """[B] noise levels in (0, 1), drawn from ``generator``: with the dynamic shift at
-        ``image_seq_len`` packed tokens, else with the static one (:class:`FlowMatchingSpec`)."""
-        if not self.dynamic_shift:
-            return super().sample_sigmas(batch_size, generator)
-        cfg = self.config
-        u = noise_lib.sample_u(
-            batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
-        )
-        return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
-
-    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
-        """Per-sample flow-matching loss (:meth:`flow_loss`) on packed latents. Draw order from
-        ``generator``: the noise (float32, the unpacked latents' shape), then the sigmas
-        (``sample_sigmas`` at the packed sequence length)."""
-        _, _, h, w = latents.shape
-        if h % 2 or w % 2:
-            raise ValueError(
-                f"flux packs latents in 2x2 patches: latent sides {h}x{w} must be even "
-                "(aspect_bucket_alignment a multiple of 16)"
-            )
-
-        def predict(noisy, sigmas):  # the transformer sees sigma itself (the pipeline passes t / 1000)
-            return self.predict(denoiser, noisy, sigmas.to(latents.device), conditioning, (h, w))
-
-        return self.flow_loss(
-            latents,
-            generator,
-            predict,
-            sample_sigmas=lambda size, gen: self.sample_sigmas(size, gen, (h // 2) * (w // 2)),
-            layout=pack_latents,
-            denoiser=denoiser,
-            is_regularisation_data=is_regularisation_data,
-        )
-
     def predict(self, denoiser, noisy, timesteps, conditioning, latent_size):
         """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1)."""
         embeds = conditioning["prompt_embeds"]

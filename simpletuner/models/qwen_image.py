@@ -41,14 +41,11 @@ base_image_seq_len, max_image_seq_len, base_shift, max_shift)`` and ``e^mu / (e^
 from __future__ import annotations
 
 import functools
-import math
 import re
 
 import torch
 
-from simpletuner.models import noise as noise_lib
-from simpletuner.models.flow import FlowMatchingSpec
-from simpletuner.models.flux import pack_latents
+from simpletuner.models.packed import PackedFlowSpec
 from simpletuner.models.spec import save_transformer_lora
 
 #: The chat template QwenImagePipeline wraps a prompt in.
@@ -66,23 +63,6 @@ QWEN_MAX_LENGTH = 512
 TEXT_ENCODER_CLASS = "Qwen2_5_VLForConditionalGeneration"
 #: ``model_type`` of the text encoder's ``config.json`` that class reads.
 TEXT_ENCODER_MODEL_TYPE = "qwen2_5_vl"
-
-
-def dynamic_shift_sigmas(sigmas: torch.Tensor, image_seq_len: int, scheduler_config) -> torch.Tensor:
-    """The pipeline's resolution-dependent shift of ``sigmas`` at ``image_seq_len`` packed tokens,
-    with the scheduler's ``time_shift_type`` (exponential unless it says linear)."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-    mu = calculate_shift(
-        image_seq_len,
-        scheduler_config.get("base_image_seq_len", 256),
-        scheduler_config.get("max_image_seq_len", 4096),
-        scheduler_config.get("base_shift", 0.5),
-        scheduler_config.get("max_shift", 1.15),
-    )
-    if scheduler_config.get("time_shift_type", "exponential") == "linear":
-        return mu / (mu + (1 / sigmas - 1))
-    return math.exp(mu) / (math.exp(mu) + (1 / sigmas - 1))
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -109,7 +89,7 @@ def _validation_pipeline_class():
     return QwenImageValidationPipeline
 
 
-class QwenImageSpec(FlowMatchingSpec):
+class QwenImageSpec(PackedFlowSpec):
     """Qwen-Image text-to-image with the rectified-flow target ``noise - latents`` on packed latents."""
 
     family = "qwen_image"
@@ -151,13 +131,6 @@ class QwenImageSpec(FlowMatchingSpec):
         return 2 ** len(downs) if isinstance(downs, list) and downs else None
 
     # --- loading -------------------------------------------------------------------------
-    @property
-    def dynamic_shift(self) -> bool:
-        """Whether sigmas get the resolution-dependent shift (no ``flow_shift`` and a dynamic scheduler)."""
-        return self.config.flow_shift is None and bool(
-            self.load_noise_scheduler().config.get("use_dynamic_shifting", False)
-        )
-
     def load_vae(self, device, dtype):
         from diffusers import AutoencoderKLQwenImage
 
@@ -224,46 +197,6 @@ class QwenImageSpec(FlowMatchingSpec):
         return out
 
     # --- training ------------------------------------------------------------------------
-    def sample_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
-        """[B] noise levels in (0, 1), drawn from ``generator``: with the dynamic shift at
-        ``image_seq_len`` packed tokens, else with the static one (:class:`FlowMatchingSpec`)."""
-        if not self.dynamic_shift:
-            return super().sample_sigmas(batch_size, generator)
-        cfg = self.config
-        u = noise_lib.sample_u(
-            batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
-        )
-        return dynamic_shift_sigmas(u, image_seq_len, self.load_noise_scheduler().config)
-
-    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
-        """Per-sample flow-matching loss (:meth:`flow_loss`) on packed latents. Draw order from
-        ``generator``: the noise (float32, the 4-D latents' shape), then the sigmas
-        (``sample_sigmas`` at the packed sequence length)."""
-        if latents.ndim != 4:
-            raise ValueError(
-                f"qwen_image trains on cached 4-D latents [B, C, h, w], got {tuple(latents.shape)}: clear the "
-                "latent cache (cache_dir_vae) if it was written by another family"
-            )
-        _, _, h, w = latents.shape
-        if h % 2 or w % 2:
-            raise ValueError(
-                f"qwen_image packs latents in 2x2 patches: latent sides {h}x{w} must be even "
-                "(aspect_bucket_alignment a multiple of 16)"
-            )
-
-        def predict(noisy, sigmas):  # the transformer sees sigma itself (the pipeline passes t / 1000)
-            return self.predict(denoiser, noisy, sigmas.to(latents.device), conditioning, (h, w))
-
-        return self.flow_loss(
-            latents,
-            generator,
-            predict,
-            sample_sigmas=lambda size, gen: self.sample_sigmas(size, gen, (h // 2) * (w // 2)),
-            layout=pack_latents,
-            denoiser=denoiser,
-            is_regularisation_data=is_regularisation_data,
-        )
-
     @staticmethod
     def text_inputs(conditioning: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cached embeddings and mask cut to the batch's longest caption; the mask None when no

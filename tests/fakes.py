@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from simpletuner.caching import latent_cache_key
+from simpletuner.data_backend import Sample
 
 
 class RecordingEncoder:
@@ -76,3 +77,24 @@ def latent_items(n: int, indices=(), change=None) -> list[tuple[str, dict]]:
 def bucket_of(payload: dict):
     """The ``group`` function for :func:`latent_items`: one encoder batch per bucket."""
     return payload["bucket"]
+
+
+def make_samples(counts: dict[tuple[str, tuple[int, int]], int]) -> list[Sample]:
+    """``n`` samples per ``(dataset_id, bucket)`` of ``counts``, each trained at its bucket (no files)."""
+    samples = []
+    for (dataset_id, bucket), n in counts.items():
+        for i in range(n):
+            path = f"{bucket[0]}x{bucket[1]}/{i:03d}.png"
+            samples.append(
+                Sample(
+                    key=f"{dataset_id}/{path}",
+                    dataset_id=dataset_id,
+                    path=path,
+                    caption=f"img {i}",
+                    original_size=bucket,
+                    bucket=bucket,
+                    crop_style="center",
+                    crop_seed=i,
+                )
+            )
+    return samples

@@ -6,29 +6,9 @@ import logging
 from collections import Counter
 
 import pytest
+from fakes import make_samples
 
-from simpletuner.data_backend import BucketSampler, Sample
-
-
-def make_samples(counts: dict[tuple[str, tuple[int, int]], int]) -> list[Sample]:
-    samples = []
-    for (dataset_id, bucket), n in counts.items():
-        for i in range(n):
-            path = f"{bucket[0]}x{bucket[1]}/{i:03d}.png"
-            samples.append(
-                Sample(
-                    key=f"{dataset_id}/{path}",
-                    dataset_id=dataset_id,
-                    path=path,
-                    caption=f"img {i}",
-                    original_size=bucket,
-                    bucket=bucket,
-                    crop_style="center",
-                    crop_seed=i,
-                )
-            )
-    return samples
-
+from simpletuner.data_backend import BucketSampler
 
 COUNTS = {
     ("a", (64, 64)): 13,

@@ -14,33 +14,12 @@ from pathlib import Path
 
 import orjson
 import pytest
-from fakes import data_only_config
+from fakes import data_only_config, make_samples
 
 from simpletuner.configuration import ConfigError, load_config, validate_config
-from simpletuner.data_backend import BucketSampler, Sample
+from simpletuner.data_backend import BucketSampler
 from simpletuner.data_backend.factory import build_datasets
 from simpletuner.state import StateTracker
-
-
-def make_samples(counts: dict[tuple[str, tuple[int, int]], int]) -> list[Sample]:
-    samples = []
-    for (dataset_id, bucket), n in counts.items():
-        for i in range(n):
-            path = f"{bucket[0]}x{bucket[1]}/{i:03d}.png"
-            samples.append(
-                Sample(
-                    key=f"{dataset_id}/{path}",
-                    dataset_id=dataset_id,
-                    path=path,
-                    caption=f"img {i}",
-                    original_size=bucket,
-                    bucket=bucket,
-                    crop_style="center",
-                    crop_seed=i,
-                )
-            )
-    return samples
-
 
 COUNTS = {("a", (64, 64)): 13, ("a", (96, 48)): 9, ("b", (64, 64)): 8, ("c", (48, 96)): 6}
 

@@ -211,23 +211,14 @@ QWEN_IMAGE_TEXT = dict(
         depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14
     ),
 )
-QWEN_IMAGE_SCHEDULER = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=0.9,
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
-)
 
 
 def write_qwen_image_config_only(out_dir: str | Path) -> Path:
     """Qwen-Image's architecture (20B transformer) as a config-only folder: estimates without the 57 GB download."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig
+
+    from simpletuner.models.qwen_image import QWEN_IMAGE_SCHEDULER
 
     with torch.device("meta"):
         transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER)

@@ -60,6 +60,19 @@ TOKENIZER_MAX_LENGTH = 1024
 #: Caption tokens kept and cached: QwenImagePipeline.__call__'s default ``max_sequence_length``.
 QWEN_MAX_LENGTH = 512
 
+#: Qwen-Image's scheduler config (the released folder's): the tiny model and the config-only folder use it.
+QWEN_IMAGE_SCHEDULER = dict(
+    num_train_timesteps=1000,
+    shift=1.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+
 TEXT_ENCODER_CLASS = "Qwen2_5_VLForConditionalGeneration"
 #: ``model_type`` of the text encoder's ``config.json`` that class reads.
 TEXT_ENCODER_MODEL_TYPE = "qwen2_5_vl"

@@ -282,55 +282,19 @@ def write_tiny_wan(out_dir: str | Path, seed: int = 0, boundary_ratio: float | N
     With ``boundary_ratio`` it is a Wan 2.2 A14B-style pipeline: a second expert ``transformer_2``
     (same architecture, its own random weights) for timesteps below ``boundary_ratio * 1000``.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
+    from diffusers import WanPipeline
 
     out = Path(out_dir)
-    torch.manual_seed(seed)
-    tokenizer = tiny_t5_tokenizer()
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=TINY_WAN_T5_WIDTH,
-            d_kv=8,
-            d_ff=2 * TINY_WAN_T5_WIDTH,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            decoder_start_token_id=tokenizer.pad_token_id,
-        )
+    tokenizer, text_encoder = _tiny_wan_text(seed)
+    z = TINY_WAN_LATENT_CHANNELS
+    transformer = _tiny_wan_transformer(z, z)
+    vae = _tiny_wan_vae()
+    scheduler = _tiny_wan_scheduler()
+    experts = (
+        {}
+        if boundary_ratio is None
+        else {"transformer_2": _tiny_wan_transformer(z, z), "boundary_ratio": boundary_ratio}
     )
-
-    def expert():
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,  # rope splits 12 as t4 h4 w4
-            in_channels=TINY_WAN_LATENT_CHANNELS,
-            out_channels=TINY_WAN_LATENT_CHANNELS,
-            text_dim=TINY_WAN_T5_WIDTH,
-            freq_dim=32,
-            ffn_dim=32,
-            num_layers=1,
-            rope_max_seq_len=32,
-        )
-
-    transformer = expert()
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=TINY_WAN_LATENT_CHANNELS,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, -0.05],
-        latents_std=[1.5, 0.8, 2.0, 1.2],
-    )
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
-    )
-    experts = {} if boundary_ratio is None else {"transformer_2": expert(), "boundary_ratio": boundary_ratio}
     pipe = WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer, **experts
     )
@@ -392,6 +356,25 @@ def _tiny_wan_transformer(in_channels: int, out_channels: int):
     )
 
 
+def _tiny_wan_vae(**extra):
+    """The tiny AutoencoderKLWan: Wan's /8 spatial and /4 temporal factors, its own latents_mean / std;
+    ``extra`` changes it (the Wan 2.2 TI2V-style residual, patchified one)."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        **{
+            "base_dim": 8,
+            "z_dim": TINY_WAN_LATENT_CHANNELS,
+            "dim_mult": [1, 1, 1, 1],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True],
+            "latents_mean": [0.1, -0.2, 0.3, -0.05],
+            "latents_std": [1.5, 0.8, 2.0, 1.2],
+            **extra,
+        }
+    )
+
+
 def _tiny_wan_scheduler():
     from diffusers import UniPCMultistepScheduler
 
@@ -404,21 +387,13 @@ def write_tiny_wan22_i2v(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny Wan 2.2 I2V A14B-style pipeline (``WanImageToVideoPipeline``, no image encoder):
     two experts whose input is ``z + 4 + z`` channels (noisy latents, the first-frame mask, the
     condition latents) and output ``z``, the tiny Wan VAE, boundary 0.9 as the real folder."""
-    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+    from diffusers import WanImageToVideoPipeline
 
     out = Path(out_dir)
     tokenizer, text_encoder = _tiny_wan_text(seed)
     z = TINY_WAN_LATENT_CHANNELS
     transformer, transformer_2 = (_tiny_wan_transformer(2 * z + 4, z) for _ in range(2))
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        z_dim=z,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, -0.05],
-        latents_std=[1.5, 0.8, 2.0, 1.2],
-    )
+    vae = _tiny_wan_vae()
     pipe = WanImageToVideoPipeline(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
@@ -436,25 +411,13 @@ def write_tiny_wan22_i2v(out_dir: str | Path, seed: int = 0) -> Path:
 def write_tiny_wan22_ti2v(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny Wan 2.2 TI2V-5B-style pipeline (``WanPipeline`` with ``expand_timesteps``): one
     transformer, and a Wan 2.2-style VAE (residual, 2x2 patchified input, /16 spatially)."""
-    from diffusers import AutoencoderKLWan, WanPipeline
+    from diffusers import WanPipeline
 
     out = Path(out_dir)
     tokenizer, text_encoder = _tiny_wan_text(seed)
     z = TINY_WAN_LATENT_CHANNELS
-    vae = AutoencoderKLWan(
-        base_dim=8,
-        decoder_base_dim=8,
-        z_dim=z,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        in_channels=12,
-        out_channels=12,
-        is_residual=True,
-        patch_size=2,
-        scale_factor_spatial=16,
-        latents_mean=[0.1, -0.2, 0.3, -0.05],
-        latents_std=[1.5, 0.8, 2.0, 1.2],
+    vae = _tiny_wan_vae(
+        decoder_base_dim=8, in_channels=12, out_channels=12, is_residual=True, patch_size=2, scale_factor_spatial=16
     )
     pipe = WanPipeline(
         tokenizer=tokenizer,
@@ -596,6 +559,8 @@ def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    from simpletuner.models.qwen_image import QWEN_IMAGE_SCHEDULER
+
     out = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer = tiny_qwen_tokenizer()
@@ -652,17 +617,7 @@ def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
         joint_attention_dim=TINY_QWEN_TEXT_HIDDEN,
         axes_dims_rope=(2, 2, 4),
     )
-    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler config
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )

@@ -86,6 +86,37 @@ def write_shapes_dataset(
     return out
 
 
+def write_edit_pairs(
+    out_dir: str | Path, num_pairs: int = 8, seed: int = 0, sizes=((64, 64), (96, 64), (64, 96))
+) -> tuple[Path, Path]:
+    """Edit pairs of coloured shapes: ``out_dir/images`` holds each edited image with its instruction as a
+    same-named .txt caption ("make the circle blue"), ``out_dir/sources`` the image before the edit (the same
+    shape, place and background in another colour) under the same file name. Returns ``(images, sources)``,
+    the dataset's ``instance_data_dir`` and ``conditioning_data_dir``. Files already equal are left untouched."""
+    out = Path(out_dir)
+    images, sources = out / "images", out / "sources"
+    images.mkdir(parents=True, exist_ok=True)
+    sources.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    names = list(COLOURS)
+    for i in range(num_pairs):
+        shape = SHAPES[i % len(SHAPES)]
+        before = names[(i // len(SHAPES)) % len(names)]
+        after = names[(names.index(before) + 1 + i % (len(names) - 1)) % len(names)]
+        bg = rng.choice(list(BACKGROUNDS))
+        size = sizes[i % len(sizes)]
+        state = rng.getstate()  # the same draws: the same shape at the same place in both images
+        write_if_changed(
+            sources / f"{i:03d}.png", _png_bytes(draw_shape(shape, COLOURS[before], BACKGROUNDS[bg], size, rng))
+        )
+        rng.setstate(state)
+        write_if_changed(
+            images / f"{i:03d}.png", _png_bytes(draw_shape(shape, COLOURS[after], BACKGROUNDS[bg], size, rng))
+        )
+        write_if_changed(images / f"{i:03d}.txt", f"make the {shape} {after}".encode())
+    return images, sources
+
+
 def write_demo(root: str | Path, max_train_steps: int = 200, num_images: int = 24) -> Path:
     """Write model, data and config under ``root``; returns the config path.
 

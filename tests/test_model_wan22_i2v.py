@@ -328,3 +328,44 @@ def test_ti2v_first_frame_needs_the_wan_family(make_config):
 
     with pytest.raises((ConfigError, ValueError), match="ti2v_first_frame.*model_family is 'sd'"):
         validate_config(make_config(ti2v_first_frame=True))
+
+
+def test_validation_image_is_the_first_frame(make_config, tiny_i2v, tiny_ti2v, tmp_path):
+    from PIL import Image
+
+    from simpletuner.training.validation import validation_images
+
+    red = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (220, 30, 30)).save(red)
+    takes = {}
+    for name, model, first in [
+        ("i2v", tiny_i2v, False),
+        ("ti2v_first_frame", tiny_ti2v, True),
+        ("ti2v", tiny_ti2v, False),
+    ]:
+        raw = _config(make_config, model, tmp_path, ti2v_first_frame=first, validation_prompts=["a", "b"])
+        takes[name] = get_model_spec(validate_config(raw)).takes_validation_image
+    assert takes == {"i2v": True, "ti2v_first_frame": True, "ti2v": False}
+
+    cfg = validate_config(
+        _config(make_config, tiny_i2v, tmp_path, validation_prompts=["a", "b"], validation_image=str(red))
+    )
+    spec = get_model_spec(cfg)
+    images = validation_images(spec, cfg)
+    assert len(images) == 2 and all(img.getpixel((5, 5)) == (220, 30, 30) for img in images)
+    assert validation_images(spec, validate_config(_config(make_config, tiny_i2v, tmp_path))) is None  # grey frame
+
+    cpu = torch.device("cpu")
+    sampler = spec.build_pipeline(
+        spec.load_denoiser(), spec.load_vae(cpu, torch.float32), spec.load_text_encoders(cpu, torch.float32)
+    )
+    sampler.set_progress_bar_config(disable=True)
+    args = dict(num_frames=5, num_inference_steps=2, height=64, width=64)
+    grey = sampler("a", generator=torch.Generator().manual_seed(0), **args).frames[0]
+    from_red = sampler("a", image=images[0], generator=torch.Generator().manual_seed(0), **args).frames[0]
+    import numpy as np
+
+    diff = sum(
+        np.abs(np.asarray(a, dtype=np.int32) - np.asarray(b, dtype=np.int32)).sum() for a, b in zip(grey, from_red)
+    )
+    assert diff > 0, "the first frame must condition the video"

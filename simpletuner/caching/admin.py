@@ -54,6 +54,7 @@ from simpletuner.caching.store import SHARD_GLOB, ShardedTensorStore
 from simpletuner.commands import add_config_arguments
 from simpletuner.configuration.cache_paths import trained_datasets
 from simpletuner.data_backend import RegisteredDataset, build_local_backend, build_metadata
+from simpletuner.data_backend.pairs import check_model_inputs
 from simpletuner.locks import CacheLocks
 from simpletuner.precision import PRECISION_DTYPES, resolve_mixed_precision
 
@@ -111,6 +112,7 @@ def config_keys(config: "TrainingConfig") -> CacheKeys:
     if not config.datasets:
         raise ValueError("the config has no `datasets`")
     spec = _spec(config)
+    check_model_inputs(spec, config)  # what training refuses, before a scan
     text_dtype = PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision)]
     datasets = []
     for dataset_cfg in trained_datasets(config):  # `disabled` / `probability: 0` ones: never scanned

@@ -30,6 +30,39 @@ Source = tuple[Any, Any]
 DROPPED_CAPTION = ""
 
 
+@dataclass(frozen=True, order=True)
+class PairedCaption:
+    """The text-cache id of an edit pair's caption: its embedding depends on the sample's source image
+    too (the edit model's text encoder sees both), so each pair has its own entry."""
+
+    caption: str
+    sample_key: str
+
+
+def text_id(sample: Any, caption: str | None = None):
+    """The text-cache id ``sample`` trains with: its caption (or ``caption``, e.g. the dropped one), paired
+    with the sample when it has a source image."""
+    caption = sample.caption if caption is None else caption
+    return caption if getattr(sample, "source", None) is None else PairedCaption(caption, sample.key)
+
+
+def _id_order(item) -> tuple:
+    return (0, item, "") if isinstance(item, str) else (1, item.caption, item.sample_key)
+
+
+def source_view(sample) -> dict[str, Any]:
+    """What an edit pair's prompt embedding sees of its source: the file (:func:`source_identity`) and the
+    geometry that cut it (bucket, crop, canvas)."""
+    from simpletuner.data_backend.pairs import source_identity
+
+    return {
+        **source_identity(sample),
+        "bucket": list(sample.bucket),
+        "crop": {"style": sample.crop_style, "seed": sample.crop_seed},
+        "canvas": list(sample.canvas) if getattr(sample, "canvas", None) is not None else None,
+    }
+
+
 class EncoderIdentities(Protocol):
     """What the keys need of a model spec (:class:`simpletuner.models.ModelSpec` has it)."""
 
@@ -66,7 +99,8 @@ class CacheKeys:
     Attributes:
         latents: sample key -> key of its latent in the ``vae`` cache, datasets in order, each sample
             once (empty when asked for none: the re-encoding modes read no cached latents).
-        texts: caption -> key of its embeddings in the ``text`` cache, captions sorted.
+        texts: text id (:func:`text_id`: a caption, or an edit pair's :class:`PairedCaption`) -> key of its
+            embeddings in the ``text`` cache, captions sorted.
         sources: sample key -> ``(dataset, sample)`` of each distinct sample (the first repeat).
         static_version: the augmentation version the ``vae`` cache's latents are encoded with
             (:func:`static_version`).
@@ -90,9 +124,7 @@ class CacheKeys:
 
     def texts_of(self, datasets: Iterable[Any]) -> dict[str, str]:
         """:attr:`texts` of the captions ``datasets`` still hold (after dropping undecodable images)."""
-        kept = {sample.caption for ds in datasets for sample in ds.samples}
-        if self.has_dropped_caption:
-            kept.add(DROPPED_CAPTION)
+        kept = _text_ids(datasets, self.has_dropped_caption)
         return {caption: key for caption, key in self.texts.items() if caption in kept}
 
 
@@ -116,9 +148,27 @@ def cache_keys(
         image_identity = spec.image_encoder_identity()
         latent_keys = {key: static_latent_key(config, image_identity, ds, s) for key, (ds, s) in sources.items()}
     text_identity = spec.text_encoder_identity()
-    captions = {sample.caption for ds in datasets for sample in ds.samples}
     has_dropped = getattr(config, "caption_dropout_probability", 0) > 0
-    if has_dropped:
-        captions.add(DROPPED_CAPTION)
-    texts = {caption: caption_text_key(caption, text_identity, text_dtype) for caption in sorted(captions)}
+    texts = {}
+    for item in sorted(_text_ids(datasets, has_dropped), key=_id_order):
+        if isinstance(item, str):
+            texts[item] = caption_text_key(item, text_identity, text_dtype)
+        else:
+            view = source_view(sources[item.sample_key][1])
+            texts[item] = caption_text_key(item.caption, text_identity, text_dtype, image=view)
     return CacheKeys(latent_keys, texts, sources, static_version(config), has_dropped)
+
+
+def _text_ids(datasets: Iterable[Any], has_dropped: bool) -> set:
+    """The text ids the samples of ``datasets`` train with (and the dropped caption's, with dropout)."""
+    ids = set()
+    paired_only = True
+    for ds in datasets:
+        for sample in ds.samples:
+            ids.add(text_id(sample))
+            paired_only = paired_only and isinstance(text_id(sample), PairedCaption)
+            if has_dropped:
+                ids.add(text_id(sample, DROPPED_CAPTION))
+    if has_dropped and not (ids and paired_only):
+        ids.add(DROPPED_CAPTION)  # the empty caption alone (an edit model embeds no caption without its source)
+    return ids

@@ -10,6 +10,7 @@ The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; se
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from simpletuner.caching.fingerprint import fingerprint
 
@@ -18,7 +19,9 @@ logger = logging.getLogger(__name__)
 TEXT_KIND = "text-embed"
 
 
-def text_cache_key(*, caption: str, encoder_identity: str, dtype: str, max_length: int | None) -> str:
+def text_cache_key(
+    *, caption: str, encoder_identity: str, dtype: str, max_length: int | None, image: dict[str, Any] | None = None
+) -> str:
     """The cache key of one caption's embeddings.
 
     Args:
@@ -28,6 +31,8 @@ def text_cache_key(*, caption: str, encoder_identity: str, dtype: str, max_lengt
             :func:`~simpletuner.caching.fingerprint.folder_identity` of each.
         dtype: the dtype the embeddings were computed and stored in.
         max_length: the tokenizer's max length, or None when it does not truncate.
+        image: an edit pair's source image as the text encoder sees it (file identity, size, crop), JSON-like;
+            None (every caption-only family) leaves the key as it was before edit pairs existed.
 
     Raises:
         ValueError: ``caption`` is not a str or ``max_length`` is not a positive int or None.
@@ -36,16 +41,16 @@ def text_cache_key(*, caption: str, encoder_identity: str, dtype: str, max_lengt
         raise ValueError(f"caption must be a str, got {type(caption).__name__}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-    return fingerprint(
-        kind=TEXT_KIND,
-        caption=caption,
-        encoder_identity=encoder_identity,
-        dtype=str(dtype),
-        max_length=max_length,
-    )
+    parts = dict(kind=TEXT_KIND, caption=caption, encoder_identity=encoder_identity, dtype=str(dtype))
+    parts["max_length"] = max_length
+    if image is not None:
+        parts["image"] = dict(image)
+    return fingerprint(**parts)
 
 
-def caption_text_key(caption: str, encoder_identity: str, text_dtype) -> str:
+def caption_text_key(caption: str, encoder_identity: str, text_dtype, image: dict[str, Any] | None = None) -> str:
     """The text key the trainer uses for ``caption`` (embeddings in ``text_dtype``, the
-    tokenizer's own max length)."""
-    return text_cache_key(caption=caption, encoder_identity=encoder_identity, dtype=str(text_dtype), max_length=None)
+    tokenizer's own max length; an edit pair's source ``image``, see :func:`text_cache_key`)."""
+    return text_cache_key(
+        caption=caption, encoder_identity=encoder_identity, dtype=str(text_dtype), max_length=None, image=image
+    )

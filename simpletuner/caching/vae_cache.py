@@ -15,6 +15,7 @@ import logging
 from typing import Any, Mapping
 
 from simpletuner.caching.fingerprint import fingerprint, source_hash
+from simpletuner.data_backend.pairs import source_identity
 from simpletuner.data_backend.video import FRAME_FOLDER, sample_identity
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ def sample_latent_key(
         crop.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
     if getattr(sample, "canvas", None) is not None:  # downsampled before the crop (maximum_image_size)
         crop["canvas"] = list(sample.canvas)
+    if getattr(sample, "source", None) is not None:  # an edit pair: the source's latents are cached with the image's
+        crop["source"] = source_identity(sample)
     if augment is not None:
         crop["augment"] = dict(augment)
     return latent_cache_key(
@@ -98,13 +101,18 @@ def sample_latent_key(
 
 def sample_source_hash(backend, sample) -> str:
     """:func:`~simpletuner.caching.fingerprint.source_hash` of the bytes ``sample`` is decoded
-    from: its file, or for a frame folder the path and bytes of every frame it takes, in order.
+    from: its file (and an edit pair's source file), or for a frame folder the path and bytes of every
+    frame it takes, in order.
 
     Raises:
         OSError: a file cannot be read (FileNotFoundError when it is gone).
     """
     if getattr(sample, "media", "image") != FRAME_FOLDER:
-        return source_hash([backend.read(sample.path)])
+        parts = [backend.read(sample.path)]
+        if getattr(sample, "source", None) is not None:  # an edit pair's latents hold its source's too
+            with open(sample.source, "rb") as handle:
+                parts.append(handle.read())
+        return source_hash(parts)
     parts: list[bytes] = []
     for path in sample.frame_paths:
         parts += [path.encode("utf-8", "surrogateescape"), backend.read(path)]

@@ -119,6 +119,16 @@ def _dataset_dirs(config) -> Iterator[str]:
             continue
         if not is_left_out and not d.is_dir():
             yield f"datasets[{i}].instance_data_dir: {d} is not a folder"
+        source = getattr(ds, "conditioning_data_dir", None)
+        if not is_left_out and source is not None and not Path(source).expanduser().is_dir():
+            yield f"datasets[{i}].conditioning_data_dir: {Path(source).expanduser()} is not a folder"
+
+
+def _validation_image_files(config) -> Iterator[str]:
+    images = config.validation_image
+    for path in [images] if isinstance(images, str) else images or []:
+        if not Path(path).expanduser().is_file():
+            yield f"validation_image: {Path(path).expanduser()} is not a file; give an image file"
 
 
 def _caption_files(config) -> Iterator[str]:
@@ -185,6 +195,7 @@ _PATH_CHECKS = (
     _cache_dir,
     _dataset_dirs,
     _caption_files,
+    _validation_image_files,
     _resume_dir,
     _tracker_package,
 )
@@ -227,7 +238,7 @@ def _from_base(value: Any, base_dir: Path) -> Any:
 
 def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
     """Relative ``output_dir``, ``cache_config.cache_dir`` / ``text_cache_dir``, ``datasets[].instance_data_dir`` /
-    ``cache_dir_vae``, a
+    ``conditioning_data_dir`` / ``cache_dir_vae``, a ``validation_image``, a
     ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir``
     (the config file's folder), so the same config run from another folder writes and reads the same places.
     ``--set`` values are part of the config and follow the same rule. Without ``base_dir`` (a dict, no file) nothing
@@ -240,6 +251,11 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
         out["resume_from_checkpoint"] = _from_base(out["resume_from_checkpoint"], base_dir)
     if isinstance(out.get("validation_prompts"), str):  # a prompt file (schema.py reads it)
         out["validation_prompts"] = _from_base(out["validation_prompts"], base_dir)
+    image = out.get("validation_image")
+    if isinstance(image, str):
+        out["validation_image"] = _from_base(image, base_dir)
+    elif isinstance(image, list):
+        out["validation_image"] = [_from_base(v, base_dir) if isinstance(v, str) else v for v in image]
     cache = out.get("cache_config", {})
     if isinstance(cache, dict):
         out["cache_config"] = {**cache, "cache_dir": _from_base(cache.get("cache_dir", _DEFAULT_CACHE_DIR), base_dir)}
@@ -252,6 +268,12 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
             if isinstance(d, dict) and "instance_data_dir" in d
             else d
             for d in datasets
+        ]
+        out["datasets"] = [
+            {**d, "conditioning_data_dir": _from_base(d["conditioning_data_dir"], base_dir)}
+            if isinstance(d, dict) and isinstance(d.get("conditioning_data_dir"), str)
+            else d
+            for d in out["datasets"]
         ]
         out["datasets"] = [_caption_tables_from_base(d, base_dir) for d in out["datasets"]]
         out["datasets"] = [

@@ -582,6 +582,25 @@ DATASET_RULES: tuple[Rule, ...] = (
     _aspect_range,
 )
 RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds,)
+
+
+def _validation_images_match_prompts(cfg) -> Iterator[str]:
+    images = cfg.validation_image
+    if not isinstance(images, list):
+        return
+    from simpletuner.configuration.prompts import merged_prompts  # prompts.py imports this module
+
+    several = cfg.validation_prompts if isinstance(cfg.validation_prompts, list) else None
+    prompts = len(merged_prompts(cfg.validation_prompt, several))
+    if not images:
+        yield "validation_image is an empty list: give an image file, a list of them, or remove the key"
+    elif len(images) not in (1, prompts):
+        yield (
+            f"validation_image lists {len(images)} images for {prompts} validation prompt(s): give one image for "
+            "every prompt, or one per prompt in the order of validation_prompt then validation_prompts"
+        )
+
+
 TRAINING_RULES: tuple[Rule, ...] = (
     _stop_condition,
     _one_dataset_source,
@@ -608,6 +627,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _validation_sizes_fit_family,
     _guidance_rescale_fits_family,
     _validation_frames_fit_family,
+    _validation_images_match_prompts,
 )
 
 

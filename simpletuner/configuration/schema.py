@@ -588,6 +588,17 @@ class TrainingConfig(_Strict):
             "prompt: there it is ignored, with a warning."
         ),
     )
+    validation_image: Optional[Union[list[PathText], PathText]] = Field(
+        None,
+        description=(
+            "Image families conditioned on an image (Qwen-Image-Edit: the source image to edit; Wan 2.2 I2V / "
+            "TI2V with `ti2v_first_frame`: the first frame): one image file for every validation prompt, or a list "
+            "with one per prompt, in the order of `validation_prompt_list`. A relative path is taken from the config "
+            "file's folder. Unset: an edit model renders from the source image of the first training pair "
+            "(said once in the log); an image-to-video model from a flat mid-grey frame. A model that takes no "
+            "image refuses the key."
+        ),
+    )
     validation_seed: Optional[int] = Field(
         None,
         ge=0,

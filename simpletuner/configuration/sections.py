@@ -103,6 +103,17 @@ class MetadataFileOptions(_Strict):
             "`false`: they do not (`cat`), and an extension written there anyway is dropped before matching."
         ),
     )
+    conditioning_column: Optional[str] = Field(
+        None,
+        min_length=1,
+        description=(
+            "Edit models (Qwen-Image-Edit): column naming each row's source (conditioning) image, the picture the "
+            "instruction in `caption_column` edits into the row's image: a path relative to the dataset's "
+            "`conditioning_data_dir` (its `instance_data_dir` when that is unset) or an absolute path, with its "
+            "extension. An image of the dataset whose row names no source, or a source that is not a file, stops "
+            "the run before caching, naming them."
+        ),
+    )
     width_column: Optional[str] = Field(
         None,
         min_length=1,
@@ -337,6 +348,19 @@ class _FolderDatasetConfig(_Strict):
         description=(
             "`true`: leave this dataset out of the run (not scanned, not cached, said once in the log); the entry "
             "is still checked, so a typo in it is still refused."
+        ),
+    )
+    conditioning_data_dir: Optional[PathText] = Field(
+        None,
+        description=(
+            "Edit models (Qwen-Image-Edit): folder of source (conditioning) images, one per image of "
+            "`instance_data_dir` at the same relative path and file name (the extension may differ: `cat.png` pairs "
+            "with `cat.jpg`); the caption is the edit instruction. Every image needs its source and every source "
+            "its image: a missing or extra one stops the run before caching, naming them. The source gets the "
+            "image's own crop and resize (resized to the image's size first; an aspect ratio more than 2% off is "
+            "refused), its latents are cached with the image's, and its pixels go into the prompt embedding as the "
+            "edit pipeline puts them. A relative path is taken from the config file's folder. A model that is not "
+            "an edit model refuses the key."
         ),
     )
     cache_dir_vae: Optional[CacheFolderText] = Field(

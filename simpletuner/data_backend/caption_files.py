@@ -147,6 +147,8 @@ class CaptionTable:
     matched: set[str] = field(default_factory=set)
     missing: list[str] = field(default_factory=list)  # images of the dataset with no caption here
     resized: list[str] = field(default_factory=list)  # images whose header size differs from the table's
+    #: ``conditioning_column``: image identifier -> its source image as written in the row (edit pairs).
+    sources: dict[str, str] = field(default_factory=dict)
 
     def identifier(self, path: str, *, is_folder: bool = False) -> str:
         """The identifier the file uses for the image (clip, frame folder) at ``path`` under the root."""
@@ -240,6 +242,7 @@ def load_caption_table(dataset_cfg: Any, dataset_id: str | None = None) -> Capti
         "fallback_caption_column": options.fallback_caption_column,
         "width_column": options.width_column,
         "height_column": options.height_column,
+        "conditioning_column": getattr(options, "conditioning_column", None),
     }
     named = {key: column for key, column in wanted.items() if column is not None}
     if (options.width_column is None) != (options.height_column is None):
@@ -274,6 +277,12 @@ def load_caption_table(dataset_cfg: Any, dataset_id: str | None = None) -> Capti
         if key in seen:
             table.duplicates.append(key)
         seen.add(key)
+        if named.get("conditioning_column") is not None:
+            source = _identifier_text(row.get(options.conditioning_column))
+            if source is not None:
+                table.sources[key] = source
+            else:
+                table.sources.pop(key, None)  # the last row wins, as for captions
         if options.width_column is not None:
             size = _size(row.get(options.width_column), row.get(options.height_column))
             if size is not None:

@@ -15,6 +15,7 @@ from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.images import load_rgb, prepare_image
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.data_backend.metadata import DatasetMetadata, Sample, build_metadata
+from simpletuner.data_backend.pairs import source_pixels
 from simpletuner.data_backend.video import load_clip_pixels
 
 if TYPE_CHECKING:
@@ -138,7 +139,9 @@ def _log_summary(dataset: RegisteredDataset) -> None:
 
 def load_sample_pixels(dataset: RegisteredDataset, sample: Sample) -> tuple[torch.Tensor, dict]:
     """Decode, resize and crop ``sample`` from ``dataset``: ``([3, H, W] in [-1, 1], crop info)``
-    for an image, ``([3, num_frames, H, W], crop info)`` for a clip (every frame cropped alike).
+    for an image, ``([3, num_frames, H, W], crop info)`` for a clip (every frame cropped alike), and
+    ``([6, H, W], crop info)`` for an edit pair: the image, then its source with the same geometry
+    (:func:`~simpletuner.data_backend.pairs.source_pixels`).
 
     Raises:
         ValueError: the file (a frame) cannot be decoded; OSError: it cannot be read.
@@ -146,4 +149,9 @@ def load_sample_pixels(dataset: RegisteredDataset, sample: Sample) -> tuple[torc
     if sample.is_video:
         return load_clip_pixels(dataset.backend, sample)
     image = load_rgb(dataset.backend.read(sample.path))
-    return prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed, getattr(sample, "canvas", None))
+    pixels, info = prepare_image(
+        image, sample.bucket, sample.crop_style, sample.crop_seed, getattr(sample, "canvas", None)
+    )
+    if getattr(sample, "source", None) is not None:
+        pixels = torch.cat([pixels, source_pixels(sample)], dim=0)
+    return pixels, info

@@ -26,6 +26,7 @@ from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_name, up
 from simpletuner.data_backend.caption_files import CaptionTable, load_caption_table
 from simpletuner.data_backend.geometry import Geometry, geometry_for
 from simpletuner.data_backend.images import image_size_of
+from simpletuner.data_backend.pairs import aspect_problem, find_sources, has_sources
 from simpletuner.data_backend.video import (
     CLIP_KINDS,
     FRAME_FOLDER,
@@ -75,6 +76,8 @@ class Sample:
     is_regularisation_data: bool = False  # from a dataset with `is_regularisation_data` (its batches' target)
     #: The size the image is resized to before its crop (``maximum_image_size``), or None: just cover the bucket.
     canvas: tuple[int, int] | None = None
+    #: An edit pair's source (conditioning) image: its absolute path (:mod:`simpletuner.data_backend.pairs`), or None.
+    source: str | None = None
 
     @property
     def is_video(self) -> bool:
@@ -332,12 +335,21 @@ def build_metadata(
 
     noun = "clips" if is_video else "image files"
     result = DatasetMetadata(num_files=len(entries) + len(failed), bad_files=list(failed), noun=noun)
-    sources: Counter[str] = Counter()
+    caption_sources: Counter[str] = Counter()
     unique: list[Sample] = []
     too_short: list[tuple[str, int]] = []
     sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction, geometry)
     is_table = dataset_cfg.caption_strategy in METADATA_CAPTION_STRATEGIES
     table = load_caption_table(dataset_cfg, backend.id) if is_table else None  # before any image is read
+    sources: dict[str, str] | None = None
+    if has_sources(dataset_cfg):  # edit pairs: every image's source found (or refused) before any is read
+        if is_video:
+            raise ValueError(
+                f"dataset {backend.id!r}: source images (conditioning_data_dir / conditioning_column) pair with still "
+                "images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
+            )
+        sources = find_sources(dataset_cfg, [path for path, _ in entries], table)
+    bad_pairs: list[str] = []
     for path, clip in tqdm(entries, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None):
         fault_point("dataset:scan")  # tests: a signal in the middle of the scan
         shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
@@ -376,7 +388,12 @@ def build_metadata(
         if problem is not None:
             result.bad_files.append((shown, problem))
             continue
-        sources[source] += 1
+        if sources is not None:
+            pair_problem = aspect_problem((width, height), sources[path])
+            if pair_problem is not None:
+                bad_pairs.append(f"{shown}: {pair_problem}")
+                continue
+        caption_sources[source] += 1
         unique.append(
             Sample(
                 key=key,
@@ -389,12 +406,19 @@ def build_metadata(
                 crop_seed=crop_seed,
                 canvas=plan.canvas,
                 is_regularisation_data=dataset_cfg.is_regularisation_data,
+                source=sources[path] if sources is not None else None,
                 **(_clip_fields(clip, dataset_cfg) if clip else {}),
             )
         )
 
     if table is not None:
         table.report(backend.id, root, result.num_files)
+    if bad_pairs:
+        raise ValueError(
+            f"dataset {backend.id!r}: {len(bad_pairs)} edit pair(s) cannot be used:\n"
+            + "\n".join(f"  - {line}" for line in bad_pairs[:NUM_BAD_FILES_SHOWN])
+            + (f"\n  ... ({len(bad_pairs) - NUM_BAD_FILES_SHOWN} more)" if len(bad_pairs) > NUM_BAD_FILES_SHOWN else "")
+        )
     if too_short:
         raise too_short_error(
             backend.id, root, too_short, result.num_files, dataset_cfg.num_frames, dataset_cfg.frame_stride
@@ -407,11 +431,11 @@ def build_metadata(
             f"dataset {backend.id!r}: none of the {result.num_files} {noun} under {root} could be read:\n"
             f"{_format_bad(result.bad_files)}\nfix or replace these files"
         )
-    if dataset_cfg.caption_strategy == "textfile" and sources["textfile"] < len(unique):
+    if dataset_cfg.caption_strategy == "textfile" and caption_sources["textfile"] < len(unique):
         logger.warning(
             "dataset %r: %d of %d %s have no (or an empty) caption .txt file; captioned from %s",
             backend.id,
-            len(unique) - sources["textfile"],
+            len(unique) - caption_sources["textfile"],
             len(unique),
             "clips" if is_video else "images",
             "instance_prompt" if dataset_cfg.instance_prompt else "the file name",
@@ -419,7 +443,7 @@ def build_metadata(
     _warn_skipped(backend.id, result.num_files, result.bad_files, len(result.bad_files), "while scanning", noun)
     repeats = getattr(dataset_cfg, "repeats", 0)
     result.samples = unique * (1 + repeats)
-    result.caption_sources = dict(sources)
+    result.caption_sources = dict(caption_sources)
     return result
 
 

@@ -85,7 +85,8 @@ def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: 
             sum(per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area for s in unique)
         )
     if cache.text_cache_type in _IN_RAM:
-        captions = {s.caption for s in unique}
+        # an edit pair's caption is embedded with its source: one entry per pair (``caching.keys.text_id``)
+        captions = {s.caption if getattr(s, "source", None) is None else (s.caption, s.key) for s in unique}
         per_caption = sum(_numel(shape[1:]) for shape in conds.values()) * text_dtype.itemsize
         out[f"text-embedding cache ({cache.text_cache_type}, {len(captions)} captions)"] = per_caption * len(captions)
     return out

@@ -43,7 +43,7 @@ _SAFETENSORS = re.compile(r"\.safetensors(\.index\.json)?$")
 _PICKLE = re.compile("(" + "|".join(re.escape(s) for s in PICKLE_WEIGHT_SUFFIXES) + r")(\.index\.json)?$")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-ComponentKind = Literal["model", "tokenizer", "scheduler"]
+ComponentKind = Literal["model", "tokenizer", "processor", "scheduler"]
 
 #: Pixels per latent assumed when a folder's VAE config cannot be read (every family's VAE: 8).
 FAMILY_GRID_DEFAULT = 8
@@ -78,6 +78,10 @@ def _base_classes(kind: ComponentKind) -> tuple[type, ...]:
         from transformers import PreTrainedTokenizerBase
 
         return (PreTrainedTokenizerBase,)
+    if kind == "processor":
+        from transformers import ProcessorMixin
+
+        return (ProcessorMixin,)
     from diffusers import SchedulerMixin
 
     return (SchedulerMixin,)
@@ -89,9 +93,10 @@ def resolve_component_class(library: Any, class_name: Any, kind: ComponentKind) 
 
     ``library`` must be ``"diffusers"`` or ``"transformers"`` and ``class_name`` a plain
     identifier exported by it whose value is a class deriving from ``ModelMixin`` /
-    ``PreTrainedModel`` (``kind="model"``), ``PreTrainedTokenizerBase`` (``"tokenizer"``) or
-    ``SchedulerMixin`` (``"scheduler"``). Nothing else is imported or called, so a folder
-    naming ``["os", "system"]`` or ``["transformers", "pipeline"]`` can never reach a callable.
+    ``PreTrainedModel`` (``kind="model"``), ``PreTrainedTokenizerBase`` (``"tokenizer"``),
+    ``ProcessorMixin`` (``"processor"``) or ``SchedulerMixin`` (``"scheduler"``). Nothing else is
+    imported or called, so a folder naming ``["os", "system"]`` or ``["transformers", "pipeline"]``
+    can never reach a callable.
 
     Raises:
         ValueError: any other library or name; the message names what was refused.
@@ -162,6 +167,18 @@ class ModelSpec(abc.ABC):
         self.check_model_folder()
         self.check_alignment()
         self.check_positions()
+
+    #: Whether training pairs each image with a source (conditioning) image (an edit model: datasets need
+    #: ``conditioning_data_dir`` or a ``conditioning_column``). Such a family's ``encode_images`` takes
+    #: ``[B, 6, H, W]`` (image, then source) and its ``encode_prompts`` a ``images=`` list of the sources
+    #: (PIL, at the image's size): the prompt embedding depends on the caption and the source.
+    conditions_on_image: ClassVar[bool] = False
+
+    @property
+    def takes_validation_image(self) -> bool:
+        """Whether validation renders from an image (``validation_image``): an edit model's source, an
+        image-to-video model's first frame. The sampler of such a family takes ``image=`` (PIL)."""
+        return self.conditions_on_image
 
     #: Frames per second of the validation videos of a video family (the .mp4 / animated .webp
     #: and the trackers' videos); image families render no video and never read it.

@@ -57,6 +57,8 @@ class Wan22I2VSpec(Wan22Spec):
         self.temporal = int(vae.get("scale_factor_temporal") or 4)
         self.z_dim = int(vae.get("z_dim", 16))
 
+    takes_validation_image = True  # the first frame
+
     def image_encoder_identity(self) -> str:
         # Cached latents carry the condition too: never shared with a T2V run on the same VAE.
         return fingerprint(vae=super().image_encoder_identity(), layout=I2V_LATENT_LAYOUT)

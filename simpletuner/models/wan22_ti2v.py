@@ -42,6 +42,10 @@ class Wan22TI2VSpec(WanSpec):
     def first_frame(self) -> bool:
         return bool(self.config.ti2v_first_frame)
 
+    @property
+    def takes_validation_image(self) -> bool:
+        return self.first_frame  # image-to-video mode renders from a first frame
+
     def _token_grid(self, latents: torch.Tensor) -> tuple[int, int, int]:
         p = self.latent_patch_from_folder()
         _, _, frames, h, w = latents.shape

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache
-from simpletuner.caching.keys import DROPPED_CAPTION, cache_keys
+from simpletuner.caching.keys import DROPPED_CAPTION, PairedCaption, cache_keys, text_id
 from simpletuner.caching.layout import cache_base, epoch_folder
 from simpletuner.caching.reencode import (
     DecodeThreads,
@@ -28,6 +28,7 @@ from simpletuner.caching.routing import CacheFolders, merge_fill_reports, open_f
 from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
 from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
+from simpletuner.data_backend.pairs import pixels_to_image, source_pixels
 from simpletuner.gh200.uvm import optimize_batch_for_gh200
 from simpletuner.locks import CacheLocks, hold_epoch_folder
 from simpletuner.models import ModelSpec
@@ -137,8 +138,8 @@ class CachedData:
         advice by role and a prefetch to ``device`` for those in managed memory, i.e. from a
         `unified_memory` cache; it returns at once when hints are off or there is no CUDA).
         A sample whose ``dropped`` flag is set gets the empty caption's embeddings."""
-        captions = [DROPPED_CAPTION if dropped and dropped[i] else s.caption for i, s in enumerate(samples)]
-        cond = self.text_cache.get_batch([self.text_keys[c] for c in captions])
+        ids = [text_id(s, DROPPED_CAPTION if dropped and dropped[i] else None) for i, s in enumerate(samples)]
+        cond = self.text_cache.get_batch([self.text_keys[i] for i in ids])
         fields = {
             "latents": latents.to(device, non_blocking=True),
             "conditioning": {k: v.to(device, non_blocking=True) for k, v in cond.items()},
@@ -411,15 +412,23 @@ def prepare_caches(
 
     text_keys = keys.texts_of(datasets)  # after dropping undecodable ones; captions sorted
 
-    def encode_text(batch: list[str]) -> list[dict[str, torch.Tensor]]:
-        out = spec.encode_prompts(encoders.get_text(), batch)
+    def encode_text(batch: list) -> list[dict[str, torch.Tensor]]:
+        if isinstance(batch[0], PairedCaption):  # an edit pair's prompt: the caption with its source image
+            images = [pixels_to_image(source_pixels(distinct[item.sample_key][1])) for item in batch]
+            out = spec.encode_prompts(encoders.get_text(), [item.caption for item in batch], images=images)
+        else:
+            out = spec.encode_prompts(encoders.get_text(), batch)
         return [{k: v.cpu() for k, v in entry.items()} for entry in out]
+
+    def text_group(item) -> tuple:  # a batch of pairs holds one source size (their prompts stack)
+        return ("pair", distinct[item.sample_key][1].bucket) if isinstance(item, PairedCaption) else ("caption",)
 
     with _writing(locks_of(folders.text), text_cache, text_keys.values(), open_text) as text_cache:
         text_report = text_cache.fill(
             [(key, caption) for caption, key in text_keys.items()],
             encode_text,
             TEXT_ENCODE_BATCH,
+            group=text_group,
             desc="text embeddings",
         )
     reports = {"latents": latent_report, "text": text_report}

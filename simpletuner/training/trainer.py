@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
+from simpletuner.data_backend.pairs import check_model_inputs
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.memory.hardware import detect_hardware
 from simpletuner.memory.oom import explain_out_of_memory
@@ -183,6 +184,7 @@ class Trainer:
         A stop signal here ends the run at once."""
         staging = any(d.type == "in_memory" for d in self.config.datasets)
         run_phase("staging" if staging else "datasets")  # SIGTERM/SIGINT: stop at once
+        check_model_inputs(self.spec, self.config)  # edit pairs / validation_image fit the model, before a scan
         build_datasets(self.state)
 
     def _setup_caches(self) -> None:
@@ -196,7 +198,7 @@ class Trainer:
             self.data, encoders = prepare_caches(spec, datasets, cache_dir, acc.device, self.weight_dtype, self.state)
         self.validator = None
         if cfg.validation_prompt_list and acc.is_main_process:
-            self.validator = Validator(spec, cfg, encoders, self.output_dir)
+            self.validator = Validator(spec, cfg, encoders, self.output_dir, datasets)
         del encoders
         free_memory()  # the encoders the validator does not keep
 

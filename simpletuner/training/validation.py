@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from simpletuner.data_backend import BucketSampler
+from simpletuner.data_backend.images import load_rgb
 from simpletuner.diskspace import disk_full_guard, inject_fault
 from simpletuner.faults import fault_point
 from simpletuner.training import offload
@@ -242,9 +243,52 @@ def save_video(frames: list[Image.Image], path: Path, fps: int) -> Path:
     return path
 
 
+def validation_images(spec, config, datasets=()) -> list[Image.Image] | None:
+    """The image each validation prompt renders from (one per prompt of ``config.validation_prompt_list``),
+    or None when ``spec``'s model takes none: ``validation_image`` (one file for every prompt, or one per
+    prompt); unset, an edit model's first training pair's source (said once in the log), an
+    image-to-video model's sampler's own mid-grey frame (None).
+
+    Raises:
+        ValueError: a ``validation_image`` list whose length is neither 1 nor the number of prompts, or a file
+            that is not a readable image.
+    """
+    if not spec.takes_validation_image:
+        return None
+    prompts = config.validation_prompt_list
+    paths = config.validation_image
+    if paths is None:
+        if not spec.conditions_on_image:
+            return None
+        pairs = sorted((s.key, s.source) for ds in datasets for s in ds.samples if s.source is not None)
+        if not pairs:
+            return None
+        logger.info(
+            "validation edits the source image of the first training pair (%s, %s) for every prompt; set "
+            "validation_image to choose another",
+            pairs[0][0],
+            pairs[0][1],
+        )
+        paths = [pairs[0][1]]
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    if len(paths) not in (1, len(prompts)):
+        raise ValueError(
+            f"validation_image lists {len(paths)} images for {len(prompts)} validation prompts: give one image for "
+            "every prompt, or one per prompt in the order of validation_prompt then validation_prompts"
+        )
+    images = []
+    for path in paths:
+        try:
+            with open(Path(path).expanduser(), "rb") as handle:
+                images.append(load_rgb(handle.read()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"validation_image {path} cannot be read as an image ({exc}); give an image file") from exc
+    return images * len(prompts) if len(images) == 1 else images
+
+
 @torch.no_grad()
 def generate_validation_images(
-    spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=(), ema=None
+    spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=(), ema=None, images=None
 ) -> list[Path]:
     """Render ``num_validation_images`` for each validation prompt, at each validation size, and save
     them as PNGs.
@@ -262,7 +306,8 @@ def generate_validation_images(
     differ only by the training in between. A video (``validation_num_video_frames`` > 1) is saved
     as its first frame (the PNG) and the whole clip beside it with the PNG's stem (:func:`save_video`:
     ``.mp4``, else animated ``.webp`` / ``.gif``, at the spec's ``video_fps``), and the clips go to the
-    trackers too. Returns the PNGs' paths.
+    trackers too. ``images`` (:func:`validation_images`): the image prompt ``p`` renders from (an edit's source,
+    a first frame), passed to the sampler as ``image``. Returns the PNGs' paths.
     """
     prompts = config.validation_prompt_list
     sizes = config.validation_sizes
@@ -282,11 +327,12 @@ def generate_validation_images(
                 for width, height in sizes:
                     kwargs = pipeline_arguments(spec.family, config, width, height)
                     outputs = []
-                    for prompt in prompts:
+                    for p, prompt in enumerate(prompts):
                         fault_point("validation:prompt")  # tests: a signal while a validation renders
                         # A generator of its own, so validation never shifts the training RNG streams.
                         generator = torch.Generator(device="cpu").manual_seed(seed)
-                        outputs.append(pipe(prompt, generator=generator, **kwargs))
+                        image = {} if images is None else {"image": images[p]}
+                        outputs.append(pipe(prompt, generator=generator, **kwargs, **image))
                     rendered[(suffix, (width, height))] = outputs
     finally:
         denoiser.train(was_training)
@@ -332,9 +378,11 @@ class Validator:
     """Rank 0's validation renders: the VAE and text encoders kept from the cache fill, and where
     they wait between renders (CPU RAM with ``low_vram``, else the training device)."""
 
-    def __init__(self, spec, config, encoders, output_dir: Path):
-        """``encoders`` (the cache fill's, with ``get_vae()`` / ``get_text()``) load what the fill did not."""
+    def __init__(self, spec, config, encoders, output_dir: Path, datasets=()):
+        """``encoders`` (the cache fill's, with ``get_vae()`` / ``get_text()``) load what the fill did not;
+        ``datasets`` give an edit model's default validation source (:func:`validation_images`)."""
         self.spec, self.config, self.output_dir = spec, config, output_dir
+        self.images = validation_images(spec, config, datasets)
         self.vae, self.text_encoders = encoders.get_vae(), encoders.get_text()
         self.offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
         if (
@@ -365,6 +413,7 @@ class Validator:
                 self.output_dir / "validation",
                 accelerator.trackers,
                 ema=ema,
+                images=self.images,
             )
 
 

@@ -110,6 +110,24 @@ def _qwen_image_call(model, gen, trainer):
     )[0]
 
 
+def _qwen_image_edit_call(model, gen, trainer):
+    """Packed 8x8 target latents then the 8x8 source's (the edit pipeline's sequence), a 6-token prompt."""
+    return model(
+        hidden_states=torch.randn(2, 32, 4 * TINY_QWEN_LATENT_CHANNELS, generator=gen),
+        encoder_hidden_states=torch.randn(2, 6, TINY_QWEN_TEXT_HIDDEN, generator=gen),
+        timestep=torch.tensor([0.01, 0.5]),
+        img_shapes=[[(1, 4, 4), (1, 4, 4)]] * 2,
+        return_dict=False,
+    )[0][:, :16]
+
+
+def _edit_processor(folder) -> dict:
+    """QwenImageEditPipeline.from_pretrained cannot build its processor without torchvision: pass ours."""
+    from simpletuner.models.qwen_image_edit import load_edit_processor
+
+    return {"processor": load_edit_processor(str(folder))}
+
+
 @dataclass(frozen=True)
 class FamilyCase:
     """One family's row: its zoo model, the diffusers pipeline that loads it, and its shapes."""
@@ -125,6 +143,8 @@ class FamilyCase:
     lora_parameter: str | None = None  #: a name the adapted denoiser must have a LoRA parameter under
     model_family: str | None = None  #: the config's model_family when it is not ``name`` (a variant's zoo model)
     config: dict = field(default_factory=dict)  #: config keys the row needs
+    edit_pairs: bool = False  #: trains on edit pairs (the shapes, recoloured) instead of the shapes dataset
+    pipeline_parts: Callable | None = None  #: folder -> components to pass to the pipeline's from_pretrained
 
     def __str__(self) -> str:
         return self.name
@@ -202,6 +222,21 @@ CASES = [
             "prompt_embeds_mask": (2, QWEN_MAX_LENGTH),
         },
     ),
+    FamilyCase(  # a 64 px source: smart_resize to 56 x 56 px, (56 / 14)^2 / 2^2 = 4 image tokens, + 7 template, + 512
+        "qwen_image_edit",
+        "QwenImageEditPipeline",
+        "transformer",
+        _qwen_image_edit_call,
+        40,
+        (2, 2 * TINY_QWEN_LATENT_CHANNELS, 8, 8),  # target and source latents
+        {
+            "prompt_embeds": (2, 4 + 7 + QWEN_MAX_LENGTH, TINY_QWEN_TEXT_HIDDEN),
+            "prompt_embeds_mask": (2, 4 + 7 + QWEN_MAX_LENGTH),
+        },
+        model_family="qwen_image",
+        edit_pairs=True,
+        pipeline_parts=_edit_processor,
+    ),
 ]
 
 
@@ -220,7 +255,24 @@ def zoo(tiny_sd, tmp_path_factory):
     return get
 
 
-def _config(make_config, zoo, case: FamilyCase, **overrides) -> dict:
+@pytest.fixture(scope="module")
+def edit_pairs(tmp_path_factory):
+    """Edit pairs of the shapes dataset (``demo.write_edit_pairs``): images and their sources."""
+    from simpletuner.demo import write_edit_pairs
+
+    return write_edit_pairs(tmp_path_factory.mktemp("edit_pairs"), num_pairs=12)
+
+
+def _config(make_config, zoo, case: FamilyCase, edit_pairs=None, **overrides) -> dict:
+    if case.edit_pairs:
+        images, sources = edit_pairs
+        pairs = {
+            "id": "edits",
+            "type": "local",
+            "instance_data_dir": str(images),
+            "conditioning_data_dir": str(sources),
+        }
+        overrides.setdefault("datasets", [pairs])
     return make_config(
         pretrained_model_name_or_path=str(zoo(case.name)),
         model_family=case.model_family or case.name,
@@ -230,15 +282,17 @@ def _config(make_config, zoo, case: FamilyCase, **overrides) -> dict:
 
 def _pipeline(case: FamilyCase, folder):
     pipeline_cls = getattr(diffusers, case.pipeline)
-    return pipeline_cls.from_pretrained(str(folder), use_safetensors=True, **case.pipeline_kwargs)
+    parts = case.pipeline_parts(folder) if case.pipeline_parts else {}
+    return pipeline_cls.from_pretrained(str(folder), use_safetensors=True, **case.pipeline_kwargs, **parts)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_lora_overfits_and_reloads_in_diffusers(case, make_config, zoo, tmp_path):
+def test_lora_overfits_and_reloads_in_diffusers(case, make_config, zoo, edit_pairs, tmp_path):
     raw = _config(
         make_config,
         zoo,
         case,
+        edit_pairs,
         max_train_steps=case.steps,
         learning_rate=1e-2,
         lora_rank=16,
@@ -266,8 +320,8 @@ def test_lora_overfits_and_reloads_in_diffusers(case, make_config, zoo, tmp_path
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name != "sd"], ids=str)  # sd: test_memory_estimator.py
-def test_memory_estimate_counts_the_adapted_denoiser_and_the_batch(case, make_config, zoo):
-    cfg = validate_config(_config(make_config, zoo, case, mixed_precision="no"))
+def test_memory_estimate_counts_the_adapted_denoiser_and_the_batch(case, make_config, zoo, edit_pairs):
+    cfg = validate_config(_config(make_config, zoo, case, edit_pairs, mixed_precision="no"))
     latents, cond = batch_shapes(cfg, 2)
     assert latents.shape == case.latents
     assert {k: s.shape for k, s in cond.items()} == case.conditioning

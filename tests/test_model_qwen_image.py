@@ -262,7 +262,7 @@ def test_simpletuner_flavours(tmp_path):
     from simpletuner.configuration import dialect
 
     base = {"model_family": "qwen_image", "pretrained_model_name_or_path": str(tmp_path)}
-    with pytest.raises(dialect.DialectError, match=r"image editing \(Qwen-Image-Edit\) is not supported yet"):
+    with pytest.raises(dialect.DialectError, match=r"Edit Plus model \(several source images per sample\)"):
         dialect.translate({**base, "model_flavour": "edit-v2+"}, None, tmp_path)
     native, _ = dialect.translate({**base, "model_flavour": "v1.0"}, None, tmp_path)
     assert native["model_family"] == "qwen_image"

@@ -26,6 +26,8 @@ PIPELINE_FAMILIES: dict[str, str] = {
     "WanPipeline": "wan",
     "WanImageToVideoPipeline": "wan",
     "QwenImagePipeline": "qwen_image",
+    "QwenImageEditPipeline": "qwen_image",  # the edit variant (models.QwenImageEditSpec)
+    "QwenImageEditPlusPipeline": "qwen_image",  # refused by the family with the reason (several source images)
 }
 
 #: The families a config may name (other values are the schema's to report).

@@ -233,6 +233,25 @@ def write_qwen_image_config_only(out_dir: str | Path) -> Path:
     return write_config_only_model(out_dir, "QwenImagePipeline", components)
 
 
+#: Qwen2.5-VL's image processor as Qwen-Image-Edit ships it (patch 14, 2x2 merge: a token per 28 x 28 px, between
+#: 4 and 16384 image tokens).
+QWEN_EDIT_PROCESSOR = dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136, max_pixels=12845056)
+
+
+def write_qwen_image_edit_config_only(out_dir: str | Path) -> Path:
+    """Qwen-Image-Edit as a config-only folder: Qwen-Image's parts (:func:`write_qwen_image_config_only`), a
+    ``QwenImageEditPipeline`` index and the processor's ``preprocessor_config.json`` (its image-token count
+    sets the prompt length the estimate counts)."""
+    out = write_qwen_image_config_only(out_dir)
+    index = json.loads((out / "model_index.json").read_text())
+    index.update(_class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"])
+    (out / "model_index.json").write_text(json.dumps(index, indent=2))
+    (out / "processor").mkdir(exist_ok=True)
+    preprocessor = dict(QWEN_EDIT_PROCESSOR, image_processor_type="Qwen2VLImageProcessor")
+    (out / "processor" / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    return out
+
+
 #: Wan 2.2's released transformers (Wan-AI/Wan2.2-I2V-A14B-Diffusers, each expert; and
 #: Wan-AI/Wan2.2-TI2V-5B-Diffusers), the UMT5-XXL text encoder both use, and their VAEs: the Wan 2.1
 #: VAE (16 channels, /8) for A14B, the Wan 2.2 VAE (48 channels, 2x2 patchified, /16) for TI2V-5B.

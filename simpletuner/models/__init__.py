@@ -10,6 +10,7 @@ quiet_model_libraries()  # before any model library loads: no torchao unless a c
 
 from simpletuner.models.flux import FluxSpec  # noqa: E402
 from simpletuner.models.qwen_image import QwenImageSpec  # noqa: E402
+from simpletuner.models.qwen_image_edit import QwenImageEditSpec  # noqa: E402
 from simpletuner.models.sd import StableDiffusionSpec  # noqa: E402
 from simpletuner.models.sd3 import StableDiffusion3Spec  # noqa: E402
 from simpletuner.models.sdxl import StableDiffusionXLSpec  # noqa: E402
@@ -67,8 +68,33 @@ def _wan_variant(config: "TrainingConfig") -> type[ModelSpec]:
     return Wan22I2VSpec if i2v else Wan22Spec
 
 
+def _qwen_image_variant(config: "TrainingConfig") -> type[ModelSpec]:
+    """From the folder's ``model_index.json``: Qwen-Image-Edit (``QwenImageEditPipeline``), else Qwen-Image.
+
+    Raises:
+        ValueError: a ``QwenImageEditPlusPipeline`` folder (Qwen-Image-Edit-2509, several source images).
+    """
+    from pathlib import Path
+
+    from simpletuner.models.spec import read_model_index
+
+    root = Path(config.pretrained_model_name_or_path).expanduser()
+    name = ((read_model_index(root) if root.is_dir() else None) or {}).get("_class_name")
+    if name == "QwenImageEditPlusPipeline":
+        raise ValueError(
+            f"{root / 'model_index.json'} is a QwenImageEditPlusPipeline (Qwen-Image-Edit-2509, edits from several "
+            "source images), which is not supported: its prompt template and image handling differ from "
+            "Qwen-Image-Edit's. Point pretrained_model_name_or_path at a Qwen-Image-Edit folder "
+            "(QwenImageEditPipeline, one source image per edit) or a Qwen-Image folder"
+        )
+    return QwenImageEditSpec if name == "QwenImageEditPipeline" else QwenImageSpec
+
+
 #: Families with variants: family name -> the function choosing the class for a config's folder.
-FAMILY_VARIANTS: dict[str, Callable[["TrainingConfig"], type[ModelSpec]]] = {"wan": _wan_variant}
+FAMILY_VARIANTS: dict[str, Callable[["TrainingConfig"], type[ModelSpec]]] = {
+    "wan": _wan_variant,
+    "qwen_image": _qwen_image_variant,
+}
 
 
 def get_model_spec(config: "TrainingConfig") -> ModelSpec:
@@ -85,6 +111,7 @@ __all__ = [
     "MODEL_FAMILIES",
     "FluxSpec",
     "ModelSpec",
+    "QwenImageEditSpec",
     "QwenImageSpec",
     "StableDiffusion3Spec",
     "StableDiffusionSpec",

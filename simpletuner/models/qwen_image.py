@@ -85,13 +85,15 @@ def _is_fake(tensor: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _validation_pipeline_class():
-    """QwenImagePipeline taking the validation call's ``guidance_scale`` as its ``true_cfg_scale``
-    (Qwen-Image has no guidance embedding: its guidance is true classifier-free guidance against
-    ``negative_prompt``, and none without one)."""
-    from diffusers import QwenImagePipeline
+def _validation_pipeline_class(base=None):
+    """``base`` (QwenImagePipeline by default; QwenImageEditPipeline for the edit variant) taking the
+    validation call's ``guidance_scale`` as its ``true_cfg_scale`` (Qwen-Image has no guidance
+    embedding: its guidance is true classifier-free guidance against ``negative_prompt``, and none
+    without one)."""
+    if base is None:
+        from diffusers import QwenImagePipeline as base
 
-    class QwenImageValidationPipeline(QwenImagePipeline):
+    class QwenImageValidationPipeline(base):
         def __call__(self, *args, guidance_scale=None, **kwargs):
             if guidance_scale is not None and "true_cfg_scale" not in kwargs:
                 kwargs["true_cfg_scale"] = guidance_scale
@@ -262,22 +264,23 @@ class QwenImageSpec(PackedFlowSpec):
 
         return save_transformer_lora(QwenImagePipeline, output_dir, denoiser)
 
+    def sampling_scheduler(self):
+        """The sampling pipelines' scheduler: with ``flow_shift`` set, that static shift (as training
+        uses); otherwise the folder's scheduler (dynamic shifting for Qwen-Image)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        config = self.load_noise_scheduler().config
+        if self.config.flow_shift is not None:
+            return FlowMatchEulerDiscreteScheduler.from_config(config, shift=self.shift, use_dynamic_shifting=False)
+        return FlowMatchEulerDiscreteScheduler.from_config(config)
+
     def build_pipeline(self, denoiser, vae, text_encoders):
         """Sampling pipeline (a QwenImagePipeline whose ``guidance_scale`` is the classifier-free
         ``true_cfg_scale``, see :func:`_validation_pipeline_class`). With ``flow_shift`` set its
         scheduler uses that static shift (as training does); otherwise the folder's scheduler
         (dynamic shifting for Qwen-Image)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        config = self.load_noise_scheduler().config
-        if self.config.flow_shift is not None:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-                config, shift=self.shift, use_dynamic_shifting=False
-            )
-        else:
-            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
         return _validation_pipeline_class()(
-            scheduler=scheduler,
+            scheduler=self.sampling_scheduler(),
             vae=vae,
             text_encoder=text_encoders["text_encoder"],
             tokenizer=text_encoders["tokenizer"],

@@ -516,10 +516,10 @@ TINY_QWEN_TEXT_HIDDEN = 32
 TINY_QWEN_LATENT_CHANNELS = 4
 
 
-def tiny_qwen_tokenizer():
+def tiny_qwen_tokenizer(words: str = _QWEN_TEMPLATE_WORDS):
     """A byte-level BPE Qwen2 tokenizer built in memory: every byte is a token, plus merges that make
-    each word of the Qwen-Image template one token (as in Qwen2.5-VL's own vocabulary), and the
-    chat / vision special tokens; no files."""
+    each of ``words`` (space-separated; by default the Qwen-Image template's) one token, alone and after
+    a space (as in Qwen2.5-VL's own vocabulary), and the chat / vision special tokens; no files."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -529,7 +529,7 @@ def tiny_qwen_tokenizer():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    words = _QWEN_TEMPLATE_WORDS.split()
+    words = words.split()
     trainer = trainers.BpeTrainer(vocab_size=100_000, initial_alphabet=alphabet, show_progress=False)
     bpe.train_from_iterator(words + [" " + w for w in words], trainer=trainer)
     learned = json.loads(bpe.to_str())["model"]
@@ -544,26 +544,16 @@ def tiny_qwen_tokenizer():
     return tokenizer
 
 
-def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny Qwen-Image pipeline (``QwenImagePipeline``): a QwenImageTransformer2DModel (one
-    block), an AutoencoderKLQwenImage (video-style, /8, ``TINY_QWEN_LATENT_CHANNELS`` latent channels
-    with per-channel latents_mean / latents_std), a two-layer Qwen2_5_VLForConditionalGeneration
-    (with a one-block vision tower: the class needs one), the tokenizer of
-    :func:`tiny_qwen_tokenizer` and a FlowMatchEulerDiscreteScheduler configured as Qwen-Image's
-    (dynamic exponential shift, base 0.5 at 256 tokens to max 0.9 at 8192)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def _tiny_qwen_parts(tokenizer, seed: int) -> dict:
+    """The parts every tiny Qwen-Image pipeline shares, built in this order from the global RNG (seeded
+    by the caller) and a ``seed`` generator: a two-layer Qwen2_5_VLForConditionalGeneration on
+    ``tokenizer`` (with a one-block vision tower), the AutoencoderKLQwenImage, the one-block
+    QwenImageTransformer2DModel and Qwen-Image's scheduler. Keyed by the pipelines' component names."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from simpletuner.models.qwen_image import QWEN_IMAGE_SCHEDULER
 
-    out = Path(out_dir)
-    torch.manual_seed(seed)
-    tokenizer = tiny_qwen_tokenizer()
     ids = tokenizer.convert_tokens_to_ids
     heads, head_dim = 4, TINY_QWEN_TEXT_HIDDEN // 4
     config = Qwen2_5_VLConfig(
@@ -618,11 +608,67 @@ def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
         axes_dims_rope=(2, 2, 4),
     )
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
-    pipe = QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
-    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen-Image pipeline (``QwenImagePipeline``): a QwenImageTransformer2DModel (one
+    block), an AutoencoderKLQwenImage (video-style, /8, ``TINY_QWEN_LATENT_CHANNELS`` latent channels
+    with per-channel latents_mean / latents_std), a two-layer Qwen2_5_VLForConditionalGeneration
+    (with a one-block vision tower: the class needs one), the tokenizer of
+    :func:`tiny_qwen_tokenizer` and a FlowMatchEulerDiscreteScheduler configured as Qwen-Image's
+    (dynamic exponential shift, base 0.5 at 256 tokens to max 0.9 at 8192)."""
+    from diffusers import QwenImagePipeline
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    pipe = QwenImagePipeline(**_tiny_qwen_parts(tiny_qwen_tokenizer(), seed))
     pipe.save_pretrained(out, safe_serialization=True)
     logger.info("wrote tiny qwen_image pipeline to %s", out)
+    return out
+
+
+#: The Qwen-Image-Edit template's system prompt, as words and punctuation pieces: with merges for them the
+#: tiny tokenizer splits it into the 64 tokens Qwen2.5-VL's does (the count QwenImageEditPipeline drops).
+_QWEN_EDIT_TEMPLATE_WORDS = (
+    "system user assistant Describe the key features of input image ( color , shape size texture objects "
+    "background ), then explain how 's text instruction should alter or modify . Generate a new that meets "
+    "requirements while maintaining consistency with original where appropriate"
+)
+#: The tiny edit model's image processor: transformers' Qwen2VLImageProcessor defaults (patch 14, merge 2,
+#: temporal patch 2, min_pixels 56 * 56, max_pixels 28 * 28 * 1280; the released Qwen-Image-Edit
+#: processor could not be read here, so these are the library's defaults, not checked against it).
+TINY_QWEN_EDIT_PROCESSOR = dict(
+    patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280
+)
+
+
+def write_tiny_qwen_image_edit(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Qwen-Image-Edit pipeline (``QwenImageEditPipeline``): the parts of
+    :func:`write_tiny_qwen_image` (the tokenizer with merges for the edit template's system prompt, so
+    it is 64 tokens as in the real tokenizer) and a ``processor`` folder as the released model's: that
+    tokenizer and a Qwen2VLImageProcessor configured by :data:`TINY_QWEN_EDIT_PROCESSOR`.
+
+    The processor folder is written from its two parts and named ``["transformers", "Qwen2VLProcessor"]``
+    in ``model_index.json``: transformers 5 cannot build a Qwen2VLProcessor without torchvision (its
+    video processor needs it), so the pipeline is saved without one and the entry set afterwards."""
+    import json
+
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer(_QWEN_EDIT_TEMPLATE_WORDS)
+    pipe = QwenImageEditPipeline(processor=None, **_tiny_qwen_parts(tokenizer, seed))
+    pipe.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out / "processor")
+    Qwen2VLImageProcessorPil(**TINY_QWEN_EDIT_PROCESSOR).save_pretrained(out / "processor")
+    index_file = out / "model_index.json"
+    index = json.loads(index_file.read_text(encoding="utf-8"))
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    logger.info("wrote tiny qwen_image edit pipeline to %s", out)
     return out
 
 
@@ -636,6 +682,7 @@ TINY_MODELS = {
     "wan22_i2v": write_tiny_wan22_i2v,
     "wan22_ti2v": write_tiny_wan22_ti2v,
     "qwen_image": write_tiny_qwen_image,
+    "qwen_image_edit": write_tiny_qwen_image_edit,
 }
 
 

@@ -59,8 +59,10 @@ from simpletuner.configuration.dialect_values import (
     FLAVOURS,
     FLOW_FAMILIES,
     FLUX_LORA_TARGETS,
+    REFERENCE_CONDITIONING,
     SIMPLETUNER_DATASET_DEFAULTS,
     SIMPLETUNER_DEFAULTS,
+    UNSUPPORTED_CONDITIONING_TYPES,
     UNSUPPORTED_DATASET_TYPES,
 )
 
@@ -316,8 +318,119 @@ def _area_resolution(t: Translation, top: dict[str, Any]) -> None:
     )
 
 
+#: Keys of a `dataset_type: conditioning` entry read by :func:`_conditioning_entry` itself.
+_CONDITIONING_OWN_KEYS = (
+    "id",
+    "dataset_type",
+    "disabled",
+    "disable",
+    "type",
+    "instance_data_dir",
+    "conditioning_type",
+    "source_dataset_id",
+)
+
+
+def _raw_key(entry: Mapping[str, Any], key: str) -> Any:
+    return entry.get(key, entry.get(f"--{key}"))
+
+
+def _conditioning_entry(t: Translation, entry: dict[str, Any], label: str) -> Optional[str]:
+    """A `dataset_type: conditioning` entry (Qwen-Image-Edit source images): its folder (absolute), or None with
+    the problems listed. Its other keys are reported: each source image follows its edited image here."""
+    bare = _bare_keys(entry, t, label)
+    for name, value in bare.items():
+        shown = f"{label}.{name}"
+        if name in _CONDITIONING_OWN_KEYS:
+            continue
+        item = entry_for(name, "dataset")
+        if item is None:
+            t.problems.append(f"`{shown}`: not a key SimpleTuner reads on a `dataset_type: conditioning` entry")
+        elif item.kind == "ignored":
+            t.ignore(shown, item.note)
+        elif item.kind == "unsupported" and not is_inert(value):
+            t.problems.append(f"`{shown}` = {value!r}: {item.note}")
+        elif item.kind == "unsupported":
+            t.ignore(shown, f"set to {value!r}, which does nothing")
+        else:
+            t.ignore(shown, "a source image follows its edited image: that dataset's crop, size and captions apply")
+    storage = str(bare.get("type", "local")).strip()
+    if storage != "local":
+        t.problems.append(
+            f"{label}: `type: {storage}`: source images are read from a local folder here: copy them to one and use "
+            "`type: local`"
+        )
+    kind = bare.get("conditioning_type")
+    if isinstance(kind, str) and kind in REFERENCE_CONDITIONING:
+        warning = REFERENCE_CONDITIONING[kind]
+        if warning is not None:
+            t.approx(f"{label}.conditioning_type: {kind}", warning)
+    elif kind is None:
+        t.problems.append(
+            f"{label}: `conditioning_type` is not set: SimpleTuner's Qwen-Image-Edit training needs `reference_strict` "
+            "(the source takes the edited image's crop) or `reference_loose`; set one"
+        )
+    else:
+        why = UNSUPPORTED_CONDITIONING_TYPES.get(str(kind), "not a kind of conditioning trained here")
+        t.problems.append(
+            f"{label}: `conditioning_type: {kind}`: {why}; source/edited image pairs (Qwen-Image-Edit `edit-v1`) use "
+            "`reference_strict` or `reference_loose`"
+        )
+    folder = bare.get("instance_data_dir")
+    if not isinstance(folder, str) or not folder:
+        t.problems.append(f"{label}: `instance_data_dir` must name the folder of source images")
+        return None
+    return t.path(folder, f"{label}.instance_data_dir")
+
+
+def _read_conditioning(t: Translation, entries: list[Any]) -> None:
+    """The `dataset_type: conditioning` entries, before the datasets that name them: each must be named by one
+    training dataset's `conditioning_data` (SimpleTuner pairs them no other way); its `source_dataset_id`, if
+    set, must be that dataset."""
+    named_by: dict[str, list[Any]] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and str(entry.get("dataset_type", "image")) in ("image", "video"):
+            names = _raw_key(entry, "conditioning_data")
+            for name in [names] if isinstance(names, str) else names if isinstance(names, list) else []:
+                if isinstance(name, str):
+                    named_by.setdefault(name, []).append(entry.get("id"))
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or str(entry.get("dataset_type")) != "conditioning":
+            continue
+        name = entry.get("id")
+        label = f"datasets[{i}] ({name})" if isinstance(name, str) else f"datasets[{i}]"
+        try:
+            if as_bool(_raw_key(entry, "disabled") or _raw_key(entry, "disable") or False, f"{label}.disabled"):
+                continue
+        except Problem as exc:
+            t.problems.append(str(exc))
+            continue
+        if not isinstance(name, str) or name not in named_by:
+            t.problems.append(
+                f"{label}: a `dataset_type: conditioning` entry that no training dataset names in `conditioning_data`, "
+                "so no image is paired with its sources (SimpleTuner uses such entries for ControlNet, not supported "
+                "here). Name its `id` in the `conditioning_data` of the dataset whose images edit its sources, or "
+                "remove it"
+            )
+            if isinstance(name, str):
+                t.conditioning_sources[name] = None  # listed where a misspelt name is refused
+            continue
+        source = _raw_key(entry, "source_dataset_id")
+        if isinstance(source, str) and source not in named_by[name]:
+            t.problems.append(
+                f"{label}: `source_dataset_id: {source}` is not a dataset whose `conditioning_data` names {name!r} "
+                f"(those are: {', '.join(map(repr, named_by[name]))}): set it to that one, or remove it"
+            )
+        t.conditioning_sources[name] = _conditioning_entry(t, entry, label)
+        t.report.mapped.append(
+            f"`{label}.instance_data_dir` -> `conditioning_data_dir` of {', '.join(map(repr, named_by[name]))} "
+            "(the entry is not a dataset of its own)"
+        )
+
+
 def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    _read_conditioning(t, entries)
     for i, entry in enumerate(entries):
         label = f"datasets[{i}]"
         if not isinstance(entry, dict):
@@ -328,6 +441,11 @@ def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any])
         kind = str(entry.get("dataset_type", "image"))
         if kind == "text_embeds":
             _text_embeds_entry(t, entry, label)
+            continue
+        if kind == "conditioning":  # read by _read_conditioning; its folder is a training dataset's
+            continue
+        if kind == "conditioning_image_embeds":
+            t.ignore(label, _BY_KEY[("dataset", "conditioning_image_embeds")].note)
             continue
         if kind in UNSUPPORTED_DATASET_TYPES:
             if not as_bool(entry.get("disabled", False), f"{label}.disabled"):

@@ -532,6 +532,36 @@ def _vae_clear(t: Translation, value: Any, entry: DialectKey) -> None:
     )
 
 
+def _conditioning_data(t: Translation, value: Any, entry: DialectKey) -> None:
+    """A training dataset's `conditioning_data`: the id of one `dataset_type: conditioning` entry (or a list of
+    one); that entry's folder of source images becomes `conditioning_data_dir` (paired by file name)."""
+    if is_inert(value):
+        return
+    ids = [value] if isinstance(value, str) else value
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise Problem(f"`{entry.key}` must be the `id` of a `dataset_type: conditioning` entry (or a list of one)")
+    if len(ids) > 1:
+        raise Problem(
+            f"`{entry.key}` names {len(ids)} conditioning datasets ({', '.join(ids)}): several source images per "
+            "sample (Qwen-Image-Edit Plus, multi-reference) are not supported; name one"
+        )
+    (name,) = ids
+    if name not in t.conditioning_sources:
+        known = ", ".join(repr(k) for k in t.conditioning_sources) or "none"
+        raise Problem(
+            f"`{entry.key}`: {name!r} is not the `id` of an enabled `dataset_type: conditioning` entry (those are: "
+            f"{known})"
+        )
+    folder = t.conditioning_sources[name]
+    if folder is not None:
+        t.put("conditioning_data_dir", folder, f"{entry.key} ({name})")
+
+
+def _conditioning_entry_key(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`conditioning_type` / `source_dataset_id` are read on `dataset_type: conditioning` entries only."""
+    t.ignore(f"{t.dataset_label}.{entry.key}", "read on `dataset_type: conditioning` entries only, as in SimpleTuner")
+
+
 DATASET_CORE: tuple[DialectKey, ...] = (
     _ds("id"),
     _ds("type", apply=_storage),
@@ -583,6 +613,31 @@ DATASET_CORE: tuple[DialectKey, ...] = (
     ),
     _ds("video", "same", "num_frames", "`video.num_frames` -> `num_frames`", apply=_video),
     _ds("vae_cache_clear_each_epoch", "approximated", note="each image keeps one crop for the run", apply=_vae_clear),
+    _ds(
+        "conditioning_data",
+        "same",
+        "conditioning_data_dir",
+        "Qwen-Image-Edit pairs: the `id` of one `dataset_type: conditioning` entry (or a list of one); its "
+        "`instance_data_dir` becomes `conditioning_data_dir` and the entry is not a dataset of its own; several "
+        "are not supported (Edit Plus)",
+        apply=_conditioning_data,
+    ),
+    _ds(
+        "conditioning_type",
+        "same",
+        "conditioning_data_dir",
+        "of a `dataset_type: conditioning` entry: `reference_strict` (the source takes the edited image's crop) as "
+        "there; `reference_loose` approximated (the source is resized to the edited image and takes its crop; "
+        "aspect ratios more than 2% apart stop the run); `controlnet`, `mask` and others are not supported",
+        apply=_conditioning_entry_key,
+    ),
+    _ds(
+        "source_dataset_id",
+        "same",
+        "conditioning_data_dir",
+        "of a `dataset_type: conditioning` entry: the training dataset whose `conditioning_data` names it",
+        apply=_conditioning_entry_key,
+    ),
 )
 
 

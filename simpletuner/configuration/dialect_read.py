@@ -156,6 +156,9 @@ class Translation:
     bare: dict[str, Any] = field(default_factory=dict)  # the config's keys without `--`
     dataset: Optional[dict[str, Any]] = None  # the dataset entry being written, for "dataset" keys
     dataset_label: str = ""
+    # `dataset_type: conditioning` entries by id -> their folder of source images (absolute; None: unreadable,
+    # its problems are listed); a training dataset's `conditioning_data` names one
+    conditioning_sources: dict[str, Optional[str]] = field(default_factory=dict)
 
     def put(self, ours: str, value: Any, source: str) -> None:
         """Set our key ``ours`` (dotted: nested) from ``source``; two sources that disagree are a problem."""

@@ -61,7 +61,18 @@ _CSV = "URL-list (CSV) datasets are not downloaded here: fetch the images to a l
 _WEBSHART = "Webshart shard datasets are not supported: unpack the images to a local folder and use type local"
 _CONTROLNET = "ControlNet training is not supported: train a LoRA without it"
 _CONTROL = "channel-wise control training is not supported: remove it"
-_CONDITIONING = "conditioning datasets (control images, edit/reference pairs) are not supported: remove the entry"
+_CONDITIONING = (
+    "several conditioning datasets for one training dataset (Edit Plus, multi-reference) are not supported: name one "
+    "`dataset_type: conditioning` entry in `conditioning_data`"
+)
+_GENERATED_CONDITIONING = (
+    "conditioning images generated from the dataset (superresolution, canny, depth, ...) are not supported: make the "
+    "source images yourself and name their folder in a `dataset_type: conditioning` entry"
+)
+_EDIT_EMBEDS = (
+    "Qwen-Image-Edit's prompt embedding is cached with the text embeddings, keyed by caption and source image "
+    "(no separate folder)"
+)
 _TREAD = "TREAD token routing is not implemented: remove `tread_config`"
 _DISTILLATION = "distillation is not supported: train a LoRA or a full fine-tune without it"
 _DIFFUSION_BLOCKS = "block-wise (DiffusionBlocks) training is not supported: remove it"
@@ -377,13 +388,18 @@ _TOP_UNSUPPORTED = (
 
 _DATASET_IGNORED = (
     *_ignored(
-        "image_embeds conditioning_image_embeds cache_dir_conditioning_image_embeds cache_file_suffix "
+        "image_embeds cache_file_suffix "
         "vae_cache_ondemand vae_cache_disable text_cache_ondemand text_cache_disable skip_file_discovery "
         "preserve_data_backend_cache metadata_update_interval",
         _CACHE,
         "dataset",
     ),
-    *_ignored("conditioning_image_embed_batch_size text_encoder_batch_size write_batch_size", _LOADING, "dataset"),
+    *_ignored("text_encoder_batch_size write_batch_size", _LOADING, "dataset"),
+    *_ignored(
+        "conditioning_image_embeds cache_dir_conditioning_image_embeds conditioning_image_embed_batch_size",
+        _EDIT_EMBEDS,
+        "dataset",
+    ),
     *_ignored("memory_filesystem_path memory_filesystem_size memory_filesystem_sudo", _MEMORY_BACKEND, "dataset"),
     *_ignored("delete_unwanted_images delete_problematic_images", _KEEP_FILES, "dataset"),
     *_ignored("hash_filenames", "cache file names are chosen here (SimpleTuner ignores this key too)", "dataset"),
@@ -411,7 +427,7 @@ _DATASET_UNSUPPORTED = (
     *_unsupported(
         "source metadata webshart webshart_optimise_captions webshart_optimize_captions", _WEBSHART, "dataset"
     ),
-    *_unsupported("conditioning conditioning_data conditioning_type source_dataset_id", _CONDITIONING, "dataset"),
+    *_unsupported("conditioning", _GENERATED_CONDITIONING, "dataset"),
     *_unsupported("audio", _AUDIO, "dataset"),
     *_unsupported("grounding", _GROUNDING, "dataset"),
     *_unsupported("delete_nsfw_images", _NSFW, "dataset"),

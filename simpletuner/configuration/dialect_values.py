@@ -101,7 +101,10 @@ FLAVOUR_UNSUPPORTED = {
     "kontext": "Flux Kontext (image editing) training is not supported",
     "refiner": "the SDXL refiner is not supported (it has one text encoder and an aesthetic-score input)",
     "animegen": "AnimeGen expert weights are downloaded from URLs, which this trainer does not do",
-    "edit": "image editing (Qwen-Image-Edit) is not supported yet",
+    "edit-v2": "Qwen-Image-Edit-2509 is an Edit Plus model (several source images per sample), which is not "
+    "supported; `edit-v1` (Qwen-Image-Edit, one source image) is",
+    "edit-v3": "Qwen-Image-Edit-2511 is an Edit Plus model (several source images per sample), which is not "
+    "supported; `edit-v1` (Qwen-Image-Edit, one source image) is",
 }
 
 
@@ -308,8 +311,26 @@ LIFTED_OPTIMIZER_SETTINGS = {"weight_decay": "weight_decay", "eps": "adam_epsilo
 
 UNSUPPORTED_DATASET_TYPES = {
     "image_embeds": "image-embedding caches are not used here",
-    "conditioning_image_embeds": "conditioning image embeddings belong to image-to-video families not supported yet",
-    "conditioning": "conditioning datasets (ControlNet, edit pairs) are not supported yet",
     "audio": "audio datasets are not supported",
     "caption": "caption-only datasets are not supported",
+}
+
+
+#: A `dataset_type: conditioning` entry's `conditioning_type` -> the warning for a source dataset read with an
+#: approximated meaning (None: the same meaning). Edit pairs (Qwen-Image-Edit `edit-v1`) are read here.
+REFERENCE_CONDITIONING: dict[str, Optional[str]] = {
+    "reference_strict": None,  # SimpleTuner copies the training dataset's crops to the source, as here
+    "reference_loose": (
+        "SimpleTuner sizes and crops a loose reference on its own (its aspect may differ from the edited image's); "
+        "here the source is resized to the edited image's size and given the same crop, and a source whose aspect "
+        "ratio is more than 2% off the edited image's stops the run, naming it"
+    ),
+}
+
+
+#: Other `conditioning_type` values SimpleTuner knows, and why they do not train here.
+UNSUPPORTED_CONDITIONING_TYPES = {
+    "controlnet": "ControlNet training is not supported",
+    "mask": "masked-loss training (a mask dataset) is not supported",
+    "segmentation": "masked-loss training (a segmentation dataset) is not supported",
 }

@@ -269,6 +269,15 @@ How the translation keeps the meaning:
   must be a local diffusers folder. Without one, the run stops with the hub id the flavour stands for
   and the `huggingface-cli download` command to run on a machine with network. Wan 2.2 flavours ending
   in `-high` / `-low` set `train_stages`.
+- **Qwen-Image-Edit** (`model_family: qwen_image`, `model_flavour: edit-v1`, a local Qwen-Image-Edit
+  folder): a training dataset's `conditioning_data` names a `dataset_type: conditioning` entry, whose
+  `instance_data_dir` becomes the dataset's `conditioning_data_dir` (source images paired by file name);
+  that entry is not a dataset here. `conditioning_type: reference_strict` keeps its meaning (the source
+  takes its edited image's crop). `conditioning_image_embeds` entries and keys are ignored: the edit
+  prompt embedding is cached with the text embeddings, keyed by caption and source image. Edit Plus
+  (`edit-v2`, `edit-v2+`, `edit-v3`: several sources per sample), several conditioning datasets for one
+  dataset, other conditioning types (`controlnet`, `mask`, ...) and a conditioning entry no dataset
+  names stop the run, saying why.
 - **Datasets**: `dataset_type: text_embeds` entries are not datasets here: the default one's `cache_dir`
   becomes `cache_config.text_cache_dir`. Top-level `resolution_type`, `minimum_image_size`,
   `maximum_image_size`, `target_downsample_size` and `caption_strategy` are each dataset's default, as in
@@ -297,6 +306,13 @@ How the translation keeps the meaning:
 - **Regularisation data** (`is_regularisation_data`) trains a LoRA or LyCORIS adapter towards the
   frozen base model's own prediction, as SimpleTuner's trainer does (its documentation says standard
   LoRA is not supported; here both are). A full fine-tune uses the plain target, as there.
+- **Edit pairs.** `conditioning_type: reference_loose`: SimpleTuner sizes and crops a loose reference
+  on its own; here every source is resized to its edited image's size and takes the same crop, and a
+  pair whose aspect ratios are more than 2% apart stops the run, naming it. Pairing is by relative path
+  and file stem (`sub/cat.png` pairs with `sub/cat.jpg` in the source folder); SimpleTuner needs the exact
+  file name. A conditioning entry's own `resolution`, `crop*`, `cache_dir_vae` and caption keys are
+  ignored: each source follows its edited image. Validation edits `validation_image` (one source per
+  prompt), else the first training pair's source.
 - **Optimizers.** Adapters and full fine-tunes train fp32 weights here, so `adamw_bf16` is exact AdamW.
   `prodigy` is prodigyopt's Prodigy (SimpleTuner's is prodigy-plus-schedule-free), run at learning
   rate 1.0 as SimpleTuner passes it; `optimizer_config` settings of prodigy-plus only are refused.
@@ -351,7 +367,17 @@ DOCUMENTS = {"CONFIG.md": render, "MIGRATING_FROM_SIMPLETUNER.md": render_migrat
 
 
 def main(argv: list[str] | None = None) -> int:
-    folder = Path(argv[0] if argv else "documentation")
+    """``python -m simpletuner.configuration.docs [FOLDER]``: write the generated documents into FOLDER."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m simpletuner.configuration.docs",
+        description=f"Write {' and '.join(DOCUMENTS)} from the config schema and the SimpleTuner dialect table.",
+    )
+    parser.add_argument("folder", nargs="?", default="documentation", help="where to write them (default: %(default)s)")
+    folder = Path(parser.parse_args(argv).folder)
+    if not folder.is_dir():
+        parser.error(f"{folder} is not a folder")
     for name, renderer in DOCUMENTS.items():
         out = folder / name
         out.write_text(renderer())

@@ -1,6 +1,7 @@
 """Trainer overhead per model family, and adapter file sizes, on the tiny zoo models.
 
-For each family (sd, sdxl, sd3, flux, wan, Wan 2.2's two experts, Wan 2.2 I2V A14B and TI2V-5B, qwen_image) this
+For each family (sd, sdxl, sd3, flux, wan, Wan 2.2's two experts, Wan 2.2 I2V A14B and TI2V-5B, qwen_image,
+Qwen-Image-Edit on edit pairs) this
 builds the real Trainer on a small captioned dataset and compares, on the same prepared model, in one process:
 
 - ours: the trainer's hot path, the batch read from the latent/text caches + ``Trainer.train_step``
@@ -40,7 +41,7 @@ import torch  # noqa: E402
 from bench_trainer_overhead import run_ours  # noqa: E402  (the same "ours" loop as the sd-only bench)
 
 from simpletuner.configuration import validate_config  # noqa: E402
-from simpletuner.demo import write_shapes_dataset  # noqa: E402
+from simpletuner.demo import write_edit_pairs, write_shapes_dataset  # noqa: E402
 from simpletuner.models.zoo import write_tiny_model  # noqa: E402
 from simpletuner.state import StateTracker  # noqa: E402
 from simpletuner.training.trainer import Trainer  # noqa: E402
@@ -56,7 +57,10 @@ FAMILIES = {
     "wan22_i2v": ("wan22_i2v", "wan"),
     "wan22_ti2v": ("wan22_ti2v", "wan"),
     "qwen_image": ("qwen_image", "qwen_image"),
+    "qwen_image_edit": ("qwen_image_edit", "qwen_image"),
 }
+#: Families that train on edit pairs (demo.write_edit_pairs) instead of the shapes dataset.
+EDIT_PAIRS = {"qwen_image_edit"}
 #: Config keys a benchmark needs beyond the shared ones (TI2V-5B's VAE is /16: buckets of 32 px).
 EXTRA_CONFIG = {"wan22_ti2v": {"aspect_bucket_alignment": 32}}
 TARGET = 0.95
@@ -101,9 +105,18 @@ def make_raw(name: str, root: Path, data: Path, batch_size: int, max_train_steps
         "validation_prompt": None,
         "seed": 123,
         "cache_config": {"cache_dir": str(root / name / "cache")},
-        "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(data), "caption_strategy": "textfile"}],
+        "datasets": [_dataset(name, root, data)],
         **EXTRA_CONFIG.get(name, {}),
     }
+
+
+def _dataset(name: str, root: Path, data: Path) -> dict:
+    """The shapes dataset, or for an edit model as many edit pairs of the shapes (written once under ``root``)."""
+    if name not in EDIT_PAIRS:
+        return {"id": "shapes", "type": "local", "instance_data_dir": str(data), "caption_strategy": "textfile"}
+    num_images = len(list(data.glob("*.png")))
+    images, sources = write_edit_pairs(root / "edit_pairs", num_pairs=num_images)
+    return {"id": "edits", "type": "local", "instance_data_dir": str(images), "conditioning_data_dir": str(sources)}
 
 
 def adapter_sizes(raw: dict) -> dict[str, int]:

@@ -30,6 +30,22 @@ def shapes_dir(tmp_path_factory):
     return write_shapes_dataset(tmp_path_factory.mktemp("shapes") / "data", num_images=12)
 
 
+@pytest.fixture(scope="session")
+def zoo(tiny_sd, tmp_path_factory):
+    """``name -> folder`` of a tiny zoo model (``simpletuner zoo --family name``), written once per session on
+    first use and shared by every test file (read only)."""
+    from simpletuner.models.zoo import write_tiny_model
+
+    made = {"sd": tiny_sd}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = write_tiny_model(name, tmp_path_factory.mktemp(f"zoo_{name}") / "model")
+        return made[name]
+
+    return get
+
+
 @pytest.fixture
 def make_config(tiny_sd, shapes_dir, tmp_path):
     """Build a raw config dict for the tiny model (training_helpers.tiny_config); keyword overrides
@@ -38,6 +54,19 @@ def make_config(tiny_sd, shapes_dir, tmp_path):
 
     def _make(**overrides):
         return tiny_config(tiny_sd, shapes_dir, tmp_path, **overrides)
+
+    return _make
+
+
+@pytest.fixture
+def zoo_config(make_config, zoo):
+    """``make_config`` on the zoo model ``name`` (``model_family`` ``family``, default ``name``): keyword
+    overrides replace keys."""
+
+    def _make(name: str, family: str | None = None, **overrides):
+        return make_config(
+            **{"pretrained_model_name_or_path": str(zoo(name)), "model_family": family or name, **overrides}
+        )
 
     return _make
 

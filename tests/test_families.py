@@ -241,21 +241,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def zoo(tiny_sd, tmp_path_factory):
-    """``family -> folder`` of its tiny zoo model, written once for the module on first use (read only)."""
-    from simpletuner.models.zoo import write_tiny_model
-
-    made = {"sd": tiny_sd}
-
-    def get(name: str):
-        if name not in made:
-            made[name] = write_tiny_model(name, tmp_path_factory.mktemp(f"zoo_{name}") / "model")
-        return made[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def edit_pairs(tmp_path_factory):
     """Edit pairs of the shapes dataset (``demo.write_edit_pairs``): images and their sources."""
     from simpletuner.demo import write_edit_pairs

@@ -22,21 +22,14 @@ from simpletuner.models.zoo import TINY_QWEN_LATENT_CHANNELS, TINY_QWEN_TEXT_HID
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
-
-    return write_tiny_model("qwen_image", tmp_path_factory.mktemp("tiny_qwen") / "model")
+@pytest.fixture
+def tiny_qwen(zoo):
+    return zoo("qwen_image")
 
 
 @pytest.fixture
-def qwen_config(make_config, tiny_qwen):
-    def _make(**overrides):
-        return make_config(
-            **{"pretrained_model_name_or_path": str(tiny_qwen), "model_family": "qwen_image", **overrides}
-        )
-
-    return _make
+def qwen_config(zoo_config):
+    return lambda **overrides: zoo_config("qwen_image", **overrides)
 
 
 def _pipeline(folder):

@@ -31,21 +31,14 @@ CPU = torch.device("cpu")
 C = TINY_QWEN_LATENT_CHANNELS
 
 
-@pytest.fixture(scope="module")
-def tiny_edit(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
-
-    return write_tiny_model("qwen_image_edit", tmp_path_factory.mktemp("tiny_qwen_edit") / "model")
+@pytest.fixture(scope="session")
+def tiny_edit(zoo):
+    return zoo("qwen_image_edit")
 
 
 @pytest.fixture
-def edit_config(make_config, tiny_edit):
-    def _make(**overrides):
-        return make_config(
-            **{"pretrained_model_name_or_path": str(tiny_edit), "model_family": "qwen_image", **overrides}
-        )
-
-    return _make
+def edit_config(zoo_config):
+    return lambda **overrides: zoo_config("qwen_image_edit", "qwen_image", **overrides)
 
 
 @pytest.fixture(scope="module")

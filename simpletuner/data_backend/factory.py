@@ -15,7 +15,7 @@ from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.images import load_rgb, prepare_image
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.data_backend.metadata import DatasetMetadata, Sample, build_metadata
-from simpletuner.data_backend.pairs import source_pixels
+from simpletuner.data_backend.pairs import check_model_inputs, source_pixels
 from simpletuner.data_backend.video import load_clip_pixels
 
 if TYPE_CHECKING:
@@ -82,14 +82,16 @@ def builder_for(dataset_cfg: Any) -> Callable[[Any, "TrainingConfig"], DataBacke
         ) from None
 
 
-def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
+def build_datasets(state: "StateTracker", spec: Any = None) -> list[RegisteredDataset]:
     """Build, scan and register every dataset of ``state.config``; returns them in config order.
 
-    Entries with ``disabled: true`` or ``probability: 0`` are left out (logged once each).
+    Entries with ``disabled: true`` or ``probability: 0`` are left out (logged once each). With the run's
+    model ``spec``, the data is first checked to fit what the model takes (edit pairs, ``validation_image``:
+    :func:`~simpletuner.data_backend.pairs.check_model_inputs`), before anything is scanned.
 
     Raises:
-        ValueError: no dataset entries, every one left out, an unknown type, or a dataset the scan
-            rejects (empty folder, too many unreadable images).
+        ValueError: no dataset entries, every one left out, an unknown type, data that does not fit ``spec``'s
+            model, or a dataset the scan rejects (empty folder, too many unreadable images, unpaired edit images).
     """
     config = state.config
     if not config.datasets:
@@ -97,6 +99,8 @@ def build_datasets(state: "StateTracker") -> list[RegisteredDataset]:
             "the config has no `datasets`: add dataset entries, or load the config with "
             "load_config() so that `data_backend_config` is read"
         )
+    if spec is not None:
+        check_model_inputs(spec, config)
     built = []
     for dataset_cfg in config.datasets:
         if not is_trained(dataset_cfg):  # never scanned or cached; the config rules refuse "all left out"

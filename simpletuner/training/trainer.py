@@ -13,7 +13,6 @@ from tqdm.auto import tqdm
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
-from simpletuner.data_backend.pairs import check_model_inputs
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.memory.hardware import detect_hardware
 from simpletuner.memory.oom import explain_out_of_memory
@@ -184,8 +183,7 @@ class Trainer:
         A stop signal here ends the run at once."""
         staging = any(d.type == "in_memory" for d in self.config.datasets)
         run_phase("staging" if staging else "datasets")  # SIGTERM/SIGINT: stop at once
-        check_model_inputs(self.spec, self.config)  # edit pairs / validation_image fit the model, before a scan
-        build_datasets(self.state)
+        build_datasets(self.state, self.spec)  # the data is checked to fit the model before any scan
 
     def _setup_caches(self) -> None:
         """``data`` (every latent and text embedding cached) and ``validator``. Stops first when RAM or

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from simpletuner.configuration import dialect, dialect_values
+from simpletuner.configuration.dataset_sections import AspectBucket, MetadataFileOptions
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
     CacheConfig,
@@ -24,12 +25,10 @@ from simpletuner.configuration.schema import (
     TrainingConfig,
 )
 from simpletuner.configuration.sections import (
-    AspectBucket,
     Augmentations,
     LycorisModuleOptions,
     LycorisOptions,
     LycorisPreset,
-    MetadataFileOptions,
 )
 
 HEADER = """# Configuration reference

@@ -1,7 +1,7 @@
 """The training configuration: pydantic models, frozen, unknown keys rejected.
 
-``TrainingConfig`` is here; the models of its nested parts (datasets, caches, GH200 options,
-augmentations, LyCORIS options) are in ``sections.py`` and importable from here too. Every field
+``TrainingConfig`` is here; the models of its nested parts are in ``dataset_sections.py`` (datasets)
+and ``sections.py`` (caches, GH200 options, augmentations, LyCORIS options), importable from here too. Every field
 carries a description; ``documentation/CONFIG.md`` is generated from these models
 (``python -m simpletuner.configuration.docs``) and a test keeps the two in step. The rules between
 fields are in ``rules.py``, the model families in ``families.py``.
@@ -14,6 +14,12 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from simpletuner.configuration.alloc_conf import allocator_settings_problems
+from simpletuner.configuration.dataset_sections import (
+    DatasetConfig,
+    InMemoryDatasetConfig,
+    InMemoryOptions,
+    LocalDatasetConfig,
+)
 from simpletuner.configuration.families import FAMILY_NAMES
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
@@ -23,12 +29,8 @@ from simpletuner.configuration.sections import (
     MAX_RESOLUTION,
     Augmentations,
     CacheConfig,
-    DatasetConfig,
     FolderName,
     GH200Optimizations,
-    InMemoryDatasetConfig,
-    InMemoryOptions,
-    LocalDatasetConfig,
     LycorisOptions,
     PathText,
     _Strict,

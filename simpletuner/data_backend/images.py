@@ -11,18 +11,19 @@ import io
 import logging
 import random
 import struct
-from pathlib import PurePosixPath
+from typing import Callable
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
 from simpletuner.data_backend.base import DataBackend, SupportsReadHead
+from simpletuner.data_backend.image_headers import EXIF_ORIENTATION_TAG as EXIF_ORIENTATION_TAG
+from simpletuner.data_backend.image_headers import exif_orientation_of, fast_image_size
 
 logger = logging.getLogger(__name__)
 
-#: EXIF ``Orientation`` tag; values 5-8 rotate by 90 degrees, so width and height swap.
-EXIF_ORIENTATION_TAG = 0x0112
+#: EXIF ``Orientation`` (:data:`EXIF_ORIENTATION_TAG`) values 5-8 rotate by 90 degrees: width and height swap.
 _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 
 #: What Pillow raises on broken or hostile files (beyond the OSError family).
@@ -49,27 +50,32 @@ def _exif_orientation(image: Image.Image) -> int:
     ``Image.getexif`` would make PNG load the whole file to look for a late eXIf chunk, so
     only the EXIF block Pillow found while parsing the header is read.
     """
-    raw = image.info.get("exif")
-    if not raw:
-        return 1
-    exif = Image.Exif()
-    try:
-        exif.load(raw)
-    except _DECODE_ERRORS:
-        return 1  # a broken EXIF block does not make the image unusable
-    value = exif.get(EXIF_ORIENTATION_TAG, 1)
-    return value if isinstance(value, int) else 1
+    return exif_orientation_of(image.info.get("exif"))
 
 
 def read_image_size(data: bytes) -> tuple[int, int]:
     """``(width, height)`` of an encoded image as displayed, from its header only.
 
     EXIF orientations 5-8 (rotated by 90 degrees) swap width and height, matching what
-    :func:`load_rgb` returns.
+    :func:`load_rgb` returns. PNG and JPEG headers are parsed directly
+    (:func:`~simpletuner.data_backend.image_headers.fast_image_size`); anything that parser cannot
+    vouch for is opened with Pillow (:func:`read_image_size_pil`), with the same result.
 
     Raises:
         ValueError: ``data`` is empty, not an image Pillow recognises, or its header is cut off.
     """
+    fast = fast_image_size(data)
+    if fast is None:
+        return read_image_size_pil(data)
+    width, height, orientation = fast
+    if orientation in _SWAPPING_ORIENTATIONS:
+        return height, width
+    return width, height
+
+
+def read_image_size_pil(data: bytes) -> tuple[int, int]:
+    """:func:`read_image_size` with Pillow's ``Image.open`` for every format (the reference the
+    header parser is tested against)."""
     if not data:
         raise ValueError("empty file (0 bytes)")
     try:
@@ -90,16 +96,33 @@ def read_image_size(data: bytes) -> tuple[int, int]:
 def image_size_of(backend: DataBackend, path: str) -> tuple[int, int]:
     """:func:`read_image_size` of the file ``path`` of ``backend``: reads only a prefix where the
     backend can (:class:`SupportsReadHead`) and the format allows, the whole file otherwise."""
-    if isinstance(backend, SupportsReadHead) and PurePosixPath(path).suffix.lower() in _PREFIX_PARSABLE:
-        head = backend.read_head(path, HEADER_BYTES)
-        if not head:
-            raise ValueError("empty file (0 bytes)")
-        try:
-            return read_image_size(head)
-        except ValueError:
-            if len(head) < HEADER_BYTES:
-                raise  # that was the whole file
-    return read_image_size(backend.read(path))
+    return image_size_reader(backend)(path)
+
+
+def image_size_reader(backend: DataBackend) -> Callable[[str], tuple[int, int]]:
+    """:func:`image_size_of` for many files of one ``backend`` (what it can read is checked once)."""
+    read_head = getattr(backend, "read_head", None) if isinstance(backend, SupportsReadHead) else None
+
+    def size_of(path: str) -> tuple[int, int]:
+        if read_head is not None and _suffix(path).lower() in _PREFIX_PARSABLE:
+            head = read_head(path, HEADER_BYTES)
+            if not head:
+                raise ValueError("empty file (0 bytes)")
+            try:
+                return read_image_size(head)
+            except ValueError:
+                if len(head) < HEADER_BYTES:
+                    raise  # that was the whole file
+        return read_image_size(backend.read(path))
+
+    return size_of
+
+
+def _suffix(path: str) -> str:
+    """``PurePosixPath(path).suffix``, without building a path object."""
+    name = path[path.rfind("/") + 1 :]
+    dot = name.rfind(".")
+    return name[dot:] if 0 < dot < len(name) - 1 else ""
 
 
 def load_rgb(data: bytes) -> Image.Image:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-from pathlib import Path, PurePosixPath
+import stat
+from pathlib import Path
 from typing import Iterable
 
 from simpletuner.data_backend.base import normalize_extensions
 
 logger = logging.getLogger(__name__)
+
+#: What ``Path.is_file`` takes as "no such file" rather than an error.
+_MISSING_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP})
+#: ``read_head`` reads this much first, and the rest of what it was asked for only when the file is longer.
+_FIRST_READ = 64 * 1024
 
 
 class LocalDataBackend:
@@ -21,6 +28,8 @@ class LocalDataBackend:
 
     def __init__(self, root: str | Path, id: str):
         self.root = Path(root).expanduser()
+        self._root = str(self.root)
+        self._prefix = self._root if self._root.endswith("/") else self._root + "/"
         self.id = id
         if not self.root.is_dir():
             raise ValueError(
@@ -32,54 +41,102 @@ class LocalDataBackend:
         return f"LocalDataBackend(id={self.id!r}, root={str(self.root)!r})"
 
     def _resolve(self, path: str) -> Path:
-        rel = PurePosixPath(str(path).replace(os.sep, "/"))
-        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        return Path(self._full(path))
+
+    def _full(self, path: str) -> str:
+        """The absolute path of ``path`` as a string (refused when it would leave the root)."""
+        text = str(path).replace(os.sep, "/")
+        if text and not (text.startswith((".", "/")) or text.endswith("/") or "//" in text or "/." in text):
+            return self._prefix + text  # a plain relative path: what the join below gives
+        parts = [part for part in text.split("/") if part and part != "."]
+        if text.startswith("/") or ".." in parts or not parts:
             raise ValueError(
                 f"dataset {self.id!r}: path {path!r} is not a relative path inside {self.root}; "
                 "use a path as returned by list_files()"
             )
-        return self.root.joinpath(*rel.parts)
+        return os.path.join(self._root, *parts)
 
     def list_files(self, extensions: Iterable[str] | None = None) -> list[str]:
-        """Relative POSIX paths of all files under the root (recursive, sorted, hidden skipped)."""
+        """Relative POSIX paths of all files under the root (recursive, sorted, hidden skipped).
+
+        Symlinked folders are followed, except one that leads back to a folder it is inside (a loop);
+        broken symlinks and anything that is not a regular file (or a link to one) are left out, and so
+        are folders that cannot be listed.
+        """
         wanted = normalize_extensions(extensions)
         found: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=True):
-            # Prune hidden folders in place so os.walk never descends into them.
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            base = Path(dirpath)
-            for name in filenames:
-                if name.startswith("."):
-                    continue
-                if wanted is not None and os.path.splitext(name)[1].lower() not in wanted:
-                    continue
-                full = base / name
-                if not full.is_file():
-                    continue  # broken symlinks, sockets, ...
-                found.append(full.relative_to(self.root).as_posix())
+        splitext = os.path.splitext
+        # (folder, its path relative to the root with a trailing "/", the (device, inode) of it and of
+        # every folder above it: a symlink back to one of those would list the same files forever)
+        stack = [(self._root, "", frozenset({_identity(self._root)}))]
+        while stack:
+            folder, prefix, above = stack.pop()
+            files: list[str] = []
+            folders: list[tuple[str, str, frozenset]] = []
+            try:
+                with os.scandir(folder) as entries:
+                    for entry in entries:
+                        name = entry.name
+                        if name.startswith("."):
+                            continue
+                        try:
+                            is_dir = entry.is_dir()
+                        except OSError:
+                            is_dir = False
+                        if is_dir:
+                            identity = _identity(entry.path)
+                            if identity not in above:
+                                folders.append((entry.path, f"{prefix}{name}/", above | {identity}))
+                            continue
+                        if wanted is not None and splitext(name)[1].lower() not in wanted:
+                            continue
+                        try:
+                            if not entry.is_file():
+                                continue  # broken symlinks, sockets, ...
+                        except OSError:
+                            continue
+                        files.append(prefix + name)
+            except OSError:
+                continue  # as os.walk: a folder that cannot be listed (to the end) is skipped
+            found += files
+            stack += folders
         found.sort()
         return found
 
     def read(self, path: str) -> bytes:
         """The bytes of ``path``; FileNotFoundError naming the full path when it is missing."""
-        full = self._resolve(path)
+        full = self._full(path)
         try:
-            return full.read_bytes()
+            with open(full, "rb") as handle:
+                return handle.read()
         except FileNotFoundError:
             raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
 
     def read_head(self, path: str, num_bytes: int) -> bytes:
         """Up to ``num_bytes`` bytes from the start of ``path`` (for header parsing)."""
-        full = self._resolve(path)
+        full = self._full(path)
         try:
-            with full.open("rb") as handle:
-                return handle.read(num_bytes)
+            with open(full, "rb") as handle:
+                # A first small read: most headers (and tiny files) end there, and one large read
+                # costs a large buffer for every file.
+                head = handle.read(min(num_bytes, _FIRST_READ))
+                if len(head) < _FIRST_READ or num_bytes <= _FIRST_READ:
+                    return head
+                return head + handle.read(num_bytes - len(head))
         except FileNotFoundError:
             raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
 
     def exists(self, path: str) -> bool:
         """Whether ``path`` is an existing file under the root."""
-        return self._resolve(path).is_file()
+        full = self._full(path)
+        try:
+            return stat.S_ISREG(os.stat(full).st_mode)
+        except OSError as exc:
+            if exc.errno not in _MISSING_ERRNOS:
+                raise
+            return False
+        except ValueError:
+            return False
 
     def size(self, path: str) -> int:
         """Size of ``path`` in bytes."""
@@ -91,8 +148,18 @@ class LocalDataBackend:
         return f"{st.st_size}:{st.st_mtime_ns}"
 
     def _stat(self, path: str) -> os.stat_result:
-        full = self._resolve(path)
+        full = self._full(path)
         try:
-            return full.stat()
+            return os.stat(full)
         except FileNotFoundError:
             raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
+
+
+def _identity(folder: str) -> tuple[int, int]:
+    """``(device, inode)`` of ``folder`` (symlinks followed); a folder that cannot be read gets a
+    value no other folder has."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return (-1, hash(folder))
+    return (st.st_dev, st.st_ino)

@@ -15,6 +15,7 @@ import logging
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -22,11 +23,11 @@ from tqdm.auto import tqdm
 
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
-from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_name, upscale_factor
 from simpletuner.data_backend.caption_files import CaptionTable, load_caption_table
-from simpletuner.data_backend.geometry import Geometry, geometry_for
-from simpletuner.data_backend.images import image_size_of
+from simpletuner.data_backend.geometry import geometry_for
+from simpletuner.data_backend.images import image_size_reader
 from simpletuner.data_backend.pairs import aspect_problem, find_sources, has_sources
+from simpletuner.data_backend.size_rules import SizeRules as _SizeRules
 from simpletuner.data_backend.video import (
     CLIP_KINDS,
     FRAME_FOLDER,
@@ -53,7 +54,7 @@ NUM_BAD_FILES_SHOWN = 10
 _TRAILING_NUMBER = re.compile(r"(?:[\s_\-]+\d+)+$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One training image or clip: where it is, its caption, and the bucket and crop it trains at.
 
@@ -127,9 +128,14 @@ def caption_from_filename(path: str, *, is_folder: bool = False) -> str:
     Underscores and dashes become spaces and a trailing number (``_001``, ``-12``) is
     dropped; a name that is only a number keeps it. A folder (a frame folder) keeps its whole name.
     """
-    stem = PurePosixPath(path).name if is_folder else PurePosixPath(path).stem
+    if "//" in path or "./" in path or path.endswith("/"):
+        stem = PurePosixPath(path).name if is_folder else PurePosixPath(path).stem
+    else:  # a plain path: what PurePosixPath gives, without building one
+        stem = path[path.rfind("/") + 1 :]
+        dot = stem.rfind(".")
+        stem = stem[:dot] if not is_folder and 0 < dot < len(stem) - 1 else stem
     trimmed = _TRAILING_NUMBER.sub("", stem) or stem
-    return " ".join(re.sub(r"[_\-]+", " ", trimmed).split())
+    return " ".join(trimmed.replace("_", " ").replace("-", " ").split())
 
 
 def _decode_caption(data: bytes, where: str) -> str:
@@ -158,7 +164,12 @@ def _decode_caption(data: bytes, where: str) -> str:
 def caption_file(path: str, *, is_folder: bool = False) -> str:
     """The caption file of the image or clip file at ``path`` (``a/b.png`` -> ``a/b.txt``), or of
     the frame folder ``path`` (``a/clip`` -> ``a/clip.txt``, next to the folder)."""
-    return f"{path}.txt" if is_folder else PurePosixPath(path).with_suffix(".txt").as_posix()
+    slash, dot = path.rfind("/"), path.rfind(".")
+    if is_folder:
+        return f"{path}.txt"
+    if 0 < dot - slash - 1 < len(path) - slash - 2 and "//" not in path and "./" not in path:
+        return f"{path[:dot]}.txt"  # what pathlib gives below, for a plain path
+    return PurePosixPath(path).with_suffix(".txt").as_posix()
 
 
 def caption_for(
@@ -319,22 +330,22 @@ def build_metadata(
             raise stray_images_error(backend.id, root, stray)
         if any(clip.media == VIDEO_FILE for clip in clips):
             require_av()  # before scanning: a missing extra is not a bad file
-        entries: list[tuple[str, Clip | None]] = [(clip.path, clip) for clip in clips]
+        paths, clip_of = [clip.path for clip in clips], clips
         needed = frames_needed(dataset_cfg.num_frames, dataset_cfg.frame_stride)
     else:
-        entries = [(path, None) for path in backend.list_files(IMAGE_EXTENSIONS)]
+        paths, clip_of = backend.list_files(IMAGE_EXTENSIONS), repeat(None)  # no (path, None) pair per image
         failed = sorted(
             (display_path(p), f"cannot read file: {reason}")
             for p, reason in unreadable.items()
             if PurePosixPath(p).suffix.lower() in IMAGE_EXTENSIONS
         )
-    if not entries and not failed:
+    if not paths and not failed:
         if is_video:
             raise ValueError(f"no clips found under {root} (looked for {CLIP_KINDS}, recursively)")
         raise ValueError(f"no images found under {root} (looked for .jpg, .jpeg, .png, .webp recursively)")
 
     noun = "clips" if is_video else "image files"
-    result = DatasetMetadata(num_files=len(entries) + len(failed), bad_files=list(failed), noun=noun)
+    result = DatasetMetadata(num_files=len(paths) + len(failed), bad_files=list(failed), noun=noun)
     caption_sources: Counter[str] = Counter()
     unique: list[Sample] = []
     too_short: list[tuple[str, int]] = []
@@ -348,9 +359,14 @@ def build_metadata(
                 f"dataset {backend.id!r}: source images (conditioning_data_dir / conditioning_column) pair with still "
                 "images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
             )
-        sources = find_sources(dataset_cfg, [path for path, _ in entries], table)
+        sources = find_sources(dataset_cfg, paths, table)
     bad_pairs: list[str] = []
-    for path, clip in tqdm(entries, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None):
+    size_of = image_size_reader(backend)
+    shared: dict[Any, Any] = {}  # one object for each distinct caption, size, bucket and canvas
+    plans: dict[tuple[int, int], Any] = {}
+    seedless = not (geometry.crop is True and geometry.crop_aspect == "random")
+    scanning = tqdm(paths, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None)
+    for path, clip in zip(scanning, clip_of):
         fault_point("dataset:scan")  # tests: a signal in the middle of the scan
         shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
         if not _is_utf8_name(path):
@@ -361,7 +377,7 @@ def build_metadata(
             table.missing.append(shown)  # skipped, as SimpleTuner does; counted in table.report
             continue
         try:
-            width, height, num_source = probe_clip(backend, clip) if clip else (*image_size_of(backend, path), 1)
+            width, height, num_source = probe_clip(backend, clip) if clip else (*size_of(path), 1)
         except ValueError as exc:
             result.bad_files.append((shown, str(exc)))
             continue
@@ -375,7 +391,11 @@ def build_metadata(
             table.check_size(path, width, height, is_folder=is_folder)
         key = f"{backend.id}/{path}"
         crop_seed = crop_seed_for(seed, key)
-        plan = geometry.plan(width, height, crop_seed)
+        plan = plans.get((width, height)) if seedless else None
+        if plan is None:
+            plan = geometry.plan(width, height, crop_seed)
+            if seedless:  # images of one size share a plan unless the seed draws their aspect
+                plans[(width, height)] = plan
         if not sizes.keep(shown, width, height, plan.bucket):
             continue
         problem = _caption_problem(backend, path, dataset_cfg, unreadable, is_folder)
@@ -399,12 +419,12 @@ def build_metadata(
                 key=key,
                 dataset_id=backend.id,
                 path=path,
-                caption=caption,
-                original_size=(width, height),
-                bucket=plan.bucket,
+                caption=shared.setdefault(caption, caption),
+                original_size=shared.setdefault((width, height), (width, height)),
+                bucket=shared.setdefault(plan.bucket, plan.bucket),
                 crop_style=dataset_cfg.crop_style,
                 crop_seed=crop_seed,
-                canvas=plan.canvas,
+                canvas=plan.canvas if plan.canvas is None else shared.setdefault(plan.canvas, plan.canvas),
                 is_regularisation_data=dataset_cfg.is_regularisation_data,
                 source=sources[path] if sources is not None else None,
                 **(_clip_fields(clip, dataset_cfg) if clip else {}),
@@ -442,117 +462,9 @@ def build_metadata(
         )
     _warn_skipped(backend.id, result.num_files, result.bad_files, len(result.bad_files), "while scanning", noun)
     repeats = getattr(dataset_cfg, "repeats", 0)
-    result.samples = unique * (1 + repeats)
+    result.samples = unique * (1 + repeats) if repeats else unique
     result.caption_sources = dict(caption_sources)
     return result
-
-
-class _SizeRules:
-    """The dataset's size rules, applied to each image as it is scanned (before any caching).
-
-    ``minimum_image_size`` (in the unit of ``resolution_type``; unset: pixels of the shorter side) skips
-    smaller images, ``minimum_aspect_ratio`` / ``maximum_aspect_ratio`` images of another shape
-    (:class:`~simpletuner.data_backend.geometry.Geometry`); ``allow_upscale:
-    false`` skips images smaller than their bucket (any upscale); unset, images needing more
-    than :data:`MAX_UPSCALE_FACTOR` to cover their bucket stop the run (:meth:`report`), naming
-    how many and by how much, when they are more than ``max_bad_image_fraction`` of the dataset
-    (a wrong ``resolution``, not a few odd files: those are named in a warning); ``true`` trains
-    on them upscaled, with a warning. Skips are counted and reported in one warning per rule.
-    """
-
-    def __init__(self, dataset_cfg: Any, resolution: float, tolerance: float, geometry: Geometry):
-        self.tolerance = tolerance
-        self.geometry = geometry
-        self.allow_upscale = getattr(dataset_cfg, "allow_upscale", None)
-        self.resolution = resolution
-        rules = ("minimum_image_size", "minimum_aspect_ratio", "maximum_aspect_ratio", "allow_upscale")
-        self.skipped: dict[str, list[tuple[str, int, int]]] = {rule: [] for rule in rules}
-        self.far: list[tuple[float, str, int, int, tuple[int, int]]] = []  # (factor, path, w, h, bucket)
-
-    def keep(self, path: str, width: int, height: int, bucket: tuple[int, int]) -> bool:
-        rule = "minimum_image_size" if self.geometry.is_below_minimum(width, height) else None
-        rule = rule or self.geometry.aspect_rule(width, height)
-        if rule is not None:
-            self.skipped[rule].append((path, width, height))
-            return False
-        factor = upscale_factor(width, height, bucket)
-        if self.allow_upscale is False and factor > 1:
-            self.skipped["allow_upscale"].append((path, width, height))
-            return False
-        if factor > MAX_UPSCALE_FACTOR:
-            self.far.append((factor, path, width, height, bucket))
-        return True
-
-    @property
-    def num_skipped(self) -> dict[str, int]:
-        return {rule: len(found) for rule, found in self.skipped.items() if found}
-
-    def report(self, dataset_id: str, root: str, total: int, noun: str, has_kept: bool) -> None:
-        """Warn about skipped images; stop on far upscales (``allow_upscale`` unset) or when the
-        rules left nothing to train on."""
-        geometry = self.geometry
-        shown = {
-            "minimum_image_size": geometry.describe_minimum() if geometry.minimum_image_size is not None else "",
-            "minimum_aspect_ratio": f"with an aspect ratio (width / height) below minimum_aspect_ratio "
-            f"{geometry.minimum_aspect_ratio}",
-            "maximum_aspect_ratio": f"with an aspect ratio (width / height) above maximum_aspect_ratio "
-            f"{geometry.maximum_aspect_ratio}",
-            "allow_upscale": "smaller than their bucket (allow_upscale: false)",
-        }
-        lines, fixes = [], []
-        for rule, found in self.skipped.items():
-            if not found:
-                continue
-            examples = ", ".join(f"{p} ({w}x{h})" for p, w, h in found[:3])
-            lines.append(f"{len(found)} of {total} {noun} {shown[rule]}, e.g. {examples}")
-            if rule == "minimum_image_size":
-                path, width, height = max(found, key=lambda f: geometry.minimum_that_keeps(f[1], f[2]))
-                lines[-1] += f"; the largest is {path} ({geometry.describe_size(width, height)})"
-                keeps = geometry.minimum_that_keeps(width, height)
-                fixes.append(f"lower `minimum_image_size` to at most {keeps:g} (keeps the largest) or remove it")
-            elif rule == "allow_upscale":
-                fixes.append("set `allow_upscale` to true (or leave it unset), or lower `resolution`")
-            else:
-                aspects = sorted(w / h for _, w, h in found)
-                change = "lower" if rule == "minimum_aspect_ratio" else "raise"
-                fixes.append(
-                    f"{change} `{rule}` or remove it (the skipped images' aspect ratios, width / height, run from "
-                    f"{aspects[0]:.3g} to {aspects[-1]:.3g})"
-                )
-        if lines and not has_kept:
-            raise ValueError(
-                f"dataset {dataset_id!r}: every image under {root} was skipped by its size rules: "
-                + "; ".join(lines)
-                + ". To train on them: "
-                + "; ".join(fixes)
-            )
-        for line in lines:
-            logger.warning("dataset %r: skipped %s", dataset_id, line)
-        if not self.far:
-            return
-        self.far.sort(reverse=True)
-        factor, path, width, height, bucket = self.far[0]
-        median_side = sorted(min(w, h) for _, _, w, h, _ in self.far)[len(self.far) // 2]
-        what = (
-            f"{len(self.far)} of {total} {noun} would be upscaled more than {MAX_UPSCALE_FACTOR:g}x to cover "
-            f"their buckets at resolution {self.resolution} (up to {factor:.1f}x: {path} is {width}x{height}, "
-            f"its bucket {bucket_name(bucket)}; their median shorter side is {median_side} px)"
-        )
-        if self.allow_upscale or len(self.far) <= self.tolerance * total:
-            why = (
-                "allow_upscale: true"
-                if self.allow_upscale
-                else f"no more than max_bad_image_fraction {self.tolerance:g} of the dataset; set `allow_upscale` or "
-                "`minimum_image_size` to decide"
-            )
-            logger.warning("dataset %r: %s; training on them upscaled (%s)", dataset_id, what, why)
-            return
-        raise ValueError(
-            f"dataset {dataset_id!r}: {what}, more than max_bad_image_fraction {self.tolerance:g} of the dataset, "
-            "which trains the model on blur. Lower `resolution` (to about "
-            f"{median_side}), set the dataset's `minimum_image_size` to skip small images, `allow_upscale: false` to "
-            "skip every image smaller than its bucket, or `allow_upscale: true` to train on them upscaled anyway"
-        )
 
 
 def _clip_fields(clip: Clip, dataset_cfg: Any) -> dict[str, Any]:

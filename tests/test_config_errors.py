@@ -246,7 +246,9 @@ def test_dataset_entry_keys_of_other_tools(make_config):
     raw = make_config()
     raw["datasets"][0].update(aws_bucket_name="photos", text_embeds="alt-embeds", folder_path="/data")
     problems = _problems(raw, check_files=False)
-    assert "SimpleTuner key that this trainer does not support yet" in _one(problems, "datasets[0].aws_bucket_name:")
+    assert "SimpleTuner name of `instance_data_dir` (`type: aws` is `type: object_store`" in _one(
+        problems, "datasets[0].aws_bucket_name:"
+    )
     assert "SimpleTuner key" in _one(problems, "datasets[0].text_embeds:")
     assert "use `instance_data_dir` instead" in _one(problems, "datasets[0].folder_path:")
 
@@ -299,6 +301,8 @@ def _is_our_key(path: str) -> bool:
     nested = {"cache_config": CacheConfig, "gh200_optimizations": GH200Optimizations}
     if head == "datasets":
         return rest in _fields("dataset")
+    if head == "storage_options":  # a dataset's fsspec options: a free dict (storage_options.endpoint_url)
+        return head in _fields("dataset")
     return head in nested and rest in nested[head].model_fields
 
 
@@ -327,7 +331,7 @@ def test_foreign_values_map_onto_our_choices():
         if value.key in TrainingConfig.model_fields:
             allowed = get_args(TrainingConfig.model_fields[value.key].annotation)
         elif value.key == "type":
-            allowed = ("local", "in_memory")
+            allowed = ("local", "in_memory", "object_store")
         else:
             allowed = get_args(LocalDatasetConfig.model_fields[value.key].annotation)
         assert value.value not in allowed, value

@@ -4,9 +4,10 @@ storage backend (``type``), and their discriminated union ``DatasetConfig``.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Optional, Union
+import re
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from simpletuner.configuration.rules import DATASET_RULES, Rule, check_rules
 from simpletuner.configuration.sections import MAX_RESOLUTION, CacheFolderText, CaptionStrategy, PathText, _Strict
@@ -343,10 +344,51 @@ class _FolderDatasetConfig(_Strict):
         return check_rules(self)
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+#: fsspec protocols that name the local disk: such a dataset is `type: local`.
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def url_protocol(value: str) -> Optional[str]:
+    """``"s3"`` for ``"s3://bucket/prefix"``; None for a path without ``<protocol>://``."""
+    match = _URL.match(value)
+    return match.group(1).lower() if match else None
+
+
+def object_store_url_problem(value: str) -> Optional[str]:
+    """Why ``value`` is not an object store URL fsspec can open, or None."""
+    protocol = url_protocol(value)
+    if protocol is None or protocol in LOCAL_PROTOCOLS:
+        return (
+            f"{value!r} is a local path: `type: object_store` reads an object store URL such as s3://bucket/prefix; "
+            "for a folder on this machine use `type: local` (or `type: in_memory`)"
+        )
+    from fsspec.registry import known_implementations, registry  # fsspec comes with huggingface_hub
+
+    if protocol not in known_implementations and protocol not in registry:
+        return (
+            f"{value!r}: fsspec knows no protocol {protocol!r}; use s3://, gs://, az://, http(s)://, ... "
+            "(`type: local` for a folder on this machine)"
+        )
+    if protocol in ("s3", "s3a", "gs", "gcs") and not value.split("://", 1)[1].split("/", 1)[0]:
+        return f"{value!r} names no bucket: give {protocol}://<bucket>/<prefix>"
+    return None
+
+
 class LocalDatasetConfig(_FolderDatasetConfig):
     """A folder of images on local disk (searched recursively), read when needed."""
 
     type: Literal["local"] = Field(..., description="Storage backend: `local` reads files from disk. Required.")
+
+    @field_validator("instance_data_dir")
+    @classmethod
+    def _a_folder_not_a_url(cls, value: str) -> str:
+        if url_protocol(value) is not None:
+            raise ValueError(
+                f"{value!r} is a URL: `type: local` reads a folder on this machine; for an object store use "
+                "`type: object_store` (or `type: in_memory` to stage it in RAM)"
+            )
+        return value
 
 
 class InMemoryOptions(_Strict):
@@ -379,8 +421,175 @@ class InMemoryDatasetConfig(_FolderDatasetConfig):
     in_memory: InMemoryOptions = Field(
         default_factory=InMemoryOptions, description="Staging options; see the table below."
     )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "With an object store URL as `instance_data_dir` (`s3://bucket/prefix`): options of its fsspec "
+            "filesystem, as for `type: object_store`; staging reads every object through it. Refused for a local "
+            "folder."
+        ),
+    )
+    max_retries: int = Field(
+        5, ge=0, le=100, description="With a URL: further attempts after a transient failure, as for `object_store`."
+    )
+    retry_backoff_seconds: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="With a URL: wait before the first retry (doubled each time), as for `object_store`.",
+    )
+
+    @field_validator("instance_data_dir")
+    @classmethod
+    def _a_folder_or_a_store(cls, value: str) -> str:
+        if url_protocol(value) is not None:
+            problem = object_store_url_problem(value)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _options_need_a_url(self):
+        if url_protocol(self.instance_data_dir) is None and self.storage_options:
+            raise ValueError(
+                "`storage_options` applies to an object store URL (`s3://bucket/prefix`), and `instance_data_dir` "
+                "is a local folder: remove `storage_options`"
+            )
+        return self
+
+
+class ObjectStoreDatasetConfig(_FolderDatasetConfig):
+    """Images in an object store (``s3://``, ``gs://``, ``http(s)://``, ... through fsspec), read when needed."""
+
+    type: Literal["object_store"] = Field(
+        ..., description="Storage backend: `object_store` reads files from an fsspec URL (`s3://bucket/prefix`)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Keyword arguments of the fsspec filesystem of `instance_data_dir`'s protocol. For S3 (s3fs): "
+            "`endpoint_url` (a store other than AWS: MinIO, R2, Ceph...), `key` / `secret` / `token`, `profile`, "
+            '`anon` (public buckets), `client_kwargs` (e.g. `{"region_name": "eu-west-1"}`), `config_kwargs` '
+            "(botocore's Config, e.g. `max_pool_connections`). Unset: credentials come from where botocore looks "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE, ~/.aws, AWS_ENDPOINT_URL, "
+            "an instance role). Prefer the environment for secrets: this file may be copied into the output folder."
+        ),
+    )
+    max_retries: int = Field(
+        5,
+        ge=0,
+        le=100,
+        description=(
+            "Further attempts of a listing or read after a transient failure (connection dropped, refused or timed "
+            "out, HTTP 5xx, throttling); 0: one attempt. Refused credentials, a missing bucket or object are never "
+            "retried. A read that still fails raises: a file is read whole or not at all."
+        ),
+    )
+    retry_backoff_seconds: float = Field(
+        0.5,
+        ge=0,
+        le=60,
+        description="Wait before the first retry; doubled for each further one (with jitter, at most 30 s).",
+    )
+
+    @field_validator("instance_data_dir")
+    @classmethod
+    def _a_store_url(cls, value: str) -> str:
+        problem = object_store_url_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+def _shard_dataset_fields(ds):
+    """What a dataset kept in shard files (``webdataset``, ``parquet``) cannot do: its files exist only
+    inside the shards, so clips (read by path) and edit pairs (paired with files on disk) are refused."""
+    if ds.dataset_type == "video":
+        yield (
+            f"dataset_type 'video' cannot read clips from `type: {ds.type}` shards: keep clips in a `local` dataset, "
+            "or set `dataset_type: image`"
+        )
+    if ds.conditioning_data_dir is not None:
+        yield (
+            f"`conditioning_data_dir` (edit pairs) pairs source images with files on disk by path; a `type: {ds.type}` "
+            "dataset has none: use a `local` dataset for edit pairs, or remove the key"
+        )
+    for name in ("parquet", "csv", "jsonl"):
+        table = getattr(ds, name)
+        if table is not None and table.conditioning_column is not None:
+            yield (
+                f"`{name}.conditioning_column` (edit pairs) is not supported by a `type: {ds.type}` dataset: use a "
+                "`local` dataset for edit pairs, or remove the key"
+            )
+
+
+class WebDatasetConfig(_FolderDatasetConfig):
+    """webdataset-style tar shards (``<key>.jpg`` + ``<key>.txt`` members), streamed: nothing is extracted."""
+
+    cross_field_rules: ClassVar[tuple[Rule, ...]] = DATASET_RULES + (_shard_dataset_fields,)
+
+    type: Literal["webdataset"] = Field(
+        ..., description="Storage backend: `webdataset` reads images and captions from the `.tar` shards."
+    )
+    instance_data_dir: PathText = Field(
+        ...,
+        description=(
+            "Folder searched recursively for `.tar` shards (hidden ones skipped), read in sorted order and in place: "
+            "nothing is extracted. A sample is the members sharing a key (the name up to the first dot: "
+            "`0001.jpg` + `0001.txt`); its .jpg/.jpeg/.png/.webp member trains, its `.txt` (else `.caption`, else "
+            "`.text`) member is its caption file for `caption_strategy: textfile`. Shards must be plain tar "
+            "(decompress .tar.gz). A relative path is taken from the folder of the config file."
+        ),
+    )
+
+
+class ParquetDatasetConfig(_FolderDatasetConfig):
+    """Parquet files holding image bytes and captions (as Hugging Face `datasets` stores them), streamed."""
+
+    cross_field_rules: ClassVar[tuple[Rule, ...]] = DATASET_RULES + (_shard_dataset_fields,)
+
+    type: Literal["parquet"] = Field(
+        ..., description="Storage backend: `parquet` reads image bytes and captions from the `.parquet` files."
+    )
+    instance_data_dir: PathText = Field(
+        ...,
+        description=(
+            "Folder searched recursively for `.parquet` files (hidden ones skipped), read in sorted order and in "
+            "place, one row per image (a Hugging Face dataset's `data/` folder works as it is). A relative path is "
+            "taken from the folder of the config file."
+        ),
+    )
+    image_column: str = Field(
+        "image",
+        min_length=1,
+        description=(
+            "Column of encoded image bytes (JPEG/PNG/WebP): binary, or the Hugging Face Image struct "
+            "`{bytes, path}`. A row whose bytes are null counts as an unreadable image (`max_bad_image_fraction`)."
+        ),
+    )
+    caption_column: Optional[str] = Field(
+        "text",
+        min_length=1,
+        description=(
+            "Column of captions (text, or a list of texts: the first non-empty one), each row's caption file for "
+            "`caption_strategy: textfile`; a null or empty caption falls back as a missing .txt does. Read only with "
+            "`textfile`. null: no caption column."
+        ),
+    )
+    filename_column: Optional[str] = Field(
+        None,
+        min_length=1,
+        description=(
+            "Column naming each row's image (its last path component is used). Unset: the Image struct's `path`, "
+            "else the row number (`000123.png`, the extension from the bytes). Sample paths, logs and cache keys "
+            "read `<file>.parquet/<name>`."
+        ),
+    )
 
 
 # Discriminated on ``type``. A new storage backend adds its config class here and one line to
 # ``simpletuner.data_backend.factory.BUILDERS``.
-DatasetConfig = Annotated[Union[LocalDatasetConfig, InMemoryDatasetConfig], Field(discriminator="type")]
+DatasetConfig = Annotated[
+    Union[LocalDatasetConfig, InMemoryDatasetConfig, ObjectStoreDatasetConfig, WebDatasetConfig, ParquetDatasetConfig],
+    Field(discriminator="type"),
+]

@@ -433,22 +433,64 @@ def _storage(t: Translation, value: Any, entry: DialectKey) -> None:
     text = str(value).strip()
     if text in ("local", "in_memory"):
         t.put("type", text, entry.key)
-    elif text == "aws":
-        t.problems.append(
-            f"{t.dataset_label}: `type: aws`: S3 storage is not supported yet: copy the data to a local folder and "
-            "use `type: local`"
-        )
+    elif text == "aws":  # the bucket, prefix, endpoint and credentials follow from the `aws_*` keys
+        t.put("type", "object_store", entry.key)
     elif text == "huggingface":
         t.problems.append(
-            f"{t.dataset_label}: `type: huggingface`: Hugging Face Hub datasets cannot be downloaded here: download "
-            "the dataset's images and captions to a local folder and use `type: local`"
+            f"{t.dataset_label}: `type: huggingface`: Hugging Face Hub datasets are not downloaded by the trainer: "
+            "download the dataset's Parquet files (`huggingface-cli download <repo> --repo-type dataset --local-dir "
+            "DIR`) and use `type: parquet` with `instance_data_dir` DIR's data folder and its `image_column` / "
+            "`caption_column` (documentation/DATA_SOURCES.md)"
         )
     else:
         t.problems.append(f"{t.dataset_label}: `type: {text}` is not supported here: use `type: local`")
 
 
+#: The keys that together write an `aws` dataset's `instance_data_dir`, ``s3://<aws_bucket_name>/<aws_data_prefix>``.
+_S3_LOCATION_KEYS = ("aws_bucket_name", "aws_data_prefix")
+
+
+def _s3_location(t: Translation, value: Any, entry: DialectKey) -> None:
+    """``aws_bucket_name`` / ``aws_data_prefix``: each writes its part of ``s3://<bucket>/<prefix>`` (in any order)."""
+    if is_inert(value):  # null / "" (SimpleTuner's examples carry them on entries of other types)
+        t.ignore(f"{t.dataset_label}.{entry.key}", "unset")
+        return
+    slot = f"{t.dataset_label}.instance_data_dir"
+    source = t.sources.get(slot)
+    if source is not None and source not in _S3_LOCATION_KEYS:
+        raise Problem(
+            f"`{source}` and `{entry.key}` both say where the data is: for `type: aws` give the folder inside the "
+            "bucket as `aws_data_prefix` and remove `instance_data_dir`"
+        )
+    assert t.dataset is not None
+    current = t.dataset.get("instance_data_dir", "s3:///") if source is not None else "s3:///"
+    bucket, _, prefix = str(current)[len("s3://") :].partition("/")
+    text = str(value).strip().strip("/")
+    if entry.key == "aws_bucket_name":
+        bucket = text
+    else:
+        prefix = text
+    t.dataset["instance_data_dir"] = f"s3://{bucket}/{prefix}"
+    t.sources[slot] = entry.key
+
+
+def _s3_option(t: Translation, value: Any, entry: DialectKey) -> None:
+    """An ``aws_*`` connection key: its ``storage_options`` entry (null / empty: unset, botocore decides)."""
+    if is_inert(value):
+        t.ignore(f"{t.dataset_label}.{entry.key}", "unset: botocore's default (environment, ~/.aws)")
+        return
+    assert entry.ours is not None
+    t.put(entry.ours, str(value).strip(), entry.key)
+
+
 def _dataset_path(t: Translation, value: Any, entry: DialectKey) -> None:
     assert entry.ours is not None
+    source = t.sources.get(f"{t.dataset_label}.{entry.ours}")
+    if source in _S3_LOCATION_KEYS:
+        raise Problem(
+            f"`{source}` and `{entry.key}` both say where the data is: for `type: aws` give the folder inside the "
+            "bucket as `aws_data_prefix` and remove `instance_data_dir`"
+        )
     t.put(entry.ours, t.path(value, f"{t.dataset_label}.{entry.key}"), entry.key)
 
 
@@ -566,14 +608,53 @@ DATASET_CORE: tuple[DialectKey, ...] = (
     _ds("id"),
     _ds("type", apply=_storage),
     _ds("instance_data_dir", note="taken from the working directory, made absolute", apply=_dataset_path),
+    _ds(
+        "aws_bucket_name",
+        "same",
+        "instance_data_dir",
+        "`type: aws` is `type: object_store` here, its `instance_data_dir` `s3://<aws_bucket_name>/<aws_data_prefix>`",
+        apply=_s3_location,
+    ),
+    _ds(
+        "aws_data_prefix",
+        "same",
+        "instance_data_dir",
+        "the folder inside the bucket: `instance_data_dir` `s3://<aws_bucket_name>/<aws_data_prefix>`",
+        apply=_s3_location,
+    ),
+    _ds(
+        "aws_endpoint_url", "same", "storage_options.endpoint_url", "null: AWS (or AWS_ENDPOINT_URL)", apply=_s3_option
+    ),
+    _ds(
+        "aws_region_name",
+        "same",
+        "storage_options.client_kwargs.region_name",
+        "null: botocore's region (AWS_REGION / AWS_DEFAULT_REGION, ~/.aws)",
+        apply=_s3_option,
+    ),
+    _ds(
+        "aws_access_key_id",
+        "same",
+        "storage_options.key",
+        "null: from the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws), which is the better place for it",
+        apply=_s3_option,
+    ),
+    _ds(
+        "aws_secret_access_key",
+        "same",
+        "storage_options.secret",
+        "null: from the environment (AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws), which is the better place for it",
+        apply=_s3_option,
+    ),
+    _ds("aws_session_token", "same", "storage_options.token", "null: AWS_SESSION_TOKEN", apply=_s3_option),
     _ds("dataset_type", note="`image` or `video`; `text_embeds` entries set the text cache folder"),
     _ds("disabled"),
     _ds("disable", "same", "disabled"),
     _ds(
         "huggingface",
         "unsupported",
-        note="Hugging Face Hub datasets cannot be downloaded here: download the dataset to a local folder and use "
-        "`type: local`",
+        note="Hugging Face Hub datasets are not downloaded by the trainer: download the dataset's Parquet files and "
+        "use `type: parquet`",
     ),
     _ds("crop"),
     _ds("crop_style"),

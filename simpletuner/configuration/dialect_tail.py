@@ -55,8 +55,10 @@ _SDNQ = "SDNQ options act only with SDNQ `base_model_precision` presets, which a
 _MEMORY_BACKEND = "tmpfs cache backends: set `cache_config.vae_cache_type` / `text_cache_type` to `memory` instead"
 
 # --- unsupported: would change what is trained ---------------------------------------------------
-_S3 = "S3 storage is not supported yet: copy the data to a local folder and use type local"
-_HF = "Hugging Face Hub datasets cannot be downloaded here: download the dataset to a local folder and use type local"
+_HF = (
+    "Hugging Face Hub datasets are not downloaded by the trainer: download the dataset's Parquet files and use "
+    "type parquet (its image_column / caption_column)"
+)
 _CSV = "URL-list (CSV) datasets are not downloaded here: fetch the images to a local folder and use type local"
 _WEBSHART = "Webshart shard datasets are not supported: unpack the images to a local folder and use type local"
 _CONTROLNET = "ControlNet training is not supported: train a LoRA without it"
@@ -179,7 +181,11 @@ _TOP_IGNORED = (
         _SDNQ,
     ),
     *_ignored("allow_dataset_oversubscription disable_bucket_pruning", _BUCKETS),
-    *_ignored("aws_max_pool_connections", "S3 connection pool: data is read from local folders here"),
+    *_ignored(
+        "aws_max_pool_connections",
+        "S3 connection pool size only; an `object_store` dataset sets it in "
+        "`storage_options.config_kwargs.max_pool_connections`",
+    ),
     *_ignored("disk_low_threshold disk_low_action disk_low_script", _DISK),
     *_ignored("checkpoint_epoch_interval checkpointing_rolling_steps checkpoints_rolling_total_limit", _SAVES),
     *_ignored("checkpointing_use_tempdir", "checkpoints are always written to a temporary folder, then renamed"),
@@ -417,11 +423,6 @@ _DATASET_IGNORED = (
 )
 
 _DATASET_UNSUPPORTED = (
-    *_unsupported(
-        "aws_access_key_id aws_bucket_name aws_data_prefix aws_endpoint_url aws_region_name aws_secret_access_key",
-        _S3,
-        "dataset",
-    ),
     *_unsupported("dataset_name split caption_column image_column", _HF, "dataset"),
     *_unsupported("csv_file csv_caption_column csv_cache_dir", _CSV, "dataset"),
     *_unsupported(

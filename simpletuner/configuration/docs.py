@@ -14,7 +14,13 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from simpletuner.configuration import dialect, dialect_values
-from simpletuner.configuration.dataset_sections import AspectBucket, MetadataFileOptions
+from simpletuner.configuration.dataset_sections import (
+    AspectBucket,
+    MetadataFileOptions,
+    ObjectStoreDatasetConfig,
+    ParquetDatasetConfig,
+    WebDatasetConfig,
+)
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
     CacheConfig,
@@ -215,6 +221,22 @@ def render() -> str:
         model_table(InMemoryDatasetConfig),
         "\n#### `in_memory`\n",
         model_table(InMemoryOptions),
+        '\n### `type: "object_store"`\n',
+        "Files in an object store, read through fsspec when needed: the same keys as `local`, with "
+        "`instance_data_dir` a URL (`s3://bucket/prefix`; `gs://`, `az://`, `https://` with their fsspec package). "
+        "Listed once at start-up (sizes and ETags kept); each read is retried on transient failures. S3 needs the "
+        "`s3` extra (`pip install -e '.[s3]'` in the checkout). `in_memory` takes such a URL too, with the same "
+        "`storage_options` / `max_retries` / `retry_backoff_seconds`, and stages every object in RAM.\n",
+        model_table(ObjectStoreDatasetConfig),
+        '\n### `type: "webdataset"`\n',
+        "Tar shards read in place: the same keys as `local`, with `instance_data_dir` the folder of shards. Every "
+        "file is `<shard>/<member>` (`shard-000.tar/0001.jpg`); `dataset_type: video` and edit pairs are refused.\n",
+        model_table(WebDatasetConfig),
+        '\n### `type: "parquet"`\n',
+        "Parquet files of image bytes and captions (a Hugging Face dataset's files), read in place: the same keys as "
+        "`local`, plus the columns. Every row is `<file>/<name>` (`part-0.parquet/000123.png`), its caption "
+        "`<file>/<name stem>.txt`; `dataset_type: video` and edit pairs are refused.\n",
+        model_table(ParquetDatasetConfig),
         "\n#### `parquet` / `csv` / `jsonl` (caption files)\n",
         "The sub-table of `caption_strategy` `parquet`, `csv` or `jsonl` (either backend):\n",
         model_table(MetadataFileOptions),

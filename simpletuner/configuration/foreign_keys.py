@@ -256,7 +256,11 @@ FOREIGN_VALUES: tuple[ForeignValue, ...] = (
     *_simpletuner_values(),
     ForeignValue("optimizer", "adamw8bit", AI_TOOLKIT, None, "8-bit optimizers are not supported; use `adamw`"),
     ForeignValue(
-        "type", "aws", SIMPLETUNER, None, "S3 storage is not supported: copy the data to a folder and use `local`"
+        "type",
+        "aws",
+        SIMPLETUNER,
+        "object_store",
+        "with `instance_data_dir: s3://<bucket>/<prefix>` and `storage_options` for the endpoint and credentials",
     ),
     ForeignValue(
         "dataset_type",

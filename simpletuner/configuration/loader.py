@@ -18,6 +18,7 @@ import orjson
 from pydantic import ValidationError
 
 from simpletuner.configuration import dialect
+from simpletuner.configuration.dataset_sections import url_protocol
 from simpletuner.configuration.errors import ConfigError, format_validation_error
 from simpletuner.configuration.model_folder import looks_local, settle_model_family
 from simpletuner.configuration.partial import InvalidInput, PartialModel, partial_config, run_rules
@@ -117,8 +118,8 @@ def _dataset_dirs(config) -> Iterator[str]:
             is_left_out = ds.disabled or ds.probability == 0  # never read: its folder may be gone
         except InvalidInput:  # this entry failed validation: its own errors say why
             continue
-        if not is_left_out and not d.is_dir():
-            yield f"datasets[{i}].instance_data_dir: {d} is not a folder"
+        if not is_left_out and url_protocol(ds.instance_data_dir) is None and not d.is_dir():
+            yield f"datasets[{i}].instance_data_dir: {d} is not a folder"  # a URL is checked when it is listed
         source = getattr(ds, "conditioning_data_dir", None)
         if not is_left_out and source is not None and not Path(source).expanduser().is_dir():
             yield f"datasets[{i}].conditioning_data_dir: {Path(source).expanduser()} is not a folder"
@@ -230,8 +231,11 @@ def _resolve_datasets(raw: dict[str, Any], base_dir: Path | None, problems: list
 
 
 def _from_base(value: Any, base_dir: Path) -> Any:
-    """``value`` taken from ``base_dir`` when it is a relative path (``~`` and absolute paths stay)."""
+    """``value`` taken from ``base_dir`` when it is a relative path (``~``, absolute paths and URLs such as
+    ``s3://bucket/prefix`` stay)."""
     if not isinstance(value, str) or not value or value.startswith("~") or Path(value).is_absolute():
+        return value
+    if url_protocol(value) is not None:
         return value
     return os.path.normpath(os.path.join(os.path.abspath(base_dir), value))
 

@@ -91,3 +91,14 @@ class SupportsStagingReport(Protocol):
     def failed_files(self) -> Mapping[str, str]:
         """``{path: reason}`` of every file found but not read."""
         ...
+
+
+@runtime_checkable
+class SupportsShards(Protocol):
+    """Optional extra of a backend whose files live inside larger shard files (tar, parquet): which
+    shard holds a file. Readers that go through many files (the cache fill) keep one shard's files
+    together, in ``list_files`` order, and give each process of a launch whole shards."""
+
+    def shard_of(self, path: str) -> str:
+        """The shard holding ``path`` (its relative path under the dataset root)."""
+        ...

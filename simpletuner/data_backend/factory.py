@@ -56,12 +56,37 @@ def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataB
     return build(dataset_cfg, config)
 
 
+def build_object_store_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """An ``ObjectStoreBackend`` over the fsspec URL ``dataset_cfg.instance_data_dir`` (imported on use:
+    fsspec and its protocol packages are optional)."""
+    from simpletuner.data_backend.object_store import build_object_store_backend as build
+
+    return build(dataset_cfg, config)
+
+
+def build_webdataset_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """A ``WebDatasetBackend`` over the tar shards of ``dataset_cfg``."""
+    from simpletuner.data_backend.shards import build_webdataset_backend as build
+
+    return build(dataset_cfg, config)
+
+
+def build_parquet_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """A ``ParquetBackend`` over the parquet files of ``dataset_cfg`` (pyarrow: the ``parquet`` extra)."""
+    from simpletuner.data_backend.shards import build_parquet_backend as build
+
+    return build(dataset_cfg, config)
+
+
 #: Storage backend builders by the dataset entry's ``type``. A new backend is one line here, plus
 #: its config class as a member of the ``DatasetConfig`` union (``simpletuner.configuration.schema``;
 #: config error paths derive the tags from it) and its section in ``configuration/docs.py``.
 BUILDERS: dict[str, Callable[[Any, "TrainingConfig"], DataBackend]] = {
     "local": build_local_backend,
     "in_memory": build_in_memory_backend,
+    "object_store": build_object_store_backend,
+    "webdataset": build_webdataset_backend,
+    "parquet": build_parquet_backend,
 }
 
 

@@ -1,11 +1,12 @@
 """A dataset staged whole in CPU RAM at start-up (GH200 / GB10: no disk I/O while training).
 
-``GH200InMemoryBackend`` lists the folder with ``LocalDataBackend``, reads every file once on
-``num_workers`` threads and keeps the bytes in a table that never changes afterwards, so any
-number of threads may read at once. Encoded images (JPEG/PNG/WebP) and clips (MP4/WebM/MOV/MKV/GIF)
-are kept as they are (re-compressing them gains ~0%); other files (captions, raw arrays) are stored with the
-chosen codec unless they are tiny or it would not make them smaller. It answers every question as
-``LocalDataBackend`` would for the folder as it was when staged.
+``GH200InMemoryBackend`` lists the folder with ``LocalDataBackend`` (an object store URL with
+``ObjectStoreBackend``), reads every file once on ``num_workers`` threads and keeps the bytes in a
+table that never changes afterwards, so any number of threads may read at once. Encoded images
+(JPEG/PNG/WebP) and clips (MP4/WebM/MOV/MKV/GIF) are kept as they are (re-compressing them gains
+~0%); other files (captions, raw arrays) are stored with the chosen codec unless they are tiny or it
+would not make them smaller. It answers every question as ``LocalDataBackend``
+(``ObjectStoreBackend``) would for the folder (the objects) as it was when staged.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 
 from tqdm.auto import tqdm
 
+from simpletuner.configuration.dataset_sections import url_protocol
 from simpletuner.data_backend.base import ENCODED_MEDIA_EXTENSIONS, normalize_extensions
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.faults import fault_point
@@ -51,12 +53,13 @@ def default_num_workers() -> int:
 
 
 class _Entry(NamedTuple):
-    """One staged file: its stored bytes, the codec that stored them, its size and mtime when read."""
+    """One staged file: its stored bytes, the codec that stored them, its size, and its identity when read
+    (``"{size}:{mtime_ns}"`` from disk, ``"{size}:{etag}"`` from an object store)."""
 
     data: bytes
     codec: Codec
     size: int
-    mtime_ns: int
+    identity: str
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,8 @@ class GH200InMemoryBackend:
             many GB (10**9 bytes). Files that will be compressed are checked by their
             compressed size while staging, which stops as soon as the total passes the limit.
         max_bad_image_fraction: abort when a larger fraction of the files cannot be read.
+        source: an ``ObjectStoreBackend`` to stage from instead of the folder ``root`` (``root`` is then its URL);
+            a read that fails after its retries is a failed file, never stored in part.
 
     Raises:
         ValueError: the root is not a folder, an unknown codec, the memory limit, or too many
@@ -207,9 +212,11 @@ class GH200InMemoryBackend:
         num_workers: int | None = None,
         memory_limit_gb: float | None = None,
         max_bad_image_fraction: float = 0.05,
+        source: Any = None,
     ):
-        self._local = LocalDataBackend(root, id)
-        self.root = self._local.root
+        self._source = source  # an ObjectStoreBackend, or None: the folder `root` on disk
+        self._local = LocalDataBackend(root, id) if source is None else None
+        self.root = self._local.root if self._local is not None else source.root
         self.id = id
         self.codec = get_codec(compression)
         self.compress_encoded_images = compress_encoded_images
@@ -234,7 +241,7 @@ class GH200InMemoryBackend:
 
     def _stage(self) -> tuple[MappingProxyType, StagingReport]:
         started = time.perf_counter()
-        paths = self._local.list_files()
+        paths = (self._local or self._source).list_files()
         to_load, failed = paths, []
         if self.memory_limit_gb is not None:  # the estimate needs sizes; a stat per file otherwise saved
             sizes, failed = self._stat_all(paths)
@@ -264,6 +271,8 @@ class GH200InMemoryBackend:
 
         def stat_one(path: str) -> int | str:
             try:
+                if self._source is not None:
+                    return self._source.size(path)  # from its listing: no request
                 return os.stat(self._full(path)).st_size
             except OSError as exc:
                 return _reason(exc)
@@ -316,14 +325,19 @@ class GH200InMemoryBackend:
         """``(path, entry)``, or ``(path, reason)`` when the file cannot be read."""
         fault_point("staging:file")  # tests: a signal while the loader threads read
         try:
-            data, st = _read_file(self._full(path))
+            if self._source is not None:
+                data = self._source.read(path)  # whole (after its retries) or an error, never part
+                identity = self._source.identity(path)
+            else:
+                data, st = _read_file(self._full(path))
+                identity = f"{len(data)}:{st.st_mtime_ns}"
         except OSError as exc:
             return path, _reason(exc)
         codec = self._codec_for(path) if len(data) >= MIN_COMPRESS_BYTES else _AS_IS
         stored = codec.compress(data)
         if len(stored) >= len(data):  # did not compress (e.g. an encoded image): keep as-is
             codec, stored = _AS_IS, data
-        return path, _Entry(stored, codec, len(data), st.st_mtime_ns)
+        return path, _Entry(stored, codec, len(data), identity)
 
     def _over_limit_after_compression(self, num_done: int, num_files: int) -> str:
         return (
@@ -363,8 +377,7 @@ class GH200InMemoryBackend:
         if entry is not None:
             return entry
         # The same refusal of paths leaving the root as local; then the canonical key.
-        full = self._local._resolve(path)
-        entry = self._entries.get(full.relative_to(self.root).as_posix())
+        entry = self._entries.get(self._canonical(path))
         if entry is None:
             if path in self._failed:
                 why = f"unreadable when staged: {self._failed[path]}"
@@ -372,6 +385,11 @@ class GH200InMemoryBackend:
                 why = f"not among the {len(self._paths)} files staged from {self.root}"
             raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} ({why})")
         return entry
+
+    def _canonical(self, path: str) -> str:
+        if self._source is not None:
+            return self._source._key(path)
+        return self._local._resolve(path).relative_to(self.root).as_posix()
 
     def list_files(self, extensions: Iterable[str] | None = None) -> list[str]:
         """Relative POSIX paths of all staged files (recursive, sorted, hidden skipped)."""
@@ -394,17 +412,16 @@ class GH200InMemoryBackend:
         """Whether ``path`` is a staged file."""
         if path in self._entries:
             return True
-        full = self._local._resolve(path)
-        return full.relative_to(self.root).as_posix() in self._entries
+        return self._canonical(path) in self._entries
 
     def size(self, path: str) -> int:
         """Size of ``path`` in bytes (its content, not what is stored)."""
         return self._entry(path).size
 
     def identity(self, path: str) -> str:
-        """``"{size}:{mtime_ns}"`` of the file when it was staged (as ``LocalDataBackend`` gives)."""
-        entry = self._entry(path)
-        return f"{entry.size}:{entry.mtime_ns}"
+        """``"{size}:{mtime_ns}"`` of the file when it was staged (as ``LocalDataBackend`` gives); from an object
+        store its ``"{size}:{etag}"`` (as ``ObjectStoreBackend`` gives)."""
+        return self._entry(path).identity
 
     def failed_files(self) -> dict[str, str]:
         """Files found under the root but not staged, ``{path: reason}`` (``SupportsStagingReport``)."""
@@ -412,8 +429,15 @@ class GH200InMemoryBackend:
 
 
 def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> GH200InMemoryBackend:
-    """A ``GH200InMemoryBackend`` staging ``dataset_cfg.instance_data_dir`` with its ``in_memory`` options."""
+    """A ``GH200InMemoryBackend`` staging ``dataset_cfg.instance_data_dir`` with its ``in_memory`` options; an
+    object store URL (``s3://bucket/prefix``) is listed and read through an ``ObjectStoreBackend`` built from
+    the entry's ``storage_options`` / ``max_retries`` / ``retry_backoff_seconds``."""
     options = dataset_cfg.in_memory
+    source = None
+    if url_protocol(dataset_cfg.instance_data_dir) is not None:
+        from simpletuner.data_backend.object_store import backend_from_options
+
+        source = backend_from_options(dataset_cfg.instance_data_dir, dataset_cfg.id, dataset_cfg)
     return GH200InMemoryBackend(
         dataset_cfg.instance_data_dir,
         dataset_cfg.id,
@@ -422,4 +446,5 @@ def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> GH200
         num_workers=options.num_workers,
         memory_limit_gb=options.memory_limit_gb,
         max_bad_image_fraction=config.max_bad_image_fraction,
+        source=source,
     )

@@ -1,0 +1,490 @@
+"""A dataset in an object store (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ...) read through fsspec.
+
+``ObjectStoreBackend`` lists the URL once when it is built (one recursive listing with details) and keeps each
+object's size and ETag, so ``size``, ``identity`` and ``exists`` never ask the store again; ``read`` and
+``read_head`` (a ranged GET) fetch bytes when needed. Every request goes through one retry loop: transient
+failures (connection reset / refused / dropped, timeouts, HTTP 5xx, throttling) are retried with exponential
+backoff up to ``max_retries`` times; permanent ones (refused credentials, no permission, no bucket, no object)
+are raised at once with what to fix. A read returns the whole object or raises: never part of it.
+
+fsspec's protocol packages are optional (``s3fs``: the ``s3`` extra). Credentials come from where the
+protocol's own library looks (for S3, botocore: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``~/.aws``, ``AWS_ENDPOINT_URL``, instance roles), or from the
+dataset's ``storage_options``; they are never logged.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
+
+from simpletuner.configuration.dataset_sections import LOCAL_PROTOCOLS, url_protocol
+from simpletuner.data_backend.base import normalize_extensions
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Longest wait between two attempts, whatever the backoff has grown to.
+MAX_BACKOFF_SECONDS = 30.0
+#: The extra that installs a protocol's fsspec package, where this project has one.
+PROTOCOL_EXTRAS = {"s3": "s3", "s3a": "s3"}
+
+#: Error codes (S3's, and HTTP statuses as text) worth another attempt.
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "429",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
+#: The store did not accept who we are.
+CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidClientTokenId",
+        "UnrecognizedClientException",
+        "AuthorizationHeaderMalformed",
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "ProfileNotFound",
+        "401",
+    }
+)
+#: It did, but we may not do this.
+DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "Forbidden", "403"})
+#: Transport failures, by class name (botocore, aiohttp, urllib3, fsspec): worth another attempt.
+TRANSIENT_CLASS_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ProxyConnectionError",
+        "ServerDisconnectedError",
+        "ClientConnectionError",
+        "ClientOSError",
+        "ClientPayloadError",
+        "ServerTimeoutError",
+        "IncompleteRead",
+        "ResponseStreamingError",
+        "ResponseParserError",
+        "HTTPClientError",
+        "FSTimeoutError",
+        "ProtocolError",
+    }
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {
+        errno.ECONNRESET,
+        errno.ECONNREFUSED,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.ENETDOWN,
+    }
+)
+
+
+class ObjectStoreError(OSError):
+    """A request to the object store failed (after its retries, when the failure was transient)."""
+
+
+class ObjectStoreAccessError(ObjectStoreError, PermissionError):
+    """The store refused the credentials, or they may not read this."""
+
+
+class _ShortRead(OSError):
+    """Fewer bytes came back than the listing promised (a cut-off body): retried like a dropped connection."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong with one request: ``kind`` is ``transient``, ``credentials``, ``denied``, ``no_bucket``,
+    ``no_object`` or ``other``; ``code`` the store's error code or the exception's class; ``detail`` its message."""
+
+    kind: str
+    code: str
+    detail: str
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        item = todo.pop(0)
+        if item is None or any(item is s for s in seen):
+            continue
+        seen.append(item)
+        todo += [item.__cause__, item.__context__]
+    return seen
+
+
+def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
+    response = getattr(exc, "response", None)  # botocore's ClientError
+    if isinstance(response, Mapping):
+        error = response.get("Error") or {}
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return (str(error["Code"]) if error.get("Code") else None), status if isinstance(status, int) else None
+    status = getattr(exc, "status", None)  # aiohttp's ClientResponseError (fsspec's http)
+    return None, status if isinstance(status, int) else None
+
+
+def classify(exc: BaseException) -> Failure:
+    """Whether ``exc`` (and what caused it) is worth another attempt, and which permanent failure it is if not."""
+    chain = _chain(exc)
+    detail = str(exc) or type(exc).__name__
+    transient: Failure | None = None
+    for item in chain:
+        code, status = _code_and_status(item)
+        names = {cls.__name__ for cls in type(item).__mro__}
+        if code is None and status is not None:
+            code = str(status)
+        if code is None and names & CREDENTIAL_CODES:
+            code = next(iter(names & CREDENTIAL_CODES))
+        if code in CREDENTIAL_CODES:
+            return Failure("credentials", code, str(item) or detail)
+        if code in DENIED_CODES:
+            return Failure("denied", code, str(item) or detail)
+        if code == "NoSuchBucket":
+            return Failure("no_bucket", code, str(item) or detail)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return Failure("no_object", code, str(item) or detail)
+        if transient is None and (
+            code in TRANSIENT_CODES
+            or (status is not None and (status >= 500 or status == 429))
+            or names & TRANSIENT_CLASS_NAMES
+            or isinstance(item, (ConnectionError, TimeoutError, _ShortRead))
+            or (isinstance(item, OSError) and item.errno in _TRANSIENT_ERRNOS)
+        ):
+            transient = Failure("transient", code or type(item).__name__, str(item) or type(item).__name__)
+    if transient is not None:
+        return transient
+    if isinstance(exc, FileNotFoundError):
+        return Failure("no_object", "FileNotFoundError", detail)
+    if isinstance(exc, PermissionError):
+        return Failure("denied", "PermissionError", detail)
+    return Failure("other", type(exc).__name__, detail)
+
+
+def open_filesystem(protocol: str, storage_options: Mapping[str, Any], dataset_id: str) -> Any:
+    """A fresh fsspec filesystem for ``protocol`` with ``storage_options`` (never the shared instance cache).
+
+    For S3 the retries of botocore and s3fs are switched off (unless ``config_kwargs.retries`` says otherwise):
+    :class:`ObjectStoreBackend` counts the attempts itself, so ``max_retries`` means what it says.
+
+    Raises:
+        ImportError: the protocol's package is missing; the message names what to install.
+        ValueError: fsspec knows no such protocol.
+    """
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        extra = PROTOCOL_EXTRAS.get(protocol)
+        hint = known_implementations.get(protocol, {}).get("err") or str(exc)
+        install = f"pip install -e '.[{extra}]'` in the simpletuner checkout, or `pip install s3fs" if extra else hint
+        raise ImportError(
+            f"dataset {dataset_id!r}: reading {protocol}:// URLs needs a package this Python does not have "
+            f"({hint}): install it with `{install}`"
+        ) from exc
+    except ValueError:
+        raise ValueError(
+            f"dataset {dataset_id!r}: fsspec knows no protocol {protocol!r}: use one of s3://, gs://, az://, "
+            "http(s)://, ... (`type: local` for a folder on this machine)"
+        ) from None
+    options = dict(storage_options)
+    if protocol in ("s3", "s3a"):
+        config_kwargs = dict(options.get("config_kwargs") or {})
+        config_kwargs.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        options["config_kwargs"] = config_kwargs
+    fs = cls(skip_instance_cache=True, **options)
+    if protocol in ("s3", "s3a"):
+        fs.retries = 1  # s3fs's own loop around each call (a class attribute): one attempt, ours retries
+    return fs
+
+
+@dataclass(frozen=True)
+class _Object:
+    size: int
+    identity: str
+
+
+def _identity(info: Mapping[str, Any], size: int) -> str:
+    """ETag (or the store's content hash / version / mtime, whichever it gives) and size."""
+    for key in ("ETag", "etag", "md5Hash", "content_md5", "VersionId", "version_id", "LastModified", "mtime"):
+        value = info.get(key)
+        if value:
+            tag = str(value).strip('"')
+            version = info.get("VersionId")
+            return f"{size}:{tag}" + (f":{version}" if version and key != "VersionId" else "")
+    return f"{size}:?"
+
+
+class ObjectStoreBackend:
+    """The objects under ``url`` (``s3://bucket/prefix``), addressed by POSIX path relative to it.
+
+    Listed once when built: ``list_files`` / ``exists`` / ``size`` / ``identity`` answer from that listing
+    (``identity`` is ``"{size}:{etag}"``, so a rewritten object gets a new one at the next run's listing).
+
+    Args:
+        url: an fsspec URL with its protocol (``s3://bucket/prefix``; the prefix may be empty).
+        id: the dataset id (in messages).
+        storage_options: keyword arguments of the fsspec filesystem (``endpoint_url``, ``key``, ``secret``,
+            ``profile``, ``anon``, ``client_kwargs``, ``config_kwargs`` ... for s3fs).
+        max_retries: further attempts after a transient failure (0: one attempt only).
+        retry_backoff_seconds: wait before the first retry; doubled each time (with jitter, at most
+            :data:`MAX_BACKOFF_SECONDS`).
+        filesystem: an fsspec filesystem to use instead of one built from ``storage_options`` (tests).
+
+    Raises:
+        ValueError: not a URL, refused credentials, no bucket, or no files under the URL.
+        ImportError: the protocol's package is missing.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        id: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        max_retries: int = 5,
+        retry_backoff_seconds: float = 0.5,
+        filesystem: Any = None,
+    ):
+        self.id = id
+        protocol = url_protocol(url)
+        if protocol is None or protocol in LOCAL_PROTOCOLS:
+            raise ValueError(
+                f"dataset {id!r}: {url!r} is not an object store URL: give `instance_data_dir` as s3://bucket/prefix "
+                "(or gs://, az://, https://...); for a folder on this machine use `type: local`"
+            )
+        if max_retries < 0 or retry_backoff_seconds < 0:
+            raise ValueError(f"dataset {id!r}: max_retries and retry_backoff_seconds must not be negative")
+        self.url = url.rstrip("/")
+        self.root = self.url  # what messages name as the dataset's place
+        self.protocol = protocol
+        self.max_retries = max_retries
+        self.retry_backoff_seconds = retry_backoff_seconds
+        self._storage_options = dict(storage_options or {})
+        self._fs = filesystem
+        self._fs_pid = os.getpid()
+        self._root_path = self.fs._strip_protocol(self.url).rstrip("/")
+        self._objects = self._list()
+        self._paths = tuple(self._objects)
+
+    def __repr__(self) -> str:  # never the storage options: they may hold a secret
+        return f"ObjectStoreBackend(id={self.id!r}, url={self.url!r}, files={len(self._paths)})"
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem; a fresh one in a forked child (an async client does not survive a fork)."""
+        if self._fs is None or self._fs_pid != os.getpid():
+            self._fs = open_filesystem(self.protocol, self._storage_options, self.id)
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    # --- requests, with retries ---
+    def _with_retries(self, what: str, target: str, call: Callable[[], T]) -> T:
+        """``call()``, again after each transient failure (up to ``max_retries`` more times); a permanent
+        failure, or the last transient one, raised as the error that says what to fix."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - classified: transient ones retried, the rest re-raised
+                failure = classify(exc)
+                if failure.kind != "transient" or attempt == self.max_retries:
+                    raise self._error(what, target, failure, attempt + 1) from exc
+                wait = min(self.retry_backoff_seconds * 2**attempt, MAX_BACKOFF_SECONDS) * random.uniform(0.5, 1.0)
+                logger.warning(
+                    "dataset %r: %s %s failed (%s: %s); attempt %d of %d in %.2f s",
+                    self.id,
+                    what,
+                    target,
+                    failure.code,
+                    failure.detail,
+                    attempt + 2,
+                    self.max_retries + 1,
+                    wait,
+                )
+                time.sleep(wait)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _credentials_hint(self) -> str:
+        if self.protocol in ("s3", "s3a"):
+            return (
+                "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones) or "
+                "AWS_PROFILE in the environment, or the dataset's `storage_options` `key` / `secret` (or `profile`); "
+                "for a store other than AWS also `storage_options.endpoint_url` (or AWS_ENDPOINT_URL)"
+            )
+        return f"give the credentials of the {self.protocol}:// store in the dataset's `storage_options`"
+
+    def _error(self, what: str, target: str, failure: Failure, attempts: int) -> OSError:
+        where = f"dataset {self.id!r}: {what} {target}"
+        if failure.kind == "credentials":
+            return ObjectStoreAccessError(
+                f"dataset {self.id!r}: the object store at {self.url} refused the credentials ({failure.code}: "
+                f"{failure.detail}): {self._credentials_hint()}"
+            )
+        if failure.kind == "denied":
+            return ObjectStoreAccessError(
+                f"{where}: access denied ({failure.code}: {failure.detail}): the credentials were accepted but may not "
+                "do this; for S3 they need s3:ListBucket on the bucket and s3:GetObject on its objects"
+            )
+        if failure.kind == "no_bucket":
+            return FileNotFoundError(
+                f"dataset {self.id!r}: the bucket {self._bucket()!r} of {self.url} does not exist ({failure.code}): "
+                "check the bucket name in `instance_data_dir` (and `storage_options.endpoint_url` for a store other "
+                "than AWS)"
+            )
+        if failure.kind == "no_object":
+            return FileNotFoundError(f"{where}: no such object ({failure.code}: {failure.detail})")
+        if failure.kind == "transient":
+            return ObjectStoreError(
+                f"{where} failed {attempts} time(s) ({failure.code}: {failure.detail}): the store kept failing; check "
+                "the network and the endpoint, or raise the dataset's `max_retries` / `retry_backoff_seconds`"
+            )
+        return ObjectStoreError(f"{where} failed ({failure.code}: {failure.detail})")
+
+    def _bucket(self) -> str:
+        return self._root_path.split("/", 1)[0]
+
+    # --- the listing ---
+    def _list(self) -> dict[str, _Object]:
+        try:
+            found = self._with_retries("listing", self.url, lambda: self.fs.find(self._root_path, detail=True))
+        except (PermissionError, FileNotFoundError) as exc:  # refused credentials, no permission, no bucket
+            raise ValueError(str(exc)) from exc.__cause__
+        objects: dict[str, _Object] = {}
+        prefix = self._root_path + "/"
+        for name, info in found.items():
+            name = str(name)
+            if info.get("type", "file") != "file" or name.endswith("/") or not name.startswith(prefix):
+                continue  # folder markers; the root itself when the URL names one object
+            rel = name[len(prefix) :]
+            if any(part.startswith(".") for part in rel.split("/")) or not rel:
+                continue
+            size = int(info.get("size") or 0)
+            objects[rel] = _Object(size, _identity(info, size))
+        if not objects:
+            raise ValueError(
+                f"dataset {self.id!r}: no files under {self.url} (the listing is recursive; names starting with '.' "
+                "are skipped): check the bucket and prefix in `instance_data_dir`"
+            )
+        logger.info("dataset %r: listed %d objects under %s", self.id, len(objects), self.url)
+        return dict(sorted(objects.items()))
+
+    def _key(self, path: str) -> str:
+        rel = PurePosixPath(str(path).replace("\\", "/"))
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            raise ValueError(
+                f"dataset {self.id!r}: path {path!r} is not a relative path inside {self.url}; "
+                "use a path as returned by list_files()"
+            )
+        return rel.as_posix()
+
+    def _object(self, path: str) -> _Object:
+        obj = self._objects.get(path) or self._objects.get(self._key(path))
+        if obj is None:
+            raise FileNotFoundError(
+                f"dataset {self.id!r}: no file {path!r} (not among the {len(self._paths)} objects listed under "
+                f"{self.url})"
+            )
+        return obj
+
+    # --- the DataBackend protocol ---
+    def list_files(self, extensions: Iterable[str] | None = None) -> list[str]:
+        """Relative POSIX paths of every object listed under the URL (recursive, sorted, hidden skipped)."""
+        wanted = normalize_extensions(extensions)
+        if wanted is None:
+            return list(self._paths)
+        return [p for p in self._paths if os.path.splitext(p)[1].lower() in wanted]
+
+    def _fetch(self, path: str, num_bytes: int | None) -> bytes:
+        obj = self._object(path)
+        key = self._key(path)
+        full = f"{self._root_path}/{key}"
+        expected = obj.size if num_bytes is None or num_bytes < 0 else min(num_bytes, obj.size)
+
+        def call() -> bytes:
+            if expected == 0:
+                return b""
+            if expected == obj.size:
+                data = self.fs.cat_file(full)
+            else:
+                data = self.fs.cat_file(full, start=0, end=expected)
+            if len(data) != expected:
+                raise _ShortRead(
+                    f"{len(data)} bytes came back, {expected} expected (the object changed since it was listed, or "
+                    "the body was cut off)"
+                )
+            return data
+
+        return self._with_retries("reading", f"{self.url}/{key}", call)
+
+    def read(self, path: str) -> bytes:
+        """The whole object (all of it or an error: never part); FileNotFoundError naming it if it is not listed."""
+        return self._fetch(path, None)
+
+    def read_head(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the start of ``path``: one ranged GET."""
+        return self._fetch(path, num_bytes)
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` was listed."""
+        return path in self._objects or self._key(path) in self._objects
+
+    def size(self, path: str) -> int:
+        """Size of ``path`` in bytes, from the listing."""
+        return self._object(path).size
+
+    def identity(self, path: str) -> str:
+        """``"{size}:{etag}"`` from the listing: changes when the object is rewritten."""
+        return self._object(path).identity
+
+
+def backend_from_options(url: str, dataset_id: str, options: Any) -> ObjectStoreBackend:
+    """An :class:`ObjectStoreBackend` from a dataset entry carrying ``storage_options``, ``max_retries`` and
+    ``retry_backoff_seconds`` (``object_store``, or ``in_memory`` staging a URL)."""
+    return ObjectStoreBackend(
+        url,
+        dataset_id,
+        storage_options=getattr(options, "storage_options", None) or {},
+        max_retries=getattr(options, "max_retries", 5),
+        retry_backoff_seconds=getattr(options, "retry_backoff_seconds", 0.5),
+    )
+
+
+def build_object_store_backend(dataset_cfg: Any, config: "TrainingConfig") -> ObjectStoreBackend:
+    """The ``object_store`` entry of ``data_backend.factory.BUILDERS``: ``dataset_cfg.instance_data_dir`` listed."""
+    return backend_from_options(dataset_cfg.instance_data_dir, dataset_cfg.id, dataset_cfg)

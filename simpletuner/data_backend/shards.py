@@ -1,0 +1,606 @@
+"""Datasets stored in shard files, read in place: webdataset tar shards and Parquet files.
+
+Nothing is extracted: each shard is indexed once when the backend is built (a tar's member headers;
+a Parquet file's footer and its name columns) and every read goes to the bytes inside the shard.
+A file of such a dataset has a *virtual path*, ``"<shard>/<name>"`` (the shard's path relative to the
+dataset root, then the file's name inside it): ``shard-000.tar/0001.jpg``, ``part-0.parquet/000123.png``.
+
+Captions are exposed as files too, ``<stem>.txt`` beside each image, so ``caption_strategy: textfile``
+(:func:`simpletuner.data_backend.metadata.caption_file`) finds them as it finds a caption file on disk.
+
+``list_files`` is *shard-major*: shards in sorted order, then the files of one shard in the order the
+shard stores them, so a pass in that order reads each shard front to back
+(:class:`~simpletuner.data_backend.base.SupportsShards`: ``shard_of`` names a file's shard). With
+zero-padded names (what webdataset writers and this module's Parquet row names use) that order is also
+sorted.
+
+A shard rewritten after it was indexed is not read with stale offsets: ``identity`` changes with the
+shard's size and mtime, and a read raises an OSError naming the shard.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import tarfile
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+
+from simpletuner.data_backend.base import IMAGE_EXTENSIONS, normalize_extensions
+from simpletuner.data_backend.metadata import caption_file
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+
+logger = logging.getLogger(__name__)
+
+#: Fields of a webdataset sample read as its caption, best first (``0001.txt``, ``0001.caption``, ...).
+CAPTION_FIELDS: tuple[str, ...] = ("txt", "caption", "text")
+#: Decoded Parquet row groups kept in memory per backend (reading in order needs one).
+ROW_GROUP_CACHE_SIZE = 4
+#: Magic bytes of compressed archives that are not plain tar (a ``.tar`` that needs decompressing first).
+#: Zero bytes a tar may carry after its end-of-archive marker (GNU tar pads to 10 KiB records; some writers more).
+_MAX_TAR_PADDING = 1 << 20
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+class _Entry(NamedTuple):
+    """Where a virtual file's bytes live: its shard (index), position (tar: data offset; Parquet: row)
+    and size (tar; -1 for Parquet, known once the row is read)."""
+
+    shard: int
+    position: int
+    size: int
+    is_caption: bool
+
+
+@dataclass(frozen=True)
+class _Shard:
+    path: str  # relative to the dataset root (POSIX)
+    full: Path
+    size: int  # when indexed
+    mtime_ns: int
+
+
+def find_shard_files(root: Path, suffix: str) -> list[str]:
+    """Relative POSIX paths of the files under ``root`` ending in ``suffix`` (any case), recursive and
+    sorted; hidden files and folders (names starting with ``.``) are skipped."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            full = Path(dirpath) / name
+            if not name.startswith(".") and name.lower().endswith(suffix) and full.is_file():
+                found.append(full.relative_to(root).as_posix())
+    return sorted(found)
+
+
+class _ShardBackend:
+    """What both shard backends share: the shard list, the virtual file table, and the protocol's
+    lookups (``list_files``, ``exists``, ``identity``, ``shard_of``)."""
+
+    suffix = ""
+    kind = ""
+
+    def __init__(self, root: str | Path, id: str):
+        self.root = Path(root).expanduser()
+        self.id = id
+        if not self.root.is_dir():
+            raise ValueError(
+                f"dataset {id!r}: {self.root} is not a folder; set `instance_data_dir` to the folder that holds the "
+                f"{self.suffix} files"
+            )
+        paths = find_shard_files(self.root, self.suffix)
+        if not paths:
+            raise ValueError(self._no_shards_message())
+        self.shards: list[_Shard] = []
+        for rel in paths:
+            full = self.root / rel
+            st = full.stat()
+            self.shards.append(_Shard(rel, full, st.st_size, st.st_mtime_ns))
+        self._entries: dict[str, _Entry] = {}
+        self._order: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, root={str(self.root)!r}, shards={len(self.shards)})"
+
+    def _no_shards_message(self) -> str:
+        return (
+            f"dataset {self.id!r}: no {self.suffix} files under {self.root} (searched recursively, hidden ones "
+            f"skipped); set `instance_data_dir` to the folder of the {self.kind} shards"
+        )
+
+    def _where(self, index: int) -> str:
+        return f"dataset {self.id!r}: {self.shards[index].full}"
+
+    def _add(self, path: str, entry: _Entry) -> None:
+        if path not in self._entries:
+            self._order.append(path)
+        self._entries[path] = entry
+
+    # --- DataBackend ---------------------------------------------------------------------------------------------
+    def list_files(self, extensions: Iterable[str] | None = None) -> list[str]:
+        """Virtual paths ``"<shard>/<name>"``: shards in sorted order, each shard's files in its own order."""
+        wanted = normalize_extensions(extensions)
+        if wanted is None:
+            return list(self._order)
+        return [p for p in self._order if PurePosixPath(p).suffix.lower() in wanted]
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is a file of this dataset (an image or caption found when indexing)."""
+        return path in self._entries
+
+    def identity(self, path: str) -> str:
+        """``"{shard size}:{shard mtime_ns}:{position in the shard}"``: changes when the shard is rewritten."""
+        entry = self._entry(path)
+        st = self.shards[entry.shard].full.stat()
+        return f"{st.st_size}:{st.st_mtime_ns}:{entry.position}"
+
+    def shard_of(self, path: str) -> str:
+        """The shard holding ``path``: its path relative to the dataset root (``"shard-000.tar"``)."""
+        return self.shards[self._entry(path).shard].path
+
+    def _entry(self, path: str) -> _Entry:
+        try:
+            return self._entries[path]
+        except KeyError:
+            raise FileNotFoundError(
+                f"dataset {self.id!r}: no file {path!r} in the shards under {self.root}; use a path as returned by "
+                "list_files() (`<shard>/<name>`)"
+            ) from None
+
+    def _check_unchanged(self, index: int, st: os.stat_result) -> None:
+        shard = self.shards[index]
+        if (st.st_size, st.st_mtime_ns) != (shard.size, shard.mtime_ns):
+            raise OSError(
+                f"{self._where(index)} changed after it was indexed (size {shard.size} -> {st.st_size} bytes or a "
+                "new mtime); its files cannot be read at their old places: start the run again so it is indexed anew"
+            )
+
+
+# --- webdataset ----------------------------------------------------------------------------------------------------
+def _tar_members(full: Path, where: str) -> list[tuple[str, int, int]]:
+    """``(name, data offset, size)`` of every regular file in the tar ``full``, in stored order; only
+    headers are read. Raises ValueError (naming ``where``) for a file that is not an uncompressed tar or
+    is cut off."""
+    with open(full, "rb") as handle:
+        magic = handle.read(6)
+        for prefix, codec in _COMPRESSED.items():
+            if magic.startswith(prefix):
+                raise ValueError(
+                    f"{where} is {codec}-compressed; shards are read in place, which needs plain tar: decompress it "
+                    f"(the file inside is the .tar) or write the shards uncompressed"
+                )
+        handle.seek(0)
+        file_size = os.fstat(handle.fileno()).st_size
+        members = []
+        try:
+            with tarfile.open(fileobj=handle, mode="r:") as archive:
+                for info in archive:
+                    if info.isreg():
+                        members.append((info.name, info.offset_data, info.size))
+                end = archive.offset  # the end-of-archive marker, when there is one
+        except (tarfile.TarError, EOFError) as exc:
+            what = "is cut off" if "unexpected end" in str(exc) else "is not a readable tar file"
+            raise ValueError(
+                f"{where} {what} ({exc}); replace it with a complete tar shard or move it out of `instance_data_dir`"
+            ) from None
+        for name, offset, size in members:
+            if offset + size > file_size:
+                raise ValueError(
+                    f"{where} is cut off: member {name!r} needs bytes up to {offset + size} but the file has "
+                    f"{file_size}; copy the shard again"
+                )
+        handle.seek(end)
+        marker = handle.read(512)
+        if len(marker) < 512 or marker.strip(b"\0"):
+            raise ValueError(
+                f"{where} is cut off after {len(members)} member(s): no tar end-of-archive marker at byte {end} "
+                "(an incomplete copy or download); copy the shard again"
+            )
+        # After the marker only zero padding (to a 10 KiB record) may follow: more is a second archive
+        # appended to the first (`cat a.tar b.tar`), whose members tar readers never see.
+        tail = file_size - end
+        if tail > _MAX_TAR_PADDING or handle.read(tail).strip(b"\0"):
+            raise ValueError(
+                f"{where} holds data after its end-of-archive marker at byte {end} ({tail} more bytes: tar files "
+                "joined with `cat`?); tar readers stop at the marker, so those members would be lost. Re-create the "
+                "shard as one archive"
+            )
+    return members
+
+
+def _member_name(name: str) -> str | None:
+    """A member's name as a relative POSIX path (``./`` and leading ``/`` dropped), or None when any part
+    is hidden (``.``-prefixed: ``._0001.jpg`` from macOS) or ``..``."""
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    if not parts or any(p.startswith(".") for p in parts):
+        return None
+    return "/".join(parts)
+
+
+class WebDatasetBackend(_ShardBackend):
+    """webdataset tar shards under ``root``, read in place.
+
+    A sample is the members sharing a *key*: the member path up to the first dot of its file name
+    (``a/0001.jpg`` and ``a/0001.txt`` are sample ``a/0001``, fields ``jpg`` and ``txt``). Members whose
+    field is an image extension (``jpg``, ``jpeg``, ``png``, ``webp``) are the training images; the
+    sample's ``txt`` (else ``caption``, else ``text``) member is exposed as ``<key>.txt``. Other members
+    (``json``, ``cls``, images of compound fields such as ``seg.png``) are not listed; how many is logged.
+    """
+
+    suffix = ".tar"
+    kind = "webdataset"
+
+    def __init__(self, root: str | Path, id: str):
+        super().__init__(root, id)
+        ignored: Counter[str] = Counter()
+        for index in range(len(self.shards)):
+            self._index_tar(index, ignored)
+        if ignored:
+            logger.info(
+                "dataset %r: members not used for training (fields other than images and %s): %s",
+                id,
+                "/".join(CAPTION_FIELDS),
+                dict(ignored.most_common(10)),
+            )
+
+    def _no_shards_message(self) -> str:
+        message = super()._no_shards_message()
+        compressed = [
+            p
+            for suffix in (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
+            for p in find_shard_files(self.root, suffix)
+        ]
+        if compressed:
+            message += (
+                f" ({len(compressed)} compressed shard(s) there, e.g. {compressed[0]}: decompress them to .tar, "
+                "which can be read in place)"
+            )
+        return message
+
+    def _index_tar(self, index: int, ignored: Counter[str]) -> None:
+        shard = self.shards[index]
+        images: list[tuple[str, str, int, int]] = []  # (key, name, offset, size)
+        captions: dict[str, tuple[int, int, int]] = {}  # key -> (rank of the field, offset, size)
+        for raw_name, offset, size in _tar_members(shard.full, self._where(index)):
+            name = _member_name(raw_name)
+            if name is None:
+                ignored["hidden"] += 1
+                continue
+            folder, _, base = name.rpartition("/")
+            stem, dot, field = base.partition(".")
+            field = field.lower()
+            key = f"{folder}/{stem}" if folder else stem
+            if not stem or not dot:
+                ignored["(no extension)"] += 1
+            elif f".{field}" in IMAGE_EXTENSIONS:
+                images.append((key, name, offset, size))
+            elif field in CAPTION_FIELDS:
+                rank = CAPTION_FIELDS.index(field)
+                if key not in captions or rank <= captions[key][0]:
+                    captions[key] = (rank, offset, size)
+            else:
+                ignored[field] += 1
+        for key, name, offset, size in images:
+            path = f"{shard.path}/{name}"
+            self._add(path, _Entry(index, offset, size, False))
+            if key in captions:
+                _, text_offset, text_size = captions[key]
+                self._add(caption_file(path), _Entry(index, text_offset, text_size, True))
+
+    def read(self, path: str) -> bytes:
+        """The bytes of the member behind ``path``, read from its shard."""
+        entry = self._entry(path)
+        return self._pread(entry.shard, entry.position, entry.size)
+
+    def read_head(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the start of ``path`` (for header parsing)."""
+        entry = self._entry(path)
+        return self._pread(entry.shard, entry.position, min(num_bytes, entry.size))
+
+    def size(self, path: str) -> int:
+        """The member's size in bytes."""
+        return self._entry(path).size
+
+    def _pread(self, index: int, offset: int, length: int) -> bytes:
+        # A file opened per read and a positional read: safe from the decoding threads, and no
+        # descriptor limit to hit with thousands of shards.
+        with open(self.shards[index].full, "rb") as handle:
+            self._check_unchanged(index, os.fstat(handle.fileno()))
+            data = os.pread(handle.fileno(), length, offset)
+        if len(data) != length:
+            raise OSError(f"{self._where(index)}: read {len(data)} of {length} bytes at offset {offset}")
+        return data
+
+
+# --- Parquet -------------------------------------------------------------------------------------------------------
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ImportError(
+            'a `type: "parquet"` dataset needs pyarrow: install the `parquet` extra '
+            '(`pip install -e ".[parquet]"` in the simpletuner checkout, or `pip install pyarrow`)'
+        ) from exc
+    return pa, pq
+
+
+def image_extension_of(data: bytes | None) -> str | None:
+    """``.jpg`` / ``.png`` / ``.webp`` from the magic bytes of an encoded image, None when unknown."""
+    if not data:
+        return None
+    if data.startswith(b"\xff\xd8\xff"):
+        return ".jpg"
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return ".png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return ".webp"
+    return None
+
+
+@dataclass
+class _ParquetLayout:
+    is_struct: bool  # the image column is the Hugging Face Image struct {bytes, path}
+    row_starts: list[int]  # first row of each row group
+
+
+class ParquetBackend(_ShardBackend):
+    """Parquet files under ``root`` holding encoded images and captions, read in place.
+
+    ``image_column`` holds the image bytes: plain binary, or the Hugging Face ``datasets`` Image struct
+    ``{bytes, path}``. Each row is a file named by ``filename_column`` when given, else by the struct's
+    ``path``, else by its zero-padded row number; the extension comes from the name when it is an image
+    extension, else from the bytes. Only a name's last component is used, and a name whose stem another
+    row of the file already has gets the row number in front (every image keeps its own caption file).
+    ``caption_column`` (None: no captions) is exposed as ``<stem>.txt`` per row.
+
+    A read loads the row's whole row group (only the image and caption columns) and keeps the last
+    ``row_group_cache_size`` of them, so reading in ``list_files`` order reads each row group once; reading
+    in random order reads a row group per file.
+    """
+
+    suffix = ".parquet"
+    kind = "Parquet"
+
+    def __init__(
+        self,
+        root: str | Path,
+        id: str,
+        image_column: str = "image",
+        caption_column: str | None = "text",
+        filename_column: str | None = None,
+        row_group_cache_size: int = ROW_GROUP_CACHE_SIZE,
+    ):
+        self._pa, self._pq = _pyarrow()
+        super().__init__(root, id)
+        self.image_column = image_column
+        self.caption_column = caption_column
+        self.filename_column = filename_column
+        self.row_group_cache_size = max(1, row_group_cache_size)
+        self._layouts: list[_ParquetLayout] = []
+        self._cache: OrderedDict[tuple[int, int], tuple[Any, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        for index in range(len(self.shards)):
+            self._index_parquet(index)
+
+    def __getstate__(self) -> dict:  # picklable (worker processes): no lock, modules or cached row groups
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_cache", "_pa", "_pq")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pa, self._pq = _pyarrow()
+        self._lock = threading.Lock()
+        self._cache = OrderedDict()
+
+    def _open(self, index: int):
+        pa, pq = self._pa, self._pq
+        try:
+            return pq.ParquetFile(self.shards[index].full)
+        except (pa.ArrowException, OSError) as exc:  # ArrowInvalid: not a Parquet file (or cut off)
+            raise ValueError(
+                f"{self._where(index)} is not a readable Parquet file ({exc}); replace it or move it out of "
+                "`instance_data_dir`"
+            ) from None
+
+    def _index_parquet(self, index: int) -> None:
+        pa = self._pa
+        with self._open(index) as parquet:
+            schema = parquet.schema_arrow
+            self._check_columns(index, schema)
+            image_type = schema.field(self.image_column).type
+            is_struct = pa.types.is_struct(image_type)
+            metadata = parquet.metadata
+            starts = [0]
+            for group in range(metadata.num_row_groups):
+                starts.append(starts[-1] + metadata.row_group(group).num_rows)
+            num_rows = starts.pop()
+            if self.filename_column is not None:
+                names = parquet.read(columns=[self.filename_column]).column(0).to_pylist()
+            elif is_struct and image_type.get_field_index("path") >= 0:
+                column = parquet.read(columns=[f"{self.image_column}.path"]).column(0).combine_chunks()
+                names = column.field("path").to_pylist()
+            else:
+                names = [None] * num_rows
+        layout = _ParquetLayout(is_struct, starts)
+        self._layouts.append(layout)
+        width = max(6, len(str(max(num_rows - 1, 0))))
+        cleaned = [_row_name(value) for value in names]
+        sniffed = self._sniff(index, layout, [row for row, name in enumerate(cleaned) if not _has_image_suffix(name)])
+        stems: set[str] = set()
+        shard = self.shards[index]
+        for row, name in enumerate(cleaned):
+            number = f"{row:0{width}d}"
+            if name is None:
+                name = number + (sniffed.get(row) or ".jpg")
+            elif not _has_image_suffix(name):
+                name += sniffed.get(row) or ".jpg"
+            while PurePosixPath(name).stem in stems:  # every image keeps its own caption file
+                name = f"{number}-{name}"
+            stems.add(PurePosixPath(name).stem)
+            path = f"{shard.path}/{name}"
+            self._add(path, _Entry(index, row, -1, False))
+            if self.caption_column is not None:
+                self._add(caption_file(path), _Entry(index, row, -1, True))
+
+    def _check_columns(self, index: int, schema) -> None:
+        pa = self._pa
+        named = {"image_column": self.image_column}
+        if self.caption_column is not None:
+            named["caption_column"] = self.caption_column
+        if self.filename_column is not None:
+            named["filename_column"] = self.filename_column
+        absent = [f"{column!r} (`{key}`)" for key, column in named.items() if column not in schema.names]
+        if absent:
+            raise ValueError(
+                f"{self._where(index)} has no column {' or '.join(absent)}; its columns are: "
+                f"{', '.join(map(repr, schema.names)) or 'none'}. Name one of those"
+            )
+        kind = schema.field(self.image_column).type
+        is_bytes = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+        is_image_struct = pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+        if not (is_bytes or is_image_struct):
+            raise ValueError(
+                f"{self._where(index)}: column {self.image_column!r} (`image_column`) is {kind}, not encoded images: "
+                "expected binary, or the Hugging Face Image struct {bytes, path}; name the column of image bytes"
+            )
+        if self.caption_column is not None:
+            text = schema.field(self.caption_column).type
+            if pa.types.is_list(text) or pa.types.is_large_list(text):
+                text = text.value_type
+            if not (pa.types.is_string(text) or pa.types.is_large_string(text)):
+                raise ValueError(
+                    f"{self._where(index)}: column {self.caption_column!r} (`caption_column`) is {text}, not text; "
+                    "name the column of captions, or set `caption_column` to null"
+                )
+
+    def _sniff(self, index: int, layout: _ParquetLayout, rows: list[int]) -> dict[int, str | None]:
+        """The image extension of each of ``rows`` from its bytes (rows with no usable name); reads only
+        the row groups holding them, once each."""
+        found: dict[int, str | None] = {}
+        groups = sorted({bisect.bisect_right(layout.row_starts, row) - 1 for row in rows})
+        for group in groups:
+            images, _ = self._load_row_group(index, group, with_captions=False)
+            first = layout.row_starts[group]
+            for offset in range(len(images)):
+                found[first + offset] = image_extension_of(_head(images[offset]))
+        return found
+
+    def _load_row_group(self, index: int, group: int, with_captions: bool = True) -> tuple[Any, Any]:
+        """Row group ``group`` of shard ``index``: (image bytes array, caption array or None); the only
+        place rows are read after indexing (tests count its calls)."""
+        shard = self.shards[index]
+        self._check_unchanged(index, shard.full.stat())
+        layout = self._layouts[index]
+        image_spec = f"{self.image_column}.bytes" if layout.is_struct else self.image_column
+        columns = [image_spec]
+        if with_captions and self.caption_column is not None:
+            columns.append(self.caption_column)
+        with self._open(index) as parquet:
+            table = parquet.read_row_group(group, columns=columns)
+        images = table.column(self.image_column).combine_chunks()
+        if layout.is_struct:
+            images = images.field("bytes")
+        captions = table.column(self.caption_column).combine_chunks() if len(columns) > 1 else None
+        return images, captions
+
+    def _row(self, entry: _Entry) -> tuple[Any, Any]:
+        """The image bytes (None when null) and the caption cell of ``entry``'s row."""
+        layout = self._layouts[entry.shard]
+        group = bisect.bisect_right(layout.row_starts, entry.position) - 1
+        key = (entry.shard, group)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is None:
+                cached = self._load_row_group(entry.shard, group)
+                self._cache[key] = cached
+                while len(self._cache) > self.row_group_cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        images, captions = cached
+        offset = entry.position - layout.row_starts[group]
+        return images[offset].as_py(), (captions[offset].as_py() if captions is not None else None)
+
+    def read(self, path: str) -> bytes:
+        """The image bytes of the row behind ``path``, or its caption (UTF-8) for a ``.txt`` path.
+
+        Raises:
+            ValueError: the row's image is null (no bytes in the file), naming the file and row.
+        """
+        entry = self._entry(path)
+        image, caption = self._row(entry)
+        if entry.is_caption:
+            return _caption_text(caption).encode("utf-8")
+        if image is None:
+            raise ValueError(
+                f"{self.shards[entry.shard].full}, row {entry.position}: the column {self.image_column!r} has no "
+                "image bytes (null). A Hugging Face dataset that only records image paths needs its images "
+                "embedded in the file (`datasets` does so when it saves with `embed_external_files`)"
+            )
+        return image
+
+    def read_head(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the start of ``path`` (the row group is read whole)."""
+        return self.read(path)[:num_bytes]
+
+    def size(self, path: str) -> int:
+        """The length of the row's image bytes (0 when null) or caption."""
+        entry = self._entry(path)
+        image, caption = self._row(entry)
+        if entry.is_caption:
+            return len(_caption_text(caption).encode("utf-8"))
+        return len(image) if image is not None else 0
+
+
+def _head(value: Any) -> bytes | None:
+    """The first bytes of one cell of an arrow binary array (without copying the whole value)."""
+    if not value.is_valid:
+        return None
+    buffer = value.as_buffer()
+    return buffer[:16].to_pybytes()
+
+
+def _row_name(value: Any) -> str | None:
+    """A row's file name from a name cell: its last path component, None when empty or hidden."""
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", errors="replace")
+    name = str(value).strip().replace("\\", "/").rstrip("/").rpartition("/")[2]
+    return name if name and not name.startswith(".") else None
+
+
+def _has_image_suffix(name: str | None) -> bool:
+    return name is not None and PurePosixPath(name).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _caption_text(cell: Any) -> str:
+    """A caption cell as text: a string, the first non-empty string of a list, "" when null."""
+    if isinstance(cell, list):
+        return next((c for c in cell if c and c.strip()), "")
+    return cell or ""
+
+
+# --- builders (simpletuner.data_backend.factory.BUILDERS) -----------------------------------------------------------
+def build_webdataset_backend(dataset_cfg: Any, config: "TrainingConfig") -> WebDatasetBackend:
+    """A :class:`WebDatasetBackend` over the ``.tar`` shards under ``dataset_cfg.instance_data_dir``."""
+    return WebDatasetBackend(dataset_cfg.instance_data_dir, dataset_cfg.id)
+
+
+def build_parquet_backend(dataset_cfg: Any, config: "TrainingConfig") -> ParquetBackend:
+    """A :class:`ParquetBackend` over the ``.parquet`` files under ``dataset_cfg.instance_data_dir``; the
+    caption column is read (and must exist) only with ``caption_strategy: textfile``."""
+    is_textfile = dataset_cfg.caption_strategy == "textfile"
+    return ParquetBackend(
+        dataset_cfg.instance_data_dir,
+        dataset_cfg.id,
+        image_column=dataset_cfg.image_column,
+        caption_column=dataset_cfg.caption_column if is_textfile else None,
+        filename_column=dataset_cfg.filename_column,
+    )

@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from training_helpers import same_weights, tiny_config
 
@@ -102,6 +103,24 @@ def test_two_processes_shard_batches_and_only_rank0_writes(straight):
     assert state["samples_seen"] == 4 * 2 * 2  # steps x batch x processes
     assert sorted(p.name for p in (out / "checkpoint-4").glob("rng_state_*.pt")) == ["rng_state_0.pt", "rng_state_1.pt"]
     assert not list(out.glob(".checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_two_processes_fill_the_cache_together(straight):
+    """Each rank encoded its own part of the latents and captions into shards of its own; both
+    report every entry (they indexed each other's shards), and no entry was encoded twice."""
+    raw, proc = straight
+    reports = re.findall(r"(vae|text) cache: (\d+) items, 0 hits, (\d+) computed", proc.stderr)
+    for name in ("vae", "text"):
+        counts = [(int(items), int(done)) for kind, items, done in reports if kind == name]
+        assert len(counts) == 2 and counts[0] == counts[1] and counts[0][0] == counts[0][1], reports
+        folder = next(Path(raw["cache_config"]["cache_dir"]).glob(f"*/{name}"))
+        writers = []
+        for shard in folder.glob("shard-*.safetensors"):
+            with safe_open(str(shard), "pt") as handle:
+                writers.append({tensor.split("|")[0] for tensor in handle.keys()})
+        assert len(writers) == 2, writers  # one shard per rank (each holds under 256 entries)
+        assert not writers[0] & writers[1] and len(writers[0] | writers[1]) == counts[0][0]
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from simpletuner.caching import MemoryTensorStore, open_caches
-from simpletuner.caching.tensor_cache import open_tensor_cache
+from simpletuner.caching.opening import open_tensor_cache
 from simpletuner.configuration import load_config
 from simpletuner.gh200 import uvm
 from simpletuner.gh200.uvm import (

@@ -12,8 +12,9 @@
   checks (verify, checked reads, compaction) live in :mod:`.shard_checks`.
 - :mod:`.integrity`: per-tensor checksums in each shard's header, :class:`VerifyReport`.
 - :mod:`.memory_store`: :class:`MemoryTensorStore`, entries in RAM or managed memory.
-- :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``) and
-  :func:`open_caches` for a model's ``(vae, text)`` pair; :mod:`.threads`, its thread helpers.
+- :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``); :mod:`.opening`, a cache over
+  the store a cache type names, :func:`open_caches` for a model's ``(vae, text)`` pair; :mod:`.share`,
+  a fill split between the processes of a launch; :mod:`.threads`, its thread helpers.
 - :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind.
 - :mod:`.reencode`: decoding images for the VAE, and the re-encoding cache modes
   (``refresh_each_epoch``, ``disable_cache``).
@@ -31,8 +32,9 @@ from simpletuner.caching.fingerprint import (
 from simpletuner.caching.integrity import CacheIntegrityError, CompactReport, VerifyReport
 from simpletuner.caching.keys import CacheKeys, cache_keys
 from simpletuner.caching.memory_store import MemoryTensorStore
+from simpletuner.caching.opening import open_caches
 from simpletuner.caching.store import ShardedTensorStore
-from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_caches
+from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.caching.text_cache import caption_text_key, text_cache_key
 from simpletuner.caching.vae_cache import LATENT_DTYPE, latent_cache_key, sample_latent_key
 

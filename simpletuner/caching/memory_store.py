@@ -58,10 +58,20 @@ class MemoryTensorStore:
         if backing is not None:
             self._load(backing)
 
-    def _load(self, backing: ShardedTensorStore) -> None:
-        """Read and check every backing entry; place the good ones, remember the bad ones."""
+    def refresh(self) -> int:
+        """Load the entries other processes wrote to the backing folder since this store was opened
+        (checked as at start-up); returns how many were added. Nothing to do without a backing folder."""
+        if self.backing is None:
+            return 0
+        self.backing.refresh()
+        before = len(self._entries)
+        self._load(self.backing, [key for key in self.backing.keys() if key not in self._entries])
+        return len(self._entries) - before
+
+    def _load(self, backing: ShardedTensorStore, keys: list[str] | None = None) -> None:
+        """Read and check every backing entry (or those of ``keys``); place the good ones, remember the bad ones."""
         self._rejected.update(backing.lost_keys())
-        keys = backing.keys()
+        keys = backing.keys() if keys is None else keys
         num_unverified = 0
         for start in tqdm(range(0, len(keys), 256), desc=f"loading {self.name} cache", unit="chunk", disable=None):
             read = backing.read_checked(keys[start : start + 256])

@@ -25,7 +25,8 @@ from PIL import Image
 
 from simpletuner.caching.keys import epoch_latent_key
 from simpletuner.caching.layout import cache_base, epoch_folder
-from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_tensor_cache
+from simpletuner.caching.opening import open_tensor_cache
+from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.caching.threads import run_ahead
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
 from simpletuner.data_backend.augment import augment_pixels

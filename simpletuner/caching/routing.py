@@ -21,7 +21,8 @@ from typing import Any, Iterable, Mapping
 
 from simpletuner.caching.keys import CacheKeys
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
-from simpletuner.caching.tensor_cache import FillReport, TensorCache, open_tensor_cache
+from simpletuner.caching.opening import open_tensor_cache
+from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.configuration.cache_paths import fill_template, trained_datasets
 
 
@@ -106,7 +107,7 @@ def open_folder_cache(
     folder: Path, kind: str, name: str, persistent: bool, state: Any = None, verify: bool = True
 ) -> TensorCache:
     """A :class:`TensorCache` in ``folder`` (``name``: ``vae`` keeps entries in CPU memory, ``text`` prefers
-    the GPU, as :func:`~simpletuner.caching.tensor_cache.open_caches` places them), registered with
+    the GPU, as :func:`~simpletuner.caching.opening.open_caches` places them), registered with
     ``state`` when it writes to disk."""
     prefer = "cpu" if name == VAE_CACHE_NAME else "gpu"
     cache = open_tensor_cache(folder, kind, name, persistent, prefer, verify=verify)

@@ -25,8 +25,6 @@ the next fill reuses (it encodes only what is still missing).
 from __future__ import annotations
 
 import logging
-import os
-import re
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -38,21 +36,18 @@ from tqdm import tqdm
 
 from simpletuner.caching.base import TensorStore
 from simpletuner.caching.integrity import summarise_problems
-from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
-from simpletuner.caching.memory_store import MemoryTensorStore
+from simpletuner.caching.share import FillShare, describe_failure, raise_agreed, shares_folder, split_misses
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.threads import map_threads, run_ahead_on_threads
 from simpletuner.diskspace import NoSpace, free_bytes, human_bytes, require_space
 from simpletuner.faults import fault_point
-from simpletuner.gh200.uvm import cache_type_in_use, prefetch_to_device, stack_unified, to_unified
 
 if TYPE_CHECKING:
-    from simpletuner.state import StateTracker
+    pass
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_EVERY = 256
-_MODEL_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 Entry = dict[str, torch.Tensor]
 ComputeFn = Callable[[list[Any]], Sequence[Mapping[str, torch.Tensor]]]
@@ -176,16 +171,19 @@ def _plan_batches(
 ) -> list[list[str]]:
     """Split miss keys into batches of at most ``batch_size`` that share one ``group`` value.
 
-    Groups keep the order in which they first appear, and items keep their order inside
-    a group, so a fill is deterministic for a given item list.
+    A batch comes out as soon as it is full, so the fill follows the items' order (a shard file,
+    a parquet row group, is read once, front to back); the part-filled batches follow at the end,
+    in the order their groups first appear. Deterministic for a given item list.
     """
-    by_group: dict[Hashable, list[str]] = {}
-    for key, payload in misses.items():
-        group_id = group(payload) if group is not None else None
-        by_group.setdefault(group_id, []).append(key)
+    open_batches: dict[Hashable, list[str]] = {}
     batches = []
-    for keys in by_group.values():
-        batches.extend(keys[start : start + batch_size] for start in range(0, len(keys), batch_size))
+    for key, payload in misses.items():
+        batch = open_batches.setdefault(group(payload) if group is not None else None, [])
+        batch.append(key)
+        if len(batch) == batch_size:
+            batches.append(batch[:])
+            batch.clear()
+    batches.extend(batch for batch in open_batches.values() if batch)
     return batches
 
 
@@ -255,6 +253,8 @@ class TensorCache:
         prepare_pool: Executor | None = None,
         sources: SourceCheck | None = None,
         entry_bytes: Callable[[Any], int] | None = None,
+        share: FillShare | None = None,
+        locality: Callable[[Any], Hashable | None] | None = None,
     ) -> FillReport:
         """Compute and store every item whose key the store does not hold yet.
 
@@ -282,6 +282,13 @@ class TensorCache:
                 known from the config: the cache folder's free space is checked against the
                 misses' total before anything is encoded. Without it the check runs after the
                 first batch is encoded, before anything is written (see :class:`_SpaceCheck`).
+            share: the processes of a launch filling this cache together (every one calls ``fill``
+                with the same items): rank 0 finds what is missing, each rank encodes its part
+                (:func:`~simpletuner.caching.share.split_misses`) into shards of its own, then every
+                rank indexes them all; the report counts every rank's work. A store no other process
+                can read (a memory cache without ``persistent_cache``) is filled whole on each rank.
+            locality: payload -> the shard file its source lives in (None: a file of its own), so a
+                rank of a shared fill reads whole shards.
 
         Entries are written in shards of ``flush_every`` as they are computed, and what is
         pending is written even when ``compute`` raises, so a crash loses little. Stored
@@ -295,50 +302,51 @@ class TensorCache:
         unique: dict[str, Any] = {}
         for key, payload in items:
             unique.setdefault(key, payload)
-        corrupt = self._find_corrupt(unique)
+        shared = share is not None and share.num_ranks > 1 and shares_folder(self.store)
+        corrupt: dict[str, str] = {}
         changed: dict[str, str] = {}
         unhashed: dict[str, str] = {}
-        if sources is not None and sources.verify:
-            changed, unhashed = self._find_changed_sources(unique, sources, prepare_workers, prepare_pool)
-        misses = {key: payload for key, payload in unique.items() if key not in self.store}
-        num_hits = len(unique) - len(misses)
-        batches = _plan_batches(misses, batch_size, group)
-        space = _SpaceCheck(self.store, self.name, misses, entry_bytes)  # NoSpace: nothing encoded or written
+        missing: list[str] = []
+        if not shared or share.rank == 0:  # one process checks what is stored (and moves damaged shards aside)
+            corrupt = self._find_corrupt(unique)
+            if sources is not None and sources.verify:
+                changed, unhashed = self._find_changed_sources(unique, sources, prepare_workers, prepare_pool)
+            missing = [key for key in unique if key not in self.store]
+        mine = missing
+        if shared:
+            corrupt, changed, unhashed, missing = share.from_first((corrupt, changed, unhashed, missing))
+            if share.rank != 0:
+                self.store.discard(missing)  # what rank 0 found corrupt or changed is not served here either
+            where = None if locality is None else (lambda key: locality(unique[key]))
+            mine = split_misses(missing, share.num_ranks, where)[share.rank] if missing else []
+        num_hits = len(unique) - len(missing)
+        misses = {key: unique[key] for key in mine}
         if sources is not None:
             prepare = _with_source_hashes(prepare, sources)
-
-        pending: dict[str, Entry] = {}
-        pending_sources: dict[str, str] = {}
-        failed: list[str] = []
-        num_computed = 0
-        progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
+        error: BaseException | None = None
         try:
-            for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers, prepare_pool):
-                hashes: list[str | None] = [None] * len(batch_keys)
-                if sources is not None:
-                    hashes, inputs = inputs
-                results = compute(inputs)
-                self._check_results(batch_keys, results)
-                space.after_batch(results)
-                for key, result, source in zip(batch_keys, results, hashes):
-                    if result is None:
-                        failed.append(key)
-                    else:
-                        pending[key] = dict(result)
-                        if source is not None:
-                            pending_sources[key] = source
-                        num_computed += 1
-                progress.update(len(batch_keys))
-                if len(pending) >= self.flush_every:
-                    self._write(pending, pending_sources, sources is not None)
-                    pending, pending_sources = {}, {}
-        except NoSpace:
-            pending = {}  # the disk is full: writing them now would fail the same way; written shards stay
-            raise
-        finally:
-            progress.close()
-            if pending:
-                self._write(pending, pending_sources, sources is not None)
+            num_computed, failed = self._encode(
+                misses,
+                compute,
+                batch_size,
+                group,
+                desc,
+                prepare,
+                prepare_workers,
+                prepare_pool,
+                sources is not None,
+                entry_bytes,
+            )
+        except Exception as exc:  # noqa: BLE001 - a shared fill tells the other ranks first, then raises it
+            if not shared:
+                raise
+            error, num_computed, failed = exc, 0, []
+        if shared:
+            outcomes = share.from_all((num_computed, failed, describe_failure(error)))
+            self.store.refresh()  # every rank's shards
+            raise_agreed([outcome[2] for outcome in outcomes], error, self.name)
+            num_computed = sum(outcome[0] for outcome in outcomes)
+            failed = [key for outcome in outcomes for key in outcome[1]]
 
         report = FillReport(
             num_items=len(unique),
@@ -368,6 +376,57 @@ class TensorCache:
             )
         self._log_source_reencodes(changed, unhashed)
         return report
+
+    def _encode(
+        self,
+        misses: dict[str, Any],
+        compute: ComputeFn,
+        batch_size: int,
+        group: Callable[[Any], Hashable] | None,
+        desc: str | None,
+        prepare: Callable[[list[Any]], Any] | None,
+        prepare_workers: int,
+        prepare_pool: Executor | None,
+        has_sources: bool,
+        entry_bytes: Callable[[Any], int] | None,
+    ) -> tuple[int, list[str]]:
+        """Compute and write ``misses`` (``prepare`` already wrapped to hash sources when
+        ``has_sources``); returns ``(entries written, keys compute could not produce)``."""
+        batches = _plan_batches(misses, batch_size, group)
+        space = _SpaceCheck(self.store, self.name, misses, entry_bytes)  # NoSpace: nothing encoded or written
+        pending: dict[str, Entry] = {}
+        pending_sources: dict[str, str] = {}
+        failed: list[str] = []
+        num_computed = 0
+        progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
+        try:
+            for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers, prepare_pool):
+                hashes: list[str | None] = [None] * len(batch_keys)
+                if has_sources:
+                    hashes, inputs = inputs
+                results = compute(inputs)
+                self._check_results(batch_keys, results)
+                space.after_batch(results)
+                for key, result, source in zip(batch_keys, results, hashes):
+                    if result is None:
+                        failed.append(key)
+                    else:
+                        pending[key] = dict(result)
+                        if source is not None:
+                            pending_sources[key] = source
+                        num_computed += 1
+                progress.update(len(batch_keys))
+                if len(pending) >= self.flush_every:
+                    self._write(pending, pending_sources, has_sources)
+                    pending, pending_sources = {}, {}
+        except NoSpace:
+            pending = {}  # the disk is full: writing them now would fail the same way; written shards stay
+            raise
+        finally:
+            progress.close()
+            if pending:
+                self._write(pending, pending_sources, has_sources)
+        return num_computed, failed
 
     def _write(self, pending: dict[str, Entry], pending_sources: dict[str, str], has_sources: bool) -> None:
         if has_sources:
@@ -486,91 +545,3 @@ class TensorCache:
 
     def __repr__(self) -> str:
         return f"TensorCache(name={self.name!r}, store={self.store!r})"
-
-
-CACHE_TYPES = ("disk", "memory", "unified_memory")
-
-
-def _check_cache_types(*kinds: str) -> None:
-    """Raises ValueError naming the first of ``kinds`` that is not a cache type (before any folder is made)."""
-    for kind in kinds:
-        if kind not in CACHE_TYPES:
-            raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
-
-
-def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> TensorStore:
-    """A disk store, or a memory store (optionally backed by disk) placed per ``kind`` (one of
-    :data:`CACHE_TYPES`, checked by the caller)."""
-    kind = cache_type_in_use(kind)
-    if kind == "disk":
-        return ShardedTensorStore(folder)
-    backing = ShardedTensorStore(folder) if persistent else None
-    if kind == "memory":
-        return MemoryTensorStore(name, backing=backing)
-    return MemoryTensorStore(
-        name,
-        place=lambda t: to_unified(t, prefer),
-        prefetch=prefetch_to_device,
-        backing=backing,
-        stack=stack_unified,
-    )
-
-
-def open_tensor_cache(
-    folder: str | os.PathLike[str],
-    kind: str,
-    name: str,
-    persistent: bool = True,
-    prefer: str = "cpu",
-    verify: bool = True,
-) -> TensorCache:
-    """One :class:`TensorCache` in ``folder`` of cache type ``kind`` (`disk`, `memory`,
-    `unified_memory`; memory ones written through to ``folder`` when ``persistent``). A
-    `unified_memory` cache is a `memory` one while hints are forced off (:func:`cache_type_in_use`).
-
-    Raises:
-        ValueError: an unknown cache type.
-    """
-    _check_cache_types(kind)
-    return TensorCache(_open_store(Path(folder), kind, name, persistent, prefer), name, verify=verify)
-
-
-def open_caches(
-    cache_dir: str | os.PathLike[str],
-    model_tag: str,
-    state: "StateTracker | None" = None,
-    vae_type: str = "disk",
-    text_type: str = "disk",
-    persistent: bool = True,
-    verify: bool = True,
-) -> tuple[TensorCache, TensorCache]:
-    """Open the ``(vae_cache, text_cache)`` pair of a model under ``cache_dir/model_tag``.
-
-    The stores live in ``cache_dir/model_tag/vae`` and ``cache_dir/model_tag/text``; both
-    folders are registered with ``state.register_cache_dir`` when a state is given, so
-    ``state.delete_cache_files()`` removes them. ``vae_type`` / ``text_type`` choose
-    `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU;
-    a CPU-backed `memory` cache while unified-memory hints are forced off, see
-    :func:`cache_type_in_use`); memory stores are written through to disk when ``persistent``
-    (both kinds share the disk format, so either reloads the other's entries). ``verify`` is passed to
-    :class:`TensorCache` (check each needed entry's checksum when filling).
-
-    Raises:
-        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or a
-            cache type is unknown.
-    """
-    if not isinstance(model_tag, str) or not _MODEL_TAG_PATTERN.match(model_tag):
-        raise ValueError(
-            f"model_tag {model_tag!r} must be a plain folder name of letters, digits, '.', '_' or '-' "
-            "(not starting with '.' or '-')"
-        )
-    _check_cache_types(vae_type, text_type)
-    base = cache_base(cache_dir, model_tag)
-    vae_dir, text_dir = base / VAE_CACHE_NAME, base / TEXT_CACHE_NAME
-    vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae", verify=verify)
-    text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text", verify=verify)
-    if state is not None:
-        for folder, kind in ((vae_dir, vae_type), (text_dir, text_type)):
-            if kind == "disk" or persistent:
-                state.register_cache_dir(folder)
-    return vae_cache, text_cache

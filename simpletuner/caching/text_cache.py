@@ -4,7 +4,7 @@ An embedding depends on the exact caption, the text encoder(s) and tokenizer tha
 it, the dtype, and the tokenizer's max length (truncation changes the value). Captions are
 keyed by content, so two images sharing a caption share one cached embedding.
 The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; see
-:func:`~simpletuner.caching.tensor_cache.open_caches`.
+:func:`~simpletuner.caching.opening.open_caches`.
 """
 
 from __future__ import annotations

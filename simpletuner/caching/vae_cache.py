@@ -6,7 +6,7 @@ those is in the key, so changing any of them makes a miss rather than a stale la
 blind spot of size + mtime, an edit in place that keeps both, is closed on request by the hash
 of the file's bytes stored beside each latent (:func:`sample_source_hash`, ``verify_content``).
 The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; see
-:func:`~simpletuner.caching.tensor_cache.open_caches`.
+:func:`~simpletuner.caching.opening.open_caches`.
 """
 
 from __future__ import annotations

@@ -25,13 +25,16 @@ from simpletuner.caching.reencode import (
     encode_loaded,
 )
 from simpletuner.caching.routing import CacheFolders, merge_fill_reports, open_folder_cache
+from simpletuner.caching.share import FillShare, shares_folder
 from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
 from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
+from simpletuner.data_backend.base import SupportsShards
 from simpletuner.data_backend.pairs import pixels_to_image, source_pixels
 from simpletuner.gh200.uvm import optimize_batch_for_gh200
 from simpletuner.locks import CacheLocks, hold_epoch_folder
 from simpletuner.models import ModelSpec
+from simpletuner.training.launch import from_every_process, from_main_process, probe_shared_folder
 
 logger = logging.getLogger(__name__)
 
@@ -247,13 +250,18 @@ def _writing(
     keys: Iterable[str],
     reopen: Callable[[], TensorCache],
     may_rewrite: bool = False,
+    share: FillShare | None = None,
 ) -> Iterator[TensorCache]:
     """Hold the cache folder's writer lock while ``cache`` gets the ``keys`` it lacks, so two runs
     sharing the folder never encode an entry twice (nothing to hold when every key is there, or
     the caches live in memory only; ``may_rewrite``, i.e. ``verify_content``, always holds it: the
     fill may re-encode present entries). Yields the cache to fill: once the lock is held it is
     brought up to date with what other runs stored since it was opened (a disk store indexes their
-    new shards, a memory store is opened again), so only what is still missing gets encoded."""
+    new shards, a memory store is opened again), so only what is still missing gets encoded.
+    In a fill shared by the processes of a launch (``share``) rank 0 holds the lock for them all."""
+    if share is not None and share.rank != 0 and shares_folder(cache.store):
+        yield cache  # rank 0 holds the lock for the launch; the shared fill tells this rank what is missing
+        return
     if cache_locks is None or (not may_rewrite and all(key in cache for key in keys)):
         yield cache
         return
@@ -298,6 +306,49 @@ def _epoch_folder(base: Path) -> Path:
     return epoch_folder(base, process.process_index, process.num_processes)
 
 
+def launch_share(accelerator) -> FillShare | None:
+    """The processes of ``accelerator``'s launch as a cache fill's share; None for one process."""
+    if accelerator.num_processes <= 1:
+        return None
+
+    class _LaunchShare:
+        rank, num_ranks = accelerator.process_index, accelerator.num_processes
+
+        def from_first(self, value):
+            return from_main_process(accelerator, value)
+
+        def from_all(self, value):
+            return from_every_process(accelerator, value)
+
+        def sees_one_folder(self, folder: Path) -> bool:
+            """Whether every rank reads ``folder`` as rank 0 writes it (not a node-local disk at that path)."""
+            failed, seen = probe_shared_folder(accelerator, folder)
+            return failed is None and all(ok for ok, _ in seen)
+
+    return _LaunchShare()
+
+
+def _shard_of(payload: tuple) -> str | None:
+    """The shard file (tar, parquet) a VAE payload's image lives in; None for a file of its own."""
+    dataset, sample = payload[0], payload[1]
+    if isinstance(dataset.backend, SupportsShards):
+        return f"{dataset.id}/{dataset.backend.shard_of(sample.path)}"
+    return None
+
+
+def _every_rank_undecodable(
+    undecodable: dict[str, dict[str, str]], share: FillShare | None
+) -> dict[str, dict[str, str]]:
+    """The files no rank could decode (each decoded only its part of the misses): dataset id -> {path: reason}."""
+    if share is None:
+        return undecodable
+    merged: dict[str, dict[str, str]] = {}
+    for part in share.from_all(undecodable):
+        for dataset_id, files in part.items():
+            merged.setdefault(dataset_id, {}).update(files)
+    return merged
+
+
 def prepare_caches(
     spec: ModelSpec,
     datasets: list[RegisteredDataset],
@@ -305,8 +356,13 @@ def prepare_caches(
     device: torch.device,
     text_dtype: torch.dtype,
     state=None,
+    share: FillShare | None = None,
 ) -> tuple[CachedData, _LazyEncoders]:
     """Encode every sample and caption not already cached; returns the data and any loaded encoders.
+
+    ``share`` (:func:`launch_share`): the processes of a launch; every one calls this, each encodes a
+    part of what is missing into the shared cache folder (:mod:`simpletuner.caching.share`), and files
+    that do not decode are known to all of them.
 
     With ``augmentations_cache_mode`` ``refresh_each_epoch`` or ``disable_cache`` no latent is
     encoded here: every image is decoded once instead, so files that do not decode are dropped
@@ -345,6 +401,14 @@ def prepare_caches(
     def locks_of(folder: Path) -> CacheLocks | None:
         return cache_locks.get(folders.lock_base(folder))
 
+    if share is not None and on_disk and not all(share.sees_one_folder(f) for f in [*vae_folders, folders.text]):
+        logger.warning(
+            "the cache folders (%s) are not one folder for every process (a node-local disk at that path on some "
+            "node): every process fills the whole cache itself, one at a time per folder. Put cache_dir on a "
+            "file system every node mounts to share the encoding (documentation/DISTRIBUTED.md)",
+            folders.base,
+        )
+        share = None
     encoders = _LazyEncoders(spec, device, text_dtype)
     loader = PixelLoader(config, pin=config.dataloader_pin_memory and device.type == "cuda")
 
@@ -366,6 +430,7 @@ def prepare_caches(
                 [key for key, _ in items],
                 lambda folder=folder: open_vae(folder),
                 may_rewrite=cache.verify_content,
+                share=share,
             ) as filled:
                 reports.append(
                     filled.fill(
@@ -378,6 +443,8 @@ def prepare_caches(
                         prepare_workers=config.dataloader_num_workers,
                         sources=_latent_sources(cache.verify_content),
                         entry_bytes=_latent_entry_bytes(spec),
+                        share=share,
+                        locality=_shard_of,
                     )
                 )
             vae_caches[folder] = filled
@@ -402,11 +469,12 @@ def prepare_caches(
             config.vae_batch_size,
         )
         latent_report = reencoder.probe([(ds, s, None) for ds, s in distinct.values()])
+    undecodable = _every_rank_undecodable(loader.undecodable, share)
     for ds in datasets:
         ds.metadata.drop_unreadable(
             ds.id,
             str(getattr(ds.backend, "root", ds.id)),
-            loader.undecodable.get(ds.id, {}),
+            undecodable.get(ds.id, {}),
             config.max_bad_image_fraction,
         )
 
@@ -423,13 +491,14 @@ def prepare_caches(
     def text_group(item) -> tuple:  # a batch of pairs holds one source size (their prompts stack)
         return ("pair", distinct[item.sample_key][1].bucket) if isinstance(item, PairedCaption) else ("caption",)
 
-    with _writing(locks_of(folders.text), text_cache, text_keys.values(), open_text) as text_cache:
+    with _writing(locks_of(folders.text), text_cache, text_keys.values(), open_text, share=share) as text_cache:
         text_report = text_cache.fill(
             [(key, caption) for caption, key in text_keys.items()],
             encode_text,
             TEXT_ENCODE_BATCH,
             group=text_group,
             desc="text embeddings",
+            share=share,
         )
     reports = {"latents": latent_report, "text": text_report}
     by_dataset = {ds.id: vae_caches[folders.vae_folder(ds.id)] for ds in datasets}

@@ -13,6 +13,8 @@ Layout of ``checkpoint-<step>/``::
     scaler.pt               AMP grad scaler state (fp16 runs only)
     trainer_state.json      step, samples seen, sampler position, accumulation, run id, run identity
     rng_state_<rank>.pt     torch / cuda / numpy / python RNGs and the noise generator, per rank
+    shards/                 FSDP runs: the model and optimizer state, one file per rank (trainable.safetensors
+                            and optimizer.pt then only name this folder: see training/sharded_state.py)
     COMPLETE                the manifest, written last; a folder without it is never resumed from
 
 ``COMPLETE`` is a JSON manifest of every other file in the folder::
@@ -85,6 +87,7 @@ from simpletuner.training.launch import from_every_process, from_main_process
 from simpletuner.training.reliability import fault_point
 from simpletuner.training.rng import capture_rng, restore_rng
 from simpletuner.training.run_identity import check_compatible
+from simpletuner.training.sharded_state import SHARDS, is_sharded, load_shards, save_shards, write_placeholders
 
 logger = logging.getLogger(__name__)
 
@@ -366,6 +369,7 @@ def save_checkpoint(
     write_adapter: Callable[[Path], Any] | None = None,
     token: str | None = None,
     ema: dict[str, torch.Tensor] | None = None,
+    write_shards: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Save collectively (every rank calls it); returns the final checkpoint folder.
 
@@ -375,6 +379,7 @@ def save_checkpoint(
     previous checkpoint complete and named by ``latest``; so does a full disk, which removes the
     temp folder and raises NoSpace on every rank. ``write_adapter(folder)`` (rank 0) writes the
     loadable adapter into the temp folder, so it is fsynced and listed like every other file.
+    ``write_shards(folder)`` (FSDP, every rank, collective) writes the sharded model and optimizer state.
     """
     acc = accelerator
     token = token or from_main_process(acc, uuid.uuid4().hex[:12])
@@ -398,16 +403,22 @@ def save_checkpoint(
     def write_rng() -> None:
         with guard():
             torch.save(capture_rng(generator), tmp / f"rng_state_{acc.process_index}.pt")
+            if write_shards is not None:
+                write_shards(tmp)
 
     def write_main() -> None:
         with guard():
-            save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, tmp / "trainable.safetensors")
+            if write_shards is None:
+                weights = {k: v.detach().cpu().contiguous() for k, v in trainable.items()}
+                save_file(weights, tmp / "trainable.safetensors")
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            else:  # the state is in shards/
+                write_placeholders(tmp)
             diskspace.inject_fault("checkpoint")  # tests: the disk fills once the first file is written
             ordinary_permissions(tmp / "trainable.safetensors")  # safetensors writes 0600
             if ema is not None:  # rank 0's EMA (training/ema.py)
                 save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA_FILE)
                 ordinary_permissions(tmp / EMA_FILE)
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
             if scaler is not None:
                 torch.save(scaler.state_dict(), tmp / "scaler.pt")
@@ -570,6 +581,7 @@ def save_parts(
         write_adapter=write_adapter,
         token=token,
         ema=parts.ema.state_dict() if parts.ema is not None else None,
+        write_shards=(lambda d: save_shards(d, parts.model, parts.optimizer)) if is_sharded(accelerator) else None,
     )
 
 
@@ -586,14 +598,21 @@ def restore_parts(path: Path, accelerator, parts: CheckpointParts, identity: dic
             state.get("accumulation"),
             parts.accumulation.state_dict(),
         )
+    sharded = is_sharded(accelerator)
+    if sharded != (path / SHARDS).is_dir():
+        how = ("with", "without") if sharded else ("without", "with")
+        raise ResumeRefused(f"{path} was saved {how[0]} FSDP and this run is launched {how[1]}: launch as it was saved")
     tensors = load_tensors(path, accelerator.process_index, with_ema=parts.ema is not None)
-    if set(tensors["trainable"]) != set(trainable_state(parts.model)):
+    if not sharded and set(tensors["trainable"]) != set(trainable_state(parts.model)):
         raise ValueError(f"{path}: trained parameters do not match this model (different adapter or model?)")
     ema_problem = parts.ema.mismatch(tensors["ema"]) if "ema" in tensors else None
     if ema_problem:
         raise ValueError(f"{path}/{EMA_FILE}: {ema_problem}")
-    parts.model.load_state_dict(tensors["trainable"], strict=False)
-    parts.optimizer.load_state_dict(tensors["optimizer"])
+    if sharded:  # every rank its slice (collective)
+        load_shards(path, parts.model, parts.optimizer)
+    else:
+        parts.model.load_state_dict(tensors["trainable"], strict=False)
+        parts.optimizer.load_state_dict(tensors["optimizer"])
     parts.lr_scheduler.load_state_dict(tensors["lr_scheduler"])
     parts.sampler.load_state_dict(state["sampler"])
     restore_rng(tensors["rng"], parts.generator)

@@ -34,6 +34,7 @@ from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.ema import EMA_FOLDER
 from simpletuner.training.launch import from_main_process
 from simpletuner.training.run_identity import describe_run, identity_differences
+from simpletuner.training.sharded_state import is_sharded, unsharded_copy
 
 logger = logging.getLogger(__name__)
 
@@ -228,10 +229,32 @@ def finished_step(output_dir: Path, resume_from_checkpoint: str | None, total_st
     return step
 
 
+#: ``storage_options`` entries that are secrets (s3fs, gcsfs, adlfs names): not copied into output_dir.
+SECRET_OPTIONS = frozenset({"key", "secret", "token", "password", "account_key", "sas_token", "client_secret"})
+REDACTED = "<not copied: give it in the environment or the original config>"
+
+
+def without_secrets(raw_config: dict[str, Any]) -> dict[str, Any]:
+    """``raw_config`` with the secret ``storage_options`` of its datasets replaced by :data:`REDACTED`
+    (output folders get shared; object-store credentials must not travel with them)."""
+    datasets = raw_config.get("datasets")
+    if not isinstance(datasets, list):
+        return raw_config
+    cleaned = []
+    for entry in datasets:
+        options = entry.get("storage_options") if isinstance(entry, dict) else None
+        if isinstance(options, dict) and SECRET_OPTIONS & set(options):
+            hidden = {name: REDACTED if name in SECRET_OPTIONS else value for name, value in options.items()}
+            entry = {**entry, "storage_options": hidden}
+        cleaned.append(entry)
+    return {**raw_config, "datasets": cleaned}
+
+
 def write_run_config(output_dir: Path, raw_config: dict[str, Any]) -> None:
-    """``output_dir/config.json``: the config this run trains with, as loaded (rank 0)."""
+    """``output_dir/config.json``: the config this run trains with, as loaded (rank 0), without
+    object-store secrets (:func:`without_secrets`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.json").write_bytes(orjson.dumps(raw_config, option=orjson.OPT_INDENT_2))
+    (output_dir / "config.json").write_bytes(orjson.dumps(without_secrets(raw_config), option=orjson.OPT_INDENT_2))
 
 
 def lock_output_dir(accelerator, output_dir: Path, held: ExitStack) -> None:
@@ -270,8 +293,11 @@ def save_final_weights(accelerator, spec, model, output_dir: Path, full: bool, s
     all (``ModelSpec.save_final``); returns its path there, None on the other ranks. With ``ema``
     (rank 0's :class:`~simpletuner.training.ema.EMA`) the averaged weights follow, saved the same way
     under ``output_dir/ema`` (the family's loader reads that folder as it reads ``output_dir``). A
-    full disk on rank 0 raises NoSpace on every rank: they agree on the outcome first."""
+    full disk on rank 0 raises NoSpace on every rank: they agree on the outcome first. Under FSDP
+    every rank first joins the gather of the whole weights into a plain copy on rank 0, which saves it."""
     accelerator.wait_for_everyone()
+    if is_sharded(accelerator):
+        model = unsharded_copy(model)  # collective: rank 0 gets the whole model, the others None
     path, failure = None, None
     if accelerator.is_main_process:
         try:

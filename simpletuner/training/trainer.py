@@ -21,13 +21,15 @@ from simpletuner.models import get_model_spec
 from simpletuner.precision import PRECISION_DTYPES, reset_accelerate_state, resolve_mixed_precision
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training import knobs, metrics, run_folder, runlog
+from simpletuner.training import knobs, metrics, run_folder, runlog, sharded_state
 from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
-from simpletuner.training.batches import Batch, free_memory, prepare_caches
+from simpletuner.training.batches import Batch, free_memory, launch_share, prepare_caches
 from simpletuner.training.ema import EMA
 from simpletuner.training.launch import (
     PhaseClock,
     check_launch_matches,
+    check_same_config,
+    check_shared_output_dir,
     make_accelerator,
 )
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
@@ -164,7 +166,10 @@ class Trainer:
             find_unused_parameters=self.spec.needs_unused_parameter_detection,
         )
         check_launch_matches(acc.num_processes, os.environ)  # the launcher started as many processes as joined
+        sharded_state.check_fsdp_run(cfg, acc)  # FSDP: full fine-tunes only, refused before anything loads
+        check_same_config(acc, cfg.model_dump(mode="json"))  # every node was given this config: before any write
         self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
+        check_shared_output_dir(acc, self.output_dir)  # every node sees the folder rank 0 holds
         self.run_id, self._save_token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves
         self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
         if self.finished_at is not None:
@@ -187,13 +192,14 @@ class Trainer:
 
     def _setup_caches(self) -> None:
         """``data`` (every latent and text embedding cached) and ``validator``. Stops first when RAM or
-        GPU cannot hold the run; then rank 0 encodes what is missing and the other ranks read it."""
+        GPU cannot hold the run; then every rank encodes its part of what is missing and reads the others'."""
         cfg, acc, spec, datasets = self.config, self.accelerator, self.spec, self.state.datasets
         check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
         run_phase("cache_fill", kept=cache_entries_kept(lambda: self.state.cache_dirs))  # a stop keeps what is written
-        with acc.main_process_first():  # rank 0 encodes; the others then find every entry cached
-            cache_dir = Path(cfg.cache_config.cache_dir).expanduser()
-            self.data, encoders = prepare_caches(spec, datasets, cache_dir, acc.device, self.weight_dtype, self.state)
+        cache_dir = Path(cfg.cache_config.cache_dir).expanduser()
+        self.data, encoders = prepare_caches(
+            spec, datasets, cache_dir, acc.device, self.weight_dtype, self.state, launch_share(acc)
+        )
         self.validator = None
         if cfg.validation_prompt_list and acc.is_main_process:
             self.validator = Validator(spec, cfg, encoders, self.output_dir, datasets)
@@ -414,6 +420,7 @@ class Trainer:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             if self.config.max_grad_norm:
                 acc.clip_grad_value_(params, self.config.max_grad_norm)
+        norm = sharded_state.plain(norm)  # FSDP: a DTensor, reduced to its value
         if self._agree(total, norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_steps += 1

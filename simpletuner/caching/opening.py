@@ -1,0 +1,108 @@
+"""Opening caches: a :class:`~simpletuner.caching.tensor_cache.TensorCache` over the store a cache type
+names (`disk`; `memory` / `unified_memory`, optionally written through to disk), one folder or a
+model's ``(vae, text)`` pair."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from simpletuner.caching.base import TensorStore
+from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
+from simpletuner.caching.memory_store import MemoryTensorStore
+from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.caching.tensor_cache import TensorCache
+from simpletuner.gh200.uvm import cache_type_in_use, prefetch_to_device, stack_unified, to_unified
+
+if TYPE_CHECKING:
+    from simpletuner.state import StateTracker
+
+CACHE_TYPES = ("disk", "memory", "unified_memory")
+_MODEL_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+
+
+def _check_cache_types(*kinds: str) -> None:
+    """Raises ValueError naming the first of ``kinds`` that is not a cache type (before any folder is made)."""
+    for kind in kinds:
+        if kind not in CACHE_TYPES:
+            raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
+
+
+def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> TensorStore:
+    """A disk store, or a memory store (optionally backed by disk) placed per ``kind`` (one of
+    :data:`CACHE_TYPES`, checked by the caller)."""
+    kind = cache_type_in_use(kind)
+    if kind == "disk":
+        return ShardedTensorStore(folder)
+    backing = ShardedTensorStore(folder) if persistent else None
+    if kind == "memory":
+        return MemoryTensorStore(name, backing=backing)
+    return MemoryTensorStore(
+        name,
+        place=lambda t: to_unified(t, prefer),
+        prefetch=prefetch_to_device,
+        backing=backing,
+        stack=stack_unified,
+    )
+
+
+def open_tensor_cache(
+    folder: str | os.PathLike[str],
+    kind: str,
+    name: str,
+    persistent: bool = True,
+    prefer: str = "cpu",
+    verify: bool = True,
+) -> TensorCache:
+    """One :class:`TensorCache` in ``folder`` of cache type ``kind`` (`disk`, `memory`,
+    `unified_memory`; memory ones written through to ``folder`` when ``persistent``). A
+    `unified_memory` cache is a `memory` one while hints are forced off (:func:`cache_type_in_use`).
+
+    Raises:
+        ValueError: an unknown cache type.
+    """
+    _check_cache_types(kind)
+    return TensorCache(_open_store(Path(folder), kind, name, persistent, prefer), name, verify=verify)
+
+
+def open_caches(
+    cache_dir: str | os.PathLike[str],
+    model_tag: str,
+    state: "StateTracker | None" = None,
+    vae_type: str = "disk",
+    text_type: str = "disk",
+    persistent: bool = True,
+    verify: bool = True,
+) -> tuple[TensorCache, TensorCache]:
+    """Open the ``(vae_cache, text_cache)`` pair of a model under ``cache_dir/model_tag``.
+
+    The stores live in ``cache_dir/model_tag/vae`` and ``cache_dir/model_tag/text``; both
+    folders are registered with ``state.register_cache_dir`` when a state is given, so
+    ``state.delete_cache_files()`` removes them. ``vae_type`` / ``text_type`` choose
+    `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU;
+    a CPU-backed `memory` cache while unified-memory hints are forced off, see
+    :func:`cache_type_in_use`); memory stores are written through to disk when ``persistent``
+    (both kinds share the disk format, so either reloads the other's entries). ``verify`` is passed to
+    :class:`TensorCache` (check each needed entry's checksum when filling).
+
+    Raises:
+        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or a
+            cache type is unknown.
+    """
+    if not isinstance(model_tag, str) or not _MODEL_TAG_PATTERN.match(model_tag):
+        raise ValueError(
+            f"model_tag {model_tag!r} must be a plain folder name of letters, digits, '.', '_' or '-' "
+            "(not starting with '.' or '-')"
+        )
+    _check_cache_types(vae_type, text_type)
+    base = cache_base(cache_dir, model_tag)
+    vae_dir, text_dir = base / VAE_CACHE_NAME, base / TEXT_CACHE_NAME
+    vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae", verify=verify)
+    text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text", verify=verify)
+    if state is not None:
+        for folder, kind in ((vae_dir, vae_type), (text_dir, text_type)):
+            if kind == "disk" or persistent:
+                state.register_cache_dir(folder)
+    return vae_cache, text_cache

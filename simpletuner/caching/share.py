@@ -1,0 +1,101 @@
+"""A cache fill shared by the processes of a launch: each encodes a disjoint part of what is missing.
+
+With several processes (GPUs, nodes) and one cache folder, rank 0 decides what is missing (it
+alone verifies the stored entries, so no two processes move a damaged shard aside), every rank
+encodes its part of that list into shard files of its own (``ShardedTensorStore`` writes each
+shard to a temp file and renames it, under a unique name, so writers never collide), and then
+every rank re-indexes the folder and sees all the entries. A process killed mid-fill leaves its
+whole shards behind; the next run encodes only what is still missing.
+
+Parts are contiguous runs of the miss list, balanced by count. Files that live inside a larger
+shard file (tar, parquet; ``locality``) are never split between processes: each process reads
+whole shards, in order.
+
+This layer does not know how the processes talk: the caller passes a :class:`FillShare`
+(``simpletuner.training.batches.launch_share`` makes one from the run's Accelerator).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar
+
+from simpletuner.caching.memory_store import MemoryTensorStore
+from simpletuner.caching.store import ShardedTensorStore
+from simpletuner.diskspace import NoSpace
+
+T = TypeVar("T")
+
+
+class FillShare(Protocol):
+    """The processes of a launch, as a cache fill needs them."""
+
+    rank: int  # this process, 0 .. num_ranks - 1
+    num_ranks: int
+
+    def from_first(self, value: T) -> T:
+        """``value`` as rank 0 has it, on every rank."""
+        ...
+
+    def from_all(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        ...
+
+
+def split_misses(
+    keys: Sequence[str], num_ranks: int, locality: Callable[[str], Hashable | None] | None = None
+) -> list[list[str]]:
+    """``keys`` cut into ``num_ranks`` contiguous parts of about equal count, one per rank.
+
+    ``locality(key)`` names the shard file a key's source lives in (None: a file of its own);
+    the keys of one shard stay together (in the order they first appear) and go to the rank
+    whose equal-count range holds the middle of that shard's keys.
+    """
+    groups: dict[Hashable, list[str]] = {}
+    for index, key in enumerate(keys):
+        where = locality(key) if locality is not None else None
+        groups.setdefault(("file", index) if where is None else ("shard", where), []).append(key)
+    parts: list[list[str]] = [[] for _ in range(num_ranks)]
+    done = 0
+    for group in groups.values():
+        middle = done + len(group) / 2
+        parts[min(num_ranks - 1, int(middle * num_ranks / len(keys)))].extend(group)
+        done += len(group)
+    return parts
+
+
+def describe_failure(error: BaseException | None) -> tuple | None:
+    """What went wrong on this rank, in a form the other ranks can receive (exceptions may not pickle)."""
+    if error is None:
+        return None
+    if isinstance(error, NoSpace):
+        return ("no_space", error.what, str(error.folder), error.needed, error.free, error.during_write)
+    return ("error", f"{type(error).__name__}: {error}")
+
+
+def raise_agreed(failures: Sequence[tuple | None], mine: BaseException | None, what: str) -> None:
+    """After every rank told the others how its part went (``failures`` in rank order): when any
+    failed, raise on every rank, so none waits for one that gave up. This rank's own exception
+    when it failed; a full disk elsewhere as the same NoSpace (one exit code for the launch);
+    otherwise an error naming the rank that failed and why."""
+    failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
+    if not failed:
+        return
+    if mine is not None:
+        raise mine
+    rank, failure = failed[0]
+    if failure[0] == "no_space":
+        _, space_for, folder, needed, free, during = failure
+        raise NoSpace(space_for, folder, needed, free, during_write=during, agreed=True)
+    raise RuntimeError(
+        f"process {rank} of the launch failed while filling the {what} cache: {failure[1]}; the entries every "
+        "process wrote are kept, and the next run encodes only what is still missing"
+    )
+
+
+def shares_folder(store: Any) -> bool:
+    """Whether ``store`` keeps its entries in a folder other processes can index (a disk store, or a
+    memory store written through to one): only then can each process encode a part of the misses.
+    A memory store of its own (``persistent_cache: false``) is filled whole by every process."""
+    if isinstance(store, ShardedTensorStore):
+        return True
+    return isinstance(store, MemoryTensorStore) and store.backing is not None

@@ -22,7 +22,8 @@ from simpletuner.caching import ShardedTensorStore
 from simpletuner.configuration import validate_config
 from simpletuner.data_backend.base import DataBackend, SupportsReadHead, SupportsShards
 from simpletuner.data_backend.metadata import build_metadata
-from simpletuner.data_backend.shards import ParquetBackend, WebDatasetBackend
+from simpletuner.data_backend.parquet_shards import ParquetBackend
+from simpletuner.data_backend.shards import WebDatasetBackend
 
 HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 

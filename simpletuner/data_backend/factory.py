@@ -73,7 +73,7 @@ def build_webdataset_backend(dataset_cfg: Any, config: "TrainingConfig") -> Data
 
 def build_parquet_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
     """A ``ParquetBackend`` over the parquet files of ``dataset_cfg`` (pyarrow: the ``parquet`` extra)."""
-    from simpletuner.data_backend.shards import build_parquet_backend as build
+    from simpletuner.data_backend.parquet_shards import build_parquet_backend as build
 
     return build(dataset_cfg, config)
 

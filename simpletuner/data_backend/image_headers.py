@@ -189,7 +189,7 @@ def _jpeg(data: bytes) -> tuple[int, int, int]:
 def _orientation(exif: bytes | None) -> int:
     try:
         return exif_orientation_of(exif)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever Pillow's EXIF code raises, its own path must decide and word it
         raise _PillowDecides from None  # Pillow's path raises here too: let it say what
 
 
@@ -217,7 +217,7 @@ def _orientation_and_dpi_check(exif: bytes) -> int:
     reader = Image.Exif()
     try:
         reader.load(exif)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever Pillow's EXIF code raises, its own path must decide and word it
         raise _PillowDecides from None
     try:
         unit, x_resolution = reader[0x0128], reader[0x011A]
@@ -228,10 +228,10 @@ def _orientation_and_dpi_check(exif: bytes) -> int:
         float(dpi) * (2.54 if unit == 3 else 1)
     except (struct.error, KeyError, SyntaxError, TypeError, ValueError, ZeroDivisionError):
         pass  # Pillow falls back to 72 dpi
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever Pillow's EXIF code raises, its own path must decide and word it
         raise _PillowDecides from None
     try:
         value = reader.get(EXIF_ORIENTATION_TAG, 1)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever Pillow's EXIF code raises, its own path must decide and word it
         raise _PillowDecides from None  # Pillow's path raises here too: let it say what
     return value if isinstance(value, int) else 1

@@ -325,3 +325,15 @@ def make_accelerator(mixed_precision: str, report_to: str, output_dir: Path, fin
     if fsdp_requested():  # the launcher's accelerate config says distributed_type: FSDP
         enable_fsdp(accelerator)  # FSDP2 only; on CPU Accelerate would silently train DDP
     return accelerator
+
+
+def check_launch(accelerator, config) -> None:
+    """The checks of a launch before anything is written, the same on every rank: the launcher started as
+    many processes as joined, an FSDP launch trains what FSDP can, and every node was given this config."""
+    import os
+
+    from simpletuner.training.sharded_state import check_fsdp_run
+
+    check_launch_matches(accelerator.num_processes, os.environ)
+    check_fsdp_run(config, accelerator)
+    check_same_config(accelerator, config.model_dump(mode="json"))

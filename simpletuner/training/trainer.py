@@ -25,13 +25,7 @@ from simpletuner.training import knobs, metrics, run_folder, runlog, sharded_sta
 from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
 from simpletuner.training.batches import Batch, free_memory, launch_share, prepare_caches
 from simpletuner.training.ema import EMA
-from simpletuner.training.launch import (
-    PhaseClock,
-    check_launch_matches,
-    check_same_config,
-    check_shared_output_dir,
-    make_accelerator,
-)
+from simpletuner.training.launch import PhaseClock, check_launch, check_shared_output_dir, make_accelerator
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.progress import NonFinitePolicy, Progress, StepOutcome, TrainResult, describe_window
 from simpletuner.training.reliability import (
@@ -165,9 +159,7 @@ class Trainer:
             self.output_dir,
             find_unused_parameters=self.spec.needs_unused_parameter_detection,
         )
-        check_launch_matches(acc.num_processes, os.environ)  # the launcher started as many processes as joined
-        sharded_state.check_fsdp_run(cfg, acc)  # FSDP: full fine-tunes only, refused before anything loads
-        check_same_config(acc, cfg.model_dump(mode="json"))  # every node was given this config: before any write
+        check_launch(acc, cfg)  # processes, FSDP, one config on every node: before anything loads or is written
         self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
         check_shared_output_dir(acc, self.output_dir)  # every node sees the folder rank 0 holds
         self.run_id, self._save_token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves

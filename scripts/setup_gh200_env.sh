@@ -68,9 +68,9 @@ _st_gh200_check_alloc_conf() {
     echo "ERROR $var=$value: stock PyTorch refuses to start CUDA with this value. It is kept as you set it, so every CUDA run from this shell fails until you fix it:" >&2
     for key in "${fork[@]}"; do
         case "$key" in
-            use_uvm) advice="unified memory on stock PyTorch comes from simpletuner's managed-memory pool: set cache_config.vae_cache_type / text_cache_type to \"unified_memory\" (needs the gh200 extra)" ;;
-            uvm_oversubscription_ratio) advice="stock PyTorch has no oversubscription setting; \`python gh200_diagnostic.py --oversubscription-scale 1.5\` measures what this machine's managed memory can take" ;;
-            uvm_access_pattern) advice="placement is decided per tensor by simpletuner's hints (gh200_optimizations.enable_uvm_hints): latents prefer CPU memory, text embeddings GPU memory" ;;
+            use_uvm) advice="unified memory on stock PyTorch comes from simpletuner's managed-memory pool: gh200_optimizations.managed_memory \"all\" routes every training allocation to it (\"frozen_weights\": only the frozen weights; \"caches\", the default: only \`unified_memory\` caches; needs the gh200 extra)" ;;
+            uvm_oversubscription_ratio) advice="set gh200_optimizations.oversubscription_ratio (with managed_memory \"all\") in the config instead; \`python gh200_diagnostic.py --oversubscription-scale 1.5\` measures what this machine's managed memory can take" ;;
+            uvm_access_pattern) advice="placement is decided per tensor by simpletuner's hints (gh200_optimizations.enable_uvm_hints): latents prefer CPU memory, text embeddings GPU memory; managed_memory \"frozen_weights\" keeps frozen weights in CPU memory and prefetches them ahead of use" ;;
         esac
         echo "  $var sets \`$key\`, a key of a patched PyTorch build (the ai-toolkit GH200 fork) that stock PyTorch rejects when CUDA starts; $advice. Fix: $fix" >&2
     done

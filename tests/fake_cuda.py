@@ -32,6 +32,19 @@ def discrete_info() -> DeviceMemoryInfo:
     return DeviceMemoryInfo(0, "NVIDIA H100 80GB HBM3", (9, 0), 80 * GIB, True, True, False, False, False)
 
 
+@dataclass(frozen=True)
+class FakeStream:
+    """A side stream: ``cuda_stream`` is its number, as the real one's is its handle."""
+
+    cuda_stream: int
+
+
+@dataclass(frozen=True)
+class FakeEvent:
+    id: int
+    stream: int
+
+
 @dataclass
 class Call:
     op: str
@@ -110,7 +123,42 @@ class FakeRuntime:
     def pool_stats(self):
         """Like the real runtime: None until the first managed allocation."""
         allocs = self.ops("managed_alloc")
-        return {"segments": len(allocs), "reserved_bytes": sum(c.nbytes for c in allocs)} if allocs else None
+        if not allocs:
+            return None
+        total = sum(c.nbytes for c in allocs)
+        return {"segments": len(allocs), "reserved_bytes": total, "peak_bytes": total, "limit_bytes": self.routed_limit}
+
+    # --- streams, events, routing: recorded, numbered in the order they are made ---
+    routed_limit: int | None = None
+    routing: str | None = None  # a reason makes routing_problem() answer it
+    _made: int = 0
+
+    def new_stream(self):
+        self._made += 1
+        stream = FakeStream(self._made)
+        self.calls.append(Call("new_stream", detail=stream.cuda_stream))
+        return stream
+
+    def record_event(self, stream):
+        """On ``stream``; None (the current stream) is recorded as location None."""
+        self._made += 1
+        event = FakeEvent(self._made, getattr(stream, "cuda_stream", stream))
+        self.calls.append(Call("record_event", location=event.stream, detail=event.id))
+        return event
+
+    def wait_event(self, event, stream=None):
+        """``stream`` waits (None: the current stream), recorded as the location."""
+        self.calls.append(Call("wait_event", location=getattr(stream, "cuda_stream", stream), detail=event.id))
+
+    def routing_problem(self):
+        return self.reason or self.routing
+
+    def route_all_allocations(self, limit_bytes):
+        problem = self.routing_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+        self.routed_limit = limit_bytes
+        self.calls.append(Call("route_all", limit_bytes))
 
     def ops(self, op: str) -> list[Call]:
         return [c for c in self.calls if c.op == op]

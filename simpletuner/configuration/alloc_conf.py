@@ -35,16 +35,19 @@ CUDA_ALLOC_CONF_KEYS: tuple[str, ...] = (
 #: Keys of the patched PyTorch behind seed 001, and what this project offers instead.
 FORK_ONLY_KEYS: dict[str, str] = {
     "use_uvm": (
-        "unified memory on stock PyTorch comes from simpletuner's managed-memory pool: set "
-        'cache_config.vae_cache_type / text_cache_type to "unified_memory" (needs the gh200 extra)'
+        "unified memory on stock PyTorch comes from simpletuner's managed-memory pool: "
+        'gh200_optimizations.managed_memory "all" routes every training allocation to it ("frozen_weights": only '
+        'the frozen weights; "caches", the default: only `unified_memory` caches; needs the gh200 extra)'
     ),
     "uvm_oversubscription_ratio": (
-        "stock PyTorch has no oversubscription setting; `python gh200_diagnostic.py --oversubscription-scale 1.5` "
-        "measures what this machine's managed memory can take"
+        'set gh200_optimizations.oversubscription_ratio (with managed_memory "all") in the config instead; '
+        "`python gh200_diagnostic.py --oversubscription-scale 1.5` measures what this machine's managed memory "
+        "can take"
     ),
     "uvm_access_pattern": (
         "placement is decided per tensor by simpletuner's hints (gh200_optimizations.enable_uvm_hints): latents "
-        "prefer CPU memory, text embeddings GPU memory"
+        'prefer CPU memory, text embeddings GPU memory; managed_memory "frozen_weights" keeps frozen weights '
+        "in CPU memory and prefetches them ahead of use"
     ),
 }
 

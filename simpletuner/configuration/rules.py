@@ -84,6 +84,14 @@ def _ramp_bounds(ramp) -> Iterator[str]:
         )
 
 
+def _managed_memory_keys(opts) -> Iterator[str]:
+    if opts.oversubscription_ratio is not None and opts.managed_memory != "all":
+        yield (
+            f"oversubscription_ratio {opts.oversubscription_ratio:g} bounds the managed pool of managed_memory "
+            f'"all", but managed_memory is {opts.managed_memory!r}: set managed_memory "all" or remove the ratio'
+        )
+
+
 def _stop_condition(cfg) -> Iterator[str]:
     if cfg.max_train_steps is None and cfg.num_train_epochs is None:
         yield "set `max_train_steps` or `num_train_epochs` so the run knows when to stop"
@@ -581,7 +589,7 @@ DATASET_RULES: tuple[Rule, ...] = (
     _crop_settings,
     _aspect_range,
 )
-RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds,)
+RAMP_RULES: tuple[Rule, ...] = (_ramp_bounds, _managed_memory_keys)
 
 
 def _validation_images_match_prompts(cfg) -> Iterator[str]:

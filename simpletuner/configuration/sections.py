@@ -124,7 +124,7 @@ class CacheConfig(_Strict):
 
 
 class GH200Optimizations(_Strict):
-    """Unified-memory hints and the gradient-accumulation ramp."""
+    """Unified-memory hints, managed memory for weights and activations, and the gradient-accumulation ramp."""
 
     cross_field_rules: ClassVar[tuple[Rule, ...]] = RAMP_RULES
 
@@ -150,6 +150,46 @@ class GH200Optimizations(_Strict):
     )
     batch_rampup_steps: int = Field(
         0, ge=0, description="Micro-batches over which the ramp goes from initial to target (0: target at once)."
+    )
+
+    managed_memory: Literal["caches", "frozen_weights", "all"] = Field(
+        "caches",
+        description=(
+            "What lives in CUDA managed memory (GH200 / GB10; documentation/GH200_OPTIMIZATION.md). `caches`: only "
+            "`unified_memory` caches. `frozen_weights`: also the frozen weights (the base under an adapter, "
+            "the idle Wan 2.2 expert, text encoders and VAE kept for validation), resident in CPU memory, read "
+            "by the GPU in place and prefetched a few blocks ahead of their forward; HBM holds trainable weights, "
+            "optimizer state and activations. `all`: every training allocation comes from the managed pool, "
+            "bounded by `oversubscription_ratio`. The last two are refused on a discrete GPU (managed memory "
+            "beyond the card thrashes over PCIe) unless `force_managed_memory` is true."
+        ),
+    )
+    oversubscription_ratio: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "managed_memory `all` only: the managed pool may grow to this many times the GPU's memory (HBM); "
+            "refused at start when the machine cannot back it (free HBM + available CPU memory on GH200, "
+            "available memory on GB10). Unset: as much as the machine can back, less a 10% reserve."
+        ),
+    )
+    force_managed_memory: bool = Field(
+        False,
+        description=(
+            "Consent to managed_memory `frozen_weights` / `all` on a GPU that is not unified-memory (a PCIe card): "
+            "it runs, but pages that do not fit the card move over PCIe and training can slow by orders of "
+            "magnitude."
+        ),
+    )
+    prefetch_blocks_ahead: int = Field(
+        1,
+        ge=0,
+        le=8,
+        description=(
+            "managed_memory `frozen_weights`: how many blocks ahead of the one running the frozen weights are "
+            "prefetched to the GPU (forward in order, backward in reverse). 0: no prefetch; the GPU reads the "
+            "weights in place over NVLink-C2C."
+        ),
     )
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ import time
 import torch
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, FORK_ONLY_KEYS, check_alloc_conf
+from simpletuner.gh200.managed_memory import backable_bytes
 from simpletuner.gh200.runtime import INSTALL_HINT, DeviceMemoryInfo, get_runtime
 from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR, env_hint_request
 from simpletuner.host import collect_host
@@ -195,10 +196,7 @@ def collect_summary(runtime=None, environ=None) -> dict:
 def oversubscription_limit(info: DeviceMemoryInfo, free_bytes: int, host: dict) -> int | None:
     """The most managed memory the machine can back: host RAM available (plus free device memory
     where it is separate from host RAM); None when /proc/meminfo could not be read."""
-    available = host.get("ram_available_bytes")
-    if available is None:
-        return None
-    return available if info.integrated else available + free_bytes
+    return backable_bytes(info, free_bytes, host.get("ram_available_bytes"))
 
 
 def check_oversubscription(runtime, scale: float, force: bool, host: dict) -> tuple[dict | None, list[str]]:

@@ -22,6 +22,8 @@ from typing import Iterator, Literal, Protocol
 
 import torch
 
+from simpletuner.gh200.managed_pool import PoolAccount
+
 logger = logging.getLogger(__name__)
 
 #: Where memory should live: the CPU, or a CUDA device ordinal.
@@ -96,6 +98,25 @@ class UnifiedMemoryRuntime(Protocol):
     def versions(self) -> dict[str, str | None]:
         """torch, CUDA build, driver, cuda-bindings versions (None where absent)."""
 
+    # --- what managed_memory frozen_weights / all need beyond caches ---
+    def new_stream(self) -> object:
+        """A CUDA stream of its own (the weight prefetcher's side stream); it has ``cuda_stream``."""
+
+    def record_event(self, stream: object | None) -> object:
+        """An event recorded on ``stream`` (None: the current stream) now: done when the work queued
+        there so far is."""
+
+    def wait_event(self, event: object, stream: object | None = None) -> None:
+        """Make ``stream`` (None: the current stream) wait for ``event`` before running what is
+        queued on it after this call."""
+
+    def route_all_allocations(self, limit_bytes: int | None) -> None:
+        """From now on every CUDA allocation of this process, on any thread, comes from the managed
+        pool, which may hold at most ``limit_bytes`` (None: unbounded)."""
+
+    def routing_problem(self) -> str | None:
+        """Why :meth:`route_all_allocations` cannot work in this PyTorch, or None."""
+
 
 class NoCudaRuntime:
     """No managed memory, for a stated reason (also what tests use for "no CUDA")."""
@@ -142,6 +163,21 @@ class NoCudaRuntime:
     def versions(self) -> dict[str, str | None]:
         return {"torch": torch.__version__, "cuda_build": torch.version.cuda, "driver": None, "cuda_bindings": None}
 
+    def new_stream(self):
+        raise RuntimeError(f"CUDA streams are unavailable: {self.reason}")
+
+    def record_event(self, stream):
+        raise RuntimeError(f"CUDA events are unavailable: {self.reason}")
+
+    def wait_event(self, event, stream=None) -> None:
+        raise RuntimeError(f"CUDA events are unavailable: {self.reason}")
+
+    def route_all_allocations(self, limit_bytes) -> None:
+        raise RuntimeError(f"managed memory is unavailable: {self.reason}")
+
+    def routing_problem(self) -> str | None:
+        return f"managed memory is unavailable: {self.reason}"
+
 
 class CudaBindingsRuntime:
     """Managed memory through ``cuda.bindings.runtime`` (the ``[gh200]`` extra)."""
@@ -153,6 +189,8 @@ class CudaBindingsRuntime:
         self._rt = None
         self._reason: str | None = None
         self._checked = False
+        self.account = PoolAccount()  # what the pool holds; bounded by route_all_allocations
+        self._routed: int | None = None  # the device every allocation is routed to the pool on
 
     # --- availability ---
     def _bindings(self):
@@ -239,15 +277,22 @@ class CudaBindingsRuntime:
         alloc_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
         free_t = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 
+        account = self.account
+
         def alloc(size, device, stream):
+            if not account.reserve(size):  # over the bound: the caching allocator frees its cache, retries, then OOMs
+                return 0
             err, ptr = rt.cudaMallocManaged(size, rt.cudaMemAttachGlobal)
             if err != rt.cudaError_t.cudaSuccess:
+                account.cancel(size)
                 logger.error("cudaMallocManaged(%d bytes) failed: %s", size, err)
                 return 0  # the caching allocator turns this into an OOM error
+            account.allocated(int(ptr), size)
             return int(ptr)
 
         def free(ptr, size, device, stream):
             if ptr:
+                account.release(ptr, size)
                 try:
                     rt.cudaFree(ptr)
                 except Exception:  # interpreter shutdown: nothing left to report to
@@ -259,23 +304,69 @@ class CudaBindingsRuntime:
         allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
         return torch.cuda.MemPool(allocator=allocator)
 
-    def managed_empty(self, shape, dtype):
-        reason = self.unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(f"managed memory is unavailable: {reason}")
+    def _get_pool(self):
         with self._lock:
             if self._pool is None:
                 self._pool = self._make_pool()
                 logger.info("managed-memory pool created on cuda:%d", self.current_device())
-            with torch.cuda.use_mem_pool(self._pool):
-                return torch.empty(shape, dtype=dtype, device=f"cuda:{self.current_device()}")
+            return self._pool
+
+    def managed_empty(self, shape, dtype):
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"managed memory is unavailable: {reason}")
+        device = f"cuda:{self.current_device()}"
+        if self._routed is not None:  # every allocation already comes from the pool
+            return torch.empty(shape, dtype=dtype, device=device)
+        with torch.cuda.use_mem_pool(self._get_pool()):
+            return torch.empty(shape, dtype=dtype, device=device)
 
     def pool_stats(self) -> dict | None:
-        """Bytes the managed pool holds, or None before the first managed allocation."""
+        """Bytes the managed pool holds (segments, reserved, the account's bound and peak), or None
+        before the first managed allocation."""
         if self._pool is None:
             return None
-        snapshot = self._pool.snapshot()
-        return {"segments": len(snapshot), "reserved_bytes": sum(s.get("total_size", 0) for s in snapshot)}
+        snapshot = self._pool.snapshot(include_traces=False)
+        return {
+            "segments": len(snapshot),
+            "reserved_bytes": sum(s.get("total_size", 0) for s in snapshot),
+            **self.account.as_dict(),
+        }
+
+    # --- managed_memory all: every allocation from the pool ---
+    def routing_problem(self) -> str | None:
+        reason = self.unavailable_reason()
+        if reason is not None:
+            return f"managed memory is unavailable: {reason}"
+        if not hasattr(torch._C, "_cuda_beginAllocateToPool"):
+            return (
+                f"this PyTorch ({torch.__version__}) has no torch._C._cuda_beginAllocateToPool, which routes every "
+                "thread's allocations to one pool"
+            )
+        return None
+
+    def route_all_allocations(self, limit_bytes: int | None) -> None:
+        problem = self.routing_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
+        self.account.set_limit(limit_bytes)
+        pool, device = self._get_pool(), self.current_device()
+        # Unlike torch.cuda.use_mem_pool (this thread only), this routes every stream and thread,
+        # the autograd engine's backward thread included: the stock-PyTorch form of the fork's use_uvm.
+        torch._C._cuda_beginAllocateToPool(device, pool.id)
+        self._routed = device
+
+    # --- streams and events (the weight prefetcher) ---
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def record_event(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream())
+        return event
+
+    def wait_event(self, event, stream=None) -> None:
+        (stream if stream is not None else torch.cuda.current_stream()).wait_event(event)
 
     def is_managed(self, tensor: torch.Tensor) -> bool:
         if not tensor.is_cuda or self.unavailable_reason() is not None:

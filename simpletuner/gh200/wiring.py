@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import orjson
 
+from simpletuner.gh200.managed_memory import check_managed_memory, start_managed_memory
 from simpletuner.gh200.uvm import (
     ENV_ALIAS,
     ENV_VAR,
@@ -26,6 +27,7 @@ from simpletuner.gh200.uvm import (
     set_uvm_hint_override,
     unified_memory_status,
 )
+from simpletuner.host import collect_host
 from simpletuner.state import StateTracker
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> li
         found.append(f"gh200_optimizations.enable_uvm_hints={str(opts.enable_uvm_hints).lower()}")
     if opts.enable_batch_size_rampup:
         found.append("gh200_optimizations.enable_batch_size_rampup=true")
+    if opts.managed_memory != "caches":
+        found.append(f"gh200_optimizations.managed_memory={opts.managed_memory}")
     found += [name for name in (ENV_VAR, ENV_ALIAS) if environ.get(name, "").strip()]
     return found
 
@@ -103,12 +107,22 @@ def configure_runtime(
     ``accumulation``: the ``state_dict`` of the accumulation policy the trainer built for this
     run, recorded as it is.
 
+    ``decided["managed_memory"]`` is the run's
+    :class:`~simpletuner.gh200.managed_memory.ManagedMemoryPlan` (``all`` starts routing every CUDA
+    allocation to the managed pool here, before the caches and the model are built).
+
     Raises:
-        ValueError: the hint environment variables disagree (before anything is decided or written).
+        ValueError: the hint environment variables disagree, or ``gh200_optimizations.managed_memory``
+            cannot run here (every reason at once); before anything is decided or written.
     """
     config = state.config
     override, setting = uvm_hint_decision(config, os.environ)  # before anything loads: a conflict stops here
+    available = (
+        collect_host().get("ram_available_bytes") if config.gh200_optimizations.managed_memory == "all" else None
+    )
+    managed = check_managed_memory(config, available_host_bytes=available, environ=os.environ)
     set_uvm_hint_override(override, setting)
+    start_managed_memory(managed)
     active = gh200_uvm_enabled()
     if active:
         logger.info("GH200 unified-memory hints are on: %s", setting)  # off: uvm says why, once
@@ -124,6 +138,7 @@ def configure_runtime(
         "text_cache_type_in_use": cache_type_in_use(cache.text_cache_type),
         "persistent_cache": cache.persistent_cache,
         "cache_dir": cache.cache_dir,
+        "managed_memory": managed,
         "accumulation": dict(accumulation),
         "num_processes": num_processes,
     }

@@ -313,10 +313,16 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     data: DataCap | None = None  # the largest bucket; None: not looked at (the caller passed none)
     capped_by_data: list[int] = field(default_factory=list)  # micro-batches left out: the data cannot fill them
+    #: Whether a candidate fits (a managed_memory mode's rule); None: its total within the budget.
+    fits_fn: Callable[[Estimate], bool] | None = None
 
     @property
     def budget_bytes(self) -> int:
         return int(self.safety_margin * self.usable_bytes)
+
+    def fits(self, estimate: Estimate) -> bool:
+        """Whether ``estimate`` fits this plan's rule (by default: its total within the budget)."""
+        return estimate.total <= self.budget_bytes if self.fits_fn is None else self.fits_fn(estimate)
 
     @property
     def ramp_windows(self) -> tuple[int, int] | None:
@@ -354,7 +360,7 @@ class Plan:
                     "micro_batch_size": e.micro_batch_size,
                     "gradient_checkpointing": e.gradient_checkpointing,
                     "total_bytes": e.total,
-                    "fits": e.total <= self.budget_bytes,
+                    "fits": self.fits(e),
                 }
                 for e in self.tried
             ],
@@ -409,6 +415,7 @@ def plan_batch(
     num_processes: int = 1,
     estimates: EstimateCache | None = None,
     data: DataCap | None = None,
+    fits: Callable[[Estimate], bool] | None = None,
 ) -> Plan:
     """The largest micro-batch (and its accumulation) that trains ``config`` under
     ``safety_margin x usable_bytes``; :class:`DoesNotFit` when micro-batch 1 with checkpointing
@@ -417,6 +424,8 @@ def plan_batch(
 
     ``data`` (:func:`scan_data_cap`) leaves out micro-batches larger than the largest bucket
     fills on every process (``train`` would refuse them); :class:`DataTooSmall` when it fills none.
+    ``fits`` replaces the rule "the total within the budget" (a managed_memory mode's HBM and CPU
+    budgets: :func:`simpletuner.memory.managed_plan.mode_fits`).
     """
     if not 0 < safety_margin <= 1:
         raise ValueError(f"--safety-margin must be in (0, 1], got {safety_margin}")
@@ -452,14 +461,16 @@ def plan_batch(
         consulted.setdefault((micro_batch_size, checkpointing), estimate)
         return estimate
 
-    def fits(checkpointing: bool) -> Callable[[int], bool]:
+    def fits_with(checkpointing: bool) -> Callable[[int], bool]:
+        if fits is not None:
+            return lambda m: fits(lookup(m, checkpointing))
         return lambda m: lookup(m, checkpointing).total <= budget
 
-    best_off = largest_fitting(candidates, fits(False))
+    best_off = largest_fitting(candidates, fits_with(False))
     best_on = None
     if best_off != candidates[-1]:  # checkpointing can only help with what does not fit without it
         above = [m for m in candidates if best_off is None or m > best_off]
-        best_on = largest_fitting(above, fits(True))
+        best_on = largest_fitting(above, fits_with(True))
     if best_off is None and best_on is None:
         smallest = lookup(candidates[0], True)
         raise DoesNotFit(
@@ -485,6 +496,7 @@ def plan_batch(
         ramp=ramp,
         data=data,
         capped_by_data=capped,
+        fits_fn=fits,
     )
     plan.notes = _plan_notes(plan)
     return plan

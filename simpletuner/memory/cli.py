@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--apply",
         action="store_true",
         help="write the plan into --config (backup <file>.backup first; prints the diff); "
-        "without --target-effective-batch the config's own effective batch is kept; with --preset, "
+        "without --target-effective-batch the config's own effective batch is kept; on a GH200 / GB10 also "
+        "gh200_optimizations.managed_memory, the cheapest mode that fits (its other keys are kept); with --preset, "
         "write the preset's values for the keys the config does not set",
     )
     parser.add_argument(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from simpletuner.memory.advice import format_bytes
+from simpletuner.memory.advice import VALIDATION_MODELS, format_bytes
 from simpletuner.memory.autoconfig import EstimateCache, _module_bytes
 from simpletuner.memory.hardware import detect_hardware
 
@@ -126,12 +126,25 @@ def host_estimate(
 
 
 def device_estimate(config: "TrainingConfig", num_processes: int = 1) -> dict[str, int]:
-    """The training step on one GPU: the estimator's total and the extras beside the denoiser."""
+    """The training step on one GPU: the estimator's total and the extras beside the denoiser.
+
+    With ``managed_memory: frozen_weights`` the frozen weights and the validation models are not in
+    GPU memory (they live in managed memory resident in CPU memory), and the prefetch window is: the
+    same split ``simpletuner estimate`` shows (:mod:`simpletuner.memory.managed_plan`)."""
     estimate = EstimateCache(config, num_processes)(config.train_batch_size, config.gradient_checkpointing)
-    return {
+    parts = {
         f"training step, micro-batch {config.train_batch_size} (estimate)": estimate.breakdown.total,
         **estimate.extras,
     }
+    if config.gh200_optimizations.managed_memory != "frozen_weights":
+        return parts
+    from simpletuner.memory.managed_plan import frozen_layout  # builds the meta model: only in this mode
+
+    frozen = estimate.breakdown.weights - estimate.breakdown.trainable_weights
+    parts[f"training step, micro-batch {config.train_batch_size} (estimate)"] -= frozen
+    parts.pop(VALIDATION_MODELS, None)
+    parts["frozen-weight prefetch window"] = min(frozen_layout(config).window_bytes, frozen)
+    return parts
 
 
 def _advice(config: "TrainingConfig", side: str) -> str:
@@ -154,6 +167,8 @@ def _advice(config: "TrainingConfig", side: str) -> str:
             "`mixed_precision: bf16`",
             "a smaller `resolution`",
             "stop other processes on the GPU",
+            "on GH200 / GB10: `gh200_optimizations.managed_memory` frozen_weights or all (see `simpletuner estimate "
+            "--config CFG` for what each mode needs)",
         ]
     return "; ".join(tips)
 
@@ -179,6 +194,9 @@ def check_run_memory(
             est.device = device_estimate(config, num_processes)
         except NotImplementedError as exc:  # a family without a memory estimate: nothing to compare
             logger.info("no GPU memory check before the cache fill: %s", exc)
+            return est
+        if config.gh200_optimizations.managed_memory == "all":  # the pool spills into CPU memory: its bound decides
+            logger.info("managed_memory all: GPU memory is not checked before the cache fill; the pool's bound is")
             return est
         _compare(config, "device", "GPU memory", est.device, hw.gpu_free_bytes, "free", [])
     return est

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from simpletuner.configuration import load_config, validate_config
 from simpletuner.configuration.launcher import resolve_launcher_settings
 from simpletuner.configuration.loader import read_raw_config
-from simpletuner.memory import hardware
+from simpletuner.memory import hardware, managed_plan
 from simpletuner.memory.advice import does_not_fit_advice, format_bytes
 from simpletuner.memory.apply import ApplyResult, apply_updates, describe_changes
 from simpletuner.memory.autoconfig import (
@@ -163,7 +163,7 @@ def _plan_lines(plan, config) -> list[str]:
     lines += [f"  {note}" for note in plan.notes]
     tried = ", ".join(
         f"{e.micro_batch_size}{'+ckpt' if e.gradient_checkpointing else ''} {e.total / GiB:.2f}"
-        f"{'' if e.total <= plan.budget_bytes else ' (over)'}"
+        f"{'' if plan.fits(e) else ' (over)'}"
         for e in plan.tried
     )
     made = sum(e.seconds for e in plan.tried)
@@ -218,6 +218,11 @@ class EstimateReport:
     plan: Plan | None = None
     updates: dict[str, Any] = field(default_factory=dict)
     applied: ApplyResult | None = None
+    #: Unified machines: HBM and CPU memory per managed_memory mode (of the estimate, or the plan's);
+    #: other GPUs: the line saying the modes need unified memory.
+    managed: "managed_plan.ModeTable | None" = None
+    managed_note: str | None = None
+    picked_mode: str | None = None  # auto-config: the mode the plan was made for
 
     @property
     def exit_code(self) -> int:
@@ -231,6 +236,10 @@ class EstimateReport:
             "machine": self.machine.as_dict(),
             "safety_margin": self.safety_margin,
         }
+        if self.managed is not None:
+            out["managed_memory"] = {**self.managed.as_dict(), "picked": self.picked_mode}
+        elif self.managed_note is not None:
+            out["managed_memory"] = {"unified": False, "note": self.managed_note}
         if self.plan is not None:
             out["plan"] = self.plan.as_dict()
             if self.applied is not None:
@@ -261,11 +270,24 @@ class EstimateReport:
         text.append(
             f"(estimated in {self.seconds:.1f} s, without a GPU; see documentation/MEMORY.md for how far to trust it)"
         )
+        text += self._managed_text()
         if self.fits is not None:
             text += ["", self.verdict if self.fits else self.advice]
         if self.profile is not None:
             text += ["", self.profile.table()]
         return text
+
+    def _managed_text(self) -> list[str]:
+        if self.managed is None:
+            return [] if self.managed_note is None else ["", self.managed_note]
+        lines = ["", *self.managed.lines()]
+        if self.picked_mode is not None:
+            was = self.config.gh200_optimizations.managed_memory
+            lines.append(
+                f"auto-config planned the batch for managed_memory {self.picked_mode} (was {was})"
+                + ("" if self.picked_mode == "caches" else f": each candidate judged by its {self.picked_mode} row")
+            )
+        return lines
 
     def _plan_text(self, usable: int | None) -> list[str]:
         plan = self.plan
@@ -273,6 +295,7 @@ class EstimateReport:
             "",
             plan.estimate.breakdown.table(usable),
             *_extras_lines(plan.estimate, usable),
+            *self._managed_text(),
         ]
         if self.applied is not None:
             if not self.applied.changed:
@@ -287,6 +310,34 @@ class EstimateReport:
         if self.updates:
             return text + ["", "add --apply to write these values into the config (the original is kept as a .backup)"]
         return text + ["", "the config already has these values"]
+
+
+def _judge_modes(report: EstimateReport, table) -> None:
+    """On a unified machine: the per-mode table, and the verdict for the config's own mode."""
+    report.managed = table
+    mode, own = table.config_mode, table.row(table.config_mode)
+    if table.needs_other_mode:
+        report.fits = False
+        report.advice = "\n".join(
+            filter(None, [report.advice if report.advice else report.verdict, _other_mode_line(report, table)])
+        )
+        return
+    if mode != "caches":
+        report.fits = own.status != managed_plan.NO
+        report.verdict = f"managed_memory {mode}: {own.why}"
+        if not report.fits:
+            report.advice = f"does not fit: managed_memory {mode}: {own.why}; no mode fits this machine"
+    if own.status == managed_plan.TIGHT and table.cheapest is not None:
+        report.verdict += "\n" + _other_mode_line(report, table).replace("does not fit", "fits only tightly", 1)
+
+
+def _other_mode_line(report: EstimateReport, table) -> str:
+    own = table.row(table.config_mode)
+    return (
+        f"managed_memory {table.config_mode} does not fit ({own.why}), managed_memory {table.cheapest} does: "
+        f"`simpletuner estimate --config {report.config_path} --apply` (with the same --gpu / --gpu-memory) writes "
+        f'gh200_optimizations.managed_memory "{table.cheapest}" into the config, with the batch plan'
+    )
 
 
 def compute_estimate(args, margin: float) -> EstimateReport:
@@ -306,6 +357,9 @@ def compute_estimate(args, margin: float) -> EstimateReport:
         )
     report = EstimateReport(str(args.config), config, machine, margin)
     estimates = EstimateCache(config, args.num_processes)
+    modes = managed_plan.ModePlanner.for_machine(config, machine.hardware, machine.usable_bytes, margin)
+    if modes is None and machine.usable_bytes is not None:
+        report.managed_note = managed_plan.discrete_note(machine.hardware)
     if not auto:
         start = time.perf_counter()
         report.estimate = estimates(config.train_batch_size, config.gradient_checkpointing)
@@ -314,17 +368,34 @@ def compute_estimate(args, margin: float) -> EstimateReport:
             report.fits, report.verdict = _verdict(report.estimate, machine.usable_bytes, margin)
             if not report.fits:
                 report.advice = does_not_fit_advice(config, report.estimate, machine.usable_bytes)
+            if modes is not None:
+                _judge_modes(report, modes.table(report.estimate))
         return report
-    report.plan = plan_batch(
-        config,
-        machine.usable_bytes,
-        args.target_effective_batch,
-        safety_margin=margin,
-        num_processes=args.num_processes,
-        estimates=estimates,
-        data=scan_data_cap(config),
-    )
+
+    def plan_for(fits=None) -> Plan:
+        return plan_batch(
+            config,
+            machine.usable_bytes,
+            args.target_effective_batch,
+            safety_margin=margin,
+            num_processes=args.num_processes,
+            estimates=estimates,
+            data=data,
+            fits=fits,
+        )
+
+    data = scan_data_cap(config)
+    if modes is None:
+        report.plan = plan_for()
+    else:
+        own = estimates(config.train_batch_size, config.gradient_checkpointing)
+        report.plan, report.picked_mode = modes.plan(own, plan_for)
+        report.managed = modes.table(report.plan.estimate)
     report.updates = {k: v for k, v in report.plan.config_updates().items() if getattr(config, k) != v}
+    if report.picked_mode not in (None, config.gh200_optimizations.managed_memory):
+        # Merged into the file's own section: its other keys stay.
+        section = loaded.raw.get("gh200_optimizations") or {}
+        report.updates["gh200_optimizations"] = {**section, "managed_memory": report.picked_mode}
     if args.apply:
         # The file as it will be must still be a valid config (the candidates are chosen so it is).
         validate_config(

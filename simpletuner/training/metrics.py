@@ -124,10 +124,15 @@ class ThroughputWindow:
 
 
 def uvm_memory_figures(pool_stats: Mapping[str, int] | None) -> dict[str, float]:
-    """The managed pool's reserved memory (GiB) for the log, when the pool is in use."""
+    """The managed pool's reserved memory (GiB) for the log, when the pool is in use; with a bound
+    (managed_memory ``all``) also its peak and the bound."""
     if not pool_stats:
         return {}
-    return {"managed_pool_gib": pool_stats.get("reserved_bytes", 0) / 2**30}
+    figures = {"managed_pool_gib": pool_stats.get("reserved_bytes", 0) / 2**30}
+    if pool_stats.get("limit_bytes"):
+        figures["managed_pool_peak_gib"] = pool_stats.get("peak_bytes", 0) / 2**30
+        figures["managed_pool_limit_gib"] = pool_stats["limit_bytes"] / 2**30
+    return figures
 
 
 def managed_pool_stats() -> dict | None:

@@ -15,21 +15,22 @@ import torch
 from torch import nn
 
 
-def _modules(obj: Any) -> Iterator[nn.Module]:
+def modules_of(obj: Any) -> Iterator[nn.Module]:
+    """Every module in ``obj``: a module, or dicts / lists / tuples of them (other values skipped)."""
     if isinstance(obj, nn.Module):
         yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _modules(value)
+            yield from modules_of(value)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from _modules(value)
+            yield from modules_of(value)
 
 
 def to_device(objs: Any, device: torch.device) -> None:
     """Move every module in ``objs`` (modules, or dicts / lists / tuples of them; tokenizers and
     other non-modules are skipped) to ``device``."""
-    for module in _modules(objs):
+    for module in modules_of(objs):
         module.to(device)
 
 

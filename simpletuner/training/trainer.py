@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
+from simpletuner.gh200.managed_memory import place_weights
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.memory.hardware import detect_hardware
 from simpletuner.memory.oom import explain_out_of_memory
@@ -78,6 +79,7 @@ class Trainer:
     validator: Validator | None  # rank 0, with validation prompts
     # _setup_model
     _denoiser_fingerprint: str | None = None  # in the run identity once the model is loaded
+    weight_prefetcher: object | None = None  # managed_memory frozen_weights: hooks prefetching frozen blocks
     # _setup_optimization
     eval_samples: list[Sample]
     sampler: BucketSampler
@@ -205,6 +207,8 @@ class Trainer:
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         denoiser = spec.prepare_denoiser(denoiser, self.weight_dtype)
+        # managed_memory frozen_weights: the frozen base lives in CPU memory, prefetched block by block.
+        self.weight_prefetcher = place_weights(denoiser, self.state.gh200_runtime_config["managed_memory"])
         if cfg.low_vram:
             spec.apply_low_vram(denoiser)
         denoiser = knobs.maybe_compile(denoiser, cfg.enable_compile)
@@ -343,13 +347,8 @@ class Trainer:
             logger.info(
                 "%s records no run id (an older version wrote it): this run continues as run %s", path, self.run_id
             )
-        logger.info(
-            "resumed from %s at step %d (%d samples seen; run %s)",
-            path,
-            self.progress.global_step,
-            self.progress.samples_seen,
-            self.run_id,
-        )
+        at = (self.progress.global_step, self.progress.samples_seen)
+        logger.info("resumed from %s at step %d (%d samples seen; run %s)", path, *at, self.run_id)
 
     def _claim_output_dir(self) -> None:
         """Lock ``output_dir`` for this run (rank 0), held until ``train()`` ends with the cache locks

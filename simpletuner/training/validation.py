@@ -17,6 +17,7 @@ from simpletuner.data_backend import BucketSampler
 from simpletuner.data_backend.images import load_rgb
 from simpletuner.diskspace import disk_full_guard, inject_fault
 from simpletuner.faults import fault_point
+from simpletuner.gh200.managed_weights import place_frozen_weights
 from simpletuner.training import offload
 
 logger = logging.getLogger(__name__)
@@ -391,6 +392,11 @@ class Validator:
             reencodes = config.augmentations.is_enabled and config.augmentations_cache_mode != "static"
             self.offloaded = (self.text_encoders,) if reencodes else (self.vae, self.text_encoders)
             offload.to_device(self.offloaded, torch.device("cpu"))
+        if (
+            config.gh200_optimizations.managed_memory == "frozen_weights"
+        ):  # frozen: resident in CPU memory, read in place
+            for module in offload.modules_of((self.vae, self.text_encoders)):
+                place_frozen_weights(module)
         if config.validation_negative_prompt is not None and spec.family in NO_NEGATIVE_PROMPT:
             logger.warning(
                 "validation_negative_prompt is ignored for model_family %r: its guidance-distilled sampling takes "

@@ -106,8 +106,9 @@ def _memory_notes(hw) -> list[str]:
         ]
     if hw.unified_memory:
         return [
-            "usable is the GPU's own memory (HBM); managed memory can spill into the host's LPDDR5X, at the "
-            "NVLink-C2C's speed, not the HBM's: plan for the HBM"
+            "usable is the GPU's own memory (HBM): plan for the HBM; gh200_optimizations.managed_memory can move "
+            "frozen weights (frozen_weights) or anything (all) into the host's LPDDR5X, read at the NVLink-C2C's "
+            "speed, not the HBM's (the mode table below shows each mode's HBM and Grace use)"
         ]
     return []
 
@@ -135,7 +136,7 @@ def _verdict(estimate, usable: int, margin: float) -> tuple[bool, str]:
     return True, f"fits: {share}, within the {margin:.0%} safety margin"
 
 
-def _plan_lines(plan, config) -> list[str]:
+def _plan_lines(plan, config, mode: str | None = None) -> list[str]:
     per = f"{plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.num_processes} process" + (
         "es" if plan.num_processes > 1 else ""
     )
@@ -159,7 +160,10 @@ def _plan_lines(plan, config) -> list[str]:
         f"  gradient_checkpointing        {str(plan.gradient_checkpointing).lower():<6}"
         f"(was {str(config.gradient_checkpointing).lower()})"
     )
-    lines.append(f"  needs {_gib(plan.estimate.total)} of the {_gib(plan.budget_bytes)} budget")
+    if mode in (None, "caches"):
+        lines.append(f"  needs {_gib(plan.estimate.total)} of the {_gib(plan.budget_bytes)} budget")
+    else:  # the HBM budget is not what the total is held against: the mode table splits it
+        lines.append(f"  needs {_gib(plan.estimate.total)} in all, split by managed_memory {mode} (table below)")
     lines += [f"  {note}" for note in plan.notes]
     tried = ", ".join(
         f"{e.micro_batch_size}{'+ckpt' if e.gradient_checkpointing else ''} {e.total / GiB:.2f}"
@@ -291,7 +295,7 @@ class EstimateReport:
 
     def _plan_text(self, usable: int | None) -> list[str]:
         plan = self.plan
-        text = _plan_lines(plan, self.config) + [
+        text = _plan_lines(plan, self.config, self.picked_mode if self.managed is not None else None) + [
             "",
             plan.estimate.breakdown.table(usable),
             *_extras_lines(plan.estimate, usable),

@@ -35,10 +35,10 @@ def write_mid_sd(out_dir: str | Path, seed: int = 0) -> Path:
     """An SD-1.5-like pipeline with random weights: the UNet's four levels at 0.4x SD 1.5's width
     (~140 M parameters, ~550 MB fp32), a small CLIP text encoder (256 wide, 2 layers), a small VAE."""
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from simpletuner.models.zoo import tiny_clip_tokenizer
+    from simpletuner.models.zoo import save_sd_pipeline, tiny_clip_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = tiny_clip_tokenizer()
@@ -74,21 +74,7 @@ def write_mid_sd(out_dir: str | Path, seed: int = 0) -> Path:
         sample_size=512,
         layers_per_block=1,
     )
-    scheduler = DDPMScheduler(
-        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1
-    )
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=CLIPTextModel(text),
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.save_pretrained(out_dir, safe_serialization=True)
-    return Path(out_dir)
+    return save_sd_pipeline(Path(out_dir), unet, vae, CLIPTextModel(text), tokenizer)
 
 
 def write_bench_config(root: str | Path, size: str = "mid", batch_size: int = 4, mixed_precision: str = "bf16") -> Path:

@@ -73,9 +73,27 @@ def _tiny_unet(cross_attention_dim: int, **extra):
     )
 
 
+def save_sd_pipeline(out: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon") -> Path:
+    """Save an SD 1.x pipeline folder of these parts with SD 1.5's DDPM schedule (no safety checker)."""
+    from diffusers import DDPMScheduler, StableDiffusionPipeline
+
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000,
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        prediction_type=prediction_type,
+        clip_sample=False,
+        steps_offset=1,
+    )
+    parts = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
+    pipe = StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(out, safe_serialization=True)
+    return Path(out)
+
+
 def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
     """Write a tiny SD 1.x-style pipeline (UNet, VAE, CLIP text encoder, tokenizer, DDPM scheduler)."""
-    from diffusers import DDPMScheduler, StableDiffusionPipeline
     from transformers import CLIPTextModel
 
     if prediction_type not in ("epsilon", "v_prediction"):
@@ -86,26 +104,7 @@ def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: i
     text_config = _tiny_clip_config(tokenizer, 32, 32)
     unet = _tiny_unet(cross_attention_dim=32)
     vae = _tiny_vae()
-    scheduler = DDPMScheduler(
-        num_train_timesteps=1000,
-        beta_schedule="scaled_linear",
-        beta_start=0.00085,
-        beta_end=0.012,
-        prediction_type=prediction_type,
-        clip_sample=False,
-        steps_offset=1,
-    )
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=CLIPTextModel(text_config),
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.save_pretrained(out, safe_serialization=True)
+    save_sd_pipeline(out, unet, vae, CLIPTextModel(text_config), tokenizer, prediction_type)
     logger.info("wrote tiny sd pipeline to %s", out)
     return out
 

@@ -2,8 +2,8 @@
 
 A corpus of good, odd and broken files is generated here. Each kind either works (decodes
 to the right 8-bit RGB; transparency composited on WHITE) or is skipped and reported by
-path with a reason; more bad files than ``max_bad_image_fraction`` aborts the run with a
-message listing them.
+path with a reason; ``max_bad_image_fraction`` of a dataset or more (default half) stops the run
+with a message listing them.
 
 | kind                                  | outcome                                                      |
 |---------------------------------------|--------------------------------------------------------------|
@@ -20,8 +20,8 @@ message listing them.
 | unreadable image (EACCES)             | skipped at scan: "cannot read file: Permission denied"       |
 | unreadable caption .txt               | image skipped at scan: "caption file X cannot be read"       |
 | file name not valid UTF-8             | skipped at scan, shown escaped: "file name is not valid UTF-8" |
-| truncated JPEG / PNG (first half)     | skipped while decoding: "image file is truncated"            |
-| valid header, garbage body            | skipped while decoding: "broken data stream"                 |
+| truncated JPEG / PNG (first half)     | skipped at scan (no EOI / IEND: decoded): "image file is truncated" |
+| valid header, garbage body            | skipped at the cache fill: "broken data stream"              |
 
 A JPEG whose scan data is garbage *without* marker bytes decodes to noise: libjpeg only
 warns, so it cannot be told from a real image and is not in this table.
@@ -49,6 +49,7 @@ from simpletuner.data_backend import (
     LocalDataBackend,
     bucket_for,
     build_datasets,
+    build_metadata,
     load_rgb,
     load_sample_pixels,
     prepare_image,
@@ -75,8 +76,8 @@ SKIPPED = {
     "unreadable.png": ("scan", "cannot read file: Permission denied"),
     "locked_caption.png": ("scan", "caption file locked_caption.txt cannot be read: Permission denied"),
     NON_UTF8_SHOWN: ("scan", "file name is not valid UTF-8"),
-    "truncated.jpg": ("decode", "image file is truncated"),
-    "truncated.png": ("decode", "image file is truncated"),
+    "truncated.jpg": ("scan", "image file is truncated"),
+    "truncated.png": ("scan", "image file is truncated"),
     "corrupt_body.jpg": ("decode", "broken data stream"),
     "corrupt_body.png": ("decode", "broken data stream"),
 }
@@ -264,7 +265,8 @@ def test_each_kind_works_or_is_skipped_by_path(kind, corpus, locked, caplog):
         assert reason in bad[path], (path, bad[path])
     # Scan failures come first, decode failures after: the stage is where the table says.
     order = [p for p, _ in meta.bad_files]
-    assert {p for p in order[: len(order) - 4]} == {p for p, (s, _) in SKIPPED.items() if s == "scan"}
+    num_decode = sum(stage == "decode" for stage, _ in SKIPPED.values())
+    assert {p for p in order[: len(order) - num_decode]} == {p for p, (s, _) in SKIPPED.items() if s == "scan"}
     assert meta.num_files == len(SKIPPED) + NUM_WORKING
 
     works = {s.path for s in meta.samples}
@@ -328,7 +330,7 @@ def test_more_bad_files_than_the_limit_abort_listing_them(kind, corpus, locked):
     with pytest.raises(ValueError) as info:
         build_datasets(make_state(kind, corpus, max_bad=0.1))
     message = str(info.value)
-    assert "6 of 29 image files" in message and "max_bad_image_fraction=0.1" in message
+    assert "8 of 29 image files" in message and "max_bad_image_fraction=0.1" in message
     for path, (stage, _) in SKIPPED.items():
         if stage == "scan":
             assert path in message, path
@@ -336,11 +338,11 @@ def test_more_bad_files_than_the_limit_abort_listing_them(kind, corpus, locked):
 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_below_the_limit_the_scan_proceeds_and_decode_failures_count_too(kind, corpus, locked):
-    # 6 of 29 fail the scan (21%): allowed at 0.25, but the 4 decode failures make it 34%.
-    (dataset,) = build_datasets(make_state(kind, corpus, max_bad=0.25))
-    assert len(dataset.metadata.bad_files) == 6
-    with pytest.raises(ValueError, match=r"(?s)10 of 29 image files .*truncated\.png"):
-        scan_and_decode(make_state(kind, corpus, max_bad=0.25))
+    # 8 of 29 fail the scan (28%): allowed at 0.3, but the 2 decode failures make it 34%.
+    (dataset,) = build_datasets(make_state(kind, corpus, max_bad=0.3))
+    assert len(dataset.metadata.bad_files) == 8
+    with pytest.raises(ValueError, match=r"(?s)10 of 29 image files .*corrupt_body\.png"):
+        scan_and_decode(make_state(kind, corpus, max_bad=0.3))
 
 
 def test_only_unreadable_images_is_not_reported_as_an_empty_folder(tmp_path, monkeypatch):
@@ -415,7 +417,7 @@ def test_training_completes_and_reports_skipped_files(kind, make_config, shapes_
     (data / "truncated.png").write_bytes(good[: len(good) // 2])
     (data / "rgba.png").write_bytes(encode(halves((0, 0, 0, 0), (255, 0, 0, 255), "RGBA", size=(64, 64)), "PNG"))
     (data / "rgba.txt").write_bytes("a red half on caf\xe9 white".encode("latin-1"))
-    raw = make_config(max_train_steps=2, max_bad_image_fraction=0.3)
+    raw = make_config(max_train_steps=2)  # 4 of 17 unreadable: under the default (half)
     raw["datasets"] = [dataset_entry(kind, data, id="shapes")]
     with caplog.at_level(logging.WARNING):
         trainer = Trainer(StateTracker(validate_config(raw), raw))
@@ -429,3 +431,149 @@ def test_training_completes_and_reports_skipped_files(kind, make_config, shapes_
     for path in skipped:
         assert path in warned, path
     assert warned.count("rgba.txt is not valid UTF-8") == 1
+
+
+# --- the default rule: a few unreadable files are skipped, half or more stop the run ---------------------------------
+def broken_pair(folder: Path) -> dict[str, str]:
+    """A cut-off JPEG (its header intact) and garbage bytes named .png, each with a caption; -> name: reason."""
+    good = encode(noise((64, 64), seed=11), "JPEG", quality=90)
+    (folder / "truncated.jpg").write_bytes(good[: len(good) // 3])
+    (folder / "garbage.png").write_bytes(np.random.default_rng(12).integers(0, 256, 2000, dtype=np.uint8).tobytes())
+    for name in ("truncated", "garbage"):
+        (folder / f"{name}.txt").write_text(f"a {name} file")
+    return {"truncated.jpg": "image file is truncated", "garbage.png": "not a recognised image"}
+
+
+def test_thirty_images_with_two_broken_files_train_and_both_are_listed(make_config, tmp_path, caplog):
+    from simpletuner.demo import write_shapes_dataset
+    from simpletuner.training.trainer import Trainer
+
+    data = write_shapes_dataset(tmp_path / "data", num_images=28)
+    broken = broken_pair(data)
+    raw = make_config(max_train_steps=2)  # the default max_bad_image_fraction
+    raw["datasets"][0]["instance_data_dir"] = str(data)
+    with caplog.at_level(logging.WARNING):
+        trainer = Trainer(StateTracker(validate_config(raw), raw))
+        result = trainer.train()
+    assert result.global_step == 2
+    meta = trainer.state.get_dataset("shapes").metadata
+    assert dict(meta.bad_files).keys() == broken.keys() and len({s.path for s in meta.samples}) == 28
+    for path, reason in broken.items():  # the cut-off JPEG is found by the scan, not the fill
+        assert reason in dict(meta.bad_files)[path]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    scan = [m for m in warnings if "as unreadable while scanning" in m]
+    fill = [m for m in warnings if "left out of training" in m]
+    assert len(scan) == 1 and "skipped 2 of 30 image files" in scan[0]
+    assert (
+        len(fill) == 1 and "2 of 30 image files are unreadable" in fill[0] and "(2 found by the scan, 0 by" in fill[0]
+    )
+    for message in scan + fill:
+        assert all(f"{path}: " in message for path in broken), message
+
+
+def test_half_the_dataset_unreadable_stops_naming_the_dataset_the_count_and_what_to_check(tmp_path):
+    from simpletuner.demo import write_shapes_dataset
+
+    data = write_shapes_dataset(tmp_path / "data", num_images=2)
+    broken_pair(data)  # 2 of 4: half
+    with pytest.raises(ValueError) as info:
+        build_datasets(make_state("local", data, max_bad=0.5))
+    message = str(info.value)
+    assert message.startswith("dataset 'corpus': 2 of 4 image files under ") and str(data) in message
+    assert "max_bad_image_fraction=0.5" in message and "wrong `instance_data_dir`" in message
+    assert "garbage.png: not a recognised image" in message and "truncated.jpg: cannot decode image" in message
+    (data / "extra.png").write_bytes(encode(noise((64, 64)), "PNG"))  # 2 of 5: trains
+    (dataset,) = build_datasets(make_state("local", data, max_bad=0.5))
+    assert len(dataset.samples) == 3
+
+
+def test_the_default_rule_is_half_or_more(tmp_path):
+    from simpletuner.data_backend.bad_files import DEFAULT_MAX_BAD_FRACTION, is_too_many
+
+    raw = {k: v for k, v in data_only_config(dataset_entry("local", tmp_path)).items() if k != "max_bad_image_fraction"}
+    assert validate_config(raw, check_files=False).max_bad_image_fraction == DEFAULT_MAX_BAD_FRACTION == 0.5
+    assert [is_too_many(n, 30, 0.5) for n in (0, 2, 14, 15, 30)] == [False, False, False, True, True]
+    assert is_too_many(3, 30, 0.1) and not is_too_many(2, 30, 0.1)  # 0.1 is a tenth exactly, not 0.1000...01
+    assert not is_too_many(0, 30, 0.0) and is_too_many(1, 30, 0.0)
+
+
+# --- the cheap checks at the scan, and what only the fill finds ------------------------------------------------
+def test_a_large_cut_off_jpeg_is_found_at_the_scan_from_its_end(tmp_path, monkeypatch):
+    big = encode(noise((900, 700), seed=3), "JPEG", quality=95)
+    assert len(big) > images_module.HEADER_BYTES  # the header read does not hold the whole file
+    (tmp_path / "cut.jpg").write_bytes(big[: int(len(big) * 0.9)])
+    (tmp_path / "whole.jpg").write_bytes(big)
+    (tmp_path / "motion.jpg").write_bytes(big + b"\x00\x00\x00\x18ftypmp42" + bytes(5000))  # a video after the EOI
+    png = encode(noise((64, 64)), "PNG")
+    (tmp_path / "no_iend.png").write_bytes(png[:-12])  # Pillow decodes a PNG whose IEND alone is missing
+    decoded = []
+    real = images_module.load_rgb
+    monkeypatch.setattr(images_module, "load_rgb", lambda data: decoded.append(len(data)) or real(data))
+    config = validate_config(data_only_config(dataset_entry("local", tmp_path), 0.5), check_files=False)
+    meta = build_metadata(LocalDataBackend(tmp_path, "corpus"), config.datasets[0], config, seed=0)
+    assert {p for p, _ in meta.bad_files} == {"cut.jpg"}
+    assert "cannot decode image: image file is truncated" in dict(meta.bad_files)["cut.jpg"]
+    assert {s.path for s in meta.samples} == {"whole.jpg", "motion.jpg", "no_iend.png"}
+    assert len(decoded) == 3  # only the files that do not end like whole ones were decoded
+
+
+def test_a_corrupt_body_passes_the_scan_is_skipped_at_the_fill_and_the_same_on_a_rerun(make_config, tmp_path, caplog):
+    from simpletuner.data_backend import BucketSampler
+    from simpletuner.demo import write_shapes_dataset
+    from simpletuner.models import get_model_spec
+    from simpletuner.training.batches import prepare_caches
+
+    data = write_shapes_dataset(tmp_path / "data", num_images=8)
+    (data / "corrupt_body.jpg").write_bytes(jpeg_with_garbage_scan())  # ends with its EOI: passes the cheap checks
+    raw = make_config()
+    raw["datasets"][0]["instance_data_dir"] = str(data)
+    config = validate_config(raw)
+
+    def fill_and_order():
+        state = StateTracker(config, raw)
+        datasets = build_datasets(state)
+        assert "corrupt_body.jpg" in {s.path for s in datasets[0].samples}  # the scan kept it
+        cache_dir = Path(config.cache_config.cache_dir)
+        data_, _ = prepare_caches(
+            get_model_spec(config), datasets, cache_dir, torch.device("cpu"), torch.float32, state
+        )
+        samples = [s for ds in datasets for s in ds.samples]
+        sampler = BucketSampler(samples, config.train_batch_size, 1, 0, config.seed)
+        return datasets[0].metadata, [[s.key for s in batch] for batch in sampler], data_.fill_reports["latents"]
+
+    with caplog.at_level(logging.WARNING):
+        meta, order, report = fill_and_order()
+    assert [p for p, _ in meta.bad_files] == ["corrupt_body.jpg"] and "broken data stream" in meta.bad_files[0][1]
+    assert "corrupt_body.jpg" not in {s.path for s in meta.samples}
+    fill = [r.getMessage() for r in caplog.records if "left out of training" in r.getMessage()]
+    assert (
+        len(fill) == 1 and "1 of 9 image files" in fill[0] and "(0 found by the scan, 1 by the cache fill)" in fill[0]
+    )
+    assert "corrupt_body.jpg: " in fill[0]
+
+    again_meta, again_order, again_report = fill_and_order()  # a re-run: the good latents are cache hits
+    assert again_report.num_hits == 8 and again_report.num_computed == 0
+    assert again_order == order and again_meta.bad_files == meta.bad_files
+
+
+def test_files_found_bad_on_different_ranks_leave_every_rank_the_same_samples(tmp_path):
+    from simpletuner.training.batches import _every_rank_undecodable
+
+    class Share:  # rank r found only the failures of its own part of the misses
+        def __init__(self, parts):
+            self.parts = parts
+
+        def from_all(self, value):
+            return self.parts
+
+    parts = [{"corpus": {"a.png": "cannot decode image: x"}}, {"corpus": {"b.png": "cannot decode image: y"}}]
+    merged = [_every_rank_undecodable(part, Share(parts)) for part in parts]
+    assert merged[0] == merged[1] == {"corpus": {"a.png": "cannot decode image: x", "b.png": "cannot decode image: y"}}
+    for name in ("a.png", "b.png", "c.png", "d.png", "e.png"):
+        (tmp_path / name).write_bytes(encode(noise((64, 64)), "PNG"))
+    kept = []
+    for failures in merged:
+        (dataset,) = build_datasets(make_state("local", tmp_path))
+        dataset.metadata.drop_unreadable("corpus", str(tmp_path), failures["corpus"], 0.5)
+        kept.append([s.key for s in dataset.samples])
+    assert kept[0] == kept[1] == ["corpus/c.png", "corpus/d.png", "corpus/e.png"]

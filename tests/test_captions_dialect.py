@@ -16,15 +16,14 @@ import pytest
 import torch
 from fakes import data_only_config
 from PIL import Image
+from training_helpers import cached_data, resumed_batches, training_sampler
 
 from simpletuner.caching.keys import DROPPED_CAPTION, cache_keys
 from simpletuner.configuration import ConfigError, load_config, validate_config
 from simpletuner.configuration.loader import check_paths
-from simpletuner.data_backend import BucketSampler, LocalDataBackend, build_datasets, build_metadata, caption_for
+from simpletuner.data_backend import LocalDataBackend, build_metadata, caption_for
 from simpletuner.data_backend.caption_files import load_caption_table, strip_media_extension
-from simpletuner.models import get_model_spec
-from simpletuner.state import StateTracker
-from simpletuner.training.batches import CaptionDropout, prepare_caches
+from simpletuner.training.batches import CaptionDropout
 
 CPU = torch.device("cpu")
 
@@ -283,23 +282,9 @@ def test_drop_decision_is_a_pure_function_with_the_asked_rate():
     assert not any(CaptionDropout(7, 0.0).is_dropped(0, i, 0, "k") for i in range(100))
 
 
-def _prepare(make_config, **overrides):
-    raw = make_config(**overrides)
-    config = validate_config(raw)
-    state = StateTracker(config, raw)
-    datasets = build_datasets(state)
-    spec = get_model_spec(config)
-    data, _ = prepare_caches(spec, datasets, Path(config.cache_config.cache_dir), CPU, torch.float32, state)
-    return data, datasets, config, spec
-
-
-def _sampler(datasets, config):
-    return BucketSampler([s for ds in datasets for s in ds.samples], config.train_batch_size, 1, 0, config.seed)
-
-
 def test_dropped_samples_train_on_the_empty_prompt_embedding(make_config):
     p = 0.5
-    data, datasets, config, spec = _prepare(make_config, caption_dropout_probability=p)
+    data, datasets, config, spec = cached_data(make_config, caption_dropout_probability=p)
     keys = cache_keys(spec, datasets, torch.float32)
     assert DROPPED_CAPTION in data.text_keys and DROPPED_CAPTION in keys.texts  # cached like any caption
 
@@ -309,7 +294,7 @@ def test_dropped_samples_train_on_the_empty_prompt_embedding(make_config):
         empty = spec.encode_prompts(encoders, [DROPPED_CAPTION])[0]
         own = {c: spec.encode_prompts(encoders, [c])[0] for c in {s.caption for ds in datasets for s in ds.samples}}
 
-    batches = data.iterate(_sampler(datasets, config), CPU)
+    batches = data.iterate(training_sampler(datasets, config), CPU)
     num_samples = num_dropped = 0
     for _ in range(150):
         batch = next(batches)
@@ -329,17 +314,9 @@ def test_dropped_samples_train_on_the_empty_prompt_embedding(make_config):
 
 
 def test_a_resumed_sampler_drops_the_same_captions(make_config):
-    data, datasets, config, _ = _prepare(make_config, caption_dropout_probability=0.4)
-    sampler = _sampler(datasets, config)
-    straight = data.iterate(sampler, CPU)
-    before = [next(straight).dropped_captions for _ in range(9)]  # past an epoch's end (6 batches an epoch)
-    state = sampler.state_dict()
-    after = [next(straight) for _ in range(8)]
-
-    resumed_sampler = _sampler(datasets, config)
-    resumed_sampler.load_state_dict(state)
-    resumed = data.iterate(resumed_sampler, CPU)
-    again = [next(resumed) for _ in range(8)]
+    data, datasets, config, _ = cached_data(make_config, caption_dropout_probability=0.4)
+    batches, after, again = resumed_batches(data, datasets, config, 9, 8)  # past an epoch's end (6 batches each)
+    before = [b.dropped_captions for b in batches]
     assert [b.dropped_captions for b in again] == [b.dropped_captions for b in after]
     assert [[s.key for s in b.samples] for b in again] == [[s.key for s in b.samples] for b in after]
     for a, b in zip(after, again):
@@ -348,7 +325,7 @@ def test_a_resumed_sampler_drops_the_same_captions(make_config):
 
 
 def test_no_dropout_leaves_batches_and_keys_as_before(make_config):
-    data, datasets, config, spec = _prepare(make_config)
+    data, datasets, config, spec = cached_data(make_config)
     assert DROPPED_CAPTION not in cache_keys(spec, datasets, torch.float32).texts
-    batch = next(data.iterate(_sampler(datasets, config), CPU))
+    batch = next(data.iterate(training_sampler(datasets, config), CPU))
     assert batch.dropped_captions == ()

@@ -20,6 +20,7 @@ time within its budget; the estimate (about a second a call) gets fewer examples
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import itertools
 import json
@@ -146,8 +147,8 @@ def _paths(raw: Any, prefix: tuple = ()) -> list[tuple]:
 
 
 def _value_for(op: str, world: World, draw) -> Any:
-    if op == "retype":
-        return draw(st.sampled_from(_OTHER_TYPES))
+    if op == "retype":  # a copy: a later mutation may write into it, and the next example must not see that
+        return copy.deepcopy(draw(st.sampled_from(_OTHER_TYPES)))
     if op == "extreme":
         return draw(st.sampled_from(_EXTREMES))
     if op == "non_finite":

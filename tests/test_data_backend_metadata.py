@@ -13,7 +13,7 @@ from PIL import Image, ImageFile
 
 from simpletuner.configuration import validate_config
 from simpletuner.data_backend import LocalDataBackend, bucket_for, build_metadata, caption_for
-from simpletuner.data_backend.metadata import caption_from_filename, crop_seed_for
+from simpletuner.data_backend.metadata import caption_from_filename, caption_from_filename_cleaned, crop_seed_for
 
 
 def scan_config(folder, max_bad=0.05, **dataset):
@@ -48,7 +48,30 @@ def png_bytes(size=(32, 32)) -> bytes:
         ("r2d2 robot.png", "r2d2 robot"),
     ],
 )
-def test_caption_from_filename(path, caption):
+def test_caption_from_filename_cleaned(path, caption):
+    assert caption_from_filename_cleaned(path) == caption
+
+
+#: ``caption_strategy: filename`` as SimpleTuner gives it: figures computed once by running SimpleTuner's
+#: ``PromptHandler.prepare_instance_prompt_from_filename`` (simpletuner/helpers/prompts.py:379-395 at bc8e6ab7,
+#: the caption made at lines 389-391) on these paths.
+SIMPLETUNER_FILENAME_CAPTIONS = {
+    "photos/red_cat-on_mat_001.png": "red cat-on mat 001",
+    "portrait-of-a-woman_12.png": "portrait-of-a-woman 12",
+    "IMG_2031.jpg": "IMG 2031",
+    "sub/a-dog_on-grass_001.jpg": "a-dog on-grass 001",
+    "shot_01_02.png": "shot 01 02",
+    "1234.png": "1234",
+    "r2d2 robot.png": "r2d2 robot",
+    "a__b.png": "a  b",
+    "clips/walk_cycle-2.mp4": "walk cycle-2",
+    "_lead_.png": " lead ",
+    "a.b_c.png": "a.b c",
+}
+
+
+@pytest.mark.parametrize("path,caption", sorted(SIMPLETUNER_FILENAME_CAPTIONS.items()))
+def test_caption_from_filename_is_simpletuners(path, caption):
     assert caption_from_filename(path) == caption
 
 
@@ -62,8 +85,8 @@ def test_textfile_caption_and_fallbacks(tmp_path):
 
     _, cfg = scan_config(tmp_path)
     assert caption_for(backend, "with_text.png", cfg) == ("a red square", "textfile")
-    assert caption_for(backend, "empty_text_01.png", cfg) == ("empty text", "filename")
-    assert caption_for(backend, "no_text.png", cfg) == ("no text", "filename")
+    assert caption_for(backend, "empty_text_01.png", cfg) == ("empty text", "filename_cleaned")
+    assert caption_for(backend, "no_text.png", cfg) == ("no text", "filename_cleaned")
 
     _, cfg = scan_config(tmp_path, instance_prompt="sks toy")
     assert caption_for(backend, "with_text.png", cfg) == ("a red square", "textfile")
@@ -94,7 +117,9 @@ def test_filename_and_instance_prompt_strategies(tmp_path):
     (tmp_path / "blue_sky_003.txt").write_text("ignored")
     backend = LocalDataBackend(tmp_path, "ds")
     _, cfg = scan_config(tmp_path, caption_strategy="filename")
-    assert caption_for(backend, "blue_sky_003.png", cfg) == ("blue sky", "filename")
+    assert caption_for(backend, "blue_sky_003.png", cfg) == ("blue sky 003", "filename")
+    _, cfg = scan_config(tmp_path, caption_strategy="filename_cleaned")
+    assert caption_for(backend, "blue_sky_003.png", cfg) == ("blue sky", "filename_cleaned")
     _, cfg = scan_config(tmp_path, caption_strategy="instance_prompt", instance_prompt="a photo of sks")
     assert caption_for(backend, "blue_sky_003.png", cfg) == ("a photo of sks", "instance_prompt")
 
@@ -172,7 +197,7 @@ def test_bad_files_are_skipped_with_reasons(mixed_folder, caplog):
     assert "header" in reasons["truncated.png"]
     assert "not a recognised image" in reasons["not_an_image.png"]
     assert len(meta.samples) == 9
-    assert "skipped 3 unreadable" in caplog.text and "zero.png" in caplog.text
+    assert "skipped 3 of 12 image files as unreadable while scanning" in caplog.text and "zero.png" in caplog.text
 
 
 def test_too_many_bad_files_raise_naming_the_limit(mixed_folder):

@@ -129,30 +129,48 @@ def test_a_caption_table_names_the_sources(pairs, tmp_path):
     assert "1 source image(s) named there are not files: 002.png -> " in message and "nope.png" in message
 
 
+class _Identities:
+    """The encoder identities cache keys need, without a model."""
+
+    conditions_on_size_crop = False  # no size/crop beside the latents (SDXL's)
+
+    def __init__(self, config):
+        self.config = config
+
+    def image_encoder_identity(self):
+        return "vae"
+
+    def text_encoder_identity(self):
+        return "text"
+
+
 def test_cache_keys_follow_the_source(pairs):
     images, sources = pairs
     cfg, ds = _scan(_entry(images, sources))
 
-    class Identities:
-        config = cfg
-
-        def image_encoder_identity(self):
-            return "vae"
-
-        def text_encoder_identity(self):
-            return "text"
-
-    keys = cache_keys(Identities(), [ds], torch.float32)
+    keys = cache_keys(_Identities(cfg), [ds], torch.float32)
     sample = ds.samples[0]
     assert text_id(sample) == PairedCaption(sample.caption, sample.key) and text_id(sample) in keys.texts
     assert len(keys.texts) == len(ds.samples)  # one embedding per pair, even for a shared caption
     # The source rewritten: the latent and the prompt embedding of that pair (only) are new entries.
     stat = os.stat(sample.source)
     os.utime(sample.source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    again = cache_keys(Identities(), [ds], torch.float32)
+    again = cache_keys(_Identities(cfg), [ds], torch.float32)
     changed = {k for k in keys.latents if keys.latents[k] != again.latents[k]}
     assert changed == {sample.key}
     assert {t for t in keys.texts if keys.texts[t] != again.texts[t]} == {text_id(sample)}
+
+
+def test_each_line_of_a_pairs_caption_file_is_embedded_with_its_source(pairs):
+    images, sources = pairs
+    (images / "000.txt").write_text("make the circle green\nturn the circle green\n")
+    cfg, ds = _scan(_entry(images, sources))
+
+    sample = next(s for s in ds.samples if s.path == "000.png")
+    assert sample.caption_lines == ("make the circle green", "turn the circle green")
+    keys = cache_keys(_Identities(cfg), [ds], torch.float32)
+    assert {PairedCaption(line, sample.key) for line in sample.caption_lines} <= set(keys.texts)
+    assert len(keys.texts) == len(ds.samples) + 1  # the second line of 000.png is one more (caption, source) entry
 
 
 def test_data_that_does_not_fit_the_model_is_refused_before_a_scan(make_config, pairs, tmp_path):

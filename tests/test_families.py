@@ -18,7 +18,6 @@ from simpletuner.configuration import validate_config
 from simpletuner.memory.estimator import batch_shapes, estimate_memory
 from simpletuner.models import get_model_spec
 from simpletuner.models.adapters import prepare_for_training
-from simpletuner.models.flux import FLUX_TRAINING_GUIDANCE
 from simpletuner.models.flux import T5_MAX_LENGTH as FLUX_T5_LENGTH
 from simpletuner.models.qwen_image import QWEN_MAX_LENGTH
 from simpletuner.models.sd3 import T5_MAX_LENGTH as SD3_T5_LENGTH
@@ -71,7 +70,7 @@ def _flux_call(model, gen, trainer):
     return model(
         hidden_states=packed,
         timestep=torch.tensor([0.01, 0.5]),
-        guidance=torch.full((2,), FLUX_TRAINING_GUIDANCE),
+        guidance=torch.full((2,), 1.0),  # flux_guidance_value's default
         pooled_projections=pooled,
         encoder_hidden_states=prompt,
         txt_ids=torch.zeros(FLUX_T5_LENGTH, 3),

@@ -12,7 +12,7 @@ import torch
 from simpletuner.configuration import validate_config
 from simpletuner.models import FluxSpec, get_model_spec
 from simpletuner.models import noise as noise_lib
-from simpletuner.models.flux import FLUX_TRAINING_GUIDANCE, T5_MAX_LENGTH
+from simpletuner.models.flux import T5_MAX_LENGTH
 from simpletuner.models.packed import pack_latents, unpack_latents
 from simpletuner.models.zoo import TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_T5_WIDTH
 
@@ -47,7 +47,7 @@ def _call(model, packed, timestep, cond, h, w):
     return model(
         hidden_states=packed,
         timestep=timestep,
-        guidance=torch.full((b,), FLUX_TRAINING_GUIDANCE),
+        guidance=torch.full((b,), 1.0),  # flux_guidance_value's default
         pooled_projections=cond["pooled_prompt_embeds"],
         encoder_hidden_states=cond["prompt_embeds"],
         txt_ids=torch.zeros(cond["prompt_embeds"].shape[1], 3),
@@ -132,7 +132,7 @@ def test_loss_is_the_flow_matching_formula(flux_config, weighting, flow_shift):
 
         g = torch.Generator().manual_seed(3)
         noise = torch.randn(latents.shape, generator=g)
-        u = torch.sigmoid(torch.randn(3, generator=g) * 1.0 + 0.2)
+        u = torch.sigmoid(torch.randn(3, generator=g) * 1.0 - 0.2)  # logit_mean: diffusers' sign
         if flow_shift is None:  # Flux dev's dynamic shift at 4 x 6 = 24 packed tokens
             mu = calculate_shift(24, 256, 4096, 0.5, 1.15)
             sigmas = math.exp(mu) / (math.exp(mu) + (1 / u - 1))

@@ -154,7 +154,7 @@ def test_loss_is_flow_matching_on_packed_latents(qwen_config, flow_shift):
 
         g = torch.Generator().manual_seed(3)
         noise = torch.randn(latents.shape, generator=g)
-        u = torch.sigmoid(torch.randn(2, generator=g) + 0.2)
+        u = torch.sigmoid(torch.randn(2, generator=g) - 0.2)  # logit_mean: diffusers' sign
         if flow_shift is None:  # 4 x 6 = 24 packed tokens
             sigmas = _shift_by_hand(u, 24)
         else:

@@ -169,7 +169,7 @@ def test_loss_is_flow_matching_on_the_target_with_the_clean_source_appended(edit
 
         g = torch.Generator().manual_seed(3)
         noise = torch.randn(target.shape, generator=g)  # the target's shape: the source draws no noise
-        u = torch.sigmoid(torch.randn(2, generator=g) + 0.2)
+        u = torch.sigmoid(torch.randn(2, generator=g) - 0.2)  # logit_mean: diffusers' sign
         # The pipeline's mu: from the target's packed length alone (4 x 6 = 24 tokens), before the cat.
         sigmas = _shift_by_hand(u, 24) if flow_shift is None else flow_shift * u / (1 + (flow_shift - 1) * u)
         s = sigmas.view(-1, 1, 1, 1)

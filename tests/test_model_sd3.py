@@ -132,7 +132,7 @@ def test_loss_is_the_flow_matching_formula(sd3_config, weighting):
 
         g = torch.Generator().manual_seed(3)
         noise = torch.randn(latents.shape, generator=g)
-        u = torch.sigmoid(torch.randn(3, generator=g) * 1.0 + 0.2)
+        u = torch.sigmoid(torch.randn(3, generator=g) * 1.0 - 0.2)  # logit_mean: diffusers' sign
         sigmas = 2.0 * u / (1 + (2.0 - 1) * u)
         s = sigmas.view(-1, 1, 1, 1)
         noisy = (1 - s) * latents + s * noise

@@ -28,7 +28,7 @@ def _by_hand(spec, unet, latents, embeds, seed: int, prediction_type: str, sampl
     if sampling == "uniform":
         timesteps = torch.randint(0, steps, (latents.shape[0],), generator=g)
     else:
-        u = torch.sigmoid(torch.randn(latents.shape[0], generator=g) * cfg.logit_std + cfg.logit_mean)
+        u = torch.sigmoid(torch.randn(latents.shape[0], generator=g) * cfg.logit_std - cfg.logit_mean)
         timesteps = (u * steps).long().clamp(0, steps - 1)
     a = spec.load_noise_scheduler().alphas_cumprod.double()[timesteps].view(-1, 1, 1, 1)
     x, e = latents.double(), noise.double()

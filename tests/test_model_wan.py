@@ -106,7 +106,7 @@ def test_loss_is_the_flow_matching_formula(wan_config, weighting):
         got = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
         g = torch.Generator().manual_seed(3)
         noise = torch.randn(latents.shape, generator=g)
-        u = torch.sigmoid(torch.randn(3, generator=g) + 0.2)
+        u = torch.sigmoid(torch.randn(3, generator=g) - 0.2)  # logit_mean: diffusers' sign
         sigmas = 2.0 * u / (1 + u)
         s = sigmas.view(-1, 1, 1, 1, 1)
         pred = model(

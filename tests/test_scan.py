@@ -22,7 +22,7 @@ from simpletuner.configuration import validate_config
 from simpletuner.data_backend import IMAGE_EXTENSIONS, LocalDataBackend, build_metadata
 from simpletuner.data_backend.image_headers import fast_image_size
 from simpletuner.data_backend.images import HEADER_BYTES, read_image_size, read_image_size_pil
-from simpletuner.data_backend.metadata import Sample, caption_file, caption_from_filename
+from simpletuner.data_backend.metadata import Sample, caption_file, caption_from_filename, caption_from_filename_cleaned
 
 
 # --- listing ---------------------------------------------------------------------------------
@@ -124,17 +124,20 @@ def test_caption_file_matches_pathlib():
     assert caption_file("clips/one", is_folder=True) == "clips/one.txt"
 
 
-def test_caption_from_filename_matches_pathlib_stem():
+def test_captions_from_filename_match_pathlib_stem():
+    def stem(path, is_folder):
+        return PurePosixPath(path).name if is_folder else PurePosixPath(path).stem
+
     def reference(path, is_folder):
-        stem = PurePosixPath(path).name if is_folder else PurePosixPath(path).stem
-        trimmed = re.sub(r"(?:[\s_\-]+\d+)+$", "", stem) or stem
+        trimmed = re.sub(r"(?:[\s_\-]+\d+)+$", "", stem(path, is_folder)) or stem(path, is_folder)
         return " ".join(re.sub(r"[_\-]+", " ", trimmed).split())
 
     paths = ["red_cat.png", "sub/a-dog_on-grass_001.jpg", "shot_01_02.png", "1234.png", "a.b.png", ".png", "a/.png"]
     paths += ["x", "x.", "a/b/", "a//b_c.png", "./q_1.png", "a-_-b.png", "日本/猫_01.JPG", "clips/my_clip-3", "-_-"]
     for path in paths:
         for is_folder in (False, True):
-            assert caption_from_filename(path, is_folder=is_folder) == reference(path, is_folder), (path, is_folder)
+            assert caption_from_filename_cleaned(path, is_folder=is_folder) == reference(path, is_folder), path
+            assert caption_from_filename(path, is_folder=is_folder) == stem(path, is_folder).replace("_", " "), path
 
 
 # --- header parser against Pillow -------------------------------------------------------------

@@ -92,16 +92,21 @@ def test_minimum_image_size_and_no_upscale_skip_and_count(make_config, mixed_siz
 
 
 def test_a_few_far_upscaled_images_are_named_in_a_warning_not_a_stop(make_config, mixed_sizes, caplog):
-    """Up to max_bad_image_fraction of the dataset (a few odd files, not a wrong resolution) trains with a warning."""
+    """Less than max_bad_image_fraction of the dataset (a few odd files, not a wrong resolution) trains with a
+    warning; as much or more stops the run, as for unreadable files."""
     config = validate_config(
         {
-            **make_config(resolution=128, max_bad_image_fraction=0.5),
+            **make_config(resolution=128, max_bad_image_fraction=0.6),
             "datasets": [{"id": "shapes", "type": "local", "instance_data_dir": str(mixed_sizes)}],
         }
     )
     with caplog.at_level(logging.WARNING, logger="simpletuner.data_backend.metadata"):
         assert len(_scan(config).samples) == 12
     assert "6 of 12 image files would be upscaled more than 2x" in caplog.text and "set `allow_upscale`" in caplog.text
+    with pytest.raises(
+        ValueError, match="6 of 12 image files would be upscaled more than 2x .* at least max_bad_image"
+    ):
+        _scan(validate_config({**config.model_dump(exclude_unset=True), "max_bad_image_fraction": 0.5}))
 
 
 def _small_machine(host_available, gpu_free=None):

@@ -118,3 +118,43 @@ def fixed_batch(num_samples: int, seed: int, nan: bool = False):
         for i in range(num_samples)
     ]
     return Batch(latents, {"prompt_embeds": torch.randn((num_samples, TOKENS, WIDTH), generator=gen)}, samples)
+
+
+def cached_data(make_config, **overrides):
+    """The tiny run's datasets scanned and its caches filled as training fills them (no Trainer):
+    ``(CachedData, datasets, config, spec)``."""
+    from simpletuner.data_backend import build_datasets
+    from simpletuner.models import get_model_spec
+    from simpletuner.training.batches import prepare_caches
+
+    raw = make_config(**overrides)
+    config = validate_config(raw)
+    state = StateTracker(config, raw)
+    datasets = build_datasets(state)
+    spec = get_model_spec(config)
+    cpu = torch.device("cpu")
+    data, _ = prepare_caches(spec, datasets, Path(config.cache_config.cache_dir), cpu, torch.float32, state)
+    return data, datasets, config, spec
+
+
+def training_sampler(datasets, config):
+    """A one-process sampler over every sample of ``datasets``, as the trainer builds it."""
+    from simpletuner.data_backend import BucketSampler
+
+    return BucketSampler([s for ds in datasets for s in ds.samples], config.train_batch_size, 1, 0, config.seed)
+
+
+def resumed_batches(data, datasets, config, num_before: int, num_after: int):
+    """``(before, after, again)``: ``num_before`` then ``num_after`` training batches of one straight run of
+    ``data`` (a CachedData), and ``num_after`` batches of a run whose sampler resumed from the state saved
+    between the two, as a resume from a checkpoint taken there would."""
+    cpu = torch.device("cpu")
+    sampler = training_sampler(datasets, config)
+    straight = data.iterate(sampler, cpu)
+    before = [next(straight) for _ in range(num_before)]
+    state = sampler.state_dict()
+    after = [next(straight) for _ in range(num_after)]
+    resumed_sampler = training_sampler(datasets, config)
+    resumed_sampler.load_state_dict(state)
+    resumed = data.iterate(resumed_sampler, cpu)
+    return before, after, [next(resumed) for _ in range(num_after)]

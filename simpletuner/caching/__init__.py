@@ -15,7 +15,8 @@
 - :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``); :mod:`.opening`, a cache over
   the store a cache type names, :func:`open_caches` for a model's ``(vae, text)`` pair; :mod:`.share`,
   a fill split between the processes of a launch; :mod:`.threads`, its thread helpers.
-- :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind.
+- :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind; :mod:`.size_crop`, each image's
+  size and crop kept beside its latent for SDXL's micro-conditioning.
 - :mod:`.reencode`: decoding images for the VAE, and the re-encoding cache modes
   (``refresh_each_epoch``, ``disable_cache``).
 - :mod:`.admin`: ``simpletuner cache verify|clear --config cfg.json`` (the command; it alone asks

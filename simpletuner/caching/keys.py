@@ -5,10 +5,12 @@ Training (:func:`simpletuner.training.batches.prepare_caches`), the re-encoding 
 all build their keys here, so what ``cache clear --stale-only`` keeps is exactly what training reads:
 
 - a latent of the ``vae`` cache per distinct sample (a dataset's repeats share one), encoded with the
-  ``static`` augmentation version when augmentations are on (:func:`static_latent_key`);
+  ``static`` augmentation version when augmentations are on (:func:`static_latent_key`), with the image's
+  size and crop beside it for a model conditioned on them (SDXL, :mod:`simpletuner.caching.size_crop`);
 - ``refresh_each_epoch``: a latent per sample and epoch in the epoch folders (:func:`epoch_latent_key`);
-- a text embedding per distinct caption, in the run's precision (:class:`CacheKeys`.texts), and of the
-  empty caption :data:`DROPPED_CAPTION` when ``caption_dropout_probability`` is above 0.
+- a text embedding per distinct caption (each line of a caption file of several lines), in the run's
+  precision (:class:`CacheKeys`.texts), and of the empty caption :data:`DROPPED_CAPTION` when
+  ``caption_dropout_probability`` is above 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME
+from simpletuner.caching.size_crop import keeps_size_crop
 from simpletuner.caching.text_cache import caption_text_key
 from simpletuner.caching.vae_cache import sample_latent_key
 from simpletuner.data_backend.augment import augmentation_key, static_augmentation_key
@@ -79,17 +82,19 @@ def static_version(config) -> int | None:
     return None if static_augmentation_key(config) is None else 0
 
 
-def static_latent_key(config, image_identity: str, dataset, sample) -> str:
-    """The key of ``sample``'s latent in the shared ``vae`` cache (augmented with :func:`static_version`)."""
+def static_latent_key(config, image_identity: str, dataset, sample, size_crop: bool = False) -> str:
+    """The key of ``sample``'s latent in the shared ``vae`` cache (augmented with :func:`static_version`);
+    ``size_crop``: the entry holds the image's size and crop too
+    (:func:`~simpletuner.caching.size_crop.keeps_size_crop`)."""
     augment = static_augmentation_key(config)
-    return sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment)
+    return sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment, size_crop=size_crop)
 
 
-def epoch_latent_key(config, image_identity: str, dataset, sample, version: int) -> str:
+def epoch_latent_key(config, image_identity: str, dataset, sample, version: int, size_crop: bool = False) -> str:
     """The key of ``sample``'s latent re-encoded for ``refresh_each_epoch`` with augmentation ``version``
-    (the epoch)."""
+    (the epoch); ``size_crop`` as for :func:`static_latent_key`."""
     augment = augmentation_key(config.augmentations, config.seed, version)
-    return sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment)
+    return sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment, size_crop=size_crop)
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,10 @@ def cache_keys(
             sources.setdefault(sample.key, (ds, sample))  # repeats share one cache entry
     latent_keys: dict[str, str] = {}
     if latents:
-        image_identity = spec.image_encoder_identity()
-        latent_keys = {key: static_latent_key(config, image_identity, ds, s) for key, (ds, s) in sources.items()}
+        image_identity, size_crop = spec.image_encoder_identity(), keeps_size_crop(spec)
+        latent_keys = {
+            key: static_latent_key(config, image_identity, ds, s, size_crop) for key, (ds, s) in sources.items()
+        }
     text_identity = spec.text_encoder_identity()
     has_dropped = getattr(config, "caption_dropout_probability", 0) > 0
     texts = {}
@@ -166,6 +173,8 @@ def _text_ids(datasets: Iterable[Any], has_dropped: bool) -> set:
     for ds in datasets:
         for sample in ds.samples:
             ids.add(text_id(sample))
+            for line in getattr(sample, "caption_lines", ())[1:]:  # a caption file's other lines: one draw each
+                ids.add(text_id(sample, line))
             paired_only = paired_only and isinstance(text_id(sample), PairedCaption)
             if has_dropped:
                 ids.add(text_id(sample, DROPPED_CAPTION))

@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from PIL import Image
@@ -26,16 +26,25 @@ from PIL import Image
 from simpletuner.caching.keys import epoch_latent_key
 from simpletuner.caching.layout import cache_base, epoch_folder
 from simpletuner.caching.opening import open_tensor_cache
+from simpletuner.caching.size_crop import SIZE_CROP, SizeCrop, keeps_size_crop, size_crop_of, size_crop_tensor
 from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.caching.threads import run_ahead
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
-from simpletuner.data_backend.augment import augment_pixels
+from simpletuner.data_backend.augment import apply_params, draw_params
 
 logger = logging.getLogger(__name__)
 
 #: ``(dataset, sample, augmentation version or None for none)``: what the loader decodes.
 Payload = tuple[RegisteredDataset, Sample, Any]
-Loaded = tuple[list[bool], torch.Tensor | None]
+
+
+class Loaded(NamedTuple):
+    """One VAE batch decoded: per payload whether it decoded, the stacked pixels of those that did (None:
+    none did), and their size and crop (:func:`~simpletuner.caching.size_crop.size_crop_of`), in order."""
+
+    ok: list[bool]
+    pixels: torch.Tensor | None
+    size_crops: list[SizeCrop]
 
 
 def batch_group(payload: Payload) -> tuple:
@@ -55,27 +64,29 @@ class PixelLoader:
         self.undecodable: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
 
-    def load(self, dataset: RegisteredDataset, sample: Sample, version: Any) -> torch.Tensor | None:
-        """``[3, (F,) H, W]`` pixels in [-1, 1] (augmented unless ``version`` is None), or None."""
+    def load(self, dataset: RegisteredDataset, sample: Sample, version: Any) -> tuple[torch.Tensor, SizeCrop] | None:
+        """``[3, (F,) H, W]`` pixels in [-1, 1] (augmented unless ``version`` is None) and the size and crop of
+        what they show (:func:`~simpletuner.caching.size_crop.size_crop_of`), or None."""
         try:
-            pixels = load_sample_pixels(dataset, sample)[0]
+            pixels, info = load_sample_pixels(dataset, sample)
         except (OSError, ValueError, Image.DecompressionBombError) as exc:  # header was fine, body is not
             reason = str(exc) if isinstance(exc, ValueError) else f"cannot decode image: {exc}"
             with self._lock:
                 self.undecodable.setdefault(dataset.id, {})[sample.path] = reason
             return None
-        if version is None:
-            return pixels
-        return augment_pixels(pixels, self.augmentations, self.seed, sample.key, version)
+        if version is None or not self.augmentations.is_enabled:
+            return pixels, size_crop_of(info)
+        params = draw_params(self.augmentations, self.seed, sample.key, version)
+        return apply_params(pixels, params), size_crop_of(info, params)
 
     def load_batch(self, payloads: list[Payload]) -> Loaded:
-        """``(decoded?, stacked pixels of the decoded ones or None)`` for one VAE batch."""
-        pixels = [self.load(*payload) for payload in payloads]
-        good = [p for p in pixels if p is not None]
-        stacked = torch.stack(good) if good else None
+        """One VAE batch decoded (:class:`Loaded`)."""
+        loaded = [self.load(*payload) for payload in payloads]
+        good = [item for item in loaded if item is not None]
+        stacked = torch.stack([pixels for pixels, _ in good]) if good else None
         if stacked is not None and self.pin:
             stacked = stacked.pin_memory()
-        return [p is not None for p in pixels], stacked
+        return Loaded([item is not None for item in loaded], stacked, [size_crop for _, size_crop in good])
 
     def require(self, payloads: list[Payload], loaded: Loaded) -> torch.Tensor:
         """The stacked pixels of a batch that must decode whole (while training).
@@ -83,10 +94,9 @@ class PixelLoader:
         Raises:
             ValueError: a file no longer decodes (it did at start-up), naming it and why.
         """
-        ok, stacked = loaded
-        if stacked is not None and all(ok):
-            return stacked
-        raise ValueError(self.failure_message([p for p, good in zip(payloads, ok) if not good]))
+        if loaded.pixels is not None and all(loaded.ok):
+            return loaded.pixels
+        raise ValueError(self.failure_message([p for p, good in zip(payloads, loaded.ok) if not good]))
 
     def failure_message(self, failed: list[Payload]) -> str:
         """Why these payloads could not be decoded while training, and what to do."""
@@ -99,13 +109,26 @@ class PixelLoader:
         )
 
 
+def latent_extras(spec, loaded: Loaded) -> dict[str, torch.Tensor]:
+    """What a latent entry of ``spec`` holds beside ``latents``, stacked for the decoded payloads of ``loaded``:
+    :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, else nothing."""
+    if not keeps_size_crop(spec) or loaded.pixels is None:
+        return {}
+    return {SIZE_CROP: size_crop_tensor(loaded.size_crops)}
+
+
 def encode_loaded(spec, vae, loaded: Loaded) -> list[dict[str, torch.Tensor] | None]:
-    """VAE latents (float32, CPU) per payload of a loaded batch; None for the undecodable ones."""
-    ok, stacked = loaded
-    if stacked is None:
-        return [None] * len(ok)
-    latents = iter(spec.encode_images(vae, stacked).float().cpu())
-    return [{"latents": next(latents)} if good else None for good in ok]
+    """The cache entry (float32, CPU) of each payload of a loaded batch: its VAE latents and
+    :func:`latent_extras`; None for the undecodable ones."""
+    if loaded.pixels is None:
+        return [None] * len(loaded.ok)
+    fields = {"latents": spec.encode_images(vae, loaded.pixels).float().cpu(), **latent_extras(spec, loaded)}
+    entries: list[dict[str, torch.Tensor] | None] = []
+    row = 0
+    for good in loaded.ok:
+        entries.append({name: values[row] for name, values in fields.items()} if good else None)
+        row += good
+    return entries
 
 
 class DecodeThreads:
@@ -274,8 +297,11 @@ class Reencoder:
                 state.register_cache_dir(folder)
             return open_tensor_cache(folder, cache_cfg.vae_cache_type, "vae-epoch", cache_cfg.persistent_cache)
 
+        size_crop = keeps_size_crop(spec)
+
         def key_for(sample: Sample, version: int) -> str:
-            return epoch_latent_key(config, image_identity, self._datasets[sample.dataset_id], sample, version)
+            dataset = self._datasets[sample.dataset_id]
+            return epoch_latent_key(config, image_identity, dataset, sample, version, size_crop)
 
         self.epochs = None
         if mode == "refresh_each_epoch":
@@ -298,25 +324,30 @@ class Reencoder:
         chunks = [g[i : i + self.batch_size] for g in groups.values() for i in range(0, len(g), self.batch_size)]
         failed: list[str] = []
         with self.threads.use() as pool:
-            for chunk, (ok, _) in zip(
+            for chunk, loaded in zip(
                 chunks, run_ahead(pool, self.loader.load_batch, chunks, 2 * self.threads.num_workers)
             ):
-                failed += [sample.key for (_, sample, _), good in zip(chunk, ok) if not good]
+                failed += [sample.key for (_, sample, _), good in zip(chunk, loaded.ok) if not good]
         return FillReport(len(payloads), 0, 0, time.perf_counter() - started, failed=tuple(failed))
 
-    def encode(self, samples: list[Sample], versions: list[Any], device: torch.device) -> torch.Tensor:
-        """Latents of ``samples`` decoded and augmented now (version per sample), on ``device``."""
+    def encode(self, samples: list[Sample], versions: list[Any], device: torch.device) -> dict[str, torch.Tensor]:
+        """``samples`` decoded and augmented now (version per sample), on ``device``: ``{"latents": ...}`` and
+        what a cache entry holds beside them (:func:`latent_extras`), stacked."""
         payloads = [(self._datasets[s.dataset_id], s, v) for s, v in zip(samples, versions)]
         return self._encode(payloads, self.loader.load_batch(payloads), device)
 
-    def _encode(self, payloads: list[Payload], loaded: Loaded, device: torch.device) -> torch.Tensor:
+    def _encode(self, payloads: list[Payload], loaded: Loaded, device: torch.device) -> dict[str, torch.Tensor]:
         pixels = self.loader.require(payloads, loaded)
-        return self.spec.encode_images(self.vae, pixels).float().to(device, non_blocking=True)
+        fields = {"latents": self.spec.encode_images(self.vae, pixels).float(), **latent_extras(self.spec, loaded)}
+        return {name: values.to(device, non_blocking=True) for name, values in fields.items()}
 
-    def iterate_epoch(self, sampler, epoch: int, device: torch.device) -> Iterator[tuple[list[Sample], torch.Tensor]]:
-        """``disable_cache``: ``(samples, latents)`` for the rest of ``epoch``, each batch decoded (up to
-        two per loader thread ahead), augmented with version ``"<epoch>.<batch>.<slot>"`` (a pure
-        function of the position, so a resumed run reproduces it) and encoded as it is read."""
+    def iterate_epoch(
+        self, sampler, epoch: int, device: torch.device
+    ) -> Iterator[tuple[list[Sample], dict[str, torch.Tensor]]]:
+        """``disable_cache``: ``(samples, fields)`` for the rest of ``epoch`` (``fields`` as :meth:`encode`
+        returns them), each batch decoded (up to two per loader thread ahead), augmented with version
+        ``"<epoch>.<batch>.<slot>"`` (a pure function of the position, so a resumed run reproduces it) and
+        encoded as it is read."""
         planned = epoch_batches(sampler, epoch)
         start = 0 if sampler.batch_index >= len(sampler) else sampler.batch_index
 

@@ -15,6 +15,7 @@ import logging
 from typing import Any, Mapping
 
 from simpletuner.caching.fingerprint import fingerprint, source_hash
+from simpletuner.caching.size_crop import SIZE_CROP_VERSION
 from simpletuner.data_backend.pairs import source_identity
 from simpletuner.data_backend.video import FRAME_FOLDER, sample_identity
 
@@ -71,14 +72,20 @@ LATENT_DTYPE = "float32"
 
 
 def sample_latent_key(
-    dataset, sample, encoder_identity: str, default_resolution: int, augment: Mapping[str, Any] | None = None
+    dataset,
+    sample,
+    encoder_identity: str,
+    default_resolution: int,
+    augment: Mapping[str, Any] | None = None,
+    size_crop: bool = False,
 ) -> str:
     """The latent key of ``sample`` of a registered ``dataset`` (its backend gives the file
     identity; its config may override the resolution). The trainer and ``simpletuner cache``
     both reach it through :mod:`simpletuner.caching.keys`, so they always agree on what is cached.
     ``augment`` describes the augmentations the latent was encoded with
     (:func:`~simpletuner.data_backend.augment.augmentation_key`); None (off) leaves the key as
-    it was before augmentations existed."""
+    it was before augmentations existed. ``size_crop``: the entry also holds the image's size and crop
+    (:mod:`simpletuner.caching.size_crop`, SDXL); False leaves the key as it was before that existed."""
     crop = {"style": sample.crop_style, "seed": sample.crop_seed}
     if sample.is_video:  # clips only, so image keys stay as they were
         crop.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
@@ -88,6 +95,8 @@ def sample_latent_key(
         crop["source"] = source_identity(sample)
     if augment is not None:
         crop["augment"] = dict(augment)
+    if size_crop:  # an entry without the values (an older version's) is then a miss
+        crop["size_crop"] = SIZE_CROP_VERSION
     return latent_cache_key(
         sample_key=sample.key,
         file_identity=sample_identity(dataset.backend, sample),  # a frame folder: its frames' identities

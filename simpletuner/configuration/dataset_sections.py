@@ -130,12 +130,26 @@ class _FolderDatasetConfig(_Strict):
         "textfile",
         description=(
             "`textfile`: caption from a same-named .txt file next to the image, clip or frame folder (`walk.txt` "
-            "beside the folder `walk/`; falls back to "
-            "`instance_prompt`, then to the file name, and reports how many fell back); "
-            "`filename`: caption from the file name (underscores and dashes become spaces); "
+            "beside the folder `walk/`; a file of several lines is several captions, see `disable_multiline_split`; "
+            "falls back to `instance_prompt`, then to the file name as `filename_cleaned` gives it, and reports how "
+            "many fell back); "
+            "`filename`: the file name without its extension, each `_` a space and nothing else changed, as "
+            "SimpleTuner gives it (`IMG_2031.jpg` -> `IMG 2031`); "
+            "`filename_cleaned`: the file name cleaned: `_` and `-` become spaces, runs of spaces one, a trailing "
+            "number is dropped (`red_cat-on_mat_001.png` -> `red cat on mat`); "
             "`instance_prompt`: every image gets `instance_prompt`; "
             "`parquet` / `csv` / `jsonl`: caption from a row of the metadata file of the sub-table of the same name "
             "(images with no row, or an empty caption, are skipped and counted in a warning)."
+        ),
+    )
+    disable_multiline_split: bool = Field(
+        False,
+        description=(
+            "`caption_strategy: textfile`: false (SimpleTuner's default), a caption file of several lines holds "
+            "several captions: each line, stripped, is one (empty lines dropped), and every time the image is "
+            "drawn it trains on one of them, chosen from the seed and the draw's place in the data order (a "
+            "resumed run chooses the same); every line's text embedding is cached. true: the whole file is one "
+            "caption, line breaks kept."
         ),
     )
     instance_prompt: Optional[str] = Field(
@@ -331,8 +345,8 @@ class _FolderDatasetConfig(_Strict):
     allow_upscale: Optional[bool] = Field(
         None,
         description=(
-            "Images smaller than their bucket. Unset: scaled up to cover it, but when more than "
-            "`max_bad_image_fraction` of the dataset needs more than 2x the run stops before caching, naming how many "
+            "Images smaller than their bucket. Unset: scaled up to cover it, but when `max_bad_image_fraction` of the "
+            "dataset or more needs more than 2x the run stops before caching, naming how many "
             "and by how much (fewer: a warning). `false`: every image smaller than its bucket is skipped (counted in "
             "a warning), so nothing is upscaled. `true`: train on them upscaled, any factor (a warning names the far "
             "ones)."

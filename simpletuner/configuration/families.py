@@ -55,3 +55,24 @@ VIDEO_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.video)
 EXPERT_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.experts)
 #: Per family: (pixels per latent, latents per token) along a side; see :attr:`Family.latent_grid`.
 FAMILY_LATENT_GRID: dict[str, tuple[int, int]] = {name: f.latent_grid for name, f in FAMILIES.items()}
+
+#: Keys only one family reads, and their defaults (the schema takes its defaults from here): a config
+#: of another family that sets one to anything else is refused, naming the key (rules.py), and a
+#: family's spec may refuse them for a folder that cannot use them (flux: a transformer without a
+#: guidance embedding). The Flux guidance keys and defaults are SimpleTuner's (its field registry).
+FAMILY_ONLY_KEYS: dict[str, tuple[str, object]] = {
+    "flux_guidance_mode": ("flux", "constant"),
+    "flux_guidance_value": ("flux", 1.0),
+    "flux_guidance_min": ("flux", 0.0),
+    "flux_guidance_max": ("flux", 4.0),
+}
+
+
+def family_keys_changed(config, family: str) -> list[str]:
+    """The keys only ``family`` reads (``FAMILY_ONLY_KEYS``) that ``config`` sets to another value than
+    their default, as ``key value`` (for messages), in the table's order."""
+    changed = []
+    for key, (owner, default) in FAMILY_ONLY_KEYS.items():
+        if owner == family and getattr(config, key) != default:
+            changed.append(f"{key} {getattr(config, key)!r}")
+    return changed

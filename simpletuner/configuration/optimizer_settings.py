@@ -2,7 +2,7 @@
 
 Settings that have a config key of their own (`learning_rate`, `adam_beta1` / `adam_beta2`,
 `adam_epsilon`, `weight_decay`, `prodigy_steps`) are refused here, naming that key, so each value
-has one place. The rest are checked per optimizer before anything loads: only `prodigy` takes any.
+has one place. The rest are checked per optimizer before anything loads: `prodigy` and `sgd` take some.
 """
 
 from __future__ import annotations
@@ -79,8 +79,19 @@ PRODIGY_SETTINGS: dict[str, tuple[Callable[[Any], Optional[str]], str]] = {
     "split_groups": (_flag, "one d per param group, e.g. per Wan 2.2 expert (default true)"),
 }
 
+#: SGD's settings (torch.optim.SGD).
+SGD_SETTINGS: dict[str, tuple[Callable[[Any], Optional[str]], str]] = {
+    "momentum": (_beta, "momentum factor (default 0.9 here; SimpleTuner's optimi-sgd uses 0)"),
+}
+
+#: SGD's momentum when `optimizer_config` does not set it.
+SGD_DEFAULT_MOMENTUM = 0.9
+
 #: optimizer -> the optimizer_config keys it takes.
-OPTIMIZER_SETTINGS: dict[str, dict[str, tuple[Callable[[Any], Optional[str]], str]]] = {"prodigy": PRODIGY_SETTINGS}
+OPTIMIZER_SETTINGS: dict[str, dict[str, tuple[Callable[[Any], Optional[str]], str]]] = {
+    "prodigy": PRODIGY_SETTINGS,
+    "sgd": SGD_SETTINGS,
+}
 
 
 def _scalar(text: str) -> Setting:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from simpletuner.configuration.families import (
     EXPERT_FAMILIES,
     FAMILY_LATENT_GRID,
+    FAMILY_ONLY_KEYS,
     FLOW_MATCHING_FAMILIES,
     VIDEO_FAMILIES,
 )
@@ -22,6 +23,7 @@ from simpletuner.configuration.optimizer_settings import (
     optimizer_config_problems,
     prodigy_learning_rate_problems,
 )
+from simpletuner.configuration.schedules import schedule_problems
 
 Rule = Callable[[Any], Iterator[str]]
 
@@ -219,9 +221,9 @@ def _loss_weighting_fits_family(cfg) -> Iterator[str]:
     if flow_family and cfg.loss_weighting == "min_snr":
         yield (
             f"loss_weighting min_snr is for DDPM schedules, but model_family {cfg.model_family!r} trains with "
-            "flow matching: use none, sigma_sqrt or cosmap"
+            "flow matching: use none, sigma_sqrt, cosmap or sigma_squared"
         )
-    if not flow_family and cfg.loss_weighting in ("sigma_sqrt", "cosmap"):
+    if not flow_family and cfg.loss_weighting in ("sigma_sqrt", "cosmap", "sigma_squared"):
         yield (
             f"loss_weighting {cfg.loss_weighting} is a flow-matching weighting, but model_family "
             f"{cfg.model_family!r} uses a DDPM schedule: use none or min_snr"
@@ -234,6 +236,39 @@ def _noise_offset_fits_family(cfg) -> Iterator[str]:
             f"noise_offset {cfg.noise_offset} is offset noise for DDPM schedules (sd, sdxl), but model_family "
             f"{cfg.model_family!r} trains with flow matching, which takes no offset noise (SimpleTuner ignores it "
             "there): remove noise_offset or set it to 0"
+        )
+
+
+def _zero_snr_fits_family(cfg) -> Iterator[str]:
+    if cfg.rescale_betas_zero_snr and cfg.model_family in FLOW_MATCHING_FAMILIES:
+        yield (
+            f"rescale_betas_zero_snr rescales a DDPM schedule (sd, sdxl), but model_family {cfg.model_family!r} "
+            "trains with flow matching, whose schedule already reaches pure noise: remove it"
+        )
+
+
+def _family_only_keys(cfg) -> Iterator[str]:
+    for key, (family, default) in FAMILY_ONLY_KEYS.items():
+        if cfg.model_family != family and getattr(cfg, key) != default:
+            yield (
+                f"{key} {getattr(cfg, key)!r} is read only by model_family {family!r}, but model_family is "
+                f"{cfg.model_family!r}: remove {key}"
+            )
+
+
+def _flux_guidance_range(cfg) -> Iterator[str]:
+    if cfg.flux_guidance_mode == "random-range" and cfg.flux_guidance_min > cfg.flux_guidance_max:
+        yield (
+            f"flux_guidance_min {cfg.flux_guidance_min} is greater than flux_guidance_max {cfg.flux_guidance_max}: "
+            "set min <= max"
+        )
+
+
+def _t5_length_fits_family(cfg) -> Iterator[str]:
+    if cfg.t5_max_length is not None and cfg.model_family != "sd3":
+        yield (
+            f"t5_max_length sets SD3's T5 prompt length, but model_family is {cfg.model_family!r} (its prompt length "
+            "is the pipeline's): remove t5_max_length"
         )
 
 
@@ -621,6 +656,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _automagic_stage_ranges,
     _optimizer_config_fits,
     _prodigy_learning_rate,
+    schedule_problems,
     _stages_need_experts,
     _ti2v_needs_wan,
     _full_not_quantised,
@@ -628,6 +664,10 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _video_needs_video_family,
     _loss_weighting_fits_family,
     _noise_offset_fits_family,
+    _family_only_keys,
+    _flux_guidance_range,
+    _zero_snr_fits_family,
+    _t5_length_fits_family,
     _validation_prompt_given,
     _places_apart,
     _alignment_fits_family,

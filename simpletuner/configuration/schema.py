@@ -20,7 +20,7 @@ from simpletuner.configuration.dataset_sections import (
     InMemoryOptions,
     LocalDatasetConfig,
 )
-from simpletuner.configuration.families import FAMILY_NAMES
+from simpletuner.configuration.families import FAMILY_NAMES, FAMILY_ONLY_KEYS
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
 from simpletuner.configuration.rules import TRAINING_RULES, Rule, check_rules, validation_sizes
@@ -68,7 +68,8 @@ class TrainingConfig(_Strict):
             "start-up log says where it came from); "
             "omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, "
             "or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), "
-            "`sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds, size/crop time ids), `sd3` (Stable "
+            "`sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds; its size/crop time ids are each "
+            "image's size before resizing and its crop offset, as in diffusers' SDXL training script), `sd3` (Stable "
             "Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, "
             "flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 "
             "text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a "
@@ -79,6 +80,24 @@ class TrainingConfig(_Strict):
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
         None, description="Training target; default: the `prediction_type` of the model's scheduler config."
+    )
+    t5_max_length: Optional[int] = Field(
+        None,
+        ge=1,
+        le=512,
+        description=(
+            "sd3: T5 tokens per caption, for training and validation. Unset: 256 (StableDiffusion3Pipeline's "
+            "default). SimpleTuner uses 154; diffusers' SD3 LoRA script 77. T5 runs unmasked, so the length "
+            "changes every token's embedding."
+        ),
+    )
+    rescale_betas_zero_snr: bool = Field(
+        False,
+        description=(
+            "sd / sdxl: rescale the model scheduler's betas to zero terminal SNR (diffusers' `DDPMScheduler` "
+            "option, Lin et al. 2023) for training, and sample validation images with trailing timestep spacing. "
+            "Meant for v-prediction models; SimpleTuner turns it on for every SD 2.x model."
+        ),
     )
     revision: Optional[str] = Field(None, description="Hub revision, when loading from the hub.")
     base_model_precision: Literal["no_change", "qfloat8", "qint8", "int8_torchao", "fp8_torchao"] = Field(
@@ -156,7 +175,16 @@ class TrainingConfig(_Strict):
         ),
     )
     max_bad_image_fraction: float = Field(
-        0.05, ge=0, le=1, description="Abort when more than this fraction of a dataset's images cannot be read."
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Unreadable images (empty, cut off, not an image, no permission) are skipped and named in a warning at "
+            "the end of the dataset scan and of the cache fill; the run stops when this fraction of a dataset or "
+            "more cannot be read (default: half, which usually means a wrong folder or a failed copy). 0: any "
+            "unreadable image stops the run. Also the share of a dataset that may need more than 2x upscaling "
+            "(`allow_upscale` unset)."
+        ),
     )
     cache_config: CacheConfig = Field(
         default_factory=CacheConfig, description="Cache placement; see the cache table below."
@@ -189,9 +217,49 @@ class TrainingConfig(_Strict):
     # --- optimisation ---
     learning_rate: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate (at most 1).")
     lr_scheduler: Literal[
-        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial"
-    ] = Field("constant", description="Learning-rate schedule (diffusers' `get_scheduler`).")
-    lr_warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warm-up.")
+        "constant",
+        "constant_with_warmup",
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "simpletuner_cosine",
+    ] = Field(
+        "constant",
+        description=(
+            "Learning-rate schedule, stepped once per optimizer step. diffusers' `get_scheduler` shapes: "
+            "`constant`; `constant_with_warmup`; `linear` (warm-up, then down to 0); `cosine` (warm-up, then half "
+            "a cosine down to 0); `cosine_with_restarts` (diffusers' hard restarts, one cycle); `polynomial` "
+            "(warm-up, then `(1 - progress) ** lr_power` from `learning_rate` down to `lr_end`). "
+            "`simpletuner_cosine`: SimpleTuner's `cosine`, no warm-up ramp: from `learning_rate` down to `lr_end` "
+            "and back, a half-period of `lr_warmup_steps` optimizer steps (1000 / processes when it is 0). In a "
+            "SimpleTuner config the names mean SimpleTuner's shapes: its `cosine` is `simpletuner_cosine` here, its "
+            "`constant` with a warm-up is `constant_with_warmup`, its `polynomial` uses `lr_end` 4e-7 and `lr_power` "
+            "0.8 unless set (documentation/MIGRATING_FROM_SIMPLETUNER.md)."
+        ),
+    )
+    lr_warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps of linear warm-up from 0; `simpletuner_cosine`: its half-period instead.",
+    )
+    lr_end: Optional[float] = Field(
+        None,
+        ge=0,
+        le=MAX_LEARNING_RATE,
+        description=(
+            "The lowest learning rate of `polynomial` (unset: diffusers' 1e-7) and `simpletuner_cosine` (unset: "
+            "SimpleTuner's 4e-7). Other schedules do not read it: setting it with them stops the run."
+        ),
+    )
+    lr_power: Optional[float] = Field(
+        None,
+        gt=0,
+        description=(
+            "The exponent of `polynomial`'s decay (unset: diffusers' 1.0; SimpleTuner's default is 0.8). Other "
+            "schedules do not read it: setting it with them stops the run."
+        ),
+    )
     optimizer: Literal["adamw", "adam", "sgd", "automagic", "adamw_bf16", "prodigy"] = Field(
         "adamw",
         description=(
@@ -216,7 +284,8 @@ class TrainingConfig(_Strict):
         default_factory=dict,
         description=(
             "The optimizer's own settings: a JSON object, or SimpleTuner's string of comma-separated "
-            '`key=value` pairs (`"d_coef=0.5,use_bias_correction=true"`). Only `prodigy` takes any: `d_coef` '
+            '`key=value` pairs (`"d_coef=0.5,use_bias_correction=true"`). `sgd` takes `momentum` (default 0.9). '
+            "`prodigy` takes `d_coef` "
             "(multiplies the estimate of `d`, default 1.0), `d0` (initial `d`, 1e-6), `growth_rate` (most `d` may "
             "grow per step, unbounded), `beta3` (decay of the `d` statistics, sqrt(`adam_beta2`)), "
             "`use_bias_correction` (false), `safeguard_warmup` (false), `decouple` (decoupled weight decay, true), "
@@ -370,7 +439,12 @@ class TrainingConfig(_Strict):
         0.0,
         ge=-10,
         le=10,
-        description="Mean of the normal behind `logit_normal` sampling (negative: more low-noise steps).",
+        description=(
+            "Location of `logit_normal` sampling, with the sign of diffusers' training scripts' `--logit_mean`: the "
+            "noise level (sigma, or t / T) is `sigmoid(x)` with x ~ N(-logit_mean, logit_std), so positive: more "
+            "low-noise steps (fine detail), negative: more high-noise steps (composition); 0: symmetric. The SD3 "
+            "paper's location `m` and SimpleTuner's per-dataset `timestep_sampling_offset` have the opposite sign."
+        ),
     )
     logit_std: float = Field(
         1.0, gt=0, le=10, description="Standard deviation of the normal behind `logit_normal` sampling."
@@ -384,13 +458,15 @@ class TrainingConfig(_Strict):
             "(0, 1)."
         ),
     )
-    loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap"] = Field(
+    loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap", "sigma_squared"] = Field(
         "none",
         description=(
             "Per-sample loss weights: `none`; `min_snr` (Min-SNR-gamma: caps the weight of low-noise timesteps at "
             "`snr_gamma`, for DDPM schedules (sd, sdxl); identity, with one warning, where the scheduler has no "
-            "alphas_cumprod); flow-matching weights for flow families (sd3): `sigma_sqrt` (1 / sigma^2, clamped) "
-            "or `cosmap` (SD3's cosine-map weighting)."
+            "alphas_cumprod); flow-matching weights for flow families (sd3, flux, wan, qwen_image): `sigma_sqrt` "
+            "(1 / sigma^2, clamped), `cosmap` (SD3's cosine-map weighting) or `sigma_squared` (sigma^2: with "
+            "`loss_type` l2 the loss of diffusers' SD3 script at its default `--precondition_outputs 1`; `none` is "
+            "the script with 0, and SimpleTuner's loss)."
         ),
     )
     flow_shift: Optional[float] = Field(
@@ -400,6 +476,37 @@ class TrainingConfig(_Strict):
         description=(
             "Flow-matching resolution shift applied to the sampled noise levels (`shift * s / (1 + (shift - 1) * s)`; "
             "1.0: none). Default (null): the `shift` of the model's scheduler config. Flow families (sd3) only."
+        ),
+    )
+    flux_guidance_mode: Literal["constant", "random-range"] = Field(
+        FAMILY_ONLY_KEYS["flux_guidance_mode"][1],
+        description=(
+            "Flux with a guidance embedding (FLUX.1-dev-like, `guidance_embeds: true`): the embedded guidance each "
+            "training sample gets, as SimpleTuner's key: `constant` (`flux_guidance_value` for every sample) or "
+            "`random-range` (per sample, uniform in [`flux_guidance_min`, `flux_guidance_max`), drawn from the run's "
+            "seeded generator, so a resumed run draws the same). Validation renders with `validation_guidance_scale`. "
+            "Other families, and Flux without a guidance embedding (schnell), refuse a value other than the default."
+        ),
+    )
+    flux_guidance_value: float = Field(
+        FAMILY_ONLY_KEYS["flux_guidance_value"][1],
+        ge=0,
+        description=(
+            "The embedded guidance of `flux_guidance_mode` `constant`. 1.0 (SimpleTuner's default) keeps the guidance "
+            "distillation; diffusers' train_dreambooth_lora_flux.py trains at its `--guidance_scale` default 3.5."
+        ),
+    )
+    flux_guidance_min: float = Field(
+        FAMILY_ONLY_KEYS["flux_guidance_min"][1],
+        ge=0,
+        description="The lowest guidance of `flux_guidance_mode` `random-range` (SimpleTuner's default 0.0).",
+    )
+    flux_guidance_max: float = Field(
+        FAMILY_ONLY_KEYS["flux_guidance_max"][1],
+        ge=0,
+        description=(
+            "The highest guidance of `flux_guidance_mode` `random-range` (SimpleTuner's default 4.0); at least "
+            "`flux_guidance_min`."
         ),
     )
     snr_gamma: float = Field(5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")

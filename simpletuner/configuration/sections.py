@@ -52,7 +52,7 @@ MAX_RESOLUTION = 16384
 MAX_LEARNING_RATE = 1.0
 
 
-CaptionStrategy = Literal["textfile", "filename", "instance_prompt", "parquet", "csv", "jsonl"]
+CaptionStrategy = Literal["textfile", "filename", "filename_cleaned", "instance_prompt", "parquet", "csv", "jsonl"]
 
 #: Caption strategies that read a metadata file; each reads the dataset's sub-table of the same name.
 METADATA_CAPTION_STRATEGIES = ("parquet", "csv", "jsonl")

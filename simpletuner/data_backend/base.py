@@ -79,6 +79,20 @@ class SupportsReadHead(Protocol):
 
 
 @runtime_checkable
+class SupportsReadTail(Protocol):
+    """Optional extra of a backend: read the last bytes of a file without reading it all.
+
+    The metadata scan uses it to tell a cut-off JPEG or PNG from its end, without decoding it
+    (:func:`~simpletuner.data_backend.image_headers.looks_cut_off`); without it, a file larger than the
+    header read is checked only when the cache fill decodes it.
+    """
+
+    def read_tail(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the end of ``path``."""
+        ...
+
+
+@runtime_checkable
 class SupportsStagingReport(Protocol):
     """Optional extra of a backend that reads every file up front (``GH200InMemoryBackend``):
     the files it found but could not read.

@@ -72,7 +72,7 @@ def _landscape_bucket(aspect: float, resolution: int, alignment: int) -> tuple[i
 
 
 #: Images scaled up by more than this (linear factor) to cover their bucket stop the run when they
-#: are more than ``max_bad_image_fraction`` of a dataset (fewer: a warning), unless the dataset says
+#: are ``max_bad_image_fraction`` of a dataset or more (fewer: a warning), unless the dataset says
 #: what to do with them (``allow_upscale``, ``minimum_image_size``): a 96 px image trained at
 #: 4096 px teaches the model blur, and costs the memory of a 4096 px latent.
 MAX_UPSCALE_FACTOR = 2.0

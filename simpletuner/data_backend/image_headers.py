@@ -7,6 +7,9 @@ size, ``ImageFile.LOAD_TRUNCATED_IMAGES`` set) it returns None and the caller as
 orientations and the error messages of bad files stay exactly Pillow's. WebP always goes to Pillow:
 Pillow opens it with libwebp's demuxer over the whole file, whose acceptance rules a header parser
 cannot reproduce.
+
+:func:`looks_cut_off` tells from a file's first and last bytes whether it may have been cut off (a download
+or copy that did not finish), so the scan decodes only those files to find the broken ones early.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ _U16 = struct.Struct(">H")
 #: of the segment handler it calls (``Skip``, ``SOF``, ``DQT``, ``APP``, ``COM``).
 _JPEG_MARKERS = {code: (entry[2].__name__ if entry[2] is not None else "") for code, entry in MARKER.items()}
 _SOS = 0xFFDA
+#: Bytes read from the end of a file to tell whether it was cut off (:func:`looks_cut_off`).
+TAIL_BYTES = 16
+_JPEG_END = b"\xff\xd9"  # EOI
+_PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # the IEND chunk: length 0, type, CRC
 
 
 class _PillowDecides(Exception):
@@ -73,6 +80,21 @@ def fast_image_size(data: bytes) -> tuple[int, int, int] | None:
     if width <= 0 or height <= 0 or (limit is not None and width * height > limit):
         return None  # Pillow refuses it or warns (a possible decompression bomb)
     return width, height, orientation
+
+
+def looks_cut_off(head: bytes, tail: bytes, size: int | None = None) -> bool:
+    """Whether the file whose first bytes are ``head`` and last bytes ``tail`` (``size`` bytes in all; None:
+    not known) may be cut off: a JPEG that does not end with its end-of-image marker, a PNG that does not end
+    with its IEND chunk, a WebP shorter than its RIFF header says. It is only a reason to decode the file:
+    a file with data after its end (a phone's motion photo carries a video after the JPEG) decodes, and a PNG
+    whose IEND alone is missing decodes too. Other formats: False (not checked)."""
+    if head.startswith(b"\xff\xd8\xff"):
+        return not tail.endswith(_JPEG_END)
+    if head.startswith(_PNG_MAGIC):
+        return not tail.endswith(_PNG_END)
+    if size is not None and len(head) >= 12 and head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return size < struct.unpack_from("<I", head, 4)[0] + 8
+    return False
 
 
 def _png(data: bytes) -> tuple[int, int, int]:

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from simpletuner.data_backend.base import DataBackend, SupportsReadHead
+from simpletuner.data_backend.base import DataBackend, SupportsReadHead, SupportsReadTail
 from simpletuner.data_backend.image_headers import EXIF_ORIENTATION_TAG as EXIF_ORIENTATION_TAG
-from simpletuner.data_backend.image_headers import exif_orientation_of, fast_image_size
+from simpletuner.data_backend.image_headers import TAIL_BYTES, exif_orientation_of, fast_image_size, looks_cut_off
 
 logger = logging.getLogger(__name__)
 
@@ -100,20 +100,38 @@ def image_size_of(backend: DataBackend, path: str) -> tuple[int, int]:
 
 
 def image_size_reader(backend: DataBackend) -> Callable[[str], tuple[int, int]]:
-    """:func:`image_size_of` for many files of one ``backend`` (what it can read is checked once)."""
+    """:func:`image_size_of` for many files of one ``backend`` (what it can read is checked once).
+
+    It also checks that the file was not cut off, from its last bytes
+    (:func:`~simpletuner.data_backend.image_headers.looks_cut_off`: those of the header read when that holds
+    the whole file, else a read of the end where the backend offers one, :class:`SupportsReadTail`); a file
+    that looks cut off is decoded, and a ValueError says why it does not decode. A file that does not end
+    like a whole one but decodes (data after its end) is fine.
+    """
     read_head = getattr(backend, "read_head", None) if isinstance(backend, SupportsReadHead) else None
+    read_tail = getattr(backend, "read_tail", None) if isinstance(backend, SupportsReadTail) else None
 
     def size_of(path: str) -> tuple[int, int]:
         if read_head is not None and _suffix(path).lower() in _PREFIX_PARSABLE:
             head = read_head(path, HEADER_BYTES)
             if not head:
                 raise ValueError("empty file (0 bytes)")
+            is_whole = len(head) < HEADER_BYTES
             try:
-                return read_image_size(head)
+                size = read_image_size(head)
             except ValueError:
-                if len(head) < HEADER_BYTES:
+                if is_whole:
                     raise  # that was the whole file
-        return read_image_size(backend.read(path))
+            else:
+                tail = head if is_whole else read_tail(path, TAIL_BYTES) if read_tail is not None else None
+                if tail is not None and looks_cut_off(head, tail):
+                    load_rgb(head if is_whole else backend.read(path))  # the decode decides (raises why)
+                return size
+        data = backend.read(path)
+        size = read_image_size(data)
+        if looks_cut_off(data, data, len(data)):
+            load_rgb(data)
+        return size
 
     return size_of
 
@@ -198,7 +216,9 @@ def prepare_image(
     Returns:
         ``(pixels, info)``: a float32 tensor ``[3, H, W]`` in ``[-1, 1]`` with
         ``(W, H) == bucket``, and ``{"crop_top", "crop_left", "original_size": (w, h),
-        "target_size": (W, H)}``; crop offsets are in the resized image's pixels.
+        "resized_size": (rw, rh), "target_size": (W, H)}``: ``original_size`` is ``image``'s (for
+        :func:`load_rgb`'s, the file's after its EXIF orientation), ``resized_size`` the image's after the
+        resize that covers the bucket (or the canvas), and the crop offsets are in its pixels.
 
     Raises:
         ValueError: an unknown ``crop_style`` or a non-positive bucket side.
@@ -245,6 +265,7 @@ def prepare_image(
         "crop_top": top,
         "crop_left": left,
         "original_size": (width, height),
+        "resized_size": (resized_w, resized_h),
         "target_size": (target_w, target_h),
     }
     return pixels.contiguous(), info

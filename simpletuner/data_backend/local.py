@@ -126,6 +126,19 @@ class LocalDataBackend:
         except FileNotFoundError:
             raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
 
+    def read_tail(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the end of ``path`` (to tell a cut-off file)."""
+        full = self._full(path)
+        try:
+            descriptor = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
+        try:
+            size = os.fstat(descriptor).st_size
+            return os.pread(descriptor, min(num_bytes, size), max(size - num_bytes, 0))
+        finally:
+            os.close(descriptor)
+
     def exists(self, path: str) -> bool:
         """Whether ``path`` is an existing file under the root."""
         full = self._full(path)

@@ -1,18 +1,18 @@
 """Dataset metadata: one scan of the files gives each image (or clip) its caption, size and bucket.
 
-The scan reads image headers only (no pixel decoding), so it stays fast on large folders; a video
-dataset's clips are found and probed by ``simpletuner.data_backend.video`` (size and frame count
-from headers and container metadata), and clips too short for ``num_frames`` stop the run.
-Broken files are skipped and reported; too many of them stops the run, because a dataset
-that is mostly unreadable usually means a wrong folder or a failed copy.
+The scan reads image headers (and a file's last bytes) only, decoding pixels only of a file that looks
+cut off, so it stays fast on large folders; a video dataset's clips are found and probed by
+``simpletuner.data_backend.video`` (size and frame count from headers and container metadata), and clips
+too short for ``num_frames`` stop the run. Unreadable files are skipped and listed; half a dataset or more
+(``max_bad_image_fraction``) stops the run, because a dataset that is mostly unreadable usually means a
+wrong folder or a failed copy (:mod:`simpletuner.data_backend.bad_files`). Captions:
+:mod:`simpletuner.data_backend.captions`.
 """
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -22,8 +22,14 @@ from typing import TYPE_CHECKING, Any, Mapping
 from tqdm.auto import tqdm
 
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
+from simpletuner.data_backend.bad_files import NUM_BAD_FILES_SHOWN as NUM_BAD_FILES_SHOWN
+from simpletuner.data_backend.bad_files import check_bad_files, format_bad, report_after_fill, warn_skipped
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
-from simpletuner.data_backend.caption_files import CaptionTable, load_caption_table
+from simpletuner.data_backend.caption_files import load_caption_table
+from simpletuner.data_backend.captions import CaptionNotes, caption_file, captions_for
+from simpletuner.data_backend.captions import caption_for as caption_for
+from simpletuner.data_backend.captions import caption_from_filename as caption_from_filename
+from simpletuner.data_backend.captions import caption_from_filename_cleaned as caption_from_filename_cleaned
 from simpletuner.data_backend.geometry import geometry_for
 from simpletuner.data_backend.images import image_size_reader
 from simpletuner.data_backend.pairs import aspect_problem, find_sources, has_sources
@@ -47,11 +53,6 @@ if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
-
-#: Bad files named in an error message or warning.
-NUM_BAD_FILES_SHOWN = 10
-
-_TRAILING_NUMBER = re.compile(r"(?:[\s_\-]+\d+)+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,15 @@ class Sample:
     canvas: tuple[int, int] | None = None
     #: An edit pair's source (conditioning) image: its absolute path (:mod:`simpletuner.data_backend.pairs`), or None.
     source: str | None = None
+    #: A caption file of several lines (``disable_multiline_split`` off): its lines, each a caption; ``caption`` is
+    #: the first. Each draw trains on one (:func:`~simpletuner.data_backend.captions.caption_line_index`). Empty:
+    #: ``caption`` is the only one.
+    caption_lines: tuple[str, ...] = ()
+
+    @property
+    def captions(self) -> tuple[str, ...]:
+        """Every caption this sample may train with: its lines, or ``caption`` alone."""
+        return self.caption_lines or (self.caption,)
 
     @property
     def is_video(self) -> bool:
@@ -92,7 +102,8 @@ class DatasetMetadata:
 
     ``samples`` holds each image ``1 + repeats`` times; ``bad_files`` lists skipped files as
     ``(path, reason)``; ``caption_sources`` counts where captions came from (``textfile``,
-    ``instance_prompt``, ``filename``, or a metadata file: ``parquet``, ``csv``, ``jsonl``), per distinct image.
+    ``instance_prompt``, ``filename``, ``filename_cleaned``, or a metadata file: ``parquet``, ``csv``, ``jsonl``), per
+    distinct image.
     """
 
     samples: list[Sample] = field(default_factory=list)
@@ -105,145 +116,22 @@ class DatasetMetadata:
     num_skipped_small: dict[str, int] = field(default_factory=dict)
 
     def drop_unreadable(self, dataset_id: str, root: str, failures: dict[str, str], limit: float) -> None:
-        """Remove samples whose image failed to decode after the header scan (e.g. a cut-off
-        body), record them as bad files, warn naming each, and apply ``max_bad_image_fraction``
-        again over all the dataset's bad files."""
-        if not failures:
-            return
-        self.samples = [s for s in self.samples if s.path not in failures]
+        """At the end of the cache fill: remove the samples whose image failed to decode there (e.g. a
+        corrupt body behind a good header), record them as bad files, apply ``max_bad_image_fraction`` again
+        over all the dataset's bad files (:func:`~simpletuner.data_backend.bad_files.check_bad_files`), and
+        name every bad file of the dataset in one warning. ``failures`` must be the same on every process
+        of a launch (the fill merges what each found), so every process keeps the same samples."""
         new = sorted(failures.items())
-        self.bad_files.extend(new)
-        _check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit, self.noun)
-        _warn_skipped(dataset_id, self.num_files, new, len(self.bad_files), "while decoding", self.noun)
+        if new:
+            self.samples = [s for s in self.samples if s.path not in failures]
+            self.bad_files.extend(new)
+            check_bad_files(dataset_id, root, self.num_files, self.bad_files, limit, self.noun)
         if not self.samples:
             raise ValueError(
                 f"dataset {dataset_id!r}: none of the {self.noun} under {root} could be decoded:\n"
-                f"{_format_bad(self.bad_files)}"
+                f"{format_bad(self.bad_files)}"
             )
-
-
-def caption_from_filename(path: str, *, is_folder: bool = False) -> str:
-    """``"photos/red_cat-on_mat_001.png"`` -> ``"red cat on mat"``.
-
-    Underscores and dashes become spaces and a trailing number (``_001``, ``-12``) is
-    dropped; a name that is only a number keeps it. A folder (a frame folder) keeps its whole name.
-    """
-    if "//" in path or "./" in path or path.endswith("/"):
-        stem = PurePosixPath(path).name if is_folder else PurePosixPath(path).stem
-    else:  # a plain path: what PurePosixPath gives, without building one
-        stem = path[path.rfind("/") + 1 :]
-        dot = stem.rfind(".")
-        stem = stem[:dot] if not is_folder and 0 < dot < len(stem) - 1 else stem
-    trimmed = _TRAILING_NUMBER.sub("", stem) or stem
-    return " ".join(trimmed.replace("_", " ").replace("-", " ").split())
-
-
-def _decode_caption(data: bytes, where: str) -> str:
-    """UTF-8 (a BOM is dropped), or UTF-16 when the file starts with a UTF-16 BOM (what
-    Windows Notepad writes as "Unicode"). Anything else that is not valid UTF-8 is decoded with
-    undecodable bytes replaced by U+FFFD, and a warning names the file: guessing a legacy
-    code page (latin-1, cp1252, shift-jis) would turn the bytes into confident nonsense."""
-    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        try:
-            return data.decode("utf-16")
-        except UnicodeDecodeError:
-            pass  # a UTF-8/latin-1 file that merely starts with those two bytes
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        logger.warning(
-            "caption file %s is not valid UTF-8 (%s at byte %d); undecodable bytes were replaced with U+FFFD. "
-            "Re-save it as UTF-8 to keep those characters",
-            where,
-            exc.reason,
-            exc.start,
-        )
-        return data.decode("utf-8", errors="replace")
-
-
-def caption_file(path: str, *, is_folder: bool = False) -> str:
-    """The caption file of the image or clip file at ``path`` (``a/b.png`` -> ``a/b.txt``), or of
-    the frame folder ``path`` (``a/clip`` -> ``a/clip.txt``, next to the folder)."""
-    slash, dot = path.rfind("/"), path.rfind(".")
-    if is_folder:
-        return f"{path}.txt"
-    if 0 < dot - slash - 1 < len(path) - slash - 2 and "//" not in path and "./" not in path:
-        return f"{path[:dot]}.txt"  # what pathlib gives below, for a plain path
-    return PurePosixPath(path).with_suffix(".txt").as_posix()
-
-
-def caption_for(
-    backend: DataBackend,
-    path: str,
-    dataset_cfg: Any,
-    *,
-    is_folder: bool = False,
-    table: CaptionTable | None = None,
-) -> tuple[str, str]:
-    """The caption of the image (or clip, or frame folder when ``is_folder``) at ``path`` and where
-    it came from.
-
-    Strategies (``dataset_cfg.caption_strategy``):
-
-    - ``textfile``: the stripped text of :func:`caption_file`; when that is missing or empty,
-      ``instance_prompt``, and without one the file name.
-    - ``filename``: :func:`caption_from_filename`.
-    - ``instance_prompt``: ``dataset_cfg.instance_prompt`` for every image.
-    - ``parquet`` / ``csv`` / ``jsonl``: the row of ``path`` in the metadata file (``table``, read
-      here when not given; :mod:`simpletuner.data_backend.caption_files`).
-
-    With ``prepend_instance_prompt``, ``instance_prompt`` and a space go before every caption that
-    did not come from ``instance_prompt`` itself.
-
-    Returns:
-        ``(caption, source)`` with source ``"textfile"``, ``"instance_prompt"``, ``"filename"`` or the
-        metadata strategy's name.
-
-    Raises:
-        ValueError: a metadata strategy has no caption for ``path``.
-    """
-    caption, source = _own_caption(backend, path, dataset_cfg, is_folder, table)
-    if getattr(dataset_cfg, "prepend_instance_prompt", False) and source != "instance_prompt":
-        caption = f"{dataset_cfg.instance_prompt} {caption}"
-    return caption, source
-
-
-def _own_caption(
-    backend: DataBackend, path: str, dataset_cfg: Any, is_folder: bool, table: CaptionTable | None
-) -> tuple[str, str]:
-    """:func:`caption_for` before ``prepend_instance_prompt``."""
-    strategy = dataset_cfg.caption_strategy
-    if strategy in METADATA_CAPTION_STRATEGIES:
-        table = table if table is not None else load_caption_table(dataset_cfg, backend.id)
-        caption = table.caption(path, is_folder=is_folder)
-        if caption is None:
-            raise ValueError(
-                f"dataset {backend.id!r}: {strategy} file {table.source} has no caption for {path!r} "
-                f"(looked up as {table.identifier(path, is_folder=is_folder)!r} in `{table.filename_column}`)"
-            )
-        return caption, strategy
-    if strategy == "textfile":
-        text_path = caption_file(path, is_folder=is_folder)
-        if backend.exists(text_path):
-            caption = _decode_caption(backend.read(text_path), f"{backend.id}/{text_path}").strip()
-            if caption:
-                return caption, "textfile"
-        if dataset_cfg.instance_prompt:
-            return dataset_cfg.instance_prompt, "instance_prompt"
-        return caption_from_filename(path, is_folder=is_folder), "filename"
-    if strategy == "filename":
-        return caption_from_filename(path, is_folder=is_folder), "filename"
-    if strategy == "instance_prompt":
-        if not dataset_cfg.instance_prompt:
-            raise ValueError(
-                f"dataset {backend.id!r}: caption_strategy 'instance_prompt' needs `instance_prompt`; "
-                "add the caption every image should get"
-            )
-        return dataset_cfg.instance_prompt, "instance_prompt"
-    raise ValueError(
-        f"dataset {backend.id!r}: unknown caption_strategy {strategy!r}; use textfile, filename, instance_prompt, "
-        "parquet, csv or jsonl"
-    )
+        report_after_fill(dataset_id, self.num_files, self.bad_files, len(new), self.noun)
 
 
 def crop_seed_for(seed: int, key: str) -> int:
@@ -287,10 +175,6 @@ def _describe_root(backend: DataBackend, dataset_cfg: Any) -> str:
     return str(root) if root is not None else f"dataset {backend.id!r}"
 
 
-def _format_bad(bad: list[tuple[str, str]]) -> str:
-    return "\n".join(f"  - {path}: {reason}" for path, reason in bad[:NUM_BAD_FILES_SHOWN])
-
-
 def build_metadata(
     backend: DataBackend,
     dataset_cfg: Any,
@@ -303,10 +187,11 @@ def build_metadata(
 
     Resolution is ``dataset_cfg.resolution`` or ``config.resolution``; buckets are aligned to
     ``config.aspect_bucket_alignment``. Images that cannot be used are skipped, listed in
-    ``bad_files`` with the reason, and named in one warning: empty, cut-off header, not an
-    image, no permission, a file name that is not valid UTF-8, or a caption file that exists
-    but cannot be read. Clips are bucketed by their first frame's size and skipped on the same
-    grounds (a corrupt clip counts as a bad file).
+    ``bad_files`` with the reason, and named in one warning: empty, cut-off header, cut off at the
+    end (:func:`~simpletuner.data_backend.images.image_size_reader`), not an image, no permission, a
+    file name that is not valid UTF-8, or a caption file that exists but cannot be read. Clips are
+    bucketed by their first frame's size and skipped on the same grounds (a corrupt clip counts as a
+    bad file).
 
     ``unreadable`` maps the paths a backend found but could not read before the scan (a
     staging backend's failures; they are not in its ``list_files``) to the reason; images
@@ -314,7 +199,7 @@ def build_metadata(
 
     Raises:
         ValueError: no image files (clips) under the root; no readable one; a larger fraction
-            of unreadable files than ``config.max_bad_image_fraction``; for video, clips with
+            ``config.max_bad_image_fraction`` of the files or more unreadable; for video, clips with
             fewer frames than ``num_frames`` at ``frame_stride`` take (all named at once) or still
             images directly under the root.
         ImportError: a video dataset holds video files and PyAV is not installed.
@@ -347,6 +232,7 @@ def build_metadata(
     noun = "clips" if is_video else "image files"
     result = DatasetMetadata(num_files=len(paths) + len(failed), bad_files=list(failed), noun=noun)
     caption_sources: Counter[str] = Counter()
+    notes = CaptionNotes(backend.id)
     unique: list[Sample] = []
     too_short: list[tuple[str, int]] = []
     sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction, geometry)
@@ -401,7 +287,7 @@ def build_metadata(
         problem = _caption_problem(backend, path, dataset_cfg, unreadable, is_folder)
         if problem is None:
             try:
-                caption, source = caption_for(backend, path, dataset_cfg, is_folder=is_folder, table=table)
+                captions, source = captions_for(backend, path, dataset_cfg, is_folder=is_folder, table=table)
             except OSError as exc:
                 text_path = caption_file(path, is_folder=is_folder)
                 problem = f"caption file {text_path} cannot be read: {exc.strerror or exc}"
@@ -414,12 +300,13 @@ def build_metadata(
                 bad_pairs.append(f"{shown}: {pair_problem}")
                 continue
         caption_sources[source] += 1
+        notes.add(path, shown, captions, source, is_folder)
         unique.append(
             Sample(
                 key=key,
                 dataset_id=backend.id,
                 path=path,
-                caption=shared.setdefault(caption, caption),
+                caption=shared.setdefault(captions[0], captions[0]),
                 original_size=shared.setdefault((width, height), (width, height)),
                 bucket=shared.setdefault(plan.bucket, plan.bucket),
                 crop_style=dataset_cfg.crop_style,
@@ -427,6 +314,7 @@ def build_metadata(
                 canvas=plan.canvas if plan.canvas is None else shared.setdefault(plan.canvas, plan.canvas),
                 is_regularisation_data=dataset_cfg.is_regularisation_data,
                 source=sources[path] if sources is not None else None,
+                caption_lines=shared.setdefault(captions, captions) if len(captions) > 1 else (),
                 **(_clip_fields(clip, dataset_cfg) if clip else {}),
             )
         )
@@ -443,13 +331,13 @@ def build_metadata(
         raise too_short_error(
             backend.id, root, too_short, result.num_files, dataset_cfg.num_frames, dataset_cfg.frame_stride
         )
-    _check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction, noun)
+    check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction, noun)
     sizes.report(backend.id, root, result.num_files, noun, has_kept=bool(unique))
     result.num_skipped_small = sizes.num_skipped
     if not unique:
         raise ValueError(
             f"dataset {backend.id!r}: none of the {result.num_files} {noun} under {root} could be read:\n"
-            f"{_format_bad(result.bad_files)}\nfix or replace these files"
+            f"{format_bad(result.bad_files)}\nfix or replace these files"
         )
     if dataset_cfg.caption_strategy == "textfile" and caption_sources["textfile"] < len(unique):
         logger.warning(
@@ -460,7 +348,8 @@ def build_metadata(
             "clips" if is_video else "images",
             "instance_prompt" if dataset_cfg.instance_prompt else "the file name",
         )
-    _warn_skipped(backend.id, result.num_files, result.bad_files, len(result.bad_files), "while scanning", noun)
+    warn_skipped(backend.id, result.num_files, result.bad_files, "while scanning", noun)
+    notes.report()
     repeats = getattr(dataset_cfg, "repeats", 0)
     result.samples = unique * (1 + repeats) if repeats else unique
     result.caption_sources = dict(caption_sources)
@@ -472,39 +361,3 @@ def _clip_fields(clip: Clip, dataset_cfg: Any) -> dict[str, Any]:
     num_frames, stride = dataset_cfg.num_frames, dataset_cfg.frame_stride
     frames = tuple(clip.frames[i] for i in frame_indices(num_frames, stride)) if clip.media == FRAME_FOLDER else ()
     return {"num_frames": num_frames, "frame_stride": stride, "media": clip.media, "frame_paths": frames}
-
-
-def _check_bad_files(
-    dataset_id: str, root: str, total: int, bad: list[tuple[str, str]], limit: float, noun: str = "image files"
-) -> None:
-    """Raise when more than ``limit`` of the ``total`` image files (or clips) are bad, naming them."""
-    if not bad:
-        return
-    fraction = len(bad) / total
-    if fraction > limit:
-        raise ValueError(
-            f"dataset {dataset_id!r}: {len(bad)} of {total} {noun} under {root} could not be read "
-            f"({fraction:.1%}), more than max_bad_image_fraction={limit} ({limit:.1%}). "
-            f"First {min(len(bad), NUM_BAD_FILES_SHOWN)}:\n{_format_bad(bad)}\n"
-            "Fix or remove these files, or raise `max_bad_image_fraction` in the config to skip them."
-        )
-
-
-def _warn_skipped(
-    dataset_id: str, total: int, skipped: list[tuple[str, str]], num_bad: int, when: str, noun: str = "image files"
-) -> None:
-    """One warning naming every file in ``skipped`` with its reason (there are at most
-    ``max_bad_image_fraction`` of the dataset, so the list is what the user needs to fix)."""
-    if not skipped:
-        return
-    listed = "\n".join(f"  - {path}: {reason}" for path, reason in skipped)
-    logger.warning(
-        "dataset %r: skipped %d unreadable file(s) %s (%d of %d %s skipped in all):\n%s",
-        dataset_id,
-        len(skipped),
-        when,
-        num_bad,
-        total,
-        noun,
-        listed,
-    )

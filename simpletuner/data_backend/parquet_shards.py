@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS
-from simpletuner.data_backend.metadata import caption_file
+from simpletuner.data_backend.captions import caption_file
 from simpletuner.data_backend.shards import ROW_GROUP_CACHE_SIZE, _Entry, _ShardBackend
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ A file of such a dataset has a *virtual path*, ``"<shard>/<name>"`` (the shard's
 dataset root, then the file's name inside it): ``shard-000.tar/0001.jpg``, ``part-0.parquet/000123.png``.
 
 Captions are exposed as files too, ``<stem>.txt`` beside each image, so ``caption_strategy: textfile``
-(:func:`simpletuner.data_backend.metadata.caption_file`) finds them as it finds a caption file on disk.
+(:func:`simpletuner.data_backend.captions.caption_file`) finds them as it finds a caption file on disk.
 
 ``list_files`` is *shard-major*: shards in sorted order, then the files of one shard in the order the
 shard stores them, so a pass in that order reads each shard front to back
@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, normalize_extensions
-from simpletuner.data_backend.metadata import caption_file
+from simpletuner.data_backend.captions import caption_file
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -301,6 +301,12 @@ class WebDatasetBackend(_ShardBackend):
         """Up to ``num_bytes`` bytes from the start of ``path`` (for header parsing)."""
         entry = self._entry(path)
         return self._pread(entry.shard, entry.position, min(num_bytes, entry.size))
+
+    def read_tail(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the end of ``path`` (to tell a cut-off member)."""
+        entry = self._entry(path)
+        length = min(num_bytes, entry.size)
+        return self._pread(entry.shard, entry.position + entry.size - length, length)
 
     def size(self, path: str) -> int:
         """The member's size in bytes."""

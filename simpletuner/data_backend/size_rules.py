@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from simpletuner.data_backend.bad_files import is_too_many
 from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_name, upscale_factor
 from simpletuner.data_backend.geometry import Geometry
 
@@ -20,7 +21,7 @@ class SizeRules:
     (:class:`~simpletuner.data_backend.geometry.Geometry`); ``allow_upscale:
     false`` skips images smaller than their bucket (any upscale); unset, images needing more
     than :data:`MAX_UPSCALE_FACTOR` to cover their bucket stop the run (:meth:`report`), naming
-    how many and by how much, when they are more than ``max_bad_image_fraction`` of the dataset
+    how many and by how much, when they are ``max_bad_image_fraction`` of the dataset or more
     (a wrong ``resolution``, not a few odd files: those are named in a warning); ``true`` trains
     on them upscaled, with a warning. Skips are counted and reported in one warning per rule.
     """
@@ -103,17 +104,17 @@ class SizeRules:
             f"their buckets at resolution {self.resolution} (up to {factor:.1f}x: {path} is {width}x{height}, "
             f"its bucket {bucket_name(bucket)}; their median shorter side is {median_side} px)"
         )
-        if self.allow_upscale or len(self.far) <= self.tolerance * total:
+        if self.allow_upscale or not is_too_many(len(self.far), total, self.tolerance):
             why = (
                 "allow_upscale: true"
                 if self.allow_upscale
-                else f"no more than max_bad_image_fraction {self.tolerance:g} of the dataset; set `allow_upscale` or "
+                else f"less than max_bad_image_fraction {self.tolerance:g} of the dataset; set `allow_upscale` or "
                 "`minimum_image_size` to decide"
             )
             logger.warning("dataset %r: %s; training on them upscaled (%s)", dataset_id, what, why)
             return
         raise ValueError(
-            f"dataset {dataset_id!r}: {what}, more than max_bad_image_fraction {self.tolerance:g} of the dataset, "
+            f"dataset {dataset_id!r}: {what}, at least max_bad_image_fraction {self.tolerance:g} of the dataset, "
             "which trains the model on blur. Lower `resolution` (to about "
             f"{median_side}), set the dataset's `minimum_image_size` to skip small images, `allow_upscale: false` to "
             "skip every image smaller than its bucket, or `allow_upscale: true` to train on them upscaled anyway"

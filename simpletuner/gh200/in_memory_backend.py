@@ -408,6 +408,10 @@ class GH200InMemoryBackend:
         data = self.read(path)
         return data if num_bytes < 0 else data[:num_bytes]
 
+    def read_tail(self, path: str, num_bytes: int) -> bytes:
+        """Up to ``num_bytes`` bytes from the end of ``path`` (the scan's cut-off check)."""
+        return self.read(path)[-num_bytes:] if num_bytes > 0 else b""
+
     def exists(self, path: str) -> bool:
         """Whether ``path`` is a staged file."""
         if path in self._entries:

@@ -86,7 +86,8 @@ def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: 
         )
     if cache.text_cache_type in _IN_RAM:
         # an edit pair's caption is embedded with its source: one entry per pair (``caching.keys.text_id``)
-        captions = {s.caption if getattr(s, "source", None) is None else (s.caption, s.key) for s in unique}
+        # every line of a multi-line caption file is encoded (data_backend/captions.py)
+        captions = {c if getattr(s, "source", None) is None else (c, s.key) for s in unique for c in s.captions}
         per_caption = sum(_numel(shape[1:]) for shape in conds.values()) * text_dtype.itemsize
         out[f"text-embedding cache ({cache.text_cache_type}, {len(captions)} captions)"] = per_caption * len(captions)
     return out

@@ -5,7 +5,7 @@ the loss itself, written once in :meth:`FlowMatchingSpec.flow_loss`.
 The loss is rectified flow matching: ``sigma`` is drawn by ``timestep_sampling`` (uniform,
 logit_normal, mode) and shifted; ``noisy = (1 - sigma) * latents + sigma * noise``, the target is
 ``noise - latents``, the per-sample loss ``loss_type`` (mean squared error by default; see
-``losses.py``), weighted by ``loss_weighting`` (``sigma_sqrt``, ``cosmap``). ``noise_offset`` is a
+``losses.py``), weighted by ``loss_weighting`` (``sigma_sqrt``, ``cosmap``, ``sigma_squared``). ``noise_offset`` is a
 DDPM trick: the config refuses it for these families. A family says how its denoiser is called (``predict``) and, where
 needed, how its latents are laid out for it (flux packs 2x2 patches) and how sigmas are drawn
 (flux's resolution-dependent shift, Wan 2.2's one-side draw).
@@ -97,7 +97,7 @@ class FlowMatchingSpec(StableDiffusionSpec):
         pred = predict(noisy, sigmas)
         huber_c = losses.flow_huber_c(sigmas, cfg.huber_schedule, cfg.huber_c) if cfg.loss_type != "l2" else None
         loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c)
-        if cfg.loss_weighting in ("sigma_sqrt", "cosmap"):
+        if cfg.loss_weighting in ("sigma_sqrt", "cosmap", "sigma_squared"):
             loss = loss * noise_lib.flow_weights(sigmas, cfg.loss_weighting).to(loss.device)
         return loss
 

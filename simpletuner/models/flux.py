@@ -24,9 +24,12 @@ max_image_seq_len, base_shift, max_shift)``, ``sigma' = e^mu / (e^mu + (1 / sigm
 the scheduler's static ``shift``. ``noisy = (1 - sigma) * x + sigma * noise``, the target is
 ``noise - x`` and the transformer sees ``timestep = sigma`` (the pipeline passes ``t / 1000``).
 
-Guidance: a guidance-distilled transformer (``guidance_embeds``, Flux dev) is trained with the
-embedded guidance ``FLUX_TRAINING_GUIDANCE = 1.0`` (as diffusers' Flux LoRA script's default
-``--guidance_scale``); no config key sets it. Schnell (no guidance embedding) gets ``guidance=None``.
+Guidance: a guidance-distilled transformer (``guidance_embeds``, Flux dev) gets the embedded
+guidance SimpleTuner's keys say (:meth:`FluxSpec.training_guidance`): ``flux_guidance_mode``
+``constant`` gives every sample ``flux_guidance_value`` (default 1.0, SimpleTuner's default; diffusers'
+train_dreambooth_lora_flux.py defaults to ``--guidance_scale`` 3.5), ``random-range`` one uniform draw
+per sample in [``flux_guidance_min``, ``flux_guidance_max``). Schnell (no guidance embedding) gets
+``guidance=None`` and refuses those keys at any value but their default.
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ from typing import Any
 
 import torch
 
+from simpletuner.configuration.families import family_keys_changed
 from simpletuner.models.packed import PackedFlowSpec
 from simpletuner.models.spec import save_transformer_lora
 
 #: T5 tokens per caption: FluxPipeline's default ``max_sequence_length``, so training and
 #: validation sampling see the same sequence.
 T5_MAX_LENGTH = 512
-#: The embedded guidance a guidance-distilled Flux transformer is trained with.
-FLUX_TRAINING_GUIDANCE = 1.0
+#: Where :meth:`FluxSpec.training_loss` hands the batch's drawn guidance to :meth:`FluxSpec.predict`.
+GUIDANCE_KEY = "guidance"
 
 
 def latent_image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
@@ -57,8 +61,10 @@ class FluxSpec(PackedFlowSpec):
     """Flux.1 with the rectified-flow target ``noise - latents`` on packed latents."""
 
     family = "flux"
-    # What diffusers' train_dreambooth_lora_flux.py adapts by default: attention of both streams,
-    # the feed-forwards of the double blocks, and the MLP input of the single blocks.
+    # Our own choice: diffusers' train_dreambooth_lora_flux.py default (the attention of both streams and
+    # the feed-forwards of the double blocks, its l.1257-1270) plus `proj_mlp`, the MLP input of the
+    # single blocks, which neither that script nor SimpleTuner's default `flux_lora_target: all`
+    # (attention only) adapts. documentation/MODEL_FAMILIES.md lists every family's source.
     default_lora_targets = [
         "attn.to_k",
         "attn.to_q",
@@ -91,6 +97,47 @@ class FluxSpec(PackedFlowSpec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
+    def __init__(self, config):
+        super().__init__(config)
+        transformer = self._component_config(self.denoiser_name)
+        if transformer is not None:  # a hub id: checked when the transformer loads
+            self.check_guidance(bool(transformer.get("guidance_embeds", False)))
+
+    def check_guidance(self, has_guidance_embedding: bool) -> None:
+        """Refuse ``flux_guidance_*`` settings (other than their defaults) for a transformer without a
+        guidance embedding (schnell-like), which takes no guidance: they would do nothing.
+
+        Raises:
+            ValueError: naming the keys set and the folder.
+        """
+        changed = family_keys_changed(self.config, self.family)
+        if changed and not has_guidance_embedding:
+            raise ValueError(
+                f"{', '.join(changed)}: the Flux transformer of {self.model_path} has no guidance embedding "
+                "(`guidance_embeds: false`, FLUX.1-schnell-like), so it trains without embedded guidance: remove "
+                f"{', '.join(c.split()[0] for c in changed)}"
+            )
+
+    def training_guidance(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
+        """[B] embedded guidance (float32, CPU) for one micro-batch: ``flux_guidance_value`` for every
+        sample (``constant``: nothing drawn), or one uniform draw per sample from ``generator`` in
+        [``flux_guidance_min``, ``flux_guidance_max``) (``random-range``; SimpleTuner draws with Python's
+        ``random.uniform`` per sample).
+
+        Raises:
+            ValueError: ``random-range`` without a generator (the run's seeded draws would be lost).
+        """
+        cfg = self.config
+        if cfg.flux_guidance_mode == "random-range":
+            if generator is None:
+                raise ValueError(
+                    "flux_guidance_mode random-range draws each batch's guidance from the run's generator: "
+                    "FluxSpec.predict needs conditioning['guidance'] from training_loss"
+                )
+            low, high = cfg.flux_guidance_min, cfg.flux_guidance_max
+            return low + (high - low) * torch.rand(batch_size, generator=generator)
+        return torch.full((batch_size,), cfg.flux_guidance_value, dtype=torch.float32)
+
     # --- loading -------------------------------------------------------------------------
     def load_text_encoders(self, device, dtype):
         from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
@@ -109,9 +156,11 @@ class FluxSpec(PackedFlowSpec):
     def load_denoiser(self, dtype=torch.float32):
         from diffusers import FluxTransformer2DModel
 
-        return FluxTransformer2DModel.from_pretrained(
+        transformer = FluxTransformer2DModel.from_pretrained(
             self.model_path, subfolder="transformer", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
         )
+        self.check_guidance(bool(transformer.config.guidance_embeds))
+        return transformer
 
     def text_encoder_identity(self) -> str:
         return self._identity("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
@@ -132,13 +181,27 @@ class FluxSpec(PackedFlowSpec):
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
 
     # --- training ------------------------------------------------------------------------
+    def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
+        """Per-sample loss (:meth:`PackedFlowSpec.training_loss`). With a guidance embedding the batch's
+        guidance (:meth:`training_guidance`) is drawn first, so draw order from ``generator``: the guidance
+        (``random-range`` only), the noise, the sigmas."""
+        if denoiser.config.guidance_embeds:
+            guidance = self.training_guidance(latents.shape[0], generator)
+            conditioning = {**conditioning, GUIDANCE_KEY: guidance}
+        return super().training_loss(denoiser, latents, conditioning, generator, is_regularisation_data)
+
     def predict(self, denoiser, noisy, timesteps, conditioning, latent_size):
-        """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1)."""
+        """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1). A guidance-distilled
+        transformer takes ``conditioning[GUIDANCE_KEY]`` when :meth:`training_loss` put it there, else
+        the constant :meth:`training_guidance` (nothing is drawn then)."""
         embeds = conditioning["prompt_embeds"]
         dtype = noisy.dtype
         guidance = None
         if denoiser.config.guidance_embeds:
-            guidance = torch.full((noisy.shape[0],), FLUX_TRAINING_GUIDANCE, device=noisy.device, dtype=torch.float32)
+            guidance = conditioning.get(GUIDANCE_KEY)
+            if guidance is None:
+                guidance = self.training_guidance(noisy.shape[0], None)
+            guidance = guidance.to(noisy.device, torch.float32)
         return denoiser(
             hidden_states=noisy,
             timestep=timesteps.to(dtype),

@@ -2,9 +2,15 @@
 
 Two schedule kinds exist: DDPM-style (integer timesteps, ``alphas_cumprod``; sd, sdxl) and flow
 matching (a noise level ``sigma`` in (0, 1); sd3, flux, wan). The sampling distributions are the
-same for both — ``uniform``, ``logit_normal`` (``sigmoid(N(logit_mean, logit_std))``, more weight
-mid-schedule) and ``mode`` (SD3's mode sampling with ``mode_scale``) — drawn as ``u`` in (0, 1);
-flow matching then applies the resolution ``shift``, DDPM scales ``u`` to a timestep index.
+same for both — ``uniform``, ``logit_normal`` (``sigmoid(N(-logit_mean, logit_std))``, more weight
+mid-schedule) and ``mode`` (SD3's mode sampling with ``mode_scale``) — drawn as ``u`` in (0, 1), the
+noise level: flow matching then applies the resolution ``shift``, DDPM scales ``u`` to a timestep index.
+
+The sign of ``logit_mean`` is diffusers' scripts': they draw ``u = sigmoid(N(logit_mean, logit_std))``
+(``training_utils.compute_density_for_timestep_sampling``) and look it up in the flow scheduler's
+descending timestep table (``timesteps[(u * 1000).long()]``), so their sigma is about ``1 - u``:
+positive means less noise. Drawing ``N * logit_std - logit_mean`` gives that distribution and keeps
+mean 0 drawing exactly the values it always drew.
 DDPM families may also shift their noise per sample and channel (:func:`offset_noise`).
 All draws come from the caller's CPU generator, so a resumed run draws the same values.
 """
@@ -34,7 +40,17 @@ def sample_u(
     if method == "uniform":
         return torch.rand(batch_size, generator=generator)
     if method == "logit_normal":
-        return torch.sigmoid(torch.randn(batch_size, generator=generator) * logit_std + logit_mean)
+        if logit_mean and "logit_mean" not in _warned:  # said once: the sign changed (2026-11) to diffusers'
+            _warned.add("logit_mean")
+            logger.info(
+                "logit_mean %s: noise levels are drawn as sigmoid(N(%s, %s)), so %s: diffusers' scripts' sign (the "
+                "SD3 paper's m and releases before 2026-11 used the opposite one)",
+                logit_mean,
+                -logit_mean,
+                logit_std,
+                "more low-noise steps" if logit_mean > 0 else "more high-noise steps",
+            )
+        return torch.sigmoid(torch.randn(batch_size, generator=generator) * logit_std - logit_mean)
     if method == "mode":
         u = torch.rand(batch_size, generator=generator)
         return 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
@@ -67,17 +83,24 @@ def min_snr_weights(timesteps: torch.Tensor, scheduler, gamma: float, prediction
     a = alphas.to(torch.float32)[timesteps.cpu()]
     snr = a / (1 - a)
     clipped = torch.clamp(snr, max=gamma)
-    return clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
+    if prediction_type == "v_prediction":
+        return clipped / (snr + 1)
+    # A zero-terminal-SNR schedule (rescale_betas_zero_snr) has snr 0 at its last step: the weight's limit there is 1.
+    return torch.where(snr > 0, clipped / snr.clamp(min=torch.finfo(snr.dtype).tiny), torch.ones_like(snr))
 
 
 def flow_weights(sigmas: torch.Tensor, kind: str) -> torch.Tensor:
-    """Flow-matching per-sample weights: ``sigma_sqrt`` (1 / sigma^2, clamped) or ``cosmap``."""
+    """Flow-matching per-sample weights: ``sigma_sqrt`` (1 / sigma^2, clamped), ``cosmap`` or
+    ``sigma_squared`` (sigma^2: an l2 velocity loss so weighted is the loss diffusers' SD3 script takes
+    with ``--precondition_outputs 1``, ``pred * (-sigma) + noisy`` against the clean latents)."""
     if kind == "sigma_sqrt":
         return (sigmas.float() ** -2.0).clamp(max=1e4)
+    if kind == "sigma_squared":
+        return sigmas.float() ** 2
     if kind == "cosmap":
         bot = 1 - 2 * sigmas + 2 * sigmas**2
         return 2 / (math.pi * bot)
-    raise ValueError(f"loss_weighting {kind!r} is not a flow-matching weighting (sigma_sqrt, cosmap)")
+    raise ValueError(f"loss_weighting {kind!r} is not a flow-matching weighting (sigma_sqrt, cosmap, sigma_squared)")
 
 
 def offset_noise(noise: torch.Tensor, generator: torch.Generator, offset: float, probability: float) -> torch.Tensor:

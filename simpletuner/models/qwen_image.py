@@ -108,7 +108,8 @@ class QwenImageSpec(PackedFlowSpec):
     """Qwen-Image text-to-image with the rectified-flow target ``noise - latents`` on packed latents."""
 
     family = "qwen_image"
-    # The image stream's attention, as SimpleTuner's and diffusers' Qwen-Image LoRA scripts' default.
+    # The image stream's attention: SimpleTuner's default (helpers/models/qwen_image/model.py:111) and diffusers'
+    # train_dreambooth_lora_qwen_image.py's (l.1284). Qwen-Image-Edit takes the same.
     default_lora_targets = ["to_k", "to_q", "to_v", "to_out.0"]
     denoiser_name = "transformer"
     latent_patch = 2  # the pipeline packs 2x2 latents into one token (the transformer does not patch again)
@@ -231,7 +232,7 @@ class QwenImageSpec(PackedFlowSpec):
         embeds, mask = self.text_inputs(conditioning)
         h, w = latent_size
         guidance = None
-        if denoiser.config.guidance_embeds:  # no released Qwen-Image has one; trained at guidance 1.0 as flux
+        if denoiser.config.guidance_embeds:  # no released Qwen-Image has one; guidance 1.0, flux's default
             guidance = torch.ones(noisy.shape[0], device=noisy.device, dtype=torch.float32)
         return denoiser(
             hidden_states=noisy,

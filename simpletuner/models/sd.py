@@ -44,8 +44,19 @@ class StableDiffusionSpec(ModelSpec):
         from diffusers import DDPMScheduler
 
         if self._scheduler is None:
-            self._scheduler = DDPMScheduler.from_pretrained(self.model_path, subfolder="scheduler", **self._kwargs())
+            options = {"rescale_betas_zero_snr": True} if self.config.rescale_betas_zero_snr else {}
+            self._scheduler = DDPMScheduler.from_pretrained(
+                self.model_path, subfolder="scheduler", **options, **self._kwargs()
+            )
         return self._scheduler
+
+    def sampling_scheduler_options(self) -> dict[str, Any]:
+        """Options of the validation scheduler beyond the training one's config: zero terminal SNR samples with
+        trailing timestep spacing (diffusers' advice for such models), so its first step starts at pure noise."""
+        options: dict[str, Any] = {"prediction_type": self.prediction_type}
+        if self.config.rescale_betas_zero_snr:
+            options["timestep_spacing"] = "trailing"
+        return options
 
     @property
     def prediction_type(self) -> str:
@@ -210,7 +221,7 @@ class StableDiffusionSpec(ModelSpec):
     def build_pipeline(self, denoiser, vae, text_encoders):
         from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-        scheduler = DDIMScheduler.from_config(self.load_noise_scheduler().config, prediction_type=self.prediction_type)
+        scheduler = DDIMScheduler.from_config(self.load_noise_scheduler().config, **self.sampling_scheduler_options())
         return StableDiffusionPipeline(
             vae=vae,
             text_encoder=text_encoders["text_encoder"],

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from simpletuner.caching.fingerprint import fingerprint
 from simpletuner.models.flow import FlowMatchingSpec
 from simpletuner.models.spec import save_transformer_lora
 
@@ -38,7 +39,9 @@ class StableDiffusion3Spec(FlowMatchingSpec):
     """SD3 / SD3.5 with the rectified-flow target ``noise - latents``."""
 
     family = "sd3"
-    # What diffusers' train_dreambooth_lora_sd3.py adapts: attention of both streams.
+    # diffusers' train_dreambooth_lora_sd3.py default (attention of both streams, its l.1251-1260), written as
+    # suffixes: the same layers on SD3 Medium, but on SD3.5 Medium's dual-attention blocks they also match `attn2`
+    # (the script's `attn.to_q` ... do not). SimpleTuner's default is `to_q/k/v/out.0` only (no context stream).
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
     denoiser_name = "transformer"
     _clip_tokenizers = frozenset({"CLIPTokenizer", "CLIPTokenizerFast"})
@@ -107,11 +110,18 @@ class StableDiffusion3Spec(FlowMatchingSpec):
             self.model_path, subfolder="transformer", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
         )
 
+    @property
+    def t5_length(self) -> int:
+        """T5 tokens per caption: `t5_max_length`, else the pipeline's default."""
+        return self.config.t5_max_length or T5_MAX_LENGTH
+
     def text_encoder_identity(self) -> str:
         parts = ["tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"]
         if self.has_t5:
             parts += ["tokenizer_3", "text_encoder_3"]
-        return self._identity(*parts)
+        identity = self._identity(*parts)
+        # The default length keeps the identity it always had, so caches made before the key existed stay valid.
+        return identity if self.t5_length == T5_MAX_LENGTH else fingerprint(text=identity, t5_tokens=self.t5_length)
 
     def _joint_attention_dim(self) -> int:
         from diffusers import SD3Transformer2DModel
@@ -141,14 +151,14 @@ class StableDiffusion3Spec(FlowMatchingSpec):
             ids = tokenizer(
                 captions,
                 padding="max_length",
-                max_length=T5_MAX_LENGTH,
+                max_length=self.t5_length,
                 truncation=True,
                 add_special_tokens=True,
                 return_tensors="pt",
             ).input_ids
             t5_embeds = encoder(ids.to(encoder.device))[0].to(clip_embeds.dtype)
         else:
-            t5_embeds = clip_embeds.new_zeros((len(captions), T5_MAX_LENGTH, self._joint_attention_dim()))
+            t5_embeds = clip_embeds.new_zeros((len(captions), self.t5_length, self._joint_attention_dim()))
         clip_embeds = F.pad(clip_embeds, (0, t5_embeds.shape[-1] - clip_embeds.shape[-1]))
         embeds = torch.cat([clip_embeds, t5_embeds], dim=-2)
         pooled_embeds = torch.cat(pooled, dim=-1)
@@ -173,7 +183,7 @@ class StableDiffusion3Spec(FlowMatchingSpec):
         else:
             width = int(self._required_config("transformer")["joint_attention_dim"])
         return self.latent_shape(batch_size), {
-            "prompt_embeds": (batch_size, clip_length + T5_MAX_LENGTH, width),
+            "prompt_embeds": (batch_size, clip_length + self.t5_length, width),
             "pooled_prompt_embeds": (batch_size, text_1["projection_dim"] + text_2["projection_dim"]),
         }
 

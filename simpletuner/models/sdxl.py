@@ -8,21 +8,33 @@ Conditioning, as ``StableDiffusionXLPipeline.encode_prompt`` makes it (no clip s
 * ``pooled_prompt_embeds``: the second encoder's projected pooled output (``text_embeds``).
 
 Both are cached per caption. The UNet's third input, the six micro-conditioning time ids
-``(original_h, original_w, crop_top, crop_left, target_h, target_w)``, depends on the image, not
-the caption, so it is not cached: it is made at training time from the batch's bucket, whose
-pixel size is the latents' size times the VAE factor, as ``original = target = (h, w)`` and
-``crop = (0, 0)``. That is what the pipeline passes by default when sampling at that size, so
-training and sampling see the same ids. (The source image's size before resizing and the
-crop offset are not kept in the latent cache; conditioning on them is a possible refinement.)
+``(original_h, original_w, crop_top, crop_left, target_h, target_w)``, depends on the image, not the
+caption, and is made at training time as diffusers' ``train_text_to_image_lora_sdxl.py`` makes it
+(``compute_time_ids``, from ``preprocess_train``'s ``original_sizes`` and ``crop_top_lefts``):
+
+* ``original_h, original_w``: the image's size before it was resized (as decoded, after its EXIF
+  orientation), and ``crop_top, crop_left``: where its bucket-sized window starts in the resized image's
+  pixels. Both are per-image facts, stored with its latent in the VAE cache
+  (:mod:`simpletuner.caching.size_crop`, the ``size_crop`` entry; a cache written without them is
+  encoded again once) and passed in the conditioning;
+* ``target_h, target_w``: the bucket, the latents' size times the VAE factor (the script's
+  ``resolution`` square).
+
+A sample trained with the empty caption (caption dropout) keeps its ids, as the pipeline passes the same
+ids to both guidance branches. Validation images are sampled with the pipeline's own default ids
+(``original = target`` = the image size, crop ``(0, 0)``), which is also what :meth:`time_ids` gives a
+batch that carries no size and crop (the memory estimate's). Where SimpleTuner differs (it passes the
+resized size as the original, and zeros for a dropped caption): documentation/MODEL_FAMILIES.md, "SDXL".
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from simpletuner.caching.size_crop import SIZE_CROP
 from simpletuner.models.sd import StableDiffusionSpec
 
 
@@ -32,6 +44,8 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
     family = "sdxl"
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     denoiser_name = "unet"
+    #: Latent entries hold each image's size and crop (``size_crop``), the first four time ids.
+    conditions_on_size_crop: ClassVar[bool] = True
     _tokenizers = frozenset({"CLIPTokenizer", "CLIPTokenizerFast"})
     components = {
         "unet": ("model", "diffusers", frozenset({"UNet2DConditionModel"})),
@@ -95,15 +109,23 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
 
     # --- training ------------------------------------------------------------------------
-    def time_ids(self, latents: torch.Tensor) -> torch.Tensor:
-        """[B, 6] micro-conditioning for a batch of one bucket: original = target = the bucket's
-        pixel size, crop top-left (0, 0) (see the module docstring)."""
+    def time_ids(self, latents: torch.Tensor, size_crop: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, 6] float32 micro-conditioning of a batch of one bucket: ``size_crop`` ``[B, 4]``
+        (``original_h, original_w, crop_top, crop_left`` per sample, see the module docstring), then the
+        bucket's pixel size as the target. ``size_crop`` None: the pipeline's default ids at this size
+        (original = target, crop ``(0, 0)``). Device-side fills and a copy only: no host sync."""
         height, width = (s * self.vae_scale_factor for s in latents.shape[-2:])
-        row = torch.tensor([height, width, 0, 0, height, width], dtype=torch.float32, device=latents.device)
-        return row.expand(latents.shape[0], 6)
+        ids = torch.empty(latents.shape[0], 6, dtype=torch.float32, device=latents.device)
+        ids[:, 4], ids[:, 5] = height, width
+        if size_crop is None:
+            ids[:, 0], ids[:, 1], ids[:, 2:4] = height, width, 0
+        else:
+            ids[:, :4] = size_crop
+        return ids
 
     def predict(self, denoiser, noisy, timesteps, conditioning):
-        added = {"text_embeds": conditioning["pooled_prompt_embeds"], "time_ids": self.time_ids(noisy)}
+        time_ids = self.time_ids(noisy, conditioning.get(SIZE_CROP))
+        added = {"text_embeds": conditioning["pooled_prompt_embeds"], "time_ids": time_ids}
         return denoiser(noisy, timesteps, conditioning["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
 
     # --- memory estimate -----------------------------------------------------------------
@@ -129,7 +151,7 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
         scheduler = EulerDiscreteScheduler.from_config(
-            self.load_noise_scheduler().config, prediction_type=self.prediction_type
+            self.load_noise_scheduler().config, **self.sampling_scheduler_options()
         )
         return StableDiffusionXLPipeline(
             vae=vae,

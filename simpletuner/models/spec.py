@@ -174,6 +174,10 @@ class ModelSpec(abc.ABC):
     #: (PIL, at the image's size): the prompt embedding depends on the caption and the source.
     conditions_on_image: ClassVar[bool] = False
 
+    #: Whether the denoiser is conditioned on each image's original size and crop offset (SDXL's micro-
+    #: conditioning): its latent entries then hold them too (caching/size_crop.py).
+    conditions_on_size_crop: ClassVar[bool] = False
+
     @property
     def takes_validation_image(self) -> bool:
         """Whether validation renders from an image (``validation_image``): an edit model's source, an

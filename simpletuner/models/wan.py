@@ -74,7 +74,8 @@ class WanSpec(FlowMatchingSpec):
     """Wan 2.1 T2V (single transformer), flow matching; images are 1-frame videos."""
 
     family = "wan"
-    # Self- and cross-attention projections of every block (attn1 / attn2), as common Wan LoRAs.
+    # Self- and cross-attention projections of every block (attn1 / attn2): SimpleTuner's Wan default
+    # (helpers/models/wan/model.py:286); diffusers has no Wan LoRA training script. Wan 2.2's experts take the same.
     default_lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
     denoiser_name = "transformer"
     #: Padded caption length (WanPipeline.__call__'s default).

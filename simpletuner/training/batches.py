@@ -9,7 +9,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -26,10 +26,12 @@ from simpletuner.caching.reencode import (
 )
 from simpletuner.caching.routing import CacheFolders, merge_fill_reports, open_folder_cache
 from simpletuner.caching.share import FillShare, shares_folder
+from simpletuner.caching.size_crop import SIZE_CROP_BYTES, keeps_size_crop
 from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
 from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
 from simpletuner.data_backend.base import SupportsShards
+from simpletuner.data_backend.captions import caption_line_index
 from simpletuner.data_backend.pairs import pixels_to_image, source_pixels
 from simpletuner.gh200.uvm import optimize_batch_for_gh200
 from simpletuner.locks import CacheLocks, hold_epoch_folder
@@ -68,9 +70,39 @@ class CaptionDropout:
         """The decisions for ``samples``, the micro-batch ``sampler`` (a BucketSampler) has just yielded."""
         if self.probability <= 0:
             return ()
-        position = sampler.batch_index - 1  # counted before the batch was yielded
-        first_slot = sampler.rank * sampler.batch_size  # this process's slice of the global batch
-        return tuple(self.is_dropped(sampler.epoch, position, first_slot + i, s.key) for i, s in enumerate(samples))
+        epoch, position, first_slot = draw_place(sampler)
+        return tuple(self.is_dropped(epoch, position, first_slot + i, s.key) for i, s in enumerate(samples))
+
+
+def draw_place(sampler) -> tuple[int, int, int]:
+    """``(epoch, micro-batch of the epoch, slot of its first sample in the global batch)`` of the micro-batch
+    ``sampler`` (a BucketSampler) has just yielded: where the per-draw caption decisions are taken from."""
+    position = sampler.batch_index - 1  # counted before the batch was yielded
+    return sampler.epoch, position, sampler.rank * sampler.batch_size  # this process's slice of the global batch
+
+
+def drawn_lines(seed: int, sampler, samples: list[Sample]) -> tuple[str, ...]:
+    """Per sample of the micro-batch ``sampler`` has just yielded, the caption it trains with: the line
+    :func:`~simpletuner.data_backend.captions.caption_line_index` picks from a caption file of several lines,
+    else its caption; empty when no sample of the batch has several."""
+    if not any(s.caption_lines for s in samples):
+        return ()
+    epoch, position, first_slot = draw_place(sampler)
+    return tuple(
+        s.caption_lines[caption_line_index(seed, epoch, position, first_slot + i, s.key, len(s.caption_lines))]
+        if s.caption_lines
+        else s.caption
+        for i, s in enumerate(samples)
+    )
+
+
+class CaptionDraw(NamedTuple):
+    """The caption decisions of one training micro-batch, per sample: whether it trains with the empty caption
+    (caption dropout; empty: none does) and the caption it trains with otherwise (:func:`drawn_lines`; empty:
+    each its own ``caption``)."""
+
+    dropped: tuple[bool, ...] = ()
+    captions: tuple[str, ...] = ()
 
 
 @dataclass
@@ -78,12 +110,15 @@ class Batch:
     """One micro-batch: latents, conditioning tensors, and the samples they came from.
 
     ``dropped_captions``: per sample, whether it trains with the empty caption (caption dropout); empty when
-    none does (dropout off, or a batch outside the training order)."""
+    none does (dropout off, or a batch outside the training order). ``captions``: per sample, the caption it
+    trains with unless dropped, when a sample of the batch has a caption file of several lines (the line drawn
+    for it); empty otherwise (each trains with its ``caption``)."""
 
     latents: torch.Tensor
     conditioning: dict[str, torch.Tensor]
     samples: list[Sample]
     dropped_captions: tuple[bool, ...] = ()
+    captions: tuple[str, ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -102,6 +137,8 @@ class CachedData:
 
     #: ``caption_dropout_probability`` of training batches (``iterate``); None: captions are never dropped.
     caption_dropout: CaptionDropout | None = None
+    #: The run's seed: which line of a caption file of several lines each draw trains with (:func:`drawn_lines`).
+    caption_seed: int = 0
 
     def __init__(
         self,
@@ -134,39 +171,53 @@ class CachedData:
         return self._reencoder.threads if self._reencoder is not None else None
 
     def _prepared(
-        self, latents: torch.Tensor, samples: list[Sample], device: torch.device, dropped: tuple[bool, ...] = ()
+        self,
+        image: dict[str, torch.Tensor],
+        samples: list[Sample],
+        device: torch.device,
+        draw: CaptionDraw = CaptionDraw(),
     ) -> Batch:
-        """The one place a micro-batch is finished: stacked text embeddings joined to the latents,
-        then the GH200 batch hook, once, on the stacked fields (``optimize_batch_for_gh200``: residency
-        advice by role and a prefetch to ``device`` for those in managed memory, i.e. from a
-        `unified_memory` cache; it returns at once when hints are off or there is no CUDA).
-        A sample whose ``dropped`` flag is set gets the empty caption's embeddings."""
-        ids = [text_id(s, DROPPED_CAPTION if dropped and dropped[i] else None) for i, s in enumerate(samples)]
+        """The one place a micro-batch is finished: stacked text embeddings joined to the stacked latent
+        entries ``image`` (``latents``, and what a model conditioned on each image's size and crop keeps beside
+        them, which joins the conditioning: :mod:`simpletuner.caching.size_crop`), then the GH200 batch hook,
+        once, on the stacked fields (``optimize_batch_for_gh200``: residency advice by role and a prefetch to
+        ``device`` for those in managed memory, i.e. from a `unified_memory` cache; it returns at once when
+        hints are off or there is no CUDA). A sample ``draw`` drops gets the empty caption's embeddings (its size
+        and crop stay: the pipeline passes the same ones to both guidance branches), the others those of the
+        caption ``draw`` gives them (their own when it gives none)."""
+        dropped, captions = draw
+        ids = [
+            text_id(s, DROPPED_CAPTION if dropped and dropped[i] else captions[i] if captions else None)
+            for i, s in enumerate(samples)
+        ]
         cond = self.text_cache.get_batch([self.text_keys[i] for i in ids])
+        cond.update((name, values) for name, values in image.items() if name != "latents")
         fields = {
-            "latents": latents.to(device, non_blocking=True),
+            "latents": image["latents"].to(device, non_blocking=True),
             "conditioning": {k: v.to(device, non_blocking=True) for k, v in cond.items()},
         }
         optimize_batch_for_gh200(fields, device)
-        return Batch(fields["latents"], fields["conditioning"], samples, dropped)
+        return Batch(fields["latents"], fields["conditioning"], samples, dropped, captions)
 
     def _from_cache(
-        self, cache: TensorCache, keys: dict[str, str], samples: list[Sample], device, dropped: tuple[bool, ...] = ()
+        self, cache: TensorCache, keys: dict[str, str], samples: list[Sample], device, draw: CaptionDraw = CaptionDraw()
     ) -> Batch:
-        latents = cache.get_batch([keys[s.key] for s in samples])["latents"]
-        return self._prepared(latents, samples, device, dropped)
+        return self._prepared(cache.get_batch([keys[s.key] for s in samples]), samples, device, draw)
 
-    def _dropped(self, sampler, samples: list[Sample]) -> tuple[bool, ...]:
-        return self.caption_dropout.of_batch(sampler, samples) if self.caption_dropout is not None else ()
+    def _draw(self, sampler, samples: list[Sample]) -> CaptionDraw:
+        """The caption decisions of the training micro-batch ``samples`` ``sampler`` has just yielded."""
+        dropped = self.caption_dropout.of_batch(sampler, samples) if self.caption_dropout is not None else ()
+        return CaptionDraw(dropped, drawn_lines(self.caption_seed, sampler, samples))
 
-    def _cached_latents(self, samples: list[Sample], device, dropped: tuple[bool, ...] = ()) -> Batch:
+    def _cached_latents(self, samples: list[Sample], device, draw: CaptionDraw = CaptionDraw()) -> Batch:
         """``samples``' latents from the folder of their dataset (``cache_dir_vae``); a training batch
         holds one dataset, so one folder; samples of several are read folder by folder, order kept."""
         caches = [self.dataset_vae_caches.get(s.dataset_id, self.vae_cache) for s in samples]
         if all(c is caches[0] for c in caches):
-            return self._from_cache(caches[0], self.latent_keys, samples, device, dropped)
-        latents = torch.stack([c.get_batch([self.latent_keys[s.key]])["latents"][0] for c, s in zip(caches, samples)])
-        return self._prepared(latents, samples, device, dropped)
+            return self._from_cache(caches[0], self.latent_keys, samples, device, draw)
+        entries = [c.get_batch([self.latent_keys[s.key]]) for c, s in zip(caches, samples)]
+        stacked = {name: torch.cat([entry[name] for entry in entries]) for name in entries[0]}
+        return self._prepared(stacked, samples, device, draw)
 
     def batch(self, samples: list[Sample], device: torch.device) -> Batch:
         """The micro-batch of ``samples`` outside the training order (evaluation, FLOP counting):
@@ -185,17 +236,17 @@ class CachedData:
         while True:
             epoch = sampler.epoch + 1 if sampler.batch_index >= len(sampler) else sampler.epoch
             if self.mode == "disable_cache":
-                for samples, latents in self._reencoder.iterate_epoch(sampler, epoch, device):
-                    yield self._prepared(latents, samples, device, self._dropped(sampler, samples))
+                for samples, image in self._reencoder.iterate_epoch(sampler, epoch, device):
+                    yield self._prepared(image, samples, device, self._draw(sampler, samples))
                 continue
             if self.mode == "refresh_each_epoch":
                 keys = self._reencoder.epochs.prepare(sampler, epoch)
                 cache = self._reencoder.epochs.cache
                 for samples in sampler:
-                    yield self._from_cache(cache, keys, samples, device, self._dropped(sampler, samples))
+                    yield self._from_cache(cache, keys, samples, device, self._draw(sampler, samples))
                 continue
             for samples in sampler:
-                yield self._cached_latents(samples, device, self._dropped(sampler, samples))
+                yield self._cached_latents(samples, device, self._draw(sampler, samples))
 
     def close(self) -> None:
         """Stop the persistent decoding threads, if any."""
@@ -287,13 +338,14 @@ def _latent_entry_bytes(spec: ModelSpec) -> Callable[[tuple], int] | None:
     channels = shape[1]
     latent_frames = shape[2] if len(shape) == 5 else 1  # of the longest clip the config trains on
     longest = max((d.num_frames or 1 for d in spec.config.datasets or [] if d.dataset_type == "video"), default=1)
+    extras = SIZE_CROP_BYTES + HEADER_BYTES_PER_TENSOR if keeps_size_crop(spec) else 0  # SDXL's size and crop
 
     def estimate(payload: tuple) -> int:
         sample = payload[1]
         width, height = sample.bucket
         frames = math.ceil(latent_frames * max(sample.num_frames, 1) / longest)
         cells = math.ceil(width / factor) * math.ceil(height / factor)
-        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR
+        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR + extras
 
     return estimate
 
@@ -505,6 +557,7 @@ def prepare_caches(
     default = vae_caches.get(folders.default_vae) or next(iter(vae_caches.values()))
     data = CachedData(default, text_cache, latent_keys, text_keys, reports, mode, reencoder, by_dataset)
     data.caption_dropout = CaptionDropout(config.seed, config.caption_dropout_probability)
+    data.caption_seed = config.seed
     return data, encoders
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from simpletuner.configuration import TrainingConfig
+from simpletuner.configuration import TrainingConfig, schedules
+from simpletuner.configuration.optimizer_settings import SGD_DEFAULT_MOMENTUM
+from simpletuner.configuration.schedules import SIMPLETUNER_COSINE_DEFAULT_PERIOD
 from simpletuner.training.optimizers import AdamWBF16, Automagic, automagic_param_groups, prodigy_class
 
 #: Per-stage config keys (``{group}_{key}``) -> the optimizer group key they set.
@@ -84,7 +87,8 @@ def build_optimizer(
             **config.optimizer_config,
         )
     if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.learning_rate, momentum=0.9, weight_decay=config.weight_decay)
+        momentum = config.optimizer_config.get("momentum", SGD_DEFAULT_MOMENTUM)
+        return torch.optim.SGD(params, lr=config.learning_rate, momentum=momentum, weight_decay=config.weight_decay)
     if config.optimizer == "automagic":
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
         return Automagic(
@@ -99,10 +103,41 @@ def build_optimizer(
     raise ValueError(f"optimizer {config.optimizer!r} is not supported")
 
 
-def build_lr_scheduler(config: TrainingConfig, optimizer: torch.optim.Optimizer, total_steps: int):
-    """diffusers' named schedules, stepped once per optimizer step."""
-    from diffusers.optimization import get_scheduler
+def _simpletuner_cosine(base_lr: float, floor: float, period: int, num_processes: int):
+    """SimpleTuner's `Cosine` (helpers/training/custom_schedule.py at the dialect's commit), in optimizer steps:
+    it is built with ``T_0 = lr_warmup_steps * processes`` scheduler steps (1000 when that is 0) and stepped
+    once per process per optimizer step, so optimizer step ``k`` sits at scheduler step ``k * processes``;
+    its learning rate is truncated to 1e-9 as there. Returns LambdaLR's factor of ``base_lr``."""
 
+    def factor(step: int) -> float:
+        lr = floor + (base_lr - floor) * (1 + math.cos(math.pi * step * num_processes / period)) / 2
+        return math.floor(lr * 1e9) / 1e9 / base_lr
+
+    return factor
+
+
+def build_lr_scheduler(
+    config: TrainingConfig, optimizer: torch.optim.Optimizer, total_steps: int, num_processes: int = 1
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule `config.lr_scheduler` names, stepped once per optimizer step: diffusers' shapes
+    (polynomial with `lr_end` / `lr_power`), or `simpletuner_cosine`, whose period depends on ``num_processes``
+    when `lr_warmup_steps` is 0, as in SimpleTuner."""
+    from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
+
+    if config.lr_scheduler == "simpletuner_cosine":
+        warmup = config.lr_warmup_steps * num_processes
+        period = warmup if warmup > 0 else SIMPLETUNER_COSINE_DEFAULT_PERIOD
+        floor = schedules.lr_end(config)
+        factors = [_simpletuner_cosine(g["lr"], floor, period, num_processes) for g in optimizer.param_groups]
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+    if config.lr_scheduler == "polynomial":
+        return get_polynomial_decay_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=config.lr_warmup_steps,
+            num_training_steps=total_steps,
+            lr_end=schedules.lr_end(config),
+            power=schedules.lr_power(config),
+        )
     return get_scheduler(
         config.lr_scheduler,
         optimizer=optimizer,

@@ -229,7 +229,7 @@ class Trainer:
         self.evaluator = EvalLoss(self.spec, self.data, samples, cfg, acc) if cfg.eval_steps else None
         steps, epochs = cfg.max_train_steps, cfg.num_train_epochs  # epochs: count the windows the ramp makes
         self.total_steps = steps if steps is not None else count_steps(self.accumulation, epochs * len(self.sampler))
-        self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps)
+        self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps, acc.num_processes)
         # The schedule is not prepared: Accelerate would step it once per process per step.
         self.flops_per_sample = self._flops_per_sample(denoiser)  # before DDP wraps it (see there)
         self.model, self.optimizer = acc.prepare(denoiser, optimizer)

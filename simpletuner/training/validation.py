@@ -151,6 +151,8 @@ def pipeline_arguments(family: str, config, width: int, height: int) -> dict:
         kwargs["guidance_rescale"] = config.validation_guidance_rescale
     if config.validation_num_video_frames not in (None, 1):
         kwargs["num_frames"] = config.validation_num_video_frames
+    if config.t5_max_length is not None:  # sd3 only (a config rule): prompts encoded as in training
+        kwargs["max_sequence_length"] = config.t5_max_length
     return kwargs
 
 

@@ -3,7 +3,8 @@
 The translation is the one ``train`` and ``estimate`` apply when they are given a SimpleTuner config
 (simpletuner/configuration/dialect.py): the same mapping report is printed, datasets from
 ``data_backend_config`` are inlined, and paths (which SimpleTuner reads from the working directory)
-are written absolute, so training the converted file is the same run as training the original.
+are written absolute, so training the converted file is the same run as training the original. The
+translation is validated as a native config before anything is written: convert writes only what loads.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from simpletuner.configuration import dialect
     from simpletuner.configuration.errors import ConfigError
-    from simpletuner.configuration.loader import NATIVE_KEYS, _read_json
+    from simpletuner.configuration.loader import NATIVE_KEYS, _read_json, validate_config
 
     source = Path(args.source)
     try:
@@ -49,8 +50,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for line in report.lines():
         print(line, file=sys.stderr)
+    try:  # write only what loads (files are not looked for: the run may be meant for another machine)
+        validate_config(native, base_dir=source.parent, source=f"{source} (translated)", check_files=False)
+    except ConfigError as exc:
+        print(f"{exc}\nnothing written: the translation does not load as a native config", file=sys.stderr)
+        return 2
     for line in report.approximated:
         print(f"warning: approximated: {line}", file=sys.stderr)
+    for line in report.overridden:
+        print(f"warning: forced as in SimpleTuner: {line}", file=sys.stderr)
     text = json.dumps(native, indent=2, ensure_ascii=False) + "\n"
     if args.out is None:
         sys.stdout.write(text)

@@ -30,13 +30,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from simpletuner.configuration.dialect_keys import (
-    CORE,
-    DATASET_CORE,
-    TOP_DATASET_KEYS,
-    hub_advice,
-    resolve_flavour,
-)
+from simpletuner.configuration.dialect_dataset_keys import DATASET_CORE, TOP_DATASET_KEYS
+from simpletuner.configuration.dialect_keys import CORE, hub_advice, resolve_flavour
 from simpletuner.configuration.dialect_read import (
     DialectError,
     DialectKey,
@@ -46,9 +41,23 @@ from simpletuner.configuration.dialect_read import (
     Translation,
     as_bool,
     as_number,
+    fill_placeholders,
     is_inert,
     plain,
     rename,
+)
+from simpletuner.configuration.dialect_semantics import (
+    READ_HERE,
+    flux_guidance_range,
+    forced_settings,
+    lora_targets,
+    lr_schedule,
+    optimizer_settings,
+    prompt_length,
+    sdxl_conditioning,
+    seed,
+    unreadable_files,
+    validation_cadence,
 )
 from simpletuner.configuration.dialect_tail import TAIL, TAIL_DEFAULTS
 from simpletuner.configuration.dialect_values import (
@@ -125,6 +134,13 @@ def _flow_sampling(t: Translation, bare: dict[str, Any]) -> None:
             "`timestep_sampling: logit_normal`, `logit_std: "
             f"{float(scale)}` (SimpleTuner's sigmoid sigma schedule for flow models)"
         )
+
+
+def _is_true(value: Any) -> bool:
+    try:
+        return value is not None and as_bool(value, "")
+    except Problem:
+        return False
 
 
 def _switch_of(name: str) -> Optional[str]:
@@ -233,6 +249,7 @@ _READ_WITH_OTHERS = (
     "noise_offset",
     "noise_offset_probability",
     "flux_lora_target",
+    *READ_HERE,
 )
 
 
@@ -260,9 +277,11 @@ def _apply_key(t: Translation, name: str, value: Any, entry: Optional[DialectKey
         (entry.apply or rename)(t, value, entry)
     except Problem as exc:
         t.problems.append(f"{label + ': ' if label else ''}{exc}")
-    if len(t.problems) == before and not any(line.startswith(f"`{shown}") for line in t.report.mapped):
+    handled = t.report.mapped + t.report.ignored  # an apply that reported the key itself (mapped or ignored)
+    if len(t.problems) == before and not any(line.startswith(f"`{shown}") for line in handled):
         t.report.mapped.append(f"`{shown}` -> `{entry.ours}`" if entry.ours != name else f"`{shown}`")
-        if entry.kind == "approximated" and not is_inert(value):
+        said = any(line.startswith(f"`{shown}") for line in t.report.approximated)
+        if entry.kind == "approximated" and not is_inert(value) and not said:
             t.approx(shown, entry.note)
 
 
@@ -275,6 +294,23 @@ def _bare_keys(raw: Mapping[str, Any], t: Translation, label: str = "") -> dict[
             t.problems.append(f"{where}`--{name}` and `{name}` are both set, to different values: keep one of them")
         bare[name] = value
     return bare
+
+
+def _without_string_false(t: Translation, bare: dict[str, Any]) -> dict[str, Any]:
+    """SimpleTuner's config reader skips a top-level value that is the string ``"false"`` (cli_utils.py:223-226), so
+    the key keeps its default: where that default is on (gradient checkpointing), the run keeps it on, and says so."""
+    kept = {}
+    for name, value in bare.items():
+        if not (isinstance(value, str) and value.strip().lower() == "false"):
+            kept[name] = value
+        elif SIMPLETUNER_DEFAULTS.get(name) is True:
+            t.report.overridden.append(
+                f'`{name}: "false"` (a string) -> true: SimpleTuner\'s config reader skips the string "false", so its '
+                f"default (true) applies there and here; write false without quotes to turn it off"
+            )
+        else:
+            t.report.notes.append(f'`{name}: "false"` (a string): skipped as SimpleTuner\'s reader skips it')
+    return kept
 
 
 def _text_embeds_entry(t: Translation, entry: dict[str, Any], label: str) -> None:
@@ -452,19 +488,26 @@ def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any])
                 t.problems.append(f"{label}: `dataset_type: {kind}`: {UNSUPPORTED_DATASET_TYPES[kind]}")
             continue
         t.dataset, t.dataset_label = {}, label
-        for name, value in _bare_keys(entry, t, label).items():
+        # SimpleTuner fills {model_family}, {output_dir}, {id} and {env:NAME} in dataset entries (factory.py:1194-1218)
+        output_dir = t.bare.get("output_dir", SIMPLETUNER_DEFAULTS["output_dir"])
+        names = {"model_family": t.family, "output_dir": output_dir, "id": entry.get("id", "")}
+        t.dataset_entry = fill_placeholders(_bare_keys(entry, t, label), names)
+        for name, value in t.dataset_entry.items():
             _apply_key(t, name, value, entry_for(name, "dataset"), label)
         if "resolution" in top and "resolution" not in entry:
             t.put("resolution", top["resolution"], "top-level resolution (megapixels)")
         for key in DATASET_DEFAULTS_FROM_TOP:
-            if key in top and key not in entry and f"--{key}" not in entry:
+            # A top-level `only_instance_prompt: true` holds for every dataset, its own `false` too: SimpleTuner
+            # ORs the two (factory.py:3519).
+            own = key in t.dataset_entry and not (key == "only_instance_prompt" and _is_true(top.get(key)))
+            if key in top and not own:
                 item = _BY_KEY[("dataset", key)]
                 (item.apply or rename)(t, top[key], item)
         for key, default in SIMPLETUNER_DATASET_DEFAULTS.items():
             if not t.is_set(key):
                 t.put(key, default, f"SimpleTuner's dataset default {key}")
         out.append(t.dataset)
-        t.dataset, t.dataset_label = None, ""
+        t.dataset, t.dataset_label, t.dataset_entry = None, "", None
     return out
 
 
@@ -476,7 +519,8 @@ def translate(
     """SimpleTuner config ``raw`` -> (native config, report). Raises DialectError listing every key that
     is unsupported or unreadable, and every setting two keys set to different values."""
     t = Translation(cwd=Path(cwd or os.getcwd()), config_dir=config_path.parent if config_path else None)
-    bare = t.bare = _bare_keys(raw, t)
+    # Top-level values get only {env:NAME} filled, as SimpleTuner's reader does (cli_utils.py:201).
+    bare = t.bare = _without_string_false(t, fill_placeholders(_bare_keys(raw, t), {}))
     family = bare.get("model_family")
     t.family = str(family).strip() if isinstance(family, str) else None
     top_for_datasets: dict[str, Any] = {}
@@ -488,8 +532,10 @@ def translate(
             t.report.mapped.append(f"`{name}` -> each dataset's `{name}`")
             continue
         _apply_key(t, name, value, entry_for(name), "")
+    forced_settings(t, bare)  # before the defaults: a forced value is not also a default
+    lr_schedule(t, bare)
     for name, default in SIMPLETUNER_DEFAULTS.items():
-        if name in bare:
+        if name in bare or name in READ_HERE:
             continue
         if name in DATASET_DEFAULTS_FROM_TOP:
             top_for_datasets[name] = default
@@ -507,7 +553,15 @@ def translate(
     _noise_offset(t, bare)
     _flux_lora_target(t, bare)
     _optimizer_meaning(t, bare)
+    optimizer_settings(t, bare)
     _validation_defaults(t, bare)
+    validation_cadence(t, bare)
+    seed(t, bare)
+    prompt_length(t, bare)
+    lora_targets(t, bare)
+    flux_guidance_range(t, bare)
+    sdxl_conditioning(t, bare)
+    unreadable_files(t, bare)
     cache = t.out.setdefault("cache_config", {})
     if "cache_dir" not in cache:  # SimpleTuner keeps its caches under cache/ in the working directory
         cache["cache_dir"] = str(t.cwd / "cache")

@@ -1,11 +1,11 @@
-"""What each SimpleTuner key means here: the mapped part of the dialect table (``CORE`` for config.json,
-``DATASET_CORE`` for multidatabackend.json entries, ``TOP_DATASET_KEYS`` for top-level keys that are each
-dataset's default) and how each value is written into the native config. The long tail of ignored and
-unsupported keys is ``dialect_tail.py``.
+"""What each top-level SimpleTuner key means here: the mapped part of the dialect table for config.json
+(``CORE``) and how each value is written into the native config. Dataset entries are in
+``dialect_dataset_keys.py``; the long tail of ignored and unsupported keys is ``dialect_tail.py``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -21,17 +21,16 @@ from simpletuner.configuration.dialect_read import (
     is_inert,
     plain,
     read_json_file,
+    rename,
     set_spelled,
-    spelled,
 )
 from simpletuner.configuration.dialect_values import (
-    CAPTION_STRATEGIES,
-    DATASET_DEFAULTS_FROM_TOP,
+    APPROXIMATED_PRECISIONS,
     FAMILIES,
     FLAVOUR_UNSUPPORTED,
     FLAVOURS,
+    FLOW_FAMILIES,
     LIFTED_OPTIMIZER_SETTINGS,
-    LR_SCHEDULERS,
     LYCORIS_KEYS,
     MIXED,
     OPTIMIZERS,
@@ -112,9 +111,100 @@ def _path_key(t: Translation, value: Any, entry: DialectKey) -> None:
 
 
 def _resume(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`latest`, or the folder of that name inside `output_dir`: SimpleTuner keeps only the last part of the path
+    (trainer.py:5022-5023) and looks for it in its output folder (5048-5049)."""
     if is_inert(value):
         return
-    t.put("resume_from_checkpoint", value if value == "latest" else t.path(value, entry.key), entry.key)
+    if value == "latest":
+        t.put("resume_from_checkpoint", value, entry.key)
+        return
+    name = os.path.basename(str(value).rstrip("/"))
+    output_dir = t.path(t.bare.get("output_dir", "simpletuner-results"), "output_dir")
+    t.put("resume_from_checkpoint", os.path.join(output_dir, name), entry.key)
+    if os.path.normpath(t.path(value, entry.key)) != os.path.join(output_dir, name):
+        t.report.notes.append(f"`resume_from_checkpoint: {value}`: resumed from {name!r} inside `output_dir`, as there")
+
+
+def _unset_at_zero(t: Translation, value: Any, entry: DialectKey) -> None:
+    """A count where SimpleTuner reads 0 as "off" / "no limit" / "use the default": unset here too."""
+    if is_inert(value):
+        t.ignore(entry.key, "0: unset, as SimpleTuner reads it")
+        return
+    assert entry.ours is not None
+    t.put(entry.ours, plain(value), entry.key)
+
+
+def _guidance_embedded(t: Translation) -> Optional[bool]:
+    """Whether the Flux folder's transformer takes embedded guidance (None: its config cannot be read here)."""
+    model = t.out.get("pretrained_model_name_or_path", t.bare.get("pretrained_model_name_or_path"))
+    try:
+        config = json.loads((Path(str(model)) / "transformer" / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return bool(config.get("guidance_embeds", False))
+
+
+def _flux_guidance(t: Translation, value: Any, entry: DialectKey) -> None:
+    """SimpleTuner passes guidance only to Flux transformers that embed it (flux/model.py:728-731)."""
+    if FAMILIES.get(t.family or "") != "flux":
+        t.ignore(entry.key, "SimpleTuner reads it for Flux only")
+        return
+    if _guidance_embedded(t) is False:
+        t.ignore(entry.key, "the model's transformer has no guidance embedding: SimpleTuner passes no guidance")
+        return
+    t.put(entry.key, value if entry.key == "flux_guidance_mode" else float(as_number(value, entry.key)), entry.key)
+
+
+def _precision(t: Translation, value: Any, entry: DialectKey) -> None:
+    set_spelled(PRECISIONS, "8-bit quanto / torchao kinds only")(t, value, entry)
+    if str(value).strip() in APPROXIMATED_PRECISIONS:
+        t.approx(f"{entry.key}: {value}", APPROXIMATED_PRECISIONS[str(value).strip()])
+
+
+def _ema_device(t: Translation, value: Any, entry: DialectKey) -> None:
+    cpu_only = t.bare.get("ema_cpu_only")
+    if cpu_only is not None and as_bool(cpu_only, "ema_cpu_only"):
+        if str(value) != "cpu":
+            t.report.overridden.append(
+                f"`ema_device: {value!r}` -> 'cpu': `ema_cpu_only` wins in SimpleTuner (cmd_args.py:1076-1077)"
+            )
+        t.ignore(entry.key, "`ema_cpu_only` sets it")
+        return
+    rename(t, value, entry)
+
+
+def _ema_cpu_only(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`ema_cpu_only` sets the EMA's device to the CPU whatever `ema_device` says (cmd_args.py:1076-1077)."""
+    if not as_bool(value, entry.key):
+        return
+    t.out["ema_device"] = "cpu"
+    t.sources["ema_device"] = entry.key
+
+
+def _use_ema(t: Translation, value: Any, entry: DialectKey) -> None:
+    on = as_bool(value, entry.key)
+    t.put("use_ema", on, entry.key)
+    if not on:  # nothing averaged: nothing differs
+        t.ignore(entry.key, "off")
+
+
+def _target_modules(t: Translation, value: Any, entry: DialectKey) -> None:
+    """SimpleTuner's `peft_lora_target_modules`: a list, a JSON list in a string, or the path of a JSON file
+    holding one (cmd_args.py:280-330)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise Problem(f"`{entry.key}`: {text!r} is not a JSON list: {exc}") from None
+        else:
+            value = read_json_file(t, Path(t.path(text, entry.key)), entry.key, list, "a JSON list of module names")
+            if value is None:
+                return
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise Problem(f"`{entry.key}` must be a list of module names")
+    t.put("lora_target_modules", value, entry.key)
 
 
 def _epochs(t: Translation, value: Any, entry: DialectKey) -> None:
@@ -150,6 +240,9 @@ def _inverted_tf32(t: Translation, value: Any, entry: DialectKey) -> None:
 def _snr_gamma(t: Translation, value: Any, entry: DialectKey) -> None:
     if is_inert(value):
         return  # SimpleTuner: no gamma, no Min-SNR weighting
+    if FAMILIES.get(t.family or "") in FLOW_FAMILIES:
+        t.ignore(entry.key, "SimpleTuner applies Min-SNR to DDPM families only (common.py:6360-6398)")
+        return
     t.put("snr_gamma", plain(value), entry.key)
     t.put("loss_weighting", "min_snr", entry.key)
 
@@ -188,8 +281,14 @@ def _validation_prompt(t: Translation, value: Any, entry: DialectKey) -> None:
 
 
 def _lycoris_config(t: Translation, value: Any, entry: DialectKey) -> None:
-    """The LyCORIS JSON file (from the working directory, as SimpleTuner reads it) becomes the `lycoris` table."""
+    """The LyCORIS JSON file becomes the `lycoris` table. SimpleTuner reads it only with `lora_type: lycoris`
+    (cmd_args.py:1116), from the working directory, then beside the config file."""
+    if str(t.bare.get("lora_type", "standard")).strip().lower() != "lycoris":
+        t.ignore(entry.key, "read only with `lora_type: lycoris`, as in SimpleTuner")
+        return
     path = Path(t.path(value, entry.key))
+    if not path.is_file() and t.config_dir is not None and (t.config_dir / str(value)).is_file():
+        path = t.config_dir / str(value)
     settings = read_json_file(t, path, "lycoris_config", dict, "a JSON object")
     if settings is None:
         return
@@ -268,6 +367,22 @@ CORE: tuple[DialectKey, ...] = (
     ),
     _same("pretrained_model_name_or_path", apply=_model_path),
     _same("prediction_type"),
+    _same(
+        "tokenizer_max_length",
+        "t5_max_length",
+        "sd3 only: SimpleTuner's T5 length, 154 when unset and at most 154 (sd3/model.py:853-859); the other "
+        "families it trains here ignore it or fix their own length, and so does the translation",
+    ),
+    _same(
+        "rescale_betas_zero_snr",
+        note="sd / sdxl; SimpleTuner turns it on for every `sd2x` model (so does the translation) and ignores it "
+        "for flow-matching families (common.py:4544-4549)",
+        apply=lambda t, v, e: (
+            t.ignore(e.key, "SimpleTuner rescales DDPM schedules only")
+            if FAMILIES.get(t.family or "") in FLOW_FAMILIES
+            else rename(t, v, e)
+        ),
+    ),
     _same("revision"),
     _entry(
         "pretrained_transformer_model_name_or_path",
@@ -294,29 +409,50 @@ CORE: tuple[DialectKey, ...] = (
         note="each process draws its own noise here (its generator is seeded from `seed` and its rank)",
     ),
     _same("aspect_bucket_alignment"),
-    _same("base_model_precision", apply=set_spelled(PRECISIONS, "8-bit quanto / torchao kinds only")),
-    _same("train_stages"),
+    _same(
+        "base_model_precision",
+        note="`fp8-torchao` and `int8-torchao` approximated (another torchao kernel, said at start)",
+        apply=lambda t, v, e: _precision(t, v, e),
+    ),
     # --- schedule and optimisation ---
     _same("num_train_epochs", note="0 means: train for `max_train_steps`", apply=_epochs),
     _same("max_train_steps", note="0 means: train for `num_train_epochs`", apply=_max_steps),
     _same("train_batch_size"),
     _same("gradient_accumulation_steps"),
     _same("learning_rate"),
-    _same("lr_scheduler", apply=set_spelled(LR_SCHEDULERS, "diffusers' schedules")),
-    _same("lr_warmup_steps"),
-    _same("optimizer", apply=set_spelled(OPTIMIZERS, "AdamW-bf16, Prodigy and optimi's AdamW / Adam / SGD")),
+    _same(
+        "lr_scheduler",
+        note="SimpleTuner's shapes: `cosine` / `cosine_with_warmup` -> `simpletuner_cosine` (its own cosine, no "
+        "warm-up ramp); `constant` with `lr_warmup_steps` > 0 -> `constant_with_warmup`; `polynomial` with its "
+        "`lr_end` 4e-7 and `lr_power` 0.8; `cosine_with_restarts` stops (it never leaves the peak there)",
+    ),
+    _same("lr_warmup_steps", note="`simpletuner_cosine`'s half-period (1000 / processes steps when 0)"),
+    _same("lr_end", note="read by `polynomial` and `cosine` (SimpleTuner's default 4e-7 written); else ignored"),
+    _same("lr_power", note="read by `polynomial` (SimpleTuner's default 0.8 written); else ignored"),
+    _same(
+        "optimizer",
+        note="SimpleTuner's own defaults for it (betas, eps, weight decay, SGD momentum) are written where the config "
+        "does not set them",
+        apply=set_spelled(OPTIMIZERS, "AdamW-bf16, Prodigy and optimi's AdamW / Adam / SGD"),
+    ),
     _same(
         "optimizer_config",
         note="`weight_decay` / `eps` / `betas` in it become `weight_decay` / `adam_epsilon` / `adam_beta1`, "
         "`adam_beta2`",
         apply=lambda t, v, e: _optimizer_config(t, v, e),
     ),
-    _same("adam_beta1"),
-    _same("adam_beta2"),
-    _same("optimizer_beta1", "adam_beta1"),
-    _same("optimizer_beta2", "adam_beta2"),
-    _same("adam_epsilon"),
-    _same("adam_weight_decay", "weight_decay"),
+    *(
+        _entry(
+            key,
+            "ignored",
+            note="SimpleTuner reads it only for DeepSpeed's optimizer (optimizer_param.py:1186-1190); its optimizers "
+            "take betas / eps / weight decay from their own defaults, `optimizer_config` and `optimizer_beta1` + "
+            "`optimizer_beta2`",
+        )
+        for key in ("adam_beta1", "adam_beta2", "adam_epsilon", "adam_weight_decay")
+    ),
+    _same("optimizer_beta1", "adam_beta1", "with `optimizer_beta2` (both or neither, as SimpleTuner requires)"),
+    _same("optimizer_beta2", "adam_beta2", "with `optimizer_beta1` (both or neither, as SimpleTuner requires)"),
     _same(
         "max_grad_norm",
         note="0 turns clipping off",
@@ -324,8 +460,15 @@ CORE: tuple[DialectKey, ...] = (
     ),
     _same("grad_clip_method"),
     _same("gradient_checkpointing"),
-    _same("mixed_precision", apply=set_spelled(MIXED, "no fp8 autocast: bf16 with an 8-bit base_model_precision")),
-    _same("seed"),
+    _entry(
+        "mixed_precision",
+        "approximated",
+        "mixed_precision",
+        "the trained weights stay fp32 and the forward pass autocasts to bf16 / fp16; SimpleTuner casts the trained "
+        "model (adapter included) to that dtype and trains the weights themselves in it (cmd_args.py:1108-1112)",
+        apply=set_spelled(MIXED, "no fp8 autocast: bf16 with an 8-bit base_model_precision"),
+    ),
+    _same("seed", note="unset: 42 here, said at start (SimpleTuner seeds nothing; crops and resumes need a seed)"),
     _same("snr_gamma", note="also turns on `loss_weighting: min_snr`", apply=_snr_gamma),
     _same("flow_schedule_shift", "flow_shift"),
     _same(
@@ -341,12 +484,32 @@ CORE: tuple[DialectKey, ...] = (
     _same("lora_rank"),
     _same("lora_alpha"),
     _same("lora_dropout"),
-    _same("peft_lora_target_modules", "lora_target_modules"),
+    _same(
+        "peft_lora_target_modules",
+        "lora_target_modules",
+        "a list, a JSON list in a string, or a JSON file holding one (cmd_args.py:280-330)",
+        apply=lambda t, v, e: _target_modules(t, v, e),
+    ),
     _same(
         "flux_lora_target",
         "lora_target_modules",
         "flux LoRA: its named layer sets (`all`, the default, `all+ffs`, `all+ffs+embedder`, `context`, "
         "`context+ffs`) become the module list",
+    ),
+    *(
+        _same(
+            key,
+            note="flux only (SimpleTuner ignores it elsewhere, and on a Flux folder without guidance embedding); "
+            "`random-range` draws per sample in [`flux_guidance_min`, `flux_guidance_max`]",
+            apply=lambda t, v, e: _flux_guidance(t, v, e),
+        )
+        for key in ("flux_guidance_mode", "flux_guidance_value", "flux_guidance_min", "flux_guidance_max")
+    ),
+    _entry(
+        "disable_multiline_split",
+        "ignored",
+        note="SimpleTuner's config reader skips it at the top level (a dataset key with no command-line argument, "
+        "field_registry/sections/data.py:147-161, cli_utils.py:199-201): set it on each dataset entry",
     ),
     _entry("init_lora", "unsupported", note="training cannot start from an existing LoRA file here: remove it"),
     _entry(
@@ -369,26 +532,46 @@ CORE: tuple[DialectKey, ...] = (
     _same("offset_noise", "noise_offset", "the switch of `noise_offset` (off: no offset); flow families take none"),
     _same("noise_offset", note="applied only with `offset_noise: true`, as in SimpleTuner"),
     _same("noise_offset_probability", note="applied only with `offset_noise: true`"),
-    _same("caption_dropout_probability"),
-    _same("use_ema"),
+    _same(
+        "caption_dropout_probability",
+        note="sdxl: SimpleTuner also zeroes a dropped sample's size and crop ids (collate.py:518-519); here they are "
+        "kept (said at start)",
+    ),
+    _entry(
+        "use_ema",
+        "approximated",
+        "use_ema",
+        "the EMA copy is averaged in fp32 here; SimpleTuner keeps it in the training dtype (bf16 with "
+        "`mixed_precision: bf16`), where updates smaller than bf16's resolution are lost",
+        apply=lambda t, v, e: _use_ema(t, v, e),
+    ),
     _same("ema_decay"),
     _same("ema_update_interval"),
     _same("ema_validation"),
-    _same("ema_device"),
+    _same(
+        "ema_device",
+        note="`ema_cpu_only: true` wins over it, as in SimpleTuner",
+        apply=lambda t, v, e: _ema_device(t, v, e),
+    ),
     _same("ema_warmup_steps"),
     _entry(
         "ema_cpu_only",
         "same",
         "ema_device",
         "true -> `ema_device: cpu` (the EMA lives and updates on the CPU)",
-        apply=lambda t, v, e: t.put("ema_device", "cpu", e.key) if as_bool(v, e.key) else None,
+        apply=lambda t, v, e: _ema_cpu_only(t, v, e),
     ),
     # --- checkpoints, output ---
     _same("output_dir", note="taken from the working directory, made absolute", apply=_path_key),
-    _same("checkpoint_step_interval", "checkpointing_steps"),
-    _same("checkpointing_steps"),
-    _same("checkpoints_total_limit"),
-    _same("resume_from_checkpoint", apply=_resume),
+    _same("checkpoint_step_interval", "checkpointing_steps", "0: no step checkpoints", apply=_unset_at_zero),
+    _same("checkpointing_steps", note="0: no step checkpoints", apply=_unset_at_zero),
+    _same("checkpoints_total_limit", note="0: keep every checkpoint", apply=_unset_at_zero),
+    _same(
+        "resume_from_checkpoint",
+        note="`latest`, or a checkpoint folder's name looked up inside `output_dir` (SimpleTuner keeps only the "
+        "name, trainer.py:5022-5049)",
+        apply=_resume,
+    ),
     # --- validation ---
     _same("validation_prompt", apply=_validation_prompt),
     _same("validation_step_interval", "validation_steps"),
@@ -396,10 +579,21 @@ CORE: tuple[DialectKey, ...] = (
     _same("validation_guidance", "validation_guidance_scale"),
     _same("validation_num_inference_steps"),
     _same("num_validation_images"),
-    _same("validation_resolution"),
-    _same("validation_seed"),
+    _entry(
+        "validation_resolution",
+        "approximated",
+        "validation_resolution",
+        "validation only: sizes are used as written here; SimpleTuner reads values under 128 as megapixels and "
+        "rounds sizes to multiples of 16 (validation.py:4744), and its default is 256 (here: `resolution`)",
+    ),
+    _same("validation_seed", note="0 means: use `seed`, as in SimpleTuner", apply=_unset_at_zero),
     _same("validation_negative_prompt"),
-    _same("validation_guidance_rescale"),
+    _entry(
+        "validation_guidance_rescale",
+        "ignored",
+        note="validation only, and SimpleTuner passes it to its pipeline only with skip-layer guidance "
+        "(validation.py:4678-4686), which is not used here",
+    ),
     _same("validation_num_video_frames"),
     # --- data ---
     _same("data_backend_config", "datasets", "its entries are translated and inlined", apply=_data_backend_config),
@@ -422,324 +616,4 @@ CORE: tuple[DialectKey, ...] = (
     _entry("hub_model_id", "ignored", note="this trainer does not upload to the Hugging Face Hub"),
     _entry("push_to_hub", "unsupported", note="this trainer does not upload to the Hugging Face Hub", apply=_hub),
     _entry("push_checkpoints_to_hub", "unsupported", note="this trainer does not upload to the Hub", apply=_hub),
-)
-
-
-def _ds(key: str, kind: Kind = "same", ours: Optional[str] = None, note: str = "", **kw) -> DialectKey:
-    return DialectKey(key, "dataset", kind, ours or (key if kind == "same" else None), note, **kw)
-
-
-def _storage(t: Translation, value: Any, entry: DialectKey) -> None:
-    text = str(value).strip()
-    if text in ("local", "in_memory"):
-        t.put("type", text, entry.key)
-    elif text == "aws":  # the bucket, prefix, endpoint and credentials follow from the `aws_*` keys
-        t.put("type", "object_store", entry.key)
-    elif text == "huggingface":
-        t.problems.append(
-            f"{t.dataset_label}: `type: huggingface`: Hugging Face Hub datasets are not downloaded by the trainer: "
-            "download the dataset's Parquet files (`huggingface-cli download <repo> --repo-type dataset --local-dir "
-            "DIR`) and use `type: parquet` with `instance_data_dir` DIR's data folder and its `image_column` / "
-            "`caption_column` (documentation/DATA_SOURCES.md)"
-        )
-    else:
-        t.problems.append(f"{t.dataset_label}: `type: {text}` is not supported here: use `type: local`")
-
-
-#: The keys that together write an `aws` dataset's `instance_data_dir`, ``s3://<aws_bucket_name>/<aws_data_prefix>``.
-_S3_LOCATION_KEYS = ("aws_bucket_name", "aws_data_prefix")
-
-
-def _s3_location(t: Translation, value: Any, entry: DialectKey) -> None:
-    """``aws_bucket_name`` / ``aws_data_prefix``: each writes its part of ``s3://<bucket>/<prefix>`` (in any order)."""
-    if is_inert(value):  # null / "" (SimpleTuner's examples carry them on entries of other types)
-        t.ignore(f"{t.dataset_label}.{entry.key}", "unset")
-        return
-    slot = f"{t.dataset_label}.instance_data_dir"
-    source = t.sources.get(slot)
-    if source is not None and source not in _S3_LOCATION_KEYS:
-        raise Problem(
-            f"`{source}` and `{entry.key}` both say where the data is: for `type: aws` give the folder inside the "
-            "bucket as `aws_data_prefix` and remove `instance_data_dir`"
-        )
-    assert t.dataset is not None
-    current = t.dataset.get("instance_data_dir", "s3:///") if source is not None else "s3:///"
-    bucket, _, prefix = str(current)[len("s3://") :].partition("/")
-    text = str(value).strip().strip("/")
-    if entry.key == "aws_bucket_name":
-        bucket = text
-    else:
-        prefix = text
-    t.dataset["instance_data_dir"] = f"s3://{bucket}/{prefix}"
-    t.sources[slot] = entry.key
-
-
-def _s3_option(t: Translation, value: Any, entry: DialectKey) -> None:
-    """An ``aws_*`` connection key: its ``storage_options`` entry (null / empty: unset, botocore decides)."""
-    if is_inert(value):
-        t.ignore(f"{t.dataset_label}.{entry.key}", "unset: botocore's default (environment, ~/.aws)")
-        return
-    assert entry.ours is not None
-    t.put(entry.ours, str(value).strip(), entry.key)
-
-
-def _dataset_path(t: Translation, value: Any, entry: DialectKey) -> None:
-    assert entry.ours is not None
-    source = t.sources.get(f"{t.dataset_label}.{entry.ours}")
-    if source in _S3_LOCATION_KEYS:
-        raise Problem(
-            f"`{source}` and `{entry.key}` both say where the data is: for `type: aws` give the folder inside the "
-            "bucket as `aws_data_prefix` and remove `instance_data_dir`"
-        )
-    t.put(entry.ours, t.path(value, f"{t.dataset_label}.{entry.key}"), entry.key)
-
-
-def _caption_strategy(t: Translation, value: Any, entry: DialectKey) -> None:
-    choices = CAPTION_STRATEGIES
-    ours = spelled(t, value, entry, choices, "captions from text files, file names, the instance prompt or parquet")
-    if ours is not None:
-        t.put("caption_strategy", ours, entry.key)
-
-
-def _only_instance_prompt(t: Translation, value: Any, entry: DialectKey) -> None:
-    try:
-        on = as_bool(value, entry.key)
-    except Problem as exc:
-        t.problems.append(f"{t.dataset_label}: {exc}")
-        return
-    if on:
-        t.put("caption_strategy", "instance_prompt", entry.key)
-
-
-def _regularisation(t: Translation, value: Any, entry: DialectKey) -> None:
-    t.put("is_regularisation_data", plain(value), entry.key)
-
-
-def _video(t: Translation, value: Any, entry: DialectKey) -> None:
-    """SimpleTuner's ``video`` sub-table: ``num_frames`` maps; the rest is refused or ignored by name."""
-    if not isinstance(value, dict):
-        t.problems.append(f"{t.dataset_label}: `video` must be an object")
-        return
-    for key, item in value.items():
-        where = f"{t.dataset_label}.video.{key}"
-        if key == "num_frames":
-            t.put("num_frames", plain(item), f"video.{key}")
-        elif key == "min_frames":
-            t.approx(where, "clips shorter than `num_frames` are skipped; `min_frames` is not read separately")
-        elif key == "is_i2v" and not is_inert(item):
-            t.problems.append(f"{where}: image-to-video training is not supported yet: remove it")
-        elif key in ("is_i2v", "bucket_strategy") and (is_inert(item) or item == "aspect_ratio"):
-            t.ignore(where, "its default")
-        else:
-            t.problems.append(f"{where}: not supported here (clips train on `num_frames` frames from their start)")
-
-
-def _text_embeds_ref(t: Translation, value: Any, entry: DialectKey) -> None:
-    t.report.notes.append(
-        f"{t.dataset_label}: `text_embeds: {value}`: text embeddings share one folder here (entries are keyed by "
-        "caption and encoder, so sharing changes no embedding)"
-    )
-
-
-def _size(t: Translation, value: Any, entry: DialectKey) -> None:
-    """A size filter; SimpleTuner reads 0 (and null) as "not set"."""
-    if not is_inert(value):
-        t.put(entry.key, plain(value), entry.key)
-
-
-def _cache_dir_vae(t: Translation, value: Any, entry: DialectKey) -> None:
-    if is_inert(value):
-        return
-    t.put("cache_dir_vae", t.path(value, entry.key), entry.key)
-
-
-def _probability(t: Translation, value: Any, entry: DialectKey) -> None:
-    number = plain(value)
-    if number == 0:
-        t.approx(
-            f"{t.dataset_label}.probability",
-            "0 leaves the dataset out of training here; SimpleTuner's loader reads a probability of 0 as 1.0",
-        )
-    t.put("probability", number, entry.key)
-
-
-def _vae_clear(t: Translation, value: Any, entry: DialectKey) -> None:
-    if is_inert(value):
-        t.ignore(f"{t.dataset_label}.{entry.key}", "off")
-        return
-    t.approx(
-        f"{t.dataset_label}.{entry.key}",
-        "latents are not re-encoded each epoch: each image keeps one crop for the whole run (random crops are "
-        "drawn once per image from the seed)",
-    )
-
-
-def _conditioning_data(t: Translation, value: Any, entry: DialectKey) -> None:
-    """A training dataset's `conditioning_data`: the id of one `dataset_type: conditioning` entry (or a list of
-    one); that entry's folder of source images becomes `conditioning_data_dir` (paired by file name)."""
-    if is_inert(value):
-        return
-    ids = [value] if isinstance(value, str) else value
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise Problem(f"`{entry.key}` must be the `id` of a `dataset_type: conditioning` entry (or a list of one)")
-    if len(ids) > 1:
-        raise Problem(
-            f"`{entry.key}` names {len(ids)} conditioning datasets ({', '.join(ids)}): several source images per "
-            "sample (Qwen-Image-Edit Plus, multi-reference) are not supported; name one"
-        )
-    (name,) = ids
-    if name not in t.conditioning_sources:
-        known = ", ".join(repr(k) for k in t.conditioning_sources) or "none"
-        raise Problem(
-            f"`{entry.key}`: {name!r} is not the `id` of an enabled `dataset_type: conditioning` entry (those are: "
-            f"{known})"
-        )
-    folder = t.conditioning_sources[name]
-    if folder is not None:
-        t.put("conditioning_data_dir", folder, f"{entry.key} ({name})")
-
-
-def _conditioning_entry_key(t: Translation, value: Any, entry: DialectKey) -> None:
-    """`conditioning_type` / `source_dataset_id` are read on `dataset_type: conditioning` entries only."""
-    t.ignore(f"{t.dataset_label}.{entry.key}", "read on `dataset_type: conditioning` entries only, as in SimpleTuner")
-
-
-DATASET_CORE: tuple[DialectKey, ...] = (
-    _ds("id"),
-    _ds("type", apply=_storage),
-    _ds("instance_data_dir", note="taken from the working directory, made absolute", apply=_dataset_path),
-    _ds(
-        "aws_bucket_name",
-        "same",
-        "instance_data_dir",
-        "`type: aws` is `type: object_store` here, its `instance_data_dir` `s3://<aws_bucket_name>/<aws_data_prefix>`",
-        apply=_s3_location,
-    ),
-    _ds(
-        "aws_data_prefix",
-        "same",
-        "instance_data_dir",
-        "the folder inside the bucket: `instance_data_dir` `s3://<aws_bucket_name>/<aws_data_prefix>`",
-        apply=_s3_location,
-    ),
-    _ds(
-        "aws_endpoint_url", "same", "storage_options.endpoint_url", "null: AWS (or AWS_ENDPOINT_URL)", apply=_s3_option
-    ),
-    _ds(
-        "aws_region_name",
-        "same",
-        "storage_options.client_kwargs.region_name",
-        "null: botocore's region (AWS_REGION / AWS_DEFAULT_REGION, ~/.aws)",
-        apply=_s3_option,
-    ),
-    _ds(
-        "aws_access_key_id",
-        "same",
-        "storage_options.key",
-        "null: from the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws), which is the better place for it",
-        apply=_s3_option,
-    ),
-    _ds(
-        "aws_secret_access_key",
-        "same",
-        "storage_options.secret",
-        "null: from the environment (AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws), which is the better place for it",
-        apply=_s3_option,
-    ),
-    _ds("aws_session_token", "same", "storage_options.token", "null: AWS_SESSION_TOKEN", apply=_s3_option),
-    _ds("dataset_type", note="`image` or `video`; `text_embeds` entries set the text cache folder"),
-    _ds("disabled"),
-    _ds("disable", "same", "disabled"),
-    _ds(
-        "huggingface",
-        "unsupported",
-        note="Hugging Face Hub datasets are not downloaded by the trainer: download the dataset's Parquet files and "
-        "use `type: parquet`",
-    ),
-    _ds("crop"),
-    _ds("crop_style"),
-    _ds("crop_aspect"),
-    _ds("crop_aspect_buckets"),
-    _ds("resolution"),
-    _ds("resolution_type"),
-    _ds("minimum_image_size", note="0 means unset, as in SimpleTuner", apply=_size),
-    _ds("maximum_image_size", note="0 means unset, as in SimpleTuner", apply=_size),
-    _ds("target_downsample_size", note="0 means unset, as in SimpleTuner", apply=_size),
-    _ds("minimum_aspect_ratio"),
-    _ds("maximum_aspect_ratio"),
-    _ds("caption_strategy", note="`instanceprompt` -> `instance_prompt`", apply=_caption_strategy),
-    _ds("instance_prompt"),
-    _ds("prepend_instance_prompt"),
-    _ds(
-        "only_instance_prompt",
-        "same",
-        "caption_strategy",
-        "true -> `caption_strategy: instance_prompt`",
-        apply=_only_instance_prompt,
-    ),
-    _ds("parquet"),
-    _ds("repeats"),
-    _ds("probability", apply=_probability),
-    _ds("is_regularisation_data", apply=_regularisation),
-    _ds("is_regularization_data", "same", "is_regularisation_data", apply=_regularisation),
-    _ds("cache_dir_vae", note="`{model_family}` is SimpleTuner's family name; made absolute", apply=_cache_dir_vae),
-    _ds("cache_dir", "same", "cache_config.text_cache_dir", "of a `dataset_type: text_embeds` entry"),
-    _ds("default", "ignored", note="of a `text_embeds` entry: there is one text cache folder"),
-    _ds(
-        "text_embeds",
-        "approximated",
-        "cache_config.text_cache_dir",
-        note="every dataset's text embeddings share one folder",
-        apply=_text_embeds_ref,
-    ),
-    _ds("video", "same", "num_frames", "`video.num_frames` -> `num_frames`", apply=_video),
-    _ds("vae_cache_clear_each_epoch", "approximated", note="each image keeps one crop for the run", apply=_vae_clear),
-    _ds(
-        "conditioning_data",
-        "same",
-        "conditioning_data_dir",
-        "Qwen-Image-Edit pairs: the `id` of one `dataset_type: conditioning` entry (or a list of one); its "
-        "`instance_data_dir` becomes `conditioning_data_dir` and the entry is not a dataset of its own; several "
-        "are not supported (Edit Plus)",
-        apply=_conditioning_data,
-    ),
-    _ds(
-        "conditioning_type",
-        "same",
-        "conditioning_data_dir",
-        "of a `dataset_type: conditioning` entry: `reference_strict` (the source takes the edited image's crop) as "
-        "there; `reference_loose` approximated (the source is resized to the edited image and takes its crop; "
-        "aspect ratios more than 2% apart stop the run); `controlnet`, `mask` and others are not supported",
-        apply=_conditioning_entry_key,
-    ),
-    _ds(
-        "source_dataset_id",
-        "same",
-        "conditioning_data_dir",
-        "of a `dataset_type: conditioning` entry: the training dataset whose `conditioning_data` names it",
-        apply=_conditioning_entry_key,
-    ),
-)
-
-
-TOP_DATASET_KEYS: tuple[DialectKey, ...] = tuple(
-    _entry(
-        key,
-        "same",
-        "datasets[].caption_strategy" if key == "only_instance_prompt" else f"datasets[].{key}",
-        "each dataset's default, as in SimpleTuner",
-    )
-    for key in DATASET_DEFAULTS_FROM_TOP
-) + (
-    _entry(
-        "aspect_bucket_rounding",
-        "approximated",
-        None,
-        "aspect ratios are rounded to 2 decimals here (SimpleTuner's default); another value is approximated by 2",
-        apply=lambda t, v, e: (
-            t.ignore(e.key, "2, as here")
-            if plain(v) == 2
-            else t.approx(e.key, f"{v!r}: aspect ratios are rounded to 2 decimals here")
-        ),
-    ),
 )

@@ -1,6 +1,7 @@
 """The machinery of reading SimpleTuner's dialect: the table's entry type, SimpleTuner's value spellings
 (``"true"``, ``"1e-4"``), the translation being written (with where each value came from) and its report.
-What the keys mean is in ``dialect_keys.py``, SimpleTuner's facts in ``dialect_values.py``, the whole
+What the keys mean is in ``dialect_keys.py`` / ``dialect_dataset_keys.py`` (and ``dialect_semantics.py`` for
+meanings that span keys), SimpleTuner's facts in ``dialect_values.py``, the whole
 translation in ``dialect.py``.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional
@@ -92,6 +94,31 @@ def plain(value: Any) -> Any:
         return value
 
 
+_PLACEHOLDER = re.compile(r"\{([^{}]+)\}")
+
+
+def fill_placeholders(value: Any, variables: Mapping[str, Any]) -> Any:
+    """SimpleTuner's placeholders in strings, nested lists and objects (its configuration/template_vars.py):
+    ``{env:NAME}`` is the environment variable (empty when unset), ``{name}`` a value of ``variables``; any
+    other ``{...}`` stays as written."""
+    if isinstance(value, str):
+
+        def one(match: re.Match) -> str:
+            token = match.group(1)
+            if token.startswith("env:"):
+                return os.environ.get(token[4:], "")
+            if token in variables:
+                return "" if variables[token] is None else str(variables[token])
+            return match.group(0)
+
+        return _PLACEHOLDER.sub(one, value)
+    if isinstance(value, list):
+        return [fill_placeholders(v, variables) for v in value]
+    if isinstance(value, dict):
+        return {k: fill_placeholders(v, variables) for k, v in value.items()}
+    return value
+
+
 class Problem(Exception):
     """A value the translation cannot read; becomes one line of the DialectError."""
 
@@ -123,6 +150,7 @@ class Report:
 
     mapped: list[str] = field(default_factory=list)  # "key -> ours" lines
     approximated: list[str] = field(default_factory=list)  # warnings: what differs
+    overridden: list[str] = field(default_factory=list)  # warnings: a config value SimpleTuner's code replaces
     ignored: list[str] = field(default_factory=list)  # "key (why)"
     defaults: list[str] = field(default_factory=list)  # SimpleTuner defaults written in
     notes: list[str] = field(default_factory=list)  # how paths and files were found
@@ -156,6 +184,7 @@ class Translation:
     bare: dict[str, Any] = field(default_factory=dict)  # the config's keys without `--`
     dataset: Optional[dict[str, Any]] = None  # the dataset entry being written, for "dataset" keys
     dataset_label: str = ""
+    dataset_entry: Optional[dict[str, Any]] = None  # the dataset entry being read, as written (for keys read together)
     # `dataset_type: conditioning` entries by id -> their folder of source images (absolute; None: unreadable,
     # its problems are listed); a training dataset's `conditioning_data` names one
     conditioning_sources: dict[str, Optional[str]] = field(default_factory=dict)

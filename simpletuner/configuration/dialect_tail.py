@@ -91,7 +91,6 @@ _MIXFLOW = "MixFlow post-training is not implemented: remove the mixflow_* keys"
 _TIMESTEPS = "timesteps are drawn by `timestep_sampling` (uniform, logit_normal or mode) here: use it instead"
 _NOISE_SCHEDULE = "the model's own noise schedule is used unchanged: remove it"
 _LOSS = "the loss here is mean squared error weighted by `loss_weighting` (none, min_snr, ...): remove it"
-_LR_SHAPE = "schedules follow diffusers' `get_scheduler` defaults here: remove it"
 _LR_SCALE = "the learning rate is used as given: multiply `learning_rate` yourself"
 _TEXT_ENCODER = "text encoders stay frozen (their outputs are cached): remove it"
 _PROMPT_ENCODING = "prompts are encoded with the model family's standard settings: remove it"
@@ -195,7 +194,11 @@ _TOP_IGNORED = (
     ),
     *_ignored("delete_model_after_load", "models are read from a local folder; nothing is deleted"),
     *_ignored("delete_unwanted_images delete_problematic_images ignore_missing_files", _KEEP_FILES),
-    *_ignored("i_know_what_i_am_doing", "there are no safety overrides to unlock here"),
+    *_ignored(
+        "i_know_what_i_am_doing",
+        "read only where SimpleTuner lets it lift a forced setting that trains here: SD3's T5 length cap "
+        "(`tokenizer_max_length`) and Qwen-Image's 32 px bucket alignment",
+    ),
     *_ignored("trust_remote_code", "supported families load from diffusers folders without custom code"),
     *_ignored("save_text_encoder", "text encoders stay frozen and are not saved"),
     *_ignored(
@@ -213,8 +216,9 @@ _TOP_IGNORED = (
     ),
     *_ignored(
         "framerate",
-        "clips train on `num_frames` frames taken `frame_stride` apart; validation videos use the family's rate "
-        "(Wan: 16 fps, SimpleTuner's too when unset)",
+        "clips train on `num_frames` frames taken `frame_stride` apart; validation videos are written at the "
+        "family's rate (Wan: 16 fps; SimpleTuner writes Wan's at its `framerate`, which it sets to 15 when unset, "
+        "wan/model.py:1555-1556, validation.py:2539)",
     ),
     *_ignored(
         "validation_adapter_config validation_adapter_mode validation_adapter_name validation_adapter_path "
@@ -301,9 +305,12 @@ _TOP_UNSUPPORTED = (
         _TIMESTEPS,
     ),
     *_unsupported("flow_schedule_auto_shift", "the flow shift is fixed here: set `flow_schedule_shift` instead"),
-    *_unsupported("rescale_betas_zero_snr input_perturbation input_perturbation_steps", _NOISE_SCHEDULE),
+    *_unsupported("input_perturbation input_perturbation_steps", _NOISE_SCHEDULE),
     *_unsupported("masked_loss_probability use_soft_min_snr soft_min_snr_sigma_data snr_weight", _LOSS),
-    *_unsupported("lr_end lr_num_cycles lr_power", _LR_SHAPE),
+    *_ignored(
+        "lr_num_cycles",
+        "SimpleTuner passes it only to diffusers schedules that do not read it (its cosine schedules are its own)",
+    ),
     *_unsupported("lr_scale lr_scale_sqrt", _LR_SCALE),
     *_unsupported("prodigy_steps", "Prodigy runs with its own defaults here: remove it"),
     *_unsupported(
@@ -317,8 +324,7 @@ _TOP_UNSUPPORTED = (
     ),
     *_unsupported("layer_freeze_strategy", "full training trains every denoiser weight here: remove it"),
     *_unsupported(
-        "t5_padding tokenizer_max_length custom_text_encoder_intermediary_layers sd3_clip_uncond_behaviour "
-        "sd3_t5_uncond_behaviour",
+        "t5_padding custom_text_encoder_intermediary_layers sd3_clip_uncond_behaviour sd3_t5_uncond_behaviour",
         _PROMPT_ENCODING,
     ),
     *_unsupported("peft_lora_target_modules flux_lora_target slider_lora_target", _LORA_TARGETS),
@@ -359,10 +365,6 @@ _TOP_UNSUPPORTED = (
     *_unsupported("only_instance_prompt", "set `caption_strategy: instance_prompt` on each dataset entry instead"),
     *_unsupported("max_upscale_threshold", _UPSCALE),
     *_unsupported("parquet_caption_column parquet_filename_column", "set the columns in the dataset's `parquet` block"),
-    *_unsupported(
-        "flux_guidance_mode flux_guidance_value flux_guidance_min flux_guidance_max",
-        "Flux trains with embedded guidance 1.0 here (SimpleTuner's `constant` mode at 1.0): remove it",
-    ),
     *_unsupported("flux_attention_masked_training flux_fast_schedule", "Flux trains without it here: remove it"),
     *_unsupported("hidream_load_balancing_loss_weight hidream_use_load_balancing_loss", _family("HiDream")),
     *_unsupported(
@@ -410,11 +412,6 @@ _DATASET_IGNORED = (
     *_ignored("delete_unwanted_images delete_problematic_images", _KEEP_FILES, "dataset"),
     *_ignored("hash_filenames", "cache file names are chosen here (SimpleTuner ignores this key too)", "dataset"),
     *_ignored("ignore_epochs", "deprecated in SimpleTuner, where it does nothing", "dataset"),
-    *_ignored(
-        "disable_multiline_split",
-        "a caption file is one caption here, line breaks kept (as with this set to true)",
-        "dataset",
-    ),
     *_ignored(
         "metadata_backend",
         "files are found by scanning `instance_data_dir`; a `parquet` block supplies captions and sizes",
@@ -484,9 +481,6 @@ TAIL_DEFAULTS: dict[str, Any] = {
     "flow_beta_schedule_alpha": 2.0,
     "flow_beta_schedule_beta": 2.0,
     "flow_timesteps_mode": "fixed-list",
-    "flux_guidance_max": 4.0,
-    "flux_guidance_mode": "constant",
-    "flux_guidance_value": 1.0,
     "freeze_encoder_after": 17,
     "freeze_encoder_before": 12,
     "freeze_encoder_strategy": "after",
@@ -497,7 +491,6 @@ TAIL_DEFAULTS: dict[str, Any] = {
     "irepa_projector_kernel_size": 3,
     "irepa_spatial_norm_alpha": 0.6,
     "layersync_lambda": 0.2,
-    "lr_num_cycles": 1,
     "ltx_i2v_prob": 0.1,
     "ltx_partial_noise_fraction": 0.05,
     "ltx_train_mode": "i2v",

@@ -150,14 +150,29 @@ OPTIMIZERS: dict[str, Optional[str]] = {
 }
 
 
+#: SimpleTuner's schedule names -> ours, with its meaning (helpers/training/custom_schedule.py get_lr_scheduler and
+#: helpers/configuration/cli_utils.py normalize_lr_scheduler_value): its `cosine` (and the alias
+#: `cosine_with_warmup`) is its own class, `simpletuner_cosine` here; `constant` with a warm-up becomes
+#: `constant_with_warmup` (see dialect_semantics.lr_schedule). `cosine_with_restarts` never leaves the peak there.
 LR_SCHEDULERS: dict[str, Optional[str]] = {
     "constant": "constant",
     "constant_with_warmup": "constant_with_warmup",
     "linear": "linear",
-    "cosine": "cosine",
-    "cosine_with_restarts": "cosine_with_restarts",
+    "cosine": "simpletuner_cosine",
+    "cosine_with_warmup": "simpletuner_cosine",
     "polynomial": "polynomial",
+    "cosine_with_restarts": None,
     "sine": None,
+}
+
+
+#: SimpleTuner's `crop_style` values -> ours (helpers/image_manipulation/cropping.py:280-286).
+CROP_STYLES: dict[str, Optional[str]] = {
+    "random": "random",
+    "center": "center",
+    "centre": "center",
+    "corner": "corner",
+    "face": None,
 }
 
 
@@ -167,6 +182,7 @@ PRECISIONS: dict[str, Optional[str]] = {
     "fp8-quanto": "qfloat8",
     "int8-torchao": "int8_torchao",
     "fp8-torchao": "fp8_torchao",
+    "fp8wo-torchao": "fp8_torchao",
     **dict.fromkeys(
         (
             "int4-quanto",
@@ -177,11 +193,20 @@ PRECISIONS: dict[str, Optional[str]] = {
             "int4-torchao",
             "fp8uz-quanto",
             "fp8-native",
-            "fp8wo-torchao",
             "fp8-int4-torchao",
             "fp8-transformerengine",
         )
     ),
+}
+
+
+#: SimpleTuner's quantisation kinds that map onto a different kernel here: what differs (its
+#: helpers/training/quantisation/__init__.py:697-725; ours are weight-only torchao configs).
+APPROXIMATED_PRECISIONS = {
+    "fp8-torchao": "SimpleTuner quantises the activations to fp8 too (Float8DynamicActivationFloat8WeightConfig); "
+    "here the frozen weights only (its `fp8wo-torchao`)",
+    "int8-torchao": "SimpleTuner uses torchao's int8 quantized-training weights (int8_weight_only_quantized_training); "
+    "here torchao's int8 weight-only config",
 }
 
 
@@ -265,6 +290,7 @@ VALUE_TABLES: dict[str, Mapping[str, Optional[str]]] = {
     "lr_scheduler": LR_SCHEDULERS,
     "mixed_precision": MIXED,
     "caption_strategy": CAPTION_STRATEGIES,
+    "crop_style": CROP_STYLES,
 }
 
 
@@ -333,4 +359,82 @@ UNSUPPORTED_CONDITIONING_TYPES = {
     "controlnet": "ControlNet training is not supported",
     "mask": "masked-loss training (a mask dataset) is not supported",
     "segmentation": "masked-loss training (a segmentation dataset) is not supported",
+}
+
+
+#: Each SimpleTuner optimizer's own defaults (its `default_settings`, helpers/training/optimizer_param.py at
+#: SIMPLETUNER_COMMIT), as our keys: SimpleTuner builds the optimizer from these, updated by `optimizer_config`
+#: and `optimizer_beta1` + `optimizer_beta2` (optimizer_param.py:885-918); `adam_*` keys are not read.
+#: (value, where SimpleTuner sets it). Only the settings whose default differs from ours are written.
+SIMPLETUNER_OPTIMIZER_DEFAULTS: dict[str, dict[str, tuple[Any, str]]] = {
+    "adamw_bf16": {
+        "adam_beta1": (0.9, "optimizer_param.py:194"),
+        "adam_beta2": (0.999, "optimizer_param.py:194"),
+        "weight_decay": (1e-2, "optimizer_param.py:195"),
+        "adam_epsilon": (1e-6, "optimizer_param.py:196"),
+    },
+    "optimi-adamw": {
+        "adam_beta1": (0.9, "optimizer_param.py:318"),
+        "adam_beta2": (0.99, "optimizer_param.py:318"),
+        "adam_epsilon": (1e-6, "optimizer_param.py:319"),
+        "weight_decay": (0.0, "optimizer_param.py:320"),
+    },
+    "optimi-adam": {
+        "adam_beta1": (0.9, "optimizer_param.py:385"),
+        "adam_beta2": (0.99, "optimizer_param.py:385"),
+        "adam_epsilon": (1e-6, "optimizer_param.py:386"),
+        "weight_decay": (0.0, "optimizer_param.py:387"),
+    },
+    "optimi-sgd": {
+        "optimizer_config.momentum": (0.0, "optimizer_param.py:398"),
+        "weight_decay": (0.0, "optimizer_param.py:399"),
+    },
+    "prodigy": {
+        "adam_beta1": (0.9, "optimizer_param.py:735"),
+        "adam_beta2": (0.99, "optimizer_param.py:735"),
+        "weight_decay": (0.0, "optimizer_param.py:737"),
+        "adam_epsilon": (1e-8, "optimizer_param.py:744"),
+    },
+}
+
+
+#: Settings SimpleTuner's model classes force for a family whatever the config says (their `check_user_config`,
+#: helpers/models/<family>/model.py at SIMPLETUNER_COMMIT): SimpleTuner key -> (our key, value, where).
+FAMILY_FORCED: dict[str, dict[str, tuple[str, Any, str]]] = {
+    "sd1x": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "sd1x/model.py:317-321")},
+    "legacy": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "sd1x/model.py:317-321")},
+    "sd2x": {
+        "aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "sd1x/model.py:389-393"),
+        "rescale_betas_zero_snr": ("rescale_betas_zero_snr", True, "sd1x/model.py:395-400"),
+    },
+    "sdxl": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "sdxl/model.py:648-652")},
+    "sd3": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "sd3/model.py:869-871")},
+    "flux": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "flux/model.py:1125-1129")},
+    "wan": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 32, "wan/model.py:1529-1535")},
+    "qwen_image": {"aspect_bucket_alignment": ("aspect_bucket_alignment", 32, "qwen_image/model.py:1841-1850")},
+}
+
+
+_WAN_A14B_I2V = {
+    "flow_schedule_shift": ("flow_shift", 5.0, "wan/model.py:369-386, 988"),
+    "validation_num_inference_steps": ("validation_num_inference_steps", 40, "wan/model.py:369-386, 989"),
+    "validation_guidance": ("validation_guidance_scale", 3.5, "wan/model.py:369-386, 990"),
+}
+
+
+#: Settings SimpleTuner forces for a flavour whatever the config says: (family, flavour) -> as FAMILY_FORCED.
+FLAVOUR_FORCED: dict[tuple[str, str], dict[str, tuple[str, Any, str]]] = {
+    ("wan", "i2v-14b-2.2-high"): _WAN_A14B_I2V,
+    ("wan", "i2v-14b-2.2-low"): _WAN_A14B_I2V,
+    ("wan", "ti2v-5b-2.2"): {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "wan/model.py:1529-1535")},
+    ("flux", "fluxbooru"): {"flux_guidance_value": ("flux_guidance_value", 3.5, "flux/model.py:1197-1199")},
+}
+
+
+#: Flavours whose forced settings include one not trained here, and why.
+FLAVOUR_FORCED_UNSUPPORTED = {
+    ("flux", "schnell"): "SimpleTuner trains Schnell with a 256-token T5 and its `flux_fast_schedule` "
+    "(flux/model.py:1137-1149), neither of which is supported here",
+    ("flux", "libreflux"): "SimpleTuner trains LibreFlux with attention-masked T5 tokens (flux/model.py:1183-1184), "
+    "which is not supported here",
 }

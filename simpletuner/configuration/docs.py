@@ -270,7 +270,10 @@ same run.
 How the translation keeps the meaning:
 
 - **Every key of SimpleTuner's dialect is in one table** (below; `DIALECT` in
-  `simpletuner/configuration/dialect.py`, built from `dialect_keys.py` and `dialect_tail.py`). `same`: mapped onto our key with the same meaning. `approximated`: mapped,
+  `simpletuner/configuration/dialect.py`, built from `dialect_keys.py`, `dialect_dataset_keys.py` and `dialect_tail.py`). `same`: mapped
+  onto our key with the same meaning, and a test holds the translation to figures computed from SimpleTuner's
+  own code at the commit the table was written from (`tests/test_dialect_same_rows*.py`,
+  `tests/test_dialect_meaning.py`; a row no test backs is `approximated`). `approximated`: mapped,
   and a warning at start says exactly what differs. `ignored`: no effect on what is trained here
   (hub uploads turned off, web-UI and logging settings, attention backends); listed once at start.
   `unsupported`: the run stops before any model loads, naming the key, why, and what to do. An
@@ -304,6 +307,29 @@ How the translation keeps the meaning:
   `maximum_image_size`, `target_downsample_size` and `caption_strategy` are each dataset's default, as in
   SimpleTuner; a dataset that leaves out `crop`, `crop_aspect` or `crop_style` gets SimpleTuner's
   defaults for them.
+- **Learning-rate schedules** are SimpleTuner's. Its `cosine` (and `cosine_with_warmup`) is its own class,
+  written `simpletuner_cosine` here: no warm-up ramp, from `learning_rate` down to `lr_end` (4e-7 unless set)
+  and back up, a half-period of `lr_warmup_steps` optimizer steps (1000 / processes when that is 0).
+  `constant` with `lr_warmup_steps` > 0 becomes `constant_with_warmup`, as its argument parsing does.
+  `polynomial` decays to `lr_end` 4e-7 with `lr_power` 0.8 unless set. `cosine_with_restarts` stops the run:
+  SimpleTuner's never leaves the peak learning rate (use `constant` for that, or `cosine`). `lr_end` /
+  `lr_power` on a schedule that does not read them are listed as ignored.
+- **Optimizers** are built as SimpleTuner builds them: each one's own defaults (`adamw_bf16` eps 1e-6;
+  `prodigy` betas (0.9, 0.99), weight decay 0; optimi's AdamW / Adam betas (0.9, 0.99), eps 1e-6, weight
+  decay 0; optimi's SGD without momentum) where `optimizer_config` does not set them, and
+  `optimizer_beta1` + `optimizer_beta2` (both or neither) over those. `adam_beta1`, `adam_beta2`,
+  `adam_epsilon` and `adam_weight_decay` are ignored: SimpleTuner reads them only for DeepSpeed's optimizer.
+- **Settings SimpleTuner's model code forces**, whatever the config says, are forced here too, and a
+  warning names each value of the config they replace (`SimpleTuner setting forced: ...`): the bucket
+  alignment per family (64 px; 32 for Wan and Qwen-Image, 64 for Wan 2.2 TI2V-5B), zero-terminal-SNR betas
+  for every `sd2x` model (`rescale_betas_zero_snr`), SD3's T5 length 154 (`t5_max_length`; a larger
+  `tokenizer_max_length` is capped unless `i_know_what_i_am_doing`), Wan 2.2 I2V A14B's flow shift 5.0 with
+  40 validation steps at guidance 3.5 (`i2v-14b-2.2-high` / `-low`), FluxBooru's guidance 3.5.
+  `libreflux` stops: SimpleTuner trains it with attention-masked T5 tokens, which this trainer does not.
+- **Validation and seed.** A config with a `validation_prompt` validates every 100 steps unless
+  `validation_step_interval` says otherwise, as there. SimpleTuner seeds nothing unless `seed` is set;
+  here an unset seed is 42 (said at start): random crops are drawn once per image from the seed and the
+  latent cache is built on them, and a fixed seed is what lets a run resume exactly.
 - **Flow-matching families** (sd3, flux, wan): SimpleTuner draws noise levels as
   `sigmoid(N(0, 1) * flow_sigmoid_scale)`; the translation writes that as `timestep_sampling:
   logit_normal` with `logit_std: flow_sigmoid_scale` unless `flow_use_uniform_schedule` is on.
@@ -317,13 +343,25 @@ How the translation keeps the meaning:
   above the maximum, as SimpleTuner's documentation says (its code resizes nearly every image);
   `minimum_aspect_ratio` / `maximum_aspect_ratio` compare the image's own aspect (SimpleTuner
   compares the bucket's, 1.0 under square crops). Random crops and `crop_aspect: random` are drawn
-  once per image from the seed, so each image keeps one crop for the run.
+  once per image from the seed, so each image keeps one crop for the run. Before a crop the image is
+  resized to cover its bucket with the resized side rounded; SimpleTuner truncates it (a 200x120 image
+  cropped to 64 px is resized to 107x64 here, 106x64 there).
 - **Sampling between datasets.** `probability` weights each dataset by probability x its batches
   (SimpleTuner's default `auto-weighting`) for the whole epoch; an epoch keeps its length (every
   dataset's batches added up). In SimpleTuner a dataset that runs out leaves the draw until all have.
   `probability: 0` leaves a dataset out (one of SimpleTuner's readers turns 0 into 1.0).
 - **Captions.** Caption dropout is decided by a hash of the seed, the step and the sample, so a resumed
   run drops the same captions; SDXL's size conditioning is not zeroed for dropped captions.
+  `caption_strategy: filename` is SimpleTuner's text (the file stem, `_` as a space, nothing removed).
+  A caption file of several lines is several captions, one drawn per step (empty lines dropped), unless
+  the dataset sets `disable_multiline_split: true`; SimpleTuner draws with Python's unseeded `random`,
+  here the draw is a hash of the seed, the step and the sample, so a resumed run draws the same lines.
+- **SDXL size and crop conditioning** follows diffusers' SDXL script: the image's size before resizing
+  and its crop offset (said at start). SimpleTuner passes the resized size before the crop as the
+  original size.
+- **Unreadable images** are skipped and listed at the end of the scan and of the cache fill, as
+  SimpleTuner skips them; the translation writes `max_bad_image_fraction: 1.0`, so a dataset stops the
+  run only when none of it can be read.
 - **Regularisation data** (`is_regularisation_data`) trains a LoRA or LyCORIS adapter towards the
   frozen base model's own prediction, as SimpleTuner's trainer does (its documentation says standard
   LoRA is not supported; here both are). A full fine-tune uses the plain target, as there.
@@ -334,7 +372,8 @@ How the translation keeps the meaning:
   file name. A conditioning entry's own `resolution`, `crop*`, `cache_dir_vae` and caption keys are
   ignored: each source follows its edited image. Validation edits `validation_image` (one source per
   prompt), else the first training pair's source.
-- **Optimizers.** Adapters and full fine-tunes train fp32 weights here, so `adamw_bf16` is exact AdamW.
+- **Optimizers.** Adapters and full fine-tunes train fp32 weights here, so `adamw_bf16` is exact AdamW
+  (with its eps 1e-6).
   `prodigy` is prodigyopt's Prodigy (SimpleTuner's is prodigy-plus-schedule-free), run at learning
   rate 1.0 as SimpleTuner passes it; `optimizer_config` settings of prodigy-plus only are refused.
 - **EMA.** A `cpu` EMA always updates on the CPU (SimpleTuner's `ema_cpu_only`); the decay rule,

@@ -371,6 +371,8 @@ def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, An
             logger.debug("SimpleTuner key mapped: %s", line)
         for line in report.approximated:
             logger.warning("SimpleTuner key approximated: %s", line)
+        for line in report.overridden:
+            logger.warning("SimpleTuner setting forced: %s", line)
     return native
 
 

@@ -416,3 +416,61 @@ def test_top_level_multiline_switch_is_skipped_as_simpletuners_reader_skips_it(t
     assert any(
         line.startswith("`disable_multiline_split` (SimpleTuner's config reader skips") for line in report.ignored
     )
+
+
+# --- convert -> load, for every value SimpleTuner spells -----------------------------------------------------------
+def _value_rows():
+    from simpletuner.configuration.dialect_values import VALUE_TABLES
+
+    return [(key, value, ours) for key, table in VALUE_TABLES.items() for value, ours in table.items()]
+
+
+#: What a value needs beside it to be a config SimpleTuner would run (its other rules), by (key, value).
+_NEEDS = {
+    ("caption_strategy", "parquet"): {"parquet": {"path": "captions.jsonl"}},
+    ("caption_strategy", "instanceprompt"): {"instance_prompt": "sks"},
+    ("caption_strategy", "instance_prompt"): {"instance_prompt": "sks"},
+}
+
+
+@pytest.mark.parametrize("key, value, ours", _value_rows(), ids=lambda v: str(v))
+def test_convert_writes_a_loadable_config_or_stops_naming_the_value(tmp_path, monkeypatch, capsys, key, value, ours):
+    from simpletuner.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data").mkdir()
+    top = {"--model_type": "lora", "--pretrained_model_name_or_path": "model", "--learning_rate": 1e-4}
+    entry = {"id": "a", "type": "local", "instance_data_dir": "data"}
+    if key == "model_family":
+        top["--model_family"] = value
+    else:
+        top["--model_family"] = "sd1x"
+    if key in ("caption_strategy", "crop_style"):
+        entry.update({key: value, **_NEEDS.get((key, value), {})})
+    elif key != "model_family":
+        top[f"--{key}"] = value
+    if key == "optimizer" and value == "prodigy":
+        top["--learning_rate"] = 1.0
+    (tmp_path / "mdb.json").write_text(json.dumps([entry]))
+    (tmp_path / "c.json").write_text(json.dumps({**top, "--data_backend_config": "mdb.json"}))
+    code = main(["convert", "c.json", "--out", "n.json"])
+    err = capsys.readouterr().err
+    if ours is None:
+        assert code == 2 and not (tmp_path / "n.json").exists()
+        assert f"`{key}`" in err or f"{key}:" in err, err
+        return
+    assert code == 0, err
+    validate_config(json.loads((tmp_path / "n.json").read_text()), check_files=False)
+
+
+def test_native_examples_are_not_converted_and_load(capsys):
+    from simpletuner.cli import main
+    from simpletuner.configuration import load_config
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "config" / "examples").glob("*.json"))
+    assert examples
+    for path in examples:
+        assert main(["convert", str(path)]) == 2
+        assert "already a native config" in capsys.readouterr().err
+        load_config(path, check_files=False)

@@ -21,7 +21,6 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME
-from simpletuner.caching.size_crop import keeps_size_crop
 from simpletuner.caching.text_cache import caption_text_key
 from simpletuner.caching.vae_cache import sample_latent_key
 from simpletuner.data_backend.augment import augmentation_key, static_augmentation_key
@@ -85,7 +84,7 @@ def static_version(config) -> int | None:
 def static_latent_key(config, image_identity: str, dataset, sample, size_crop: bool = False) -> str:
     """The key of ``sample``'s latent in the shared ``vae`` cache (augmented with :func:`static_version`);
     ``size_crop``: the entry holds the image's size and crop too
-    (:func:`~simpletuner.caching.size_crop.keeps_size_crop`)."""
+    (``ModelSpec.conditions_on_size_crop``)."""
     augment = static_augmentation_key(config)
     return sample_latent_key(dataset, sample, image_identity, config.resolution, augment=augment, size_crop=size_crop)
 
@@ -150,7 +149,7 @@ def cache_keys(
             sources.setdefault(sample.key, (ds, sample))  # repeats share one cache entry
     latent_keys: dict[str, str] = {}
     if latents:
-        image_identity, size_crop = spec.image_encoder_identity(), keeps_size_crop(spec)
+        image_identity, size_crop = spec.image_encoder_identity(), spec.conditions_on_size_crop
         latent_keys = {
             key: static_latent_key(config, image_identity, ds, s, size_crop) for key, (ds, s) in sources.items()
         }
@@ -173,7 +172,7 @@ def _text_ids(datasets: Iterable[Any], has_dropped: bool) -> set:
     for ds in datasets:
         for sample in ds.samples:
             ids.add(text_id(sample))
-            for line in getattr(sample, "caption_lines", ())[1:]:  # a caption file's other lines: one draw each
+            for line in sample.caption_lines[1:]:  # a caption file's other lines: one draw each
                 ids.add(text_id(sample, line))
             paired_only = paired_only and isinstance(text_id(sample), PairedCaption)
             if has_dropped:

@@ -26,7 +26,7 @@ from PIL import Image
 from simpletuner.caching.keys import epoch_latent_key
 from simpletuner.caching.layout import cache_base, epoch_folder
 from simpletuner.caching.opening import open_tensor_cache
-from simpletuner.caching.size_crop import SIZE_CROP, SizeCrop, keeps_size_crop, size_crop_of, size_crop_tensor
+from simpletuner.caching.size_crop import SIZE_CROP, SizeCrop, size_crop_of, size_crop_tensor
 from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.caching.threads import run_ahead
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
@@ -112,7 +112,7 @@ class PixelLoader:
 def latent_extras(spec, loaded: Loaded) -> dict[str, torch.Tensor]:
     """What a latent entry of ``spec`` holds beside ``latents``, stacked for the decoded payloads of ``loaded``:
     :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, else nothing."""
-    if not keeps_size_crop(spec) or loaded.pixels is None:
+    if not spec.conditions_on_size_crop or loaded.pixels is None:
         return {}
     return {SIZE_CROP: size_crop_tensor(loaded.size_crops)}
 
@@ -297,7 +297,7 @@ class Reencoder:
                 state.register_cache_dir(folder)
             return open_tensor_cache(folder, cache_cfg.vae_cache_type, "vae-epoch", cache_cfg.persistent_cache)
 
-        size_crop = keeps_size_crop(spec)
+        size_crop = spec.conditions_on_size_crop
 
         def key_for(sample: Sample, version: int) -> str:
             dataset = self._datasets[sample.dataset_id]

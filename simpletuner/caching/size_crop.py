@@ -1,7 +1,7 @@
 """Each image's size before resizing and its crop offset, stored with its latent: SDXL's size and crop
 micro-conditioning (the first four of its six ``add_time_ids``).
 
-A model whose spec sets ``conditions_on_size_crop`` (:func:`keeps_size_crop`) gets, in every latent entry
+A model whose spec sets ``conditions_on_size_crop`` gets, in every latent entry
 beside ``latents``, a float32 tensor :data:`SIZE_CROP` ``[original_h, original_w, crop_top, crop_left]``,
 with the meaning diffusers' ``examples/text_to_image/train_text_to_image_lora_sdxl.py`` gives them
 (``preprocess_train``, its ``original_sizes`` and ``crop_top_lefts``):
@@ -38,11 +38,6 @@ SIZE_CROP_VERSION = 1
 SIZE_CROP_BYTES = 16
 
 SizeCrop = tuple[int, int, int, int]
-
-
-def keeps_size_crop(spec: Any) -> bool:
-    """Whether ``spec``'s latent entries hold :data:`SIZE_CROP` (its class sets ``conditions_on_size_crop``)."""
-    return spec.conditions_on_size_crop
 
 
 def size_crop_of(info: Mapping[str, Any], params: AugmentParams | None = None) -> SizeCrop:

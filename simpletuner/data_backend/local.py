@@ -103,6 +103,9 @@ class LocalDataBackend:
         found.sort()
         return found
 
+    def _not_found(self, path: str, full: str) -> FileNotFoundError:
+        return FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})")
+
     def read(self, path: str) -> bytes:
         """The bytes of ``path``; FileNotFoundError naming the full path when it is missing."""
         full = self._full(path)
@@ -110,7 +113,7 @@ class LocalDataBackend:
             with open(full, "rb") as handle:
                 return handle.read()
         except FileNotFoundError:
-            raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
+            raise self._not_found(path, full) from None
 
     def read_head(self, path: str, num_bytes: int) -> bytes:
         """Up to ``num_bytes`` bytes from the start of ``path`` (for header parsing)."""
@@ -124,7 +127,7 @@ class LocalDataBackend:
                     return head
                 return head + handle.read(num_bytes - len(head))
         except FileNotFoundError:
-            raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
+            raise self._not_found(path, full) from None
 
     def read_tail(self, path: str, num_bytes: int) -> bytes:
         """Up to ``num_bytes`` bytes from the end of ``path`` (to tell a cut-off file)."""
@@ -132,7 +135,7 @@ class LocalDataBackend:
         try:
             descriptor = os.open(full, os.O_RDONLY)
         except FileNotFoundError:
-            raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
+            raise self._not_found(path, full) from None
         try:
             size = os.fstat(descriptor).st_size
             return os.pread(descriptor, min(num_bytes, size), max(size - num_bytes, 0))
@@ -165,7 +168,7 @@ class LocalDataBackend:
         try:
             return os.stat(full)
         except FileNotFoundError:
-            raise FileNotFoundError(f"dataset {self.id!r}: no file {path!r} (looked at {full})") from None
+            raise self._not_found(path, full) from None
 
 
 def _identity(folder: str) -> tuple[int, int]:

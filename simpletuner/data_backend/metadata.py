@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Mapping
 from tqdm.auto import tqdm
 
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
-from simpletuner.data_backend.bad_files import NUM_BAD_FILES_SHOWN as NUM_BAD_FILES_SHOWN
 from simpletuner.data_backend.bad_files import check_bad_files, format_bad, report_after_fill, warn_skipped
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
 from simpletuner.data_backend.caption_files import load_caption_table
@@ -246,7 +245,7 @@ def build_metadata(
                 "images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
             )
         sources = find_sources(dataset_cfg, paths, table)
-    bad_pairs: list[str] = []
+    bad_pairs: list[tuple[str, str]] = []
     size_of = image_size_reader(backend)
     shared: dict[Any, Any] = {}  # one object for each distinct caption, size, bucket and canvas
     plans: dict[tuple[int, int], Any] = {}
@@ -297,7 +296,7 @@ def build_metadata(
         if sources is not None:
             pair_problem = aspect_problem((width, height), sources[path])
             if pair_problem is not None:
-                bad_pairs.append(f"{shown}: {pair_problem}")
+                bad_pairs.append((shown, pair_problem))
                 continue
         caption_sources[source] += 1
         notes.add(path, shown, captions, source, is_folder)
@@ -323,9 +322,7 @@ def build_metadata(
         table.report(backend.id, root, result.num_files)
     if bad_pairs:
         raise ValueError(
-            f"dataset {backend.id!r}: {len(bad_pairs)} edit pair(s) cannot be used:\n"
-            + "\n".join(f"  - {line}" for line in bad_pairs[:NUM_BAD_FILES_SHOWN])
-            + (f"\n  ... ({len(bad_pairs) - NUM_BAD_FILES_SHOWN} more)" if len(bad_pairs) > NUM_BAD_FILES_SHOWN else "")
+            f"dataset {backend.id!r}: {len(bad_pairs)} edit pair(s) cannot be used:\n{format_bad(bad_pairs)}"
         )
     if too_short:
         raise too_short_error(

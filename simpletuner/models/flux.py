@@ -118,9 +118,12 @@ class FluxSpec(PackedFlowSpec):
                 f"{', '.join(c.split()[0] for c in changed)}"
             )
 
-    def training_guidance(self, batch_size: int, generator: torch.Generator | None) -> torch.Tensor:
-        """[B] embedded guidance (float32, CPU) for one micro-batch: ``flux_guidance_value`` for every
-        sample (``constant``: nothing drawn), or one uniform draw per sample from ``generator`` in
+    def training_guidance(
+        self, batch_size: int, generator: torch.Generator | None, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """[B] embedded guidance (float32, on ``device``) for one micro-batch: ``flux_guidance_value`` for every
+        sample (``constant``: nothing drawn, made on ``device``), or one uniform draw per sample from the CPU
+        ``generator`` in
         [``flux_guidance_min``, ``flux_guidance_max``) (``random-range``; SimpleTuner draws with Python's
         ``random.uniform`` per sample).
 
@@ -135,8 +138,9 @@ class FluxSpec(PackedFlowSpec):
                     "FluxSpec.predict needs conditioning['guidance'] from training_loss"
                 )
             low, high = cfg.flux_guidance_min, cfg.flux_guidance_max
-            return low + (high - low) * torch.rand(batch_size, generator=generator)
-        return torch.full((batch_size,), cfg.flux_guidance_value, dtype=torch.float32)
+            drawn = low + (high - low) * torch.rand(batch_size, generator=generator)
+            return drawn.to(device, non_blocking=True)
+        return torch.full((batch_size,), cfg.flux_guidance_value, dtype=torch.float32, device=device)
 
     # --- loading -------------------------------------------------------------------------
     def load_text_encoders(self, device, dtype):
@@ -182,11 +186,11 @@ class FluxSpec(PackedFlowSpec):
 
     # --- training ------------------------------------------------------------------------
     def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
-        """Per-sample loss (:meth:`PackedFlowSpec.training_loss`). With a guidance embedding the batch's
-        guidance (:meth:`training_guidance`) is drawn first, so draw order from ``generator``: the guidance
-        (``random-range`` only), the noise, the sigmas."""
-        if denoiser.config.guidance_embeds:
-            guidance = self.training_guidance(latents.shape[0], generator)
+        """Per-sample loss (:meth:`PackedFlowSpec.training_loss`). With a guidance embedding and
+        ``random-range``, the batch's guidance (:meth:`training_guidance`) is drawn first, so draw order from
+        ``generator``: the guidance, the noise, the sigmas (``constant`` draws nothing: :meth:`predict` makes it)."""
+        if denoiser.config.guidance_embeds and self.config.flux_guidance_mode == "random-range":
+            guidance = self.training_guidance(latents.shape[0], generator, latents.device)
             conditioning = {**conditioning, GUIDANCE_KEY: guidance}
         return super().training_loss(denoiser, latents, conditioning, generator, is_regularisation_data)
 
@@ -199,9 +203,8 @@ class FluxSpec(PackedFlowSpec):
         guidance = None
         if denoiser.config.guidance_embeds:
             guidance = conditioning.get(GUIDANCE_KEY)
-            if guidance is None:
-                guidance = self.training_guidance(noisy.shape[0], None)
-            guidance = guidance.to(noisy.device, torch.float32)
+            if guidance is None:  # constant: made on the device, no copy
+                guidance = self.training_guidance(noisy.shape[0], None, noisy.device)
         return denoiser(
             hidden_states=noisy,
             timestep=timesteps.to(dtype),

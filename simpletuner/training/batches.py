@@ -26,7 +26,7 @@ from simpletuner.caching.reencode import (
 )
 from simpletuner.caching.routing import CacheFolders, merge_fill_reports, open_folder_cache
 from simpletuner.caching.share import FillShare, shares_folder
-from simpletuner.caching.size_crop import SIZE_CROP_BYTES, keeps_size_crop
+from simpletuner.caching.size_crop import SIZE_CROP_BYTES
 from simpletuner.caching.tensor_cache import HEADER_BYTES_PER_TENSOR, SourceCheck
 from simpletuner.caching.vae_cache import sample_source_hash, sample_source_name
 from simpletuner.data_backend import RegisteredDataset, Sample
@@ -45,13 +45,25 @@ VAE_ENCODE_BATCH = 8
 TEXT_ENCODE_BATCH = 32
 
 
+class CaptionDraw(NamedTuple):
+    """The caption decisions of one training micro-batch, per sample: whether it trains with the empty caption
+    (caption dropout; empty: none does) and the caption it trains with otherwise (the line drawn from a caption
+    file of several lines; empty: each its own ``caption``)."""
+
+    dropped: tuple[bool, ...] = ()
+    captions: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class CaptionDropout:
-    """``caption_dropout_probability``: which training samples train with the empty caption instead of their own.
+    """The per-draw caption decisions of training samples: ``caption_dropout_probability`` (which train with the
+    empty caption instead of their own) and, for a caption file of several lines, which line each draw trains with
+    (:func:`~simpletuner.data_backend.captions.caption_line_index`).
 
     Each decision is a pure function of the run's ``seed`` and the sample's place in the data order (epoch,
     micro-batch of the epoch, slot in the global batch) and key, so a resumed run (whose sampler resumes at
-    the same place) drops exactly the captions the uninterrupted run would, on every process.
+    the same place) drops exactly the captions the uninterrupted run would, and draws the same lines, on every
+    process.
     """
 
     seed: int
@@ -66,43 +78,25 @@ class CaptionDropout:
         draw = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2**64
         return draw < self.probability
 
-    def of_batch(self, sampler, samples: list[Sample]) -> tuple[bool, ...]:
+    def of_batch(self, sampler, samples: list[Sample]) -> CaptionDraw:
         """The decisions for ``samples``, the micro-batch ``sampler`` (a BucketSampler) has just yielded."""
-        if self.probability <= 0:
-            return ()
-        epoch, position, first_slot = draw_place(sampler)
-        return tuple(self.is_dropped(epoch, position, first_slot + i, s.key) for i, s in enumerate(samples))
-
-
-def draw_place(sampler) -> tuple[int, int, int]:
-    """``(epoch, micro-batch of the epoch, slot of its first sample in the global batch)`` of the micro-batch
-    ``sampler`` (a BucketSampler) has just yielded: where the per-draw caption decisions are taken from."""
-    position = sampler.batch_index - 1  # counted before the batch was yielded
-    return sampler.epoch, position, sampler.rank * sampler.batch_size  # this process's slice of the global batch
-
-
-def drawn_lines(seed: int, sampler, samples: list[Sample]) -> tuple[str, ...]:
-    """Per sample of the micro-batch ``sampler`` has just yielded, the caption it trains with: the line
-    :func:`~simpletuner.data_backend.captions.caption_line_index` picks from a caption file of several lines,
-    else its caption; empty when no sample of the batch has several."""
-    if not any(s.caption_lines for s in samples):
-        return ()
-    epoch, position, first_slot = draw_place(sampler)
-    return tuple(
-        s.caption_lines[caption_line_index(seed, epoch, position, first_slot + i, s.key, len(s.caption_lines))]
-        if s.caption_lines
-        else s.caption
-        for i, s in enumerate(samples)
-    )
-
-
-class CaptionDraw(NamedTuple):
-    """The caption decisions of one training micro-batch, per sample: whether it trains with the empty caption
-    (caption dropout; empty: none does) and the caption it trains with otherwise (:func:`drawn_lines`; empty:
-    each its own ``caption``)."""
-
-    dropped: tuple[bool, ...] = ()
-    captions: tuple[str, ...] = ()
+        epoch = sampler.epoch
+        position = sampler.batch_index - 1  # counted before the batch was yielded
+        first_slot = sampler.rank * sampler.batch_size  # this process's slice of the global batch
+        dropped: tuple[bool, ...] = ()
+        if self.probability > 0:
+            dropped = tuple(self.is_dropped(epoch, position, first_slot + i, s.key) for i, s in enumerate(samples))
+        captions: tuple[str, ...] = ()
+        if any(s.caption_lines for s in samples):
+            captions = tuple(
+                s.caption_lines[
+                    caption_line_index(self.seed, epoch, position, first_slot + i, s.key, len(s.caption_lines))
+                ]
+                if s.caption_lines
+                else s.caption
+                for i, s in enumerate(samples)
+            )
+        return CaptionDraw(dropped, captions)
 
 
 @dataclass
@@ -135,10 +129,9 @@ class CachedData:
     augmentations in ``refresh_each_epoch`` / ``disable_cache`` mode, re-encoded while training
     (the VAE stays loaded: this object holds it). Text embeddings are always cached."""
 
-    #: ``caption_dropout_probability`` of training batches (``iterate``); None: captions are never dropped.
+    #: The caption decisions of training batches (``iterate``): dropout and the line of a caption file of several
+    #: lines. None: every sample trains with its own ``caption``.
     caption_dropout: CaptionDropout | None = None
-    #: The run's seed: which line of a caption file of several lines each draw trains with (:func:`drawn_lines`).
-    caption_seed: int = 0
 
     def __init__(
         self,
@@ -206,8 +199,7 @@ class CachedData:
 
     def _draw(self, sampler, samples: list[Sample]) -> CaptionDraw:
         """The caption decisions of the training micro-batch ``samples`` ``sampler`` has just yielded."""
-        dropped = self.caption_dropout.of_batch(sampler, samples) if self.caption_dropout is not None else ()
-        return CaptionDraw(dropped, drawn_lines(self.caption_seed, sampler, samples))
+        return self.caption_dropout.of_batch(sampler, samples) if self.caption_dropout is not None else CaptionDraw()
 
     def _cached_latents(self, samples: list[Sample], device, draw: CaptionDraw = CaptionDraw()) -> Batch:
         """``samples``' latents from the folder of their dataset (``cache_dir_vae``); a training batch
@@ -338,7 +330,7 @@ def _latent_entry_bytes(spec: ModelSpec) -> Callable[[tuple], int] | None:
     channels = shape[1]
     latent_frames = shape[2] if len(shape) == 5 else 1  # of the longest clip the config trains on
     longest = max((d.num_frames or 1 for d in spec.config.datasets or [] if d.dataset_type == "video"), default=1)
-    extras = SIZE_CROP_BYTES + HEADER_BYTES_PER_TENSOR if keeps_size_crop(spec) else 0  # SDXL's size and crop
+    extras = SIZE_CROP_BYTES + HEADER_BYTES_PER_TENSOR if spec.conditions_on_size_crop else 0  # SDXL's size and crop
 
     def estimate(payload: tuple) -> int:
         sample = payload[1]
@@ -557,7 +549,6 @@ def prepare_caches(
     default = vae_caches.get(folders.default_vae) or next(iter(vae_caches.values()))
     data = CachedData(default, text_cache, latent_keys, text_keys, reports, mode, reencoder, by_dataset)
     data.caption_dropout = CaptionDropout(config.seed, config.caption_dropout_probability)
-    data.caption_seed = config.seed
     return data, encoders
 
 

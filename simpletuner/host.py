@@ -1,4 +1,5 @@
-"""What the host machine has: CPU counts, RAM from ``/proc/meminfo``, whether an NVIDIA GPU is present.
+"""What the host machine has: CPU counts, RAM from ``/proc/meminfo``, the NUMA layout from
+``/sys/devices/system/node``, whether an NVIDIA GPU is present.
 
 A leaf probe (imports nothing from simpletuner): the memory layer's hardware detection and the
 GH200 diagnostic both read the host through it. Each probe returns plain values and never raises
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 MEMINFO_PATH = "/proc/meminfo"
+NUMA_ROOT = "/sys/devices/system/node"
 
 
 def parse_meminfo(text: str) -> dict:
@@ -23,8 +25,43 @@ def parse_meminfo(text: str) -> dict:
     return {"ram_total_bytes": values.get("MemTotal"), "ram_available_bytes": values.get("MemAvailable")}
 
 
-def collect_host(meminfo_path: str | None = None) -> dict:
-    """CPU counts (all, and usable by this process) and RAM from /proc/meminfo (None if unreadable)."""
+def memory_only_numa_bytes(root: str = NUMA_ROOT) -> int:
+    """Bytes of the NUMA nodes that have memory but no CPU: on GH200 in NUMA mode (the driver's default)
+    the GPU's HBM is such a node, so MemAvailable already counts it. 0 where there are none (x86 hosts,
+    GH200 in CDMM mode, GB10) or the layout is unreadable.
+
+    Reads ``node<N>/cpulist`` (empty: no CPU) and ``node<N>/meminfo`` (``Node N MemTotal: X kB``)."""
+    total = 0
+    try:
+        names = sorted(n for n in os.listdir(root) if n.startswith("node") and n[4:].isdigit())
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "cpulist"), encoding="ascii") as f:
+                if f.read().strip():
+                    continue
+            with open(os.path.join(root, name, "meminfo"), encoding="ascii") as f:
+                meminfo = f.read()
+        except OSError:
+            continue
+        for line in meminfo.splitlines():
+            fields = line.split()
+            if len(fields) >= 4 and fields[2] == "MemTotal:" and fields[3].isdigit():
+                total += int(fields[3]) * 1024
+    return total
+
+
+def hbm_in_host_memory(device_total_bytes: int | None, memory_only_numa_bytes: int | None) -> bool:
+    """Whether the GPU's memory is a CPU-less NUMA node of the host (GH200 in NUMA mode, the driver's
+    default), so /proc/meminfo's MemAvailable already counts it: such nodes hold at least half the GPU's
+    memory (:func:`memory_only_numa_bytes`)."""
+    return bool(device_total_bytes and memory_only_numa_bytes and memory_only_numa_bytes >= device_total_bytes / 2)
+
+
+def collect_host(meminfo_path: str | None = None, numa_root: str = NUMA_ROOT) -> dict:
+    """CPU counts (all, and usable by this process), RAM from /proc/meminfo (None if unreadable), and the
+    memory of CPU-less NUMA nodes (:func:`memory_only_numa_bytes`)."""
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -34,7 +71,13 @@ def collect_host(meminfo_path: str | None = None) -> dict:
             memory = parse_meminfo(f.read())
     except OSError:
         memory = parse_meminfo("")
-    return {"cpu_count": os.cpu_count(), "cpu_affinity": usable, **memory, "nvidia_gpu_present": nvidia_gpu_present()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": usable,
+        **memory,
+        "memory_only_numa_bytes": memory_only_numa_bytes(numa_root),
+        "nvidia_gpu_present": nvidia_gpu_present(),
+    }
 
 
 def nvidia_gpu_present(proc_gpus: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> bool:

@@ -160,5 +160,8 @@ class FakeRuntime:
         self.routed_limit = limit_bytes
         self.calls.append(Call("route_all", limit_bytes))
 
+    def end_routing(self):
+        self.calls.append(Call("end_routing"))
+
     def ops(self, op: str) -> list[Call]:
         return [c for c in self.calls if c.op == op]

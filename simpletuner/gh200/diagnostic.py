@@ -22,10 +22,11 @@ import time
 import torch
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, FORK_ONLY_KEYS, check_alloc_conf
+from simpletuner.gh200.cuda_versions import install_hint
 from simpletuner.gh200.managed_memory import backable_bytes
-from simpletuner.gh200.runtime import INSTALL_HINT, DeviceMemoryInfo, get_runtime
+from simpletuner.gh200.runtime import DeviceMemoryInfo, get_runtime
 from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR, env_hint_request
-from simpletuner.host import collect_host
+from simpletuner.host import collect_host, hbm_in_host_memory
 
 GIB = 1024**3
 ENV_VARS = (
@@ -56,7 +57,7 @@ def collect_versions(runtime) -> dict:
             {"what": f"no CUDA device ({runtime.unavailable_reason() or 'none visible'})", "fix": DEVICE_FIX}
         )
     if versions.get("cuda_bindings") is None:
-        missing.append({"what": "cuda-bindings not installed (managed memory needs it)", "fix": INSTALL_HINT})
+        missing.append({"what": "cuda-bindings not installed (managed memory needs it)", "fix": install_hint()})
     return {**versions, "missing": missing}
 
 
@@ -139,8 +140,10 @@ def verdicts(summary: dict) -> list[dict]:
             True,
             f"CUDA device: {device['name']} (sm_{device['compute_capability'][0]}{device['compute_capability'][1]})",
         )
-    if "cuda-bindings" in pool["status"]:
-        pool_fix = INSTALL_HINT
+    if "cuda-bindings is not installed" in pool["status"]:
+        pool_fix = install_hint()
+    elif "cuda-bindings" in pool["status"]:  # installed but unusable: the status names the fix
+        pool_fix = "as the line says (a driver and cuda-bindings of one CUDA major)"
     else:
         pool_fix = device_fix if device is None else "use a GPU that supports managed memory"
     add(
@@ -195,8 +198,9 @@ def collect_summary(runtime=None, environ=None) -> dict:
 
 def oversubscription_limit(info: DeviceMemoryInfo, free_bytes: int, host: dict) -> int | None:
     """The most managed memory the machine can back: host RAM available (plus free device memory
-    where it is separate from host RAM); None when /proc/meminfo could not be read."""
-    return backable_bytes(info, free_bytes, host.get("ram_available_bytes"))
+    where the OS does not count it already); None when /proc/meminfo could not be read."""
+    hbm_in_host = not info.integrated and hbm_in_host_memory(info.total_bytes, host.get("memory_only_numa_bytes"))
+    return backable_bytes(info, free_bytes, host.get("ram_available_bytes"), hbm_in_host)
 
 
 def check_oversubscription(runtime, scale: float, force: bool, host: dict) -> tuple[dict | None, list[str]]:

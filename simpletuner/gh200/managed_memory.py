@@ -25,10 +25,20 @@ from typing import Any, Mapping
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR
 from simpletuner.gh200.runtime import DeviceMemoryInfo, get_runtime
+from simpletuner.gh200.uvm import set_batch_advice
+from simpletuner.host import hbm_in_host_memory
 
 logger = logging.getLogger(__name__)
 
 MODES = ("caches", "frozen_weights", "all")
+#: What ``all`` adds to PYTORCH_CUDA_ALLOC_CONF where neither the environment nor ``cuda_allocator`` sets
+#: the key (read from PyTorch's CUDACachingAllocator.cpp; a GPU has to confirm, scripts/gpu_probe.py):
+#: routing every allocation to the pool keeps a "capture" open for the whole run, and while one is open the
+#: allocator frees no cached block before an out-of-memory error except through ``max_split_size_mb``
+#: (cached blocks of at least that size are released and the allocation retried); with
+#: ``release_lock_on_cudamalloc`` the allocator's lock is not held while the pool's Python allocation
+#: callback runs, so a thread holding the GIL and waiting for that lock cannot deadlock with it.
+ALL_MODE_ALLOCATOR: dict[str, bool | int] = {"max_split_size_mb": 256, "release_lock_on_cudamalloc": True}
 #: Share of what the machine can back that ``all`` leaves to the OS, datasets staged in RAM and the
 #: caches when no ``oversubscription_ratio`` is given, and the most a given ratio may claim.
 RESERVE_FRACTION = 0.10
@@ -39,12 +49,15 @@ def _gib(nbytes: int | float) -> str:
     return f"{nbytes / GiB:.1f} GiB"
 
 
-def backable_bytes(info: DeviceMemoryInfo, free_device_bytes: int, available_host_bytes: int | None) -> int | None:
+def backable_bytes(
+    info: DeviceMemoryInfo, free_device_bytes: int, available_host_bytes: int | None, hbm_in_host: bool = False
+) -> int | None:
     """The most managed memory this machine can back: available CPU memory, plus the free GPU memory
-    where that is separate from it (GH200, discrete); None when the CPU side is unknown."""
+    where that is separate from it (a discrete GPU; GH200 in CDMM mode), counted once where the OS already
+    counts it (integrated GB10; GH200 in NUMA mode: ``hbm_in_host``); None when the CPU side is unknown."""
     if available_host_bytes is None:
         return None
-    return available_host_bytes if info.integrated else available_host_bytes + free_device_bytes
+    return available_host_bytes if info.integrated or hbm_in_host else available_host_bytes + free_device_bytes
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,30 @@ def _allocator_problems(config, environ: Mapping[str, str]) -> list[str]:
     return problems
 
 
+def allocator_settings(config, environ: Mapping[str, str]) -> tuple[dict[str, bool | int | float], list[str]]:
+    """The ``cuda_allocator`` settings to apply at start, and what ``all`` added to them (one line each).
+
+    ``config.cuda_allocator`` as it is, plus, in ``managed_memory: all``, each key of
+    :data:`ALL_MODE_ALLOCATOR` that neither the config nor PYTORCH_CUDA_ALLOC_CONF sets (a value the
+    user set is kept, whatever it is)."""
+    settings = dict(config.cuda_allocator or {})
+    if config.gh200_optimizations.managed_memory != "all":
+        return settings, []
+    present = _alloc_settings(config, environ)
+    added = {key: value for key, value in ALL_MODE_ALLOCATOR.items() if key not in present}
+    notes = [
+        f'managed_memory "all": {ALLOC_CONF_VAR} gets {key}:{value} (set it in cuda_allocator to choose another '
+        "value): "
+        + (
+            "cached pool blocks of that size or more are released before an out-of-memory error"
+            if key == "max_split_size_mb"
+            else "the pool's allocation callback runs without the allocator's lock"
+        )
+        for key, value in added.items()
+    ]
+    return {**settings, **added}, notes
+
+
 def frozen_weight_problems(config, mode: str) -> list[str]:
     opts, problems = config.gh200_optimizations, []
     if mode != "frozen_weights":
@@ -143,9 +180,14 @@ def frozen_weight_problems(config, mode: str) -> list[str]:
 
 
 def managed_memory_problems(
-    config, runtime=None, available_host_bytes: int | None = None, environ: Mapping[str, str] | None = None
+    config,
+    runtime=None,
+    available_host_bytes: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    memory_only_numa_bytes: int = 0,
 ) -> tuple[list[str], ManagedMemoryPlan]:
-    """Every reason ``config``'s managed_memory cannot run here, and the plan when there is none."""
+    """Every reason ``config``'s managed_memory cannot run here, and the plan when there is none
+    (``memory_only_numa_bytes``: see :func:`hbm_in_host_memory`)."""
     opts = config.gh200_optimizations
     mode = opts.managed_memory
     if mode == "caches":
@@ -181,7 +223,8 @@ def managed_memory_problems(
     if routing is not None:
         problems.append(f'managed_memory "all" cannot route every allocation to the managed pool: {routing}')
     free, _ = runtime.mem_get_info()
-    backable = backable_bytes(info, free, available_host_bytes)
+    hbm_in_host = not info.integrated and hbm_in_host_memory(info.total_bytes, memory_only_numa_bytes)
+    backable = backable_bytes(info, free, available_host_bytes, hbm_in_host)
     if backable is None:
         problems.append(
             'managed_memory "all": cannot tell how much memory this machine can back (MemAvailable in /proc/meminfo '
@@ -195,7 +238,13 @@ def managed_memory_problems(
     else:
         limit = int(ratio * info.total_bytes)
         if limit > most:
-            side = "available memory" if info.integrated else "available CPU memory + free GPU memory"
+            side = (
+                "available memory"
+                if info.integrated
+                else "available memory, the GPU's NUMA node included"
+                if hbm_in_host
+                else "available CPU memory + free GPU memory"
+            )
             problems.append(
                 f"oversubscription_ratio {ratio:g} bounds the managed pool at {_gib(limit)} ({ratio:g} x "
                 f"{_gib(info.total_bytes)} of GPU memory), but this machine can back about {_gib(backable)} ({side}), "
@@ -206,14 +255,18 @@ def managed_memory_problems(
 
 
 def check_managed_memory(
-    config, runtime=None, available_host_bytes: int | None = None, environ: Mapping[str, str] | None = None
+    config,
+    runtime=None,
+    available_host_bytes: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    memory_only_numa_bytes: int = 0,
 ) -> ManagedMemoryPlan:
     """The run's :class:`ManagedMemoryPlan`.
 
     Raises:
         ValueError: one line per reason the mode cannot run here (see :func:`managed_memory_problems`).
     """
-    problems, plan = managed_memory_problems(config, runtime, available_host_bytes, environ)
+    problems, plan = managed_memory_problems(config, runtime, available_host_bytes, environ, memory_only_numa_bytes)
     if problems:
         raise ValueError("\n".join(problems))
     return plan
@@ -233,7 +286,26 @@ def start_managed_memory(plan: ManagedMemoryPlan, runtime=None) -> None:
         )
     if plan.mode == "all":
         runtime.route_all_allocations(plan.pool_limit_bytes)
+        set_batch_advice(False, 'managed_memory "all": batches come from the pool, whose blocks are reused')
     logger.info("%s", plan.describe())
+
+
+def stop_managed_memory(plan: ManagedMemoryPlan, runtime=None) -> None:
+    """When training ends: for ``all``, end the routing (later allocations come from PyTorch's own pools;
+    what the pool holds stays valid until it is freed) and say what the pool held at its peak."""
+    if plan.mode != "all":
+        return
+    runtime = runtime or get_runtime()
+    runtime.end_routing()
+    set_batch_advice(True)
+    stats = getattr(runtime, "pool_stats", lambda: None)()
+    if stats:
+        logger.info(
+            'managed_memory "all" ended: the pool held at most %s of its %s bound (%d allocation(s) refused)',
+            _gib(stats.get("peak_bytes") or 0),
+            _gib(stats["limit_bytes"]) if stats.get("limit_bytes") else "unbounded",
+            stats.get("num_refused") or 0,
+        )
 
 
 def place_weights(model, plan: ManagedMemoryPlan, runtime=None, prefetch: bool = True):

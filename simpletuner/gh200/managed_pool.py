@@ -3,8 +3,11 @@
 The real runtime's allocation callback (``cudaMallocManaged`` behind ``torch.cuda.MemPool``)
 asks :meth:`PoolAccount.reserve` before every allocation and calls :meth:`PoolAccount.release`
 after every free. A refused reservation makes the callback return a null pointer, which the
-caching allocator turns into an ordinary out-of-memory error (after first freeing the cached
-blocks it holds and trying again). Pure Python, so the bound is tested on CPU.
+caching allocator turns into an ordinary out-of-memory error. Before that error it retries once,
+but while ``managed_memory: all`` routes every allocation to the pool the only cached blocks it frees
+first are those of at least ``max_split_size_mb`` (which that mode therefore sets:
+:data:`~simpletuner.gh200.managed_memory.ALL_MODE_ALLOCATOR`; read in PyTorch's allocator source, to be
+confirmed on a GPU by scripts/gpu_probe.py). Pure Python, so the bound is tested on CPU.
 """
 
 from __future__ import annotations

@@ -16,12 +16,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import Iterator, Literal, Protocol
 
 import torch
 
+from simpletuner.gh200.cuda_versions import (
+    TORCH_FLOOR,
+    bindings_error_reason,
+    cuda_version_text,
+    install_hint,
+    torch_release,
+    version_call,
+)
 from simpletuner.gh200.managed_pool import PoolAccount
 
 logger = logging.getLogger(__name__)
@@ -30,8 +39,6 @@ logger = logging.getLogger(__name__)
 Location = Literal["cpu"] | int
 #: The advice kinds we use (cudaMemAdviseSet*).
 Advice = Literal["preferred_location", "accessed_by", "read_mostly"]
-
-INSTALL_HINT = 'pip install -e ".[gh200]" in the simpletuner checkout (or pip install cuda-bindings)'
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class DeviceMemoryInfo:
     pageable_memory_access: bool
     pageable_uses_host_page_tables: bool
     integrated: bool
+    problem: str | None = None  # why the attributes above could not be read (they then read False)
 
     @property
     def unified(self) -> bool:
@@ -55,6 +63,8 @@ class DeviceMemoryInfo:
 
     @property
     def kind(self) -> str:
+        if self.problem is not None:
+            return f"unknown (the device attributes are unreadable: {self.problem})"
         if self.integrated:
             return "integrated (CPU and GPU share one memory, e.g. GB10)"
         if self.unified:
@@ -113,6 +123,10 @@ class UnifiedMemoryRuntime(Protocol):
     def route_all_allocations(self, limit_bytes: int | None) -> None:
         """From now on every CUDA allocation of this process, on any thread, comes from the managed
         pool, which may hold at most ``limit_bytes`` (None: unbounded)."""
+
+    def end_routing(self) -> None:
+        """Stop :meth:`route_all_allocations`: later allocations come from PyTorch's own pools again
+        (what the managed pool holds stays valid; its cached blocks are freed with the process)."""
 
     def routing_problem(self) -> str | None:
         """Why :meth:`route_all_allocations` cannot work in this PyTorch, or None."""
@@ -175,6 +189,9 @@ class NoCudaRuntime:
     def route_all_allocations(self, limit_bytes) -> None:
         raise RuntimeError(f"managed memory is unavailable: {self.reason}")
 
+    def end_routing(self) -> None:
+        pass
+
     def routing_problem(self) -> str | None:
         return f"managed memory is unavailable: {self.reason}"
 
@@ -191,6 +208,7 @@ class CudaBindingsRuntime:
         self._checked = False
         self.account = PoolAccount()  # what the pool holds; bounded by route_all_allocations
         self._routed: int | None = None  # the device every allocation is routed to the pool on
+        self._verified = False  # the pool's first allocation was checked to be managed
 
     # --- availability ---
     def _bindings(self):
@@ -212,13 +230,20 @@ class CudaBindingsRuntime:
     def _find_reason(self) -> str | None:
         if torch.version.cuda is None:
             return f"this PyTorch build ({torch.__version__}) has no CUDA"
+        if torch_release(torch.__version__) < TORCH_FLOOR:
+            return (
+                f"this PyTorch ({torch.__version__}) is older than {'.'.join(map(str, TORCH_FLOOR))}, the first whose "
+                "torch.cuda.use_mem_pool keeps other threads' allocations out of a pool; upgrade PyTorch"
+            )
         if not torch.cuda.is_available():
             return "no CUDA device (torch.cuda.is_available() is False)"
         try:
             self._bindings()
         except ImportError:
-            return f"cuda-bindings is not installed ({INSTALL_HINT})"
+            return f"cuda-bindings is not installed ({install_hint()})"
         info = self.device_info()
+        if info is not None and info.problem is not None:
+            return info.problem
         if info is None or not info.managed_memory:
             return f"device {self.current_device()} does not support managed memory"
         return None
@@ -229,37 +254,44 @@ class CudaBindingsRuntime:
         self._check(err, f"cudaDeviceGetAttribute({name})")
         return int(value)
 
+    def _bindings_problem(self, exc: Exception) -> str:
+        """``exc`` (a cuda-bindings call that failed) in words, with the fix."""
+        import cuda.bindings  # type: ignore[import-not-found]
+
+        rt = self._bindings()
+        runtime_version = version_call(rt, "cudaRuntimeGetVersion")
+        driver_version = version_call(rt, "cudaDriverGetVersion")
+        version = getattr(cuda.bindings, "__version__", "?")
+        return bindings_error_reason(str(exc), version, runtime_version or 0, driver_version or 0)
+
     def device_info(self, index: int | None = None) -> DeviceMemoryInfo | None:
+        """What device ``index`` (default: the current one) reports, or None without CUDA. Never raises
+        for cuda-bindings: attributes it cannot read are False, and ``problem`` says why."""
         if not self.cuda_available():
             return None
         index = self.current_device() if index is None else index
         props = torch.cuda.get_device_properties(index)
+        names = (
+            ("managed_memory", "cudaDevAttrManagedMemory"),
+            ("concurrent_managed_access", "cudaDevAttrConcurrentManagedAccess"),
+            ("pageable_memory_access", "cudaDevAttrPageableMemoryAccess"),
+            ("pageable_uses_host_page_tables", "cudaDevAttrPageableMemoryAccessUsesHostPageTables"),
+        )
+        problem = None
         try:
-            attrs = {
-                name: bool(self._attr(attr, index))
-                for name, attr in (
-                    ("managed_memory", "cudaDevAttrManagedMemory"),
-                    ("concurrent_managed_access", "cudaDevAttrConcurrentManagedAccess"),
-                    ("pageable_memory_access", "cudaDevAttrPageableMemoryAccess"),
-                    ("pageable_uses_host_page_tables", "cudaDevAttrPageableMemoryAccessUsesHostPageTables"),
-                )
-            }
+            attrs = {name: bool(self._attr(attr, index)) for name, attr in names}
         except ImportError:
-            attrs = dict.fromkeys(
-                (
-                    "managed_memory",
-                    "concurrent_managed_access",
-                    "pageable_memory_access",
-                    "pageable_uses_host_page_tables",
-                ),
-                False,
-            )
+            attrs = {name: False for name, _ in names}
+        except Exception as exc:  # a driver the bindings cannot use: a reason, never a crash at start
+            attrs = {name: False for name, _ in names}
+            problem = self._bindings_problem(exc)
         return DeviceMemoryInfo(
             index=index,
             name=props.name,
             compute_capability=(props.major, props.minor),
             total_bytes=int(props.total_memory),
             integrated=bool(getattr(props, "is_integrated", False)),
+            problem=problem,
             **attrs,
         )
 
@@ -319,14 +351,33 @@ class CudaBindingsRuntime:
         if self._routed is not None:  # every allocation already comes from the pool
             return torch.empty(shape, dtype=dtype, device=device)
         with torch.cuda.use_mem_pool(self._get_pool()):
-            return torch.empty(shape, dtype=dtype, device=device)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        if not self._verified and tensor.numel():
+            self._verify_managed(tensor)
+        return tensor
+
+    def _verify_managed(self, tensor: torch.Tensor) -> None:
+        """The pool's first allocation must be managed: some PyTorch releases bypass a pool's own allocator
+        under ``expandable_segments:True`` (pytorch#147851) and would hand out plain GPU memory."""
+        if not self.is_managed(tensor):
+            raise RuntimeError(
+                f"the managed pool returned memory that is not managed (PyTorch {torch.__version__}, "
+                f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}): with "
+                "expandable_segments:True some PyTorch releases bypass a pool's own allocator. Remove "
+                "expandable_segments from PYTORCH_CUDA_ALLOC_CONF (scripts/setup_gh200_env.sh sets it when the "
+                'variable is unset: export PYTORCH_CUDA_ALLOC_CONF="" after sourcing it)'
+            )
+        self._verified = True
 
     def pool_stats(self) -> dict | None:
         """Bytes the managed pool holds (segments, reserved, the account's bound and peak), or None
         before the first managed allocation."""
         if self._pool is None:
             return None
-        snapshot = self._pool.snapshot(include_traces=False)
+        try:
+            snapshot = self._pool.snapshot(include_traces=False)  # 2.11+: without the (slow) trace history
+        except TypeError:
+            snapshot = self._pool.snapshot()
         return {
             "segments": len(snapshot),
             "reserved_bytes": sum(s.get("total_size", 0) for s in snapshot),
@@ -355,6 +406,12 @@ class CudaBindingsRuntime:
         # the autograd engine's backward thread included: the stock-PyTorch form of the fork's use_uvm.
         torch._C._cuda_beginAllocateToPool(device, pool.id)
         self._routed = device
+
+    def end_routing(self) -> None:
+        if self._routed is None:
+            return
+        torch._C._cuda_endAllocateToPool(self._routed, self._pool.id)
+        self._routed = None
 
     # --- streams and events (the weight prefetcher) ---
     def new_stream(self):
@@ -439,11 +496,10 @@ class CudaBindingsRuntime:
             import cuda.bindings  # type: ignore[import-not-found]
 
             out["cuda_bindings"] = getattr(cuda.bindings, "__version__", "installed")
-            err, version = self._bindings().cudaDriverGetVersion()
-            if err == self._bindings().cudaError_t.cudaSuccess:
-                out["driver"] = f"{version // 1000}.{version % 1000 // 10}"
+            driver = version_call(self._bindings(), "cudaDriverGetVersion")
         except ImportError:
-            pass
+            return out
+        out["driver"] = cuda_version_text(driver) if driver else None  # 0: no driver loaded
         return out
 
 

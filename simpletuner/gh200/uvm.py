@@ -243,6 +243,20 @@ def _tensors_by_role(value: Any, role: Role) -> Iterator[tuple[torch.Tensor, Rol
             yield from _tensors_by_role(item, role)
 
 
+#: Whether :func:`optimize_batch_for_gh200` advises where a batch's pages live; off while every allocation
+#: comes from the managed pool (``managed_memory: all``): advice sticks to the address range, and the pool
+#: reuses a freed batch's blocks for activations, which would inherit "preferred CPU".
+_batch_advice: tuple[bool, str] = (True, "")
+
+
+def set_batch_advice(enabled: bool, why: str = "") -> None:
+    """Turn per-batch residency advice on or off (prefetch stays); ``why`` is logged once when off."""
+    global _batch_advice
+    _batch_advice = (enabled, why)
+    if not enabled:
+        _say_once(logging.INFO, "per-batch residency advice is off (prefetch stays on): %s", why)
+
+
 def optimize_batch_for_gh200(batch: Any, device: torch.device | int | str | None = None, stream=None) -> Any:
     """Place and prefetch the managed tensors of one prepared batch; returns ``batch`` itself.
 
@@ -253,6 +267,8 @@ def optimize_batch_for_gh200(batch: Any, device: torch.device | int | str | None
     ``*mask*`` -> advised to reside on ``device``; others get no advice. Each managed
     allocation is then prefetched to ``device`` (default: the current GPU) on ``stream``
     (default: the current stream), once even when several tensors view it.
+
+    With per-batch advice off (:func:`set_batch_advice`, ``managed_memory: all``) only the prefetch runs.
 
     Hints change where memory lives, never the tensors, so nothing is copied or rebuilt. With
     hints off, without CUDA or managed memory, this returns at once, before looking at a tensor;
@@ -265,6 +281,7 @@ def optimize_batch_for_gh200(batch: Any, device: torch.device | int | str | None
     location = _device_index(device)
     gpu = location if location != "cpu" else runtime.current_device()
     handle = getattr(stream, "cuda_stream", stream)
+    advise = _batch_advice[0]
     done: set[int] = set()
     for tensor, role in _tensors_by_role(batch, "other"):
         if tensor.numel() == 0 or not runtime.is_managed(tensor):
@@ -273,9 +290,9 @@ def optimize_batch_for_gh200(batch: Any, device: torch.device | int | str | None
         if storage in done:  # advice and prefetch cover the whole allocation: once is enough
             continue
         done.add(storage)
-        if role == "latent":
+        if role == "latent" and advise:
             _advise_cpu(runtime, tensor, gpu)
-        elif role == "embedding":
+        elif role == "embedding" and advise:
             runtime.advise(tensor, "preferred_location", gpu)
         runtime.prefetch(tensor, location, handle)
     return batch
@@ -336,8 +353,9 @@ def unified_memory_status() -> dict[str, Any]:
 
 def _reset_for_tests() -> None:
     """Forget the override and what was said (tests only)."""
-    global _override, _decided
+    global _override, _decided, _batch_advice
     _override = None
     _decided = None
+    _batch_advice = (True, "")
     with _said_lock:
         _said.clear()

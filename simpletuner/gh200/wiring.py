@@ -117,21 +117,28 @@ def configure_runtime(
     """
     config = state.config
     override, setting = uvm_hint_decision(config, os.environ)  # before anything loads: a conflict stops here
-    available = (
-        collect_host().get("ram_available_bytes") if config.gh200_optimizations.managed_memory == "all" else None
+    host = collect_host() if config.gh200_optimizations.managed_memory == "all" else {}
+    managed = check_managed_memory(
+        config,
+        available_host_bytes=host.get("ram_available_bytes"),
+        environ=os.environ,
+        memory_only_numa_bytes=host.get("memory_only_numa_bytes", 0),
     )
-    managed = check_managed_memory(config, available_host_bytes=available, environ=os.environ)
     set_uvm_hint_override(override, setting)
     start_managed_memory(managed)
     active = gh200_uvm_enabled()
     if active:
         logger.info("GH200 unified-memory hints are on: %s", setting)  # off: uvm says why, once
+    unified = unified_memory_status()
+    problem = (unified["device"] or {}).get("problem")
+    if problem:  # CUDA works but cuda-bindings cannot talk to the driver: the run goes on without the layer
+        logger.warning("the GH200 unified-memory layer is off for this run: %s", problem)
     cache = config.cache_config
     decided: dict[str, Any] = {
         "uvm_hint_override": override,
         "uvm_hints_active": active,
         "uvm_hints_setting": setting,
-        "unified_memory": unified_memory_status(),
+        "unified_memory": unified,
         "vae_cache_type": cache.vae_cache_type,
         "text_cache_type": cache.text_cache_type,
         "vae_cache_type_in_use": cache_type_in_use(cache.vae_cache_type),

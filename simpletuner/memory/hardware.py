@@ -12,11 +12,12 @@ builds the machine ``simpletuner estimate --gpu NAME [--gpu-memory GB]`` plans f
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import asdict, dataclass
 
 from simpletuner.gh200.runtime import DeviceMemoryInfo, UnifiedMemoryRuntime, get_runtime
-from simpletuner.host import MEMINFO_PATH, collect_host
+from simpletuner.host import MEMINFO_PATH, collect_host, hbm_in_host_memory
 
 GIB = 1024**3
 
@@ -402,6 +403,8 @@ class HardwareInfo:
     bf16_supported: bool | None
     gpu_spec: str | None
     hypothetical: bool = False
+    #: The GPU's memory is a CPU-less NUMA node that MemAvailable already counts (GH200 in NUMA mode).
+    hbm_in_host_memory: bool = False
 
     @property
     def has_gpu(self) -> bool:
@@ -530,7 +533,9 @@ def detect_hardware(
         return _no_gpu(cores, total, available)
     free, _total = runtime.mem_get_info()
     spec = lookup_gpu(info.name, memory_bytes=info.total_bytes)
-    return _from_device(info, int(free), spec, cores, total, available)
+    detected = _from_device(info, int(free), spec, cores, total, available)
+    numa = not info.integrated and hbm_in_host_memory(info.total_bytes, host["memory_only_numa_bytes"])
+    return dataclasses.replace(detected, hbm_in_host_memory=numa)
 
 
 def hardware_for_gpu(

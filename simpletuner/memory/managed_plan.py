@@ -92,9 +92,9 @@ def machine_budgets(hw, usable_bytes: int, safety_margin: float, ratio: float | 
     cpu_source = f"{source} less a {RESERVE_FRACTION:.0%} reserve"
     hbm = hw.gpu_memory_bytes or usable_bytes
     free = hw.gpu_free_bytes if hw.gpu_free_bytes is not None else hbm
-    backable = backable_bytes(types.SimpleNamespace(integrated=integrated), free, host)
+    backable = backable_bytes(types.SimpleNamespace(integrated=integrated), free, host, hw.hbm_in_host_memory)
     most = None if backable is None else int(backable * keep)
-    side = "" if integrated else " + free HBM"
+    side = "" if integrated else " (the GPU's NUMA node included)" if hw.hbm_in_host_memory else " + free HBM"
     problem = None
     if ratio is not None:
         bound, pool_source = int(ratio * hbm), f"oversubscription_ratio {ratio:g} x {_g(hbm)} of GPU memory"

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
-from simpletuner.gh200.managed_memory import place_weights
+from simpletuner.gh200.managed_memory import allocator_settings, place_weights, stop_managed_memory
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.memory.hardware import detect_hardware
 from simpletuner.memory.oom import explain_out_of_memory
@@ -150,7 +150,10 @@ class Trainer:
         from accelerate.utils import set_seed
 
         cfg = self.config
-        knobs.apply_cuda_allocator(cfg.cuda_allocator)  # before anything touches CUDA
+        allocator, notes = allocator_settings(cfg, os.environ)  # managed_memory "all" adds what it needs
+        knobs.apply_cuda_allocator(allocator)  # before anything touches CUDA
+        for note in notes:
+            logger.info("%s", note)
         self.mixed_precision = resolve_mixed_precision(cfg.mixed_precision)
         knobs.apply_tf32(cfg.enable_tf32)
         reset_accelerate_state()
@@ -258,9 +261,11 @@ class Trainer:
         decisions recorded in the StateTracker and ``<output_dir>/gh200_runtime.json``."""
         acc = self.accelerator
         policy = build_accumulation(self.config, acc.num_processes)
-        configure_runtime(
+        decided = configure_runtime(
             self.state, acc.num_processes, acc.is_main_process, self.output_dir, accumulation=policy.state_dict()
         )
+        # managed_memory "all" routes every allocation to the pool from here until train() ends
+        self.__dict__.setdefault("_locks", ExitStack()).callback(stop_managed_memory, decided["managed_memory"])
         return policy
 
     def eval_loss(self) -> float:

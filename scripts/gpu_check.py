@@ -72,12 +72,27 @@ def default_fraction(info) -> float:
     return UNIFIED_SCALE if info.unified else DISCRETE_FRACTION
 
 
-def managed_cap(info, free_bytes: int, available_host_bytes: int | None) -> int | None:
-    """The most managed memory this script allocates: 0.8 x what the machine can back, and on a
-    discrete GPU at most 0.9 x the card's free memory; None when host memory is unknown."""
-    from simpletuner.gh200.managed_memory import backable_bytes
+def all_mode_alloc_conf() -> str:
+    """PYTORCH_CUDA_ALLOC_CONF for the ``all`` worker: what a training run in that mode adds."""
+    from simpletuner.configuration.alloc_conf import format_alloc_conf
+    from simpletuner.gh200.managed_memory import ALL_MODE_ALLOCATOR
 
-    backable = backable_bytes(info, free_bytes, available_host_bytes)
+    return format_alloc_conf(ALL_MODE_ALLOCATOR)
+
+
+def managed_cap(
+    info, free_bytes: int, available_host_bytes: int | None, memory_only_numa_bytes: int | None = None
+) -> int | None:
+    """The most managed memory this script allocates: 0.8 x what the machine can back (the GPU's memory
+    counted once where it is a NUMA node of the host, ``memory_only_numa_bytes``; None: read this machine's),
+    and on a discrete GPU at most 0.9 x the card's free memory; None when host memory is unknown."""
+    from simpletuner.gh200.managed_memory import backable_bytes
+    from simpletuner.host import hbm_in_host_memory
+    from simpletuner.host import memory_only_numa_bytes as numa_bytes
+
+    numa = numa_bytes() if memory_only_numa_bytes is None else memory_only_numa_bytes
+    hbm_in_host = not info.integrated and hbm_in_host_memory(info.total_bytes, numa)
+    backable = backable_bytes(info, free_bytes, available_host_bytes, hbm_in_host)
     if backable is None:
         return None
     cap = int(BACKABLE_SHARE * backable)
@@ -440,8 +455,9 @@ def check_modes(s: Session) -> CheckResult:
         cmd += ["--steps", str(s.profile["mode_steps"])]
         if s.fraction is not None:
             cmd += ["--hbm-fraction", str(s.fraction)]
-        # `all` routes every allocation to a pool with its own allocator: expandable segments cannot apply there
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ""} if mode == "all" else None
+        # `all` routes every allocation to a pool with its own allocator: expandable segments cannot apply there,
+        # and it runs with the allocator settings a training run in that mode gets (ALL_MODE_ALLOCATOR)
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": all_mode_alloc_conf()} if mode == "all" else None
         path.unlink(missing_ok=True)
         done = s.call(f"mode_{mode}", cmd, s.profile["mode"], env)
         row = _read_row(path) or {"mode": mode}

@@ -356,3 +356,14 @@ def test_no_time_left_skips_a_check_without_running_it(tmp_path):
     result = gpu_check.check_gpu_tests(s)
     assert (result.status, result.reason) == ("skipped", "out of time budget")
     assert not (tmp_path / "gpu_tests.log").exists()
+
+
+def test_the_all_worker_runs_with_the_allocator_settings_of_a_training_run():
+    assert gpu_check.all_mode_alloc_conf() == "max_split_size_mb:256,release_lock_on_cudamalloc:True"
+
+
+def test_the_managed_cap_counts_a_numa_node_hbm_once():
+    info, free, host = gh200_info(), 90 * GIB, 400 * GIB
+    cdmm = gpu_check.managed_cap(info, free, host, memory_only_numa_bytes=0)
+    numa = gpu_check.managed_cap(info, free, host, memory_only_numa_bytes=95 * GIB)
+    assert cdmm == int(0.8 * (host + free)) and numa == int(0.8 * host)

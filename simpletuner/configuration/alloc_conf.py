@@ -84,6 +84,16 @@ class AllocConfCheck:
         ]
 
 
+def format_alloc_conf(settings) -> str:
+    """``settings`` (key -> bool / int / float / str) as PYTORCH_CUDA_ALLOC_CONF spells them: ``key:value``
+    joined by commas, booleans as True / False."""
+    return ",".join(f"{key}:{format_alloc_value(value)}" for key, value in settings.items())
+
+
+def format_alloc_value(value) -> str:
+    return ("True" if value else "False") if isinstance(value, bool) else str(value)
+
+
 def _items(value: str) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 

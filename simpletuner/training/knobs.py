@@ -12,7 +12,7 @@ from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR
+from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, format_alloc_value
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +21,6 @@ def apply_tf32(enabled: bool, backends: Any = torch.backends) -> None:
     """Allow (or forbid) TF32 in CUDA matmuls and cuDNN convolutions."""
     backends.cuda.matmul.allow_tf32 = enabled
     backends.cudnn.allow_tf32 = enabled
-
-
-def _format_value(value: bool | int | float) -> str:
-    return ("True" if value else "False") if isinstance(value, bool) else str(value)
 
 
 def apply_cuda_allocator(
@@ -42,11 +38,11 @@ def apply_cuda_allocator(
         key, _, value = part.partition(":")
         merged[key.strip()] = value.strip()
     for key, value in settings.items():
-        if key in merged and merged[key] != _format_value(value):
+        if key in merged and merged[key] != format_alloc_value(value):
             logger.info(
-                "cuda_allocator.%s=%s overrides %s from the environment", key, _format_value(value), merged[key]
+                "cuda_allocator.%s=%s overrides %s from the environment", key, format_alloc_value(value), merged[key]
             )
-        merged[key] = _format_value(value)
+        merged[key] = format_alloc_value(value)
     value = ",".join(f"{k}:{v}" for k, v in merged.items())
     environ[ALLOC_CONF_VAR] = value
     if cuda.is_initialized():

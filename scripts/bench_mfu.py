@@ -144,6 +144,13 @@ def train_command(
     return cmd
 
 
+def child_env(environ) -> dict:
+    """The training run's environment: offline, the checkout first on PYTHONPATH and the caller's
+    PYTHONPATH after it (a site folder of carried wheels, say), never replaced."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), environ.get("PYTHONPATH")) if p)
+    return {**environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
+
+
 def summarize(rows: list[dict], warmup: int) -> dict:
     """The median of each logged figure over the windows after step ``warmup`` (all windows when
     there are no others); a figure no window has (MFU without a known peak) is "unknown"."""
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     output_dir = work / "mfu-output"
     cmd = train_command(config, output_dir, args.steps, args.batch_size, args.mixed_precision, args.peak_tflops)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(os.environ)
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT)

@@ -14,7 +14,6 @@ import sys
 import types
 from types import SimpleNamespace
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -115,6 +114,7 @@ def _moviepy_importable(monkeypatch):
 
 def _mp4_frames(path):
     """The decoded frames of ``path`` as RGB arrays, and its stream's average frame rate."""
+    av = pytest.importorskip("av")
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         assert stream.codec_context.name == "h264"
@@ -131,6 +131,7 @@ def _close(a, b, tolerance=12.0) -> bool:
 
 
 def test_wan_validation_writes_mp4s_and_hands_them_to_the_trackers(wan, tmp_path, monkeypatch):
+    pytest.importorskip("av")  # .mp4 clips need PyAV
     config, spec, denoiser, vae, text = wan
     assert spec.video_fps == 16
     _moviepy_importable(monkeypatch)
@@ -178,6 +179,7 @@ def test_wan_validation_writes_mp4s_and_hands_them_to_the_trackers(wan, tmp_path
 
 
 def test_the_frame_rate_is_the_familys(wan, tmp_path, monkeypatch):
+    pytest.importorskip("av")  # .mp4 clips need PyAV
     config, spec, denoiser, vae, text = wan
     monkeypatch.setattr(spec, "video_fps", 8)
     (png, _) = generate_validation_images(spec, denoiser, vae, text, config, 1, tmp_path)
@@ -187,6 +189,7 @@ def test_the_frame_rate_is_the_familys(wan, tmp_path, monkeypatch):
 
 def test_odd_sides_are_padded_to_even_for_h264():
     """yuv420p needs even sides: a 5x3 clip becomes 6x4, the new column / row copying the last one."""
+    av = pytest.importorskip("av")
     frames = [Image.new("RGB", (5, 3), (200, 40, 90)) for _ in range(3)]
     data = encode_video(frames, 8, "mp4")
     with av.open(io.BytesIO(data)) as container:
@@ -255,6 +258,7 @@ def test_gif_is_the_last_fallback(tmp_path, monkeypatch, caplog):
 
 
 def test_tensorboard_without_moviepy_warns_once_and_keeps_the_images(wan, tmp_path, monkeypatch, caplog):
+    pytest.importorskip("av")  # .mp4 clips need PyAV
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from torch.utils.tensorboard import SummaryWriter
 

@@ -53,9 +53,9 @@ def collect_versions(runtime) -> dict:
     if versions.get("cuda_build") is None:
         missing.append({"what": f"this PyTorch build ({versions.get('torch')}) has no CUDA", "fix": TORCH_CUDA_FIX})
     elif not runtime.cuda_available() or runtime.device_info() is None:
-        missing.append(
-            {"what": f"no CUDA device ({runtime.unavailable_reason() or 'none visible'})", "fix": DEVICE_FIX}
-        )
+        reason = runtime.unavailable_reason() or "none visible"
+        what = reason if reason.startswith("no CUDA device") else f"no CUDA device ({reason})"
+        missing.append({"what": what, "fix": DEVICE_FIX})
     if versions.get("cuda_bindings") is None:
         missing.append({"what": "cuda-bindings not installed (managed memory needs it)", "fix": install_hint()})
     return {**versions, "missing": missing}

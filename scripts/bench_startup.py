@@ -58,10 +58,20 @@ print("BENCH" + json.dumps({"imports_torch": t_torch - t0, "imports_libs": t_lib
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    env = dict(
-        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT)
+    parser.add_argument(
+        "--threads",
+        choices=("env", "run"),
+        default="env",
+        help="env: each run gets the caller's OMP_NUM_THREADS, else 1; run: none, so the run chooses its CPU threads",
     )
+    args = parser.parse_args()
+    # ROOT first, then the caller's PYTHONPATH (a site folder of carried wheels, say)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(
+        os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1", PYTHONPATH=pythonpath
+    )
+    if args.threads == "run":  # as a user's shell: the run picks its count (simpletuner/training/cpu_threads.py)
+        env.pop("OMP_NUM_THREADS")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, str(ROOT))

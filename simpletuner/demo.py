@@ -14,6 +14,7 @@ from PIL import Image, ImageDraw, ImageFont
 from simpletuner.commands import add_log_level_argument
 from simpletuner.models.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_model
 from simpletuner.train import main as train_main
+from simpletuner.training.cpu_threads import settle_cpu_threads
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -214,10 +215,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``simpletuner demo``: write the demo, train on it, show before | after; returns the exit code."""
+    import torch
+
+    # The tiny model is built here, before the trainer decides (and logs) the thread count: on a busy
+    # CPU host torch's one thread per core makes even that slow.
+    settle_cpu_threads(None, is_cuda=torch.cuda.is_available())
     config = write_demo(args.dir, max_train_steps=args.steps)
     print(f"demo: model, data and config written under {config.parent}")
     # --overwrite: a demo re-run starts afresh (its caches are re-used); `train` on its config extends it
-    code = train_main(["--config", str(config), "--log-level", args.log_level, "--overwrite"])
+    # a Ctrl-C names `train` on the config as the way to resume: `simpletuner demo` again would start over
+    resume = f"simpletuner train --config {config}"
+    code = train_main(
+        ["--config", str(config), "--log-level", args.log_level, "--overwrite", "--resume-command", resume]
+    )
     if code == 0:
         out = config.parent / "output"
         print(f"demo: LoRA at {out / 'pytorch_lora_weights.safetensors'}; all samples in {out / 'validation'}")

@@ -24,12 +24,17 @@ from simpletuner.exit_codes import NO_SPACE
 
 logger = logging.getLogger(__name__)
 
-#: Kept free on top of what a write needs: file-system metadata, a log line, the temp copy's slack.
+#: The most kept free on top of what a write needs (file-system metadata, a log line, the temp copy's
+#: slack): the reserve of a write of 128 MiB or more. Smaller writes keep :func:`reserve_bytes` free.
 MARGIN_BYTES = 16 * 2**20
+#: The least kept free beyond a write: its block rounding, its directory entry and a log line.
+RESERVE_FLOOR_BYTES = 256 * 2**10
+#: The reserve is this fraction of the write, between the floor and :data:`MARGIN_BYTES`.
+RESERVE_FRACTION = 1 / 8
 
 #: ``SIMPLETUNER_FAULT_ENOSPC=<site>[@N]`` makes the N-th write at ``site`` (default the 1st) fail
 #: with ENOSPC, as a disk filled by another process would. For the tests; unset in normal runs.
-#: Sites: ``cache_shard``, ``checkpoint``, ``final_save``.
+#: Sites: ``cache_shard``, ``checkpoint``, ``final_save``, ``validation_image``, ``cache_user_record``.
 FAULT_ENV = "SIMPLETUNER_FAULT_ENOSPC"
 _reached: dict[str, int] = {}
 
@@ -71,7 +76,7 @@ class NoSpace(RuntimeError):
         need = f"needs ~{human_bytes(needed)}" if needed else "needs more space"
         when = "the disk filled while writing it" if during_write else "nothing was written"
         if not during_write and needed and free >= needed:  # refused for the reserve alone: say why
-            when += f"; {human_bytes(MARGIN_BYTES)} is kept free beyond what a write needs"
+            when += f"; {human_bytes(reserve_bytes(needed))} is kept free beyond what this write needs"
         super().__init__(
             f"not enough disk space for {what}: {need} in {folder}, {human_bytes(free)} free ({when}; what was "
             f"there before is intact). Free space on that disk, or point the setting that names {folder} at "
@@ -91,11 +96,18 @@ def free_bytes(folder: str | os.PathLike[str]) -> int:
     return shutil.disk_usage(_existing_ancestor(Path(folder))).free
 
 
+def reserve_bytes(needed: int) -> int:
+    """What is kept free beyond a write of ``needed`` bytes: an eighth of it, at least
+    :data:`RESERVE_FLOOR_BYTES` (256 KiB) and at most :data:`MARGIN_BYTES` (16 MiB). Scaled so that a
+    small write fits a small disk (a 31 KB cache fill on 4 MB free) while a large one keeps room."""
+    return int(min(MARGIN_BYTES, max(RESERVE_FLOOR_BYTES, needed * RESERVE_FRACTION)))
+
+
 def require_space(folder: str | os.PathLike[str], needed: int, what: str) -> None:
     """Raise :class:`NoSpace` before writing when ``folder``'s disk has less than ``needed`` bytes
-    (plus :data:`MARGIN_BYTES`) free."""
+    plus :func:`reserve_bytes` free."""
     free = free_bytes(folder)
-    if free < needed + MARGIN_BYTES:
+    if free < needed + reserve_bytes(needed):
         raise NoSpace(what, Path(folder), needed, free)
 
 

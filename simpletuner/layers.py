@@ -24,7 +24,7 @@ ANY = None
 
 #: Lowest first.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # Leaf helpers: each imports nothing from simpletuner but (diskspace) an exit code.
+    # Leaf helpers: each imports nothing from simpletuner but (diskspace) an exit code and (locks) diskspace.
     (
         "__init__",
         "commands",
@@ -55,6 +55,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 #: Arrows between parts of one layer, one way each: ``(importer, imported) -> ANY or allowed names``.
 BESIDE: dict[tuple[str, str], frozenset[str] | None] = {
     ("diskspace", "exit_codes"): ANY,
+    # A full disk while a lock file or a cache-user record is written: checked first, one message.
+    ("locks", "diskspace"): frozenset(
+        {
+            "diskspace.NoSpace",
+            "diskspace.disk_full_guard",
+            "diskspace.free_bytes",
+            "diskspace.inject_fault",
+            "diskspace.is_disk_full",
+            "diskspace.require_space",
+        }
+    ),
     ("gh200", "data_backend"): ANY,
     # The `in_memory` entry of data_backend.factory.BUILDERS, imported when a dataset asks for it.
     ("data_backend", "gh200"): frozenset({"gh200.in_memory_backend.build_in_memory_backend"}),

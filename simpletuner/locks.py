@@ -41,7 +41,10 @@ Limits (flock is advisory and as good as the file system's locking):
 - File systems without flock (some FUSE and object-store mounts): the lock cannot be taken; a
   warning says so once and the run goes on unprotected, as it did before locks existed.
 
-A leaf module: standard library only, usable from every layer.
+A full disk while a lock file or a record is written ends as :class:`~simpletuner.diskspace.NoSpace`
+(exit 5) with nothing half-written left; a record is written only after a space check.
+
+A leaf module: the standard library and :mod:`simpletuner.diskspace`, usable from every layer.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator
+
+from simpletuner.diskspace import NoSpace, disk_full_guard, free_bytes, inject_fault, is_disk_full, require_space
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +167,9 @@ class FolderLock:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             except OSError as exc:
+                if is_disk_full(exc):
+                    folder, what = self.path.parent, f"the lock file {self.path.name}"
+                    raise NoSpace(what, folder, None, free_bytes(folder), during_write=True) from None
                 raise ValueError(
                     f"cannot create the lock file {self.path}: {exc.strerror or exc}. Make "
                     f"{self.path.parent} writable, or point the setting that names it elsewhere"
@@ -236,9 +244,11 @@ class FolderLock:
             return
         before = os.fstat(self._fd)
         self._times = (before.st_atime_ns, before.st_mtime_ns)
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, Holder.me().to_json(), 0)
-        os.fsync(self._fd)
+        name = Holder.me().to_json()
+        with disk_full_guard(self.path.parent, len(name), f"the lock file {self.path.name}"):
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, name, 0)
+            os.fsync(self._fd)
 
     # --- who holds it ---------------------------------------------------------------------------
     def holder(self, retries: int = 20) -> Holder | None:
@@ -365,12 +375,23 @@ class CacheLocks:
             lock.release()
 
     def _write_record(self) -> Path:
+        """Write this process's record in ``.users/`` (temp file, then rename); NoSpace, with
+        nothing left behind, when the disk cannot hold it."""
         me = Holder.me()
-        self.records.mkdir(parents=True, exist_ok=True)
+        data = me.to_json()
+        what = "the record naming this run in the cache folder (.users/)"
+        require_space(self.base, len(data), what)
         record = self.records / f"{me.host}-{me.pid}-{uuid.uuid4().hex[:8]}.json"
         temp = record.with_name("." + record.name + ".tmp")
-        temp.write_bytes(me.to_json())
-        os.replace(temp, record)  # whole or absent: a reader never sees half a record
+        with disk_full_guard(self.base, len(data), what, cleanup=[temp]):
+            self.records.mkdir(parents=True, exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                inject_fault("cache_user_record")  # tests: the disk fills as the record is written
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(temp, record)  # whole or absent: a reader never sees half a record
         return record
 
     def users(self) -> list[Holder]:

@@ -13,8 +13,10 @@ tests: training itself never uses them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
+import weakref
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -24,6 +26,34 @@ if TYPE_CHECKING:
     from simpletuner.data_backend.factory import RegisteredDataset
 
 logger = logging.getLogger(__name__)
+
+#: The trackers alive in this process, only so that ``StateTracker.delete_cache_files()`` called on the
+#: class (as seed 002 and SimpleTuner's global registry do) finds their caches. No run reads it.
+_LIVE: "weakref.WeakSet[StateTracker]" = weakref.WeakSet()
+
+
+class _RunOrClassMethod:
+    """A method that works on an instance, and on the class for every live instance (the seed's way)."""
+
+    def __init__(self, method):
+        self.method = method
+        functools.update_wrapper(self, method)
+
+    def __get__(self, instance, owner=None):
+        if instance is not None:
+            return functools.partial(self.method, instance)
+        return functools.partial(self._on_every_run, owner)
+
+    def _on_every_run(self, owner) -> list:
+        trackers = list(_LIVE)
+        if not trackers:
+            logger.warning(
+                "%s.%s(): no training run in this process registered a cache; for a config's caches use "
+                "`simpletuner cache clear --config CFG.json`",
+                owner.__name__,
+                self.method.__name__,
+            )
+        return [item for tracker in trackers for item in self.method(tracker)]
 
 
 class StateTracker:
@@ -37,10 +67,13 @@ class StateTracker:
         self.setting_sources: dict[str, str] = {}
         #: lines to log once the run's log is open (e.g. what a --preset filled in)
         self.startup_notes: list[str] = []
+        #: the command that resumes this run, for the line a stop signal ends with (None: the config key)
+        self.resume_command: str | None = None
         #: locks held until the run ends (the trainer's output_dir lock, then the cache folders')
         self.run_locks: ExitStack | None = None
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
+        _LIVE.add(self)
 
     # --- datasets ---
     def register_dataset(self, dataset: "RegisteredDataset") -> None:
@@ -72,8 +105,13 @@ class StateTracker:
     def cache_dirs(self) -> list[Path]:
         return sorted(self._cache_dirs)
 
+    @_RunOrClassMethod
     def delete_cache_files(self) -> list[Path]:
-        """Remove every cache folder registered by this run; returns what was removed."""
+        """Remove every cache folder registered by this run; returns what was removed.
+
+        Called on the class (``StateTracker.delete_cache_files()``, as seed 002 does), it does this for
+        every run of this process whose tracker is still alive (none: it warns and names
+        ``simpletuner cache clear``)."""
         removed = []
         for path in self.cache_dirs:
             if path.exists():

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and "
         "logs, then start afresh (without it such a run is refused; other files there are kept)",
     )
+    # The command that resumes this run, named by the line a stop signal ends with: `simpletuner demo` passes
+    # `simpletuner train --config <its config>` (its own command would start over: it passes --overwrite).
+    parser.add_argument("--resume-command", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,17 +123,21 @@ def run_training(
     peak_tflops: float | None = None,
     preset: str | None = None,
     overwrite: bool = False,
+    resume_command: str | None = None,
 ):
     """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
     from simpletuner.state import StateTracker
     from simpletuner.training.runlog import configure_logging
-    from simpletuner.training.trainer import Trainer
 
     configure_logging(log_level)
     loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
+    # Only now torch and the model libraries (seconds to import): a config error is answered without them.
+    from simpletuner.training.trainer import Trainer
+
     state = StateTracker(loaded.config, loaded.raw)
     state.setting_sources = sources
     state.startup_notes = preset_notes
+    state.resume_command = resume_command
     trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite)
     if not _is_single_process():
         _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
@@ -234,15 +241,23 @@ def _peer_stopped(exc: Exception) -> bool:
     )
 
 
+def _same_on_every_rank(exc: Exception) -> bool:
+    """A user error every rank of a launch meets alike (printed by rank 0 only)."""
+    from simpletuner.configuration import ConfigError
+    from simpletuner.training.checkpoint_verify import ResumeRefused
+    from simpletuner.training.run_folder import RunFolderTaken  # imports torch: only asked on ranks other than 0
+
+    return isinstance(exc, (ConfigError, ResumeRefused, RunFolderTaken))
+
+
 def _main(args: argparse.Namespace) -> int:
     import signal
 
+    # No torch here: a config error is reported before it is imported (run_training imports it after the check).
     from simpletuner.configuration import ConfigError
     from simpletuner.diskspace import NoSpace
-    from simpletuner.training.checkpoint import ResumeRefused
     from simpletuner.training.launch import LaunchError
     from simpletuner.training.reliability import RunSignals, RunStopped
-    from simpletuner.training.run_folder import RunFolderTaken
 
     try:
         run_training(
@@ -252,6 +267,7 @@ def _main(args: argparse.Namespace) -> int:
             peak_tflops=args.peak_tflops,
             preset=args.preset,
             overwrite=args.overwrite,
+            resume_command=getattr(args, "resume_command", None),
         )
     except NoSpace as exc:  # a full disk (exit 5): the message says how much, where, and what is free
         if _is_main_rank() or not exc.agreed:  # an agreed one is rank 0's, raised on every rank: printed once
@@ -263,9 +279,7 @@ def _main(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
         if args.log_level == "DEBUG":
             raise
-        if _is_main_rank() or not isinstance(
-            exc, (ConfigError, ResumeRefused, RunFolderTaken)
-        ):  # those: the same on every rank
+        if _is_main_rank() or not _same_on_every_rank(exc):
             print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - a bug of ours: never exit with a code that means something else

@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `simpletuner estimate` keeps estimates on disk between runs (memory/estimate_store.py): tests estimate afresh
+os.environ.setdefault("SIMPLETUNER_ESTIMATE_CACHE", "off")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -74,6 +74,37 @@ def latent_items(n: int, indices=(), change=None) -> list[tuple[str, dict]]:
     return items
 
 
+class SequentialShare:
+    """The processes of a shared cache fill (:class:`~simpletuner.caching.share.FillShare`) run one
+    after the other in this process: ``rank(0)`` records what rank 0 shares, ``rank(1)``, run after it,
+    receives that; every rank sees every other rank's outcome as its own. Use a new one per fill."""
+
+    def __init__(self, num_ranks: int = 2):
+        self.num_ranks = num_ranks
+        self.firsts: list = []
+
+    def rank(self, rank: int):
+        outer = self
+
+        class _Rank:
+            num_ranks = outer.num_ranks
+
+            def __init__(self):
+                self.rank = rank
+                self._replay = list(outer.firsts)
+
+            def from_first(self, value):
+                if self.rank == 0:
+                    outer.firsts.append(value)
+                    return value
+                return self._replay.pop(0)
+
+            def from_all(self, value):
+                return [value] * outer.num_ranks
+
+        return _Rank()
+
+
 def bucket_of(payload: dict):
     """The ``group`` function for :func:`latent_items`: one encoder batch per bucket."""
     return payload["bucket"]

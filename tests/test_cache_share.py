@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from simpletuner.caching.opening import open_tensor_cache
-from simpletuner.caching.share import split_misses
+from simpletuner.caching.share import split_batches, split_misses
 from simpletuner.diskspace import NoSpace
 
 NUM_ITEMS = 12
@@ -48,6 +48,36 @@ def test_split_keeps_each_shard_on_one_rank(shard_sizes, num_ranks):
             assert owner.setdefault(key.split("/")[0], rank) == rank
     # whole shards cost at most one shard of imbalance beyond an even split
     assert max(len(part) for part in parts) <= -(-len(keys) // num_ranks) + max(shard_sizes)
+
+
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=20), st.integers(1, 4))
+def test_split_batches_keeps_each_batch_whole_and_in_order(batch_sizes, num_ranks):
+    batches = [[f"b{b}k{k}" for k in range(size)] for b, size in enumerate(batch_sizes)]
+    parts = split_batches(batches, num_ranks)
+    assert [batch for part in parts for batch in part] == batches
+    sizes = [sum(len(batch) for batch in part) for part in parts]
+    assert max(sizes) - min(sizes) <= 2 * max(batch_sizes)  # balanced to within whole batches
+
+
+def test_a_shared_fill_encodes_the_batches_of_a_single_process_fill(tmp_path):
+    """Each rank encodes (the missing entries of) whole batches of the plan a single process makes over
+    every item: an entry meets the same batch-mates (and so the same float rounding) in both."""
+    from fakes import RecordingEncoder, SequentialShare, bucket_of, latent_items
+
+    from simpletuner.caching import ShardedTensorStore, TensorCache
+
+    items = latent_items(23)
+    present = {key for key, _ in items[2:9]}  # what an interrupted fill left
+    calls, launch = {}, SequentialShare()
+    for who in ("single", 0, 1):
+        store = ShardedTensorStore(tmp_path / str(who))
+        store.put_many({key: {"latent": torch.zeros(1)} for key in present})
+        encoder = RecordingEncoder()
+        share = None if who == "single" else launch.rank(who)
+        TensorCache(store, "vae").fill(items, encoder, batch_size=4, group=bucket_of, share=share)
+        calls[who] = [[payload["id"] for payload in call] for call in encoder.calls]
+    assert calls[0] and calls[1] and sorted(calls[0] + calls[1]) == sorted(calls["single"])
+    assert any(len(call) > 1 for call in calls["single"])
 
 
 class _GlooShare:

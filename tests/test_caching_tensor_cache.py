@@ -26,6 +26,18 @@ def test_fill_computes_only_misses(tmp_path):
     assert report.seconds >= 0
 
 
+def test_misses_are_encoded_within_the_batches_planned_over_every_item(tmp_path):
+    """The batches are cut from all 10 items (bucket (64, 32): 0, 3, 6, 9; (64, 64): the others, 3 a
+    batch); each call gets the misses of one of them, so a miss never meets another batch's entries."""
+    cache = TensorCache(ShardedTensorStore(tmp_path), "vae")
+    items = latent_items(10)
+    cache.fill(items[:4], RecordingEncoder(), batch_size=3, group=bucket_of)
+    encoder = RecordingEncoder()
+    cache.fill(items, encoder, batch_size=3, group=bucket_of)
+    # planned: [1, 2, 4], [0, 3, 6], [5, 7, 8], [9]; 0 to 3 are stored
+    assert [[p["id"] for p in call] for call in encoder.calls] == [[4], [6], [5, 7, 8], [9]]
+
+
 def test_second_fill_and_reopen_compute_nothing(tmp_path):
     items = latent_items(7)
     first = RecordingEncoder()

@@ -141,17 +141,19 @@ def test_a_full_disk_during_the_final_save_keeps_the_earlier_adapter_and_the_rer
 
 
 def test_a_cache_that_does_not_fit_stops_before_anything_is_encoded(tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys):
-    """free_bytes as a nearly full disk reports it; the tmpfs test below does it for real."""
+    """free_bytes as a nearly full disk reports it; the tmpfs test below does it for real. 270 KB: the
+    run's record in the cache folder (~0.4 KB + the 256 KiB reserve floor) fits, the latents do not."""
     raw = _config(tmp_path, tiny_sd, shapes_dir)
     real_free = diskspace.free_bytes
     monkeypatch.setattr(
         diskspace,
         "free_bytes",
-        lambda folder: 20_000 if str(folder).startswith(str(tmp_path / "cache")) else real_free(folder),
+        lambda folder: 270_000 if str(folder).startswith(str(tmp_path / "cache")) else real_free(folder),
     )
     code, err = _main(raw, tmp_path, monkeypatch, capsys)
     _assert_clear_failure(code, err, "the VAE latent cache (12 new entries)")
-    assert "needs ~15.6 KB in " in err and "20.0 KB free (nothing was written" in err
+    assert "needs ~15.6 KB in " in err and "270.0 KB free (nothing was written" in err
+    assert "262.1 KB is kept free beyond what this write needs" in err
     assert "vae cache:" not in err  # no fill report: nothing was encoded
     assert not list((tmp_path / "cache").rglob("*.safetensors")) and _temp_files(tmp_path) == []
 
@@ -173,10 +175,10 @@ def _mount_tmpfs(folder: Path, size: str) -> None:
 
 
 @pytest.fixture
-def small_disk(tmp_path):
-    """A 64 KiB tmpfs (unmounted after the test)."""
+def small_disk(tmp_path, request):
+    """A 64 KiB tmpfs (another size with ``indirect`` parametrization; unmounted after the test)."""
     folder = tmp_path / "small"
-    _mount_tmpfs(folder, "64k")
+    _mount_tmpfs(folder, getattr(request, "param", "64k"))
     yield folder
     if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
         gc.collect()  # a writer kept alive by a traceback may still hold a file open there
@@ -184,6 +186,9 @@ def small_disk(tmp_path):
             subprocess.run(["umount", "-l", str(folder)], check=True)  # busy: detach now, freed when closed
 
 
+# 268 KiB: the run's record (a 4 KiB page, checked against ~0.4 KB + the 256 KiB reserve floor) fits; the
+# latents (15.6 KB + that floor) do not.
+@pytest.mark.parametrize("small_disk", ["268k"], indirect=True)
 def test_on_a_real_small_disk_the_cache_fill_stops_with_the_message(
     small_disk, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys
 ):

@@ -108,7 +108,9 @@ def test_two_processes_shard_batches_and_only_rank0_writes(straight):
 @pytest.mark.slow
 def test_two_processes_fill_the_cache_together(straight):
     """Each rank encoded its own part of the latents and captions into shards of its own; both
-    report every entry (they indexed each other's shards), and no entry was encoded twice."""
+    report every entry (they indexed each other's shards), and no entry was encoded twice. The parts
+    are whole encode batches: the 12 latents are 3 batches (one per bucket), split 2 + 1; the 12
+    captions are one batch of up to 32, encoded by one rank."""
     raw, proc = straight
     reports = re.findall(r"(vae|text) cache: (\d+) items, 0 hits, (\d+) computed", proc.stderr)
     for name in ("vae", "text"):
@@ -119,8 +121,9 @@ def test_two_processes_fill_the_cache_together(straight):
         for shard in folder.glob("shard-*.safetensors"):
             with safe_open(str(shard), "pt") as handle:
                 writers.append({tensor.split("|")[0] for tensor in handle.keys()})
-        assert len(writers) == 2, writers  # one shard per rank (each holds under 256 entries)
-        assert not writers[0] & writers[1] and len(writers[0] | writers[1]) == counts[0][0]
+        # one shard per rank that got a batch (each holds under 256 entries)
+        assert len(writers) == (2 if name == "vae" else 1), writers
+        assert sum(len(w) for w in writers) == len(set().union(*writers)) == counts[0][0]  # each entry once
 
 
 @pytest.mark.slow

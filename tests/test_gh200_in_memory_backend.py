@@ -383,7 +383,8 @@ def test_report_and_log_line(tree, caplog):
     assert report.seconds > 0 and report.mb_per_s > 0
     line = report.summary("ds")
     assert line in caplog.text
-    assert line.startswith("staged dataset 'ds': 11 files, ") and "lz4) in " in line and "3 workers" in line
+    assert line.startswith("staged dataset 'ds': 7 images (+4 captions and other files), ")  # 11 files
+    assert "lz4) in " in line and "3 workers" in line
     failed = StagingReport(1, 10, 10, 1.0, 1, "none", (("x", "Permission denied"),))
     assert "1 unreadable file(s) left out" in failed.summary("ds")
 

@@ -246,7 +246,6 @@ def test_bare_a100_follows_the_reported_memory():
         "NVIDIA GB200",  # not GB10, not B200
         "NVIDIA L40",  # not L40S
         "Tesla V100S-PCIE-32GB",
-        "Quadro RTX 6000",  # Turing, not the Ada card
         "NVIDIA RTX A6000",  # Ampere workstation card
         "NVIDIA GeForce RTX 4080 SUPER",
     ],

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import http.client
 import importlib
+import io
 import json
 import os
+import re
 import socket
 import threading
 import urllib.request
@@ -17,10 +19,12 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from PIL import Image
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from simpletuner.caching import ShardedTensorStore  # noqa: E402
 from simpletuner.configuration import ConfigError, load_config, validate_config  # noqa: E402
 from simpletuner.data_backend.base import DataBackend, SupportsReadHead  # noqa: E402
 from simpletuner.data_backend.factory import build_datasets  # noqa: E402
@@ -439,3 +443,102 @@ def test_the_run_folders_copy_of_the_config_leaves_out_secrets(tmp_path):
     assert written["datasets"][1] == {"id": "b"} and written["seed"] == 1
     assert b"s3cr3t" not in (tmp_path / "config.json").read_bytes()
     assert raw["datasets"][0]["storage_options"]["secret"] == "s3cr3t"  # the run's own copy is untouched
+
+
+# --- an object rewritten while a run reads it (N5) -----------------------------------------------------------------
+def _stored_png(image: Image.Image) -> bytes:
+    """``image`` as a stored (level-0) PNG: its length depends on the pixel count only, so an image of other
+    pixels can replace it with the same size (same Content-Length, new ETag)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=0)
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def rewritable(s3, shapes_dir, request):
+    """The shapes dataset under a prefix of its own whose ``005.png`` is a stored PNG, and its other-pixel
+    twin of the same size: ``(prefix, {name: bytes uploaded}, twin)``."""
+    prefix, client = "rewrite-" + re.sub(r"\W+", "-", request.node.name)[-40:], s3["client"]
+    files = {p.name: p.read_bytes() for p in sorted(shapes_dir.iterdir())}
+    image = Image.open(shapes_dir / "005.png").convert("RGB")
+    files["005.png"], twin = _stored_png(image), _stored_png(Image.eval(image, lambda value: 255 - value))
+    assert len(twin) == len(files["005.png"]) and twin != files["005.png"]
+    for name, data in files.items():
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
+    return prefix, files, twin
+
+
+@pytest.mark.parametrize("request_kind", ["if_match", "info_after_read"])
+def test_a_rewritten_object_is_never_read_as_the_listed_version(s3, rewritable, request_kind, monkeypatch):
+    """The listing keys the cache by ETag, so a read must return the listed version or fail naming the object:
+    S3 asks with If-Match (and checks the ETag that came back); other stores compare the object's tag after
+    the read with the listed one."""
+    if request_kind == "info_after_read":
+        monkeypatch.setattr(ObjectStoreBackend, "_reads_by_etag", lambda self, obj: False)
+    prefix, files, twin = rewritable
+    store = _backend(s3["endpoint"], f"s3://{BUCKET}/{prefix}")
+    assert store.read("005.png") == files["005.png"]
+    s3["client"].put_object(Bucket=BUCKET, Key=f"{prefix}/005.png", Body=twin)  # same size, other pixels
+    for read in (store.read, lambda path: store.read_head(path, 24)):
+        with pytest.raises(OSError, match=rf"s3://{BUCKET}/{prefix}/005\.png changed after it was listed") as info:
+            read("005.png")
+        assert "Run again" in str(info.value) and not isinstance(info.value, FileNotFoundError)
+        assert ("(PreconditionFailed: " if request_kind == "if_match" else "(ETag: listed ETag ") in str(info.value)
+    assert store.read("000.png") == files["000.png"]
+    s3["client"].put_object(Bucket=BUCKET, Key=f"{prefix}/005.png", Body=files["005.png"])  # put back: readable
+    assert store.read("005.png") == files["005.png"]
+
+
+def test_an_object_rewritten_during_the_fill_is_left_out_and_encoded_when_put_back(
+    s3, rewritable, tiny_sd, shapes_dir, tmp_path, monkeypatch, capsys
+):
+    """N5 of the second reliability attack: rewritten (same size) after the scan, put back after the run. The
+    run leaves it out (it cannot be read as the listed version) instead of storing the other image's latent
+    under the listed ETag's key, so the next run over the original bytes encodes it rather than reusing a
+    latent of other pixels. `cache verify --content` reads the store too: a latent whose recorded source is
+    not what the object holds is reported, the others are not."""
+    from training_helpers import tiny_config, train
+
+    import simpletuner.data_backend.factory as factory
+    from simpletuner.caching.admin import main as cache_main
+    from simpletuner.caching.fingerprint import source_hash
+
+    prefix, files, twin = rewritable
+    key = f"{prefix}/005.png"
+    datasets = [{"id": "store", "type": "object_store", "instance_data_dir": f"s3://{BUCKET}/{prefix}", **FAST}]
+    datasets[0]["storage_options"] = {"endpoint_url": s3["endpoint"]}
+    raw = tiny_config(tiny_sd, shapes_dir, tmp_path, max_train_steps=1, datasets=datasets)
+    scan = factory.build_metadata
+
+    def scan_then_rewrite(*args, **kwargs):
+        metadata = scan(*args, **kwargs)
+        s3["client"].put_object(Bucket=BUCKET, Key=key, Body=twin)
+        return metadata
+
+    monkeypatch.setattr(factory, "build_metadata", scan_then_rewrite)
+    first, _ = train(dict(raw, output_dir=str(tmp_path / "out1")))
+    monkeypatch.undo()
+    (dataset,) = first.state.datasets
+    assert "005.png" not in {s.path for s in dataset.samples}
+    assert "changed after it was listed" in dict(dataset.metadata.bad_files)["005.png"]
+    store = ShardedTensorStore(tmp_path / "cache" / "sd" / "vae")
+    listed = {source_hash([data]) for name, data in files.items() if name.endswith(".png")}
+    assert set(store.source_hashes(store.keys()).values()) <= listed  # every latent is of the listed bytes
+
+    s3["client"].put_object(Bucket=BUCKET, Key=key, Body=files["005.png"])
+    second, _ = train(dict(raw, output_dir=str(tmp_path / "out2")))
+    report = second.data.fill_reports["latents"]
+    assert (report.num_computed, report.num_hits) == (1, 11)
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert cache_main(["verify", "--config", str(cfg), "--content"]) == 0
+    assert "sources: 12 unchanged, 0 changed since encoded" in capsys.readouterr().out
+    latent_key = second.data.latent_keys["store/005.png"]
+    store = ShardedTensorStore(tmp_path / "cache" / "sd" / "vae")  # a latent of other pixels under this key
+    store.put_many({latent_key: store.get(latent_key)}, source_hashes={latent_key: source_hash([twin])})
+    assert cache_main(["verify", "--config", str(cfg), "--content"]) == 1
+    out = capsys.readouterr().out
+    assert "sources: 11 unchanged, 1 changed since encoded" in out
+    assert f"changed s3://{BUCKET}/{key} (entry {latent_key})" in out

@@ -43,6 +43,7 @@ from simpletuner.caching.report import (
     check_sources,
     format_size,
     inspect_cache,
+    note_unreadable,
     print_content,
     print_removable,
     print_summary,
@@ -53,7 +54,7 @@ from simpletuner.caching.shard_checks import MARKER_SUFFIX, QUARANTINE_SUFFIX
 from simpletuner.caching.store import SHARD_GLOB, ShardedTensorStore
 from simpletuner.commands import add_config_arguments
 from simpletuner.configuration.cache_paths import trained_datasets
-from simpletuner.data_backend import RegisteredDataset, build_local_backend, build_metadata
+from simpletuner.data_backend import RegisteredDataset, build_metadata, build_source_backend
 from simpletuner.data_backend.pairs import check_model_inputs
 from simpletuner.locks import CacheLocks
 from simpletuner.precision import PRECISION_DTYPES, resolve_mixed_precision
@@ -89,9 +90,10 @@ def needed_keys(config: "TrainingConfig") -> dict[str, set[str]]:
     """``{"vae": latent keys, "text": text keys}`` the config needs now: those
     :func:`simpletuner.caching.keys.cache_keys` names, the keys training reads.
 
-    Datasets are scanned from their folders without staging (an ``in_memory`` dataset's keys
-    use the same file identities as a local one). Captions of images that turn out to be
-    undecodable at encode time are still counted, so such entries show as missing.
+    Datasets are scanned where they are, without staging
+    (:func:`~simpletuner.data_backend.factory.build_source_backend`: an ``in_memory`` dataset's keys use the
+    file identities of its folder or object store; object stores are listed, shards indexed). Captions of
+    images that turn out to be undecodable at encode time are still counted, so such entries show as missing.
 
     Raises:
         ValueError: the config has no datasets, a dataset scan fails, or an encoder folder is unusable.
@@ -107,7 +109,7 @@ def _scan_needed(config: "TrainingConfig") -> tuple[dict[str, set[str]], dict[st
 
 
 def config_keys(config: "TrainingConfig") -> CacheKeys:
-    """:func:`~simpletuner.caching.keys.cache_keys` of ``config``, its datasets scanned from their folders
+    """:func:`~simpletuner.caching.keys.cache_keys` of ``config``, its datasets scanned where they are
     (see :func:`needed_keys`), text embeddings in the precision training would use on this machine."""
     if not config.datasets:
         raise ValueError("the config has no `datasets`")
@@ -116,7 +118,7 @@ def config_keys(config: "TrainingConfig") -> CacheKeys:
     text_dtype = PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision)]
     datasets = []
     for dataset_cfg in trained_datasets(config):  # `disabled` / `probability: 0` ones: never scanned
-        backend = build_local_backend(dataset_cfg, config)
+        backend = build_source_backend(dataset_cfg, config)  # in place: object store, shards, folder
         metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed)
         datasets.append(RegisteredDataset(dataset_cfg.id, dataset_cfg, backend, metadata))
     return cache_keys(spec, datasets, text_dtype)
@@ -148,13 +150,15 @@ def _inspect_all(config: "TrainingConfig", content: bool = False) -> _Inspection
         by_folder, sources = folders.latents_by_folder(keys), keys.latent_sources()
         needed = [*(by_folder[f] for f in vae_folders), keys.needed()[TEXT_CACHE_NAME]]
         why_not = None
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, ImportError) as error:  # ImportError: an object store's package is missing
         needed, why_not = None, str(error)
     places = [*((VAE_CACHE_NAME, f) for f in vae_folders), (TEXT_CACHE_NAME, folders.text)]
     pairs = [
         inspect_cache(name, folder, needed[i] if needed is not None else None)
         for i, (name, folder) in enumerate(places)
     ]
+    if needed is not None:  # missing entries whose image does not decode: "unreadable (skipped)", not "encoded"
+        note_unreadable([p[0] for p in pairs], [p[1] for p in pairs], needed, keys)
     if content and needed is not None:
         for i, (summary, store) in enumerate(pairs[: len(vae_folders)]):
             if store is not None:

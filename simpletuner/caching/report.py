@@ -46,6 +46,9 @@ class CacheSummary:
     num_needed: int | None = None
     num_present: int | None = None
     num_missing: int | None = None
+    # of the missing: entries whose image does not decode (source name -> reason; a text entry only such
+    # images need is named by its caption): training skips them, the next run will not encode them either
+    unreadable: dict[str, str] = field(default_factory=dict)
     stale: list[str] | None = None
     # --content (the vae cache only; None when not asked or not applicable): needed entries whose
     # source was hashed again, those whose source changed (key -> source path), those without a
@@ -144,6 +147,51 @@ def inspect_cache(name: str, folder: Path, needed: set[str] | None) -> tuple[Cac
     return summary, store
 
 
+#: More missing latents than this are a cache still being filled: not decoded one by one to find unreadable images.
+MAX_DECODED = 256
+
+
+def note_unreadable(
+    summaries: list[CacheSummary], stores: list[ShardedTensorStore | None], needed: list[set[str]], keys: Any
+) -> None:
+    """Tell the missing entries that will never be encoded from those the next run encodes: a latent whose
+    image does not decode (training skips the file: ``max_bad_image_fraction``) and a text entry only such
+    images caption. ``summaries`` / ``stores`` / ``needed``: the latent folders, then the text folder;
+    ``keys``: the config's :class:`~simpletuner.caching.keys.CacheKeys`. Only folders that exist are
+    looked at (a cache never filled says "encoded on the next run"), and at most :data:`MAX_DECODED` files."""
+    from PIL import Image
+
+    from simpletuner.caching.keys import DROPPED_CAPTION, text_id
+    from simpletuner.data_backend import load_sample_pixels
+
+    sources = keys.latent_sources()
+    bad_samples: set[str] = set()
+    for summary, store, wanted in zip(summaries[:-1], stores[:-1], needed[:-1]):
+        missing = sorted(wanted - set(store.keys())) if store is not None else []
+        if not missing or len(missing) > MAX_DECODED:
+            continue
+        for key in missing:
+            dataset, sample = sources[key]
+            try:
+                load_sample_pixels(dataset, sample)
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:  # as the cache fill's loader
+                reason = str(exc) if isinstance(exc, ValueError) else f"cannot decode image: {exc}"
+                summary.unreadable[sample_source_name(dataset, sample)] = reason
+                bad_samples.add(sample.key)
+    text_store = stores[-1]
+    if not bad_samples or text_store is None:
+        return
+    users: dict[Any, set[str]] = {}  # text id -> the samples that train with it
+    for _, sample in keys.sources.values():
+        for caption in [None, *sample.caption_lines[1:], DROPPED_CAPTION]:
+            users.setdefault(text_id(sample, caption), set()).add(sample.key)
+    present = set(text_store.keys())
+    for item, key in keys.texts.items():
+        if key not in present and key in needed[-1] and item in users and users[item] <= bad_samples:
+            caption = item if isinstance(item, str) else item.caption
+            summaries[-1].unreadable[repr(caption)] = "captions only images that do not decode"
+
+
 def format_size(num_bytes: int) -> str:
     value = float(num_bytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -161,8 +209,14 @@ def print_summary(s: CacheSummary, out: TextIO) -> None:
         return
     print(f"  {s.num_shards} shard(s), {s.num_entries} entries, {format_size(s.num_bytes)}", file=out)
     if s.num_needed is not None:
-        missing = f", {s.num_missing} missing (encoded on the next run)" if s.num_missing else ""
-        print(f"  needed by this config: {s.num_needed}, present: {s.num_present}{missing}", file=out)
+        to_encode = (s.num_missing or 0) - len(s.unreadable)
+        missing = f", {to_encode} missing (encoded on the next run)" if to_encode else ""
+        skipped = f", {len(s.unreadable)} unreadable (skipped)" if s.unreadable else ""
+        print(f"  needed by this config: {s.num_needed}, present: {s.num_present}{missing}{skipped}", file=out)
+        for name, reason in list(s.unreadable.items())[:MAX_LISTED]:
+            print(f"    unreadable {name}: {reason}", file=out)
+        if len(s.unreadable) > MAX_LISTED:
+            print(f"    ... and {len(s.unreadable) - MAX_LISTED} more", file=out)
     unverified = f", {s.num_unverified} unverified (written before checksums)" if s.num_unverified else ""
     print(f"  checksums: {s.num_ok} ok, {len(s.corrupt)} corrupt{unverified}", file=out)
     by_reason: dict[str, list[str]] = {}  # one line per reason: a lost shard gives many keys one reason

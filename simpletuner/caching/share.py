@@ -7,9 +7,12 @@ shard to a temp file and renames it, under a unique name, so writers never colli
 every rank re-indexes the folder and sees all the entries. A process killed mid-fill leaves its
 whole shards behind; the next run encodes only what is still missing.
 
-Parts are contiguous runs of the miss list, balanced by count. Files that live inside a larger
-shard file (tar, parquet; ``locality``) are never split between processes: each process reads
-whole shards, in order.
+Parts are contiguous runs of the fill's encode batches (:func:`split_batches`), balanced by
+count. The batches are cut from the full item list, not from what is missing or from one process's
+part, so an entry's value depends neither on the number of processes nor on where an interruption
+stopped an earlier fill (see :mod:`simpletuner.caching.tensor_cache`).
+Files that live inside a larger shard file (tar, parquet; ``locality``) are never split between
+processes: each process reads whole shards, in order.
 
 This layer does not know how the processes talk: the caller passes a :class:`FillShare`
 (``simpletuner.training.batches.launch_share`` makes one from the run's Accelerator).
@@ -50,16 +53,28 @@ def split_misses(
     the keys of one shard stay together (in the order they first appear) and go to the rank
     whose equal-count range holds the middle of that shard's keys.
     """
-    groups: dict[Hashable, list[str]] = {}
-    for index, key in enumerate(keys):
-        where = locality(key) if locality is not None else None
-        groups.setdefault(("file", index) if where is None else ("shard", where), []).append(key)
-    parts: list[list[str]] = [[] for _ in range(num_ranks)]
+    parts = split_batches([[key] for key in keys], num_ranks, locality)
+    return [[key for batch in part for key in batch] for part in parts]
+
+
+def split_batches(
+    batches: Sequence[Sequence[str]], num_ranks: int, locality: Callable[[str], Hashable | None] | None = None
+) -> list[list[Sequence[str]]]:
+    """``batches`` (of keys) cut into ``num_ranks`` contiguous parts of about equal key count, one per
+    rank; a batch is never split. ``locality`` as in :func:`split_misses`, read from each batch's first
+    key (a batch holds keys of one shard file): the batches of one shard go to one rank."""
+    groups: dict[Hashable, list[Sequence[str]]] = {}
+    for index, batch in enumerate(batches):
+        where = locality(batch[0]) if locality is not None else None
+        groups.setdefault(("file", index) if where is None else ("shard", where), []).append(batch)
+    total = sum(len(batch) for batch in batches)
+    parts: list[list[Sequence[str]]] = [[] for _ in range(num_ranks)]
     done = 0
     for group in groups.values():
-        middle = done + len(group) / 2
-        parts[min(num_ranks - 1, int(middle * num_ranks / len(keys)))].extend(group)
-        done += len(group)
+        size = sum(len(batch) for batch in group)
+        middle = done + size / 2
+        parts[min(num_ranks - 1, int(middle * num_ranks / total))].extend(group)
+        done += size
     return parts
 
 

@@ -20,6 +20,16 @@ A fill that writes to disk first checks that the cache folder's disk holds its n
 (:class:`_SpaceCheck`) and stops with :class:`~simpletuner.diskspace.NoSpace` before writing
 anything; a disk that fills anyway ends the same way, keeping the shards already written, which
 the next fill reuses (it encodes only what is still missing).
+
+Which entries may share an encode call is fixed by the full item list (:func:`_plan_batches`), never
+by how a shared fill splits the work: an encoder's float rounding can depend on its batch (a CPU
+convolution of one image differs from the same image among others by ~1e-6). Each compute call gets
+the missing entries of one planned batch, and a shared fill hands whole planned batches to the
+processes. Written shards hold whole batches and an interruption (a kill, a rank's death, a full
+disk) loses whole batches, so a resumed fill, with any number of processes, encodes each missing
+entry among the same batch-mates as an uninterrupted fill and stores bit-identical values. An entry
+missing alone from its batch (found corrupt, or changed under ``verify_content``) is encoded with the
+other missing ones of its batch only: its stored batch-mates are not encoded again.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from tqdm import tqdm
 
 from simpletuner.caching.base import TensorStore
 from simpletuner.caching.integrity import summarise_problems
-from simpletuner.caching.share import FillShare, describe_failure, raise_agreed, shares_folder, split_misses
+from simpletuner.caching.share import FillShare, describe_failure, raise_agreed, shares_folder, split_batches
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.threads import map_threads, run_ahead_on_threads
 from simpletuner.diskspace import NoSpace, free_bytes, human_bytes, require_space
@@ -167,18 +177,27 @@ class _SpaceCheck:
 
 
 def _plan_batches(
-    misses: Mapping[str, Any], batch_size: int, group: Callable[[Any], Hashable] | None
+    items: Mapping[str, Any],
+    batch_size: int,
+    group: Callable[[Any], Hashable] | None,
+    locality: Callable[[Any], Hashable | None] | None = None,
 ) -> list[list[str]]:
-    """Split miss keys into batches of at most ``batch_size`` that share one ``group`` value.
+    """Split every item key into batches of at most ``batch_size`` that share one ``group`` value and
+    one ``locality`` (shard file), so a batch never spans two shard files.
 
     A batch comes out as soon as it is full, so the fill follows the items' order (a shard file,
     a parquet row group, is read once, front to back); the part-filled batches follow at the end,
-    in the order their groups first appear. Deterministic for a given item list.
+    in the order their groups first appear. Deterministic for a given item list: planned over every
+    item (not only the misses), it gives an entry the same batch-mates in every fill.
     """
     open_batches: dict[Hashable, list[str]] = {}
     batches = []
-    for key, payload in misses.items():
-        batch = open_batches.setdefault(group(payload) if group is not None else None, [])
+    for key, payload in items.items():
+        where = (
+            group(payload) if group is not None else None,
+            locality(payload) if locality is not None else None,
+        )
+        batch = open_batches.setdefault(where, [])
         batch.append(key)
         if len(batch) == batch_size:
             batches.append(batch[:])
@@ -188,7 +207,7 @@ def _plan_batches(
 
 
 def _prepared(
-    batches: list[list[str]],
+    batches: Sequence[Sequence[str]],
     misses: Mapping[str, Any],
     prepare: Callable[[list[Any]], Any] | None,
     workers: int,
@@ -198,7 +217,7 @@ def _prepared(
     (``pool`` when given: it is left running for its owner) up to ``2 * workers`` batches ahead.
     Closing the generator cancels what has not started and waits for what has."""
 
-    def run(keys: list[str]) -> tuple[list[str], Any]:
+    def run(keys: Sequence[str]) -> tuple[Sequence[str], Any]:
         payloads = [misses[k] for k in keys]
         return keys, payloads if prepare is None else prepare(payloads)
 
@@ -283,14 +302,16 @@ class TensorCache:
                 misses' total before anything is encoded. Without it the check runs after the
                 first batch is encoded, before anything is written (see :class:`_SpaceCheck`).
             share: the processes of a launch filling this cache together (every one calls ``fill``
-                with the same items): rank 0 finds what is missing, each rank encodes its part
-                (:func:`~simpletuner.caching.share.split_misses`) into shards of its own, then every
+                with the same items): rank 0 finds what is missing, each rank encodes its part of the
+                batches (:func:`~simpletuner.caching.share.split_batches`) into shards of its own, then every
                 rank indexes them all; the report counts every rank's work. A store no other process
                 can read (a memory cache without ``persistent_cache``) is filled whole on each rank.
-            locality: payload -> the shard file its source lives in (None: a file of its own), so a
-                rank of a shared fill reads whole shards.
+            locality: payload -> the shard file its source lives in (None: a file of its own): a
+                batch never spans two shard files, and a rank of a shared fill reads whole shards.
 
-        Entries are written in shards of ``flush_every`` as they are computed, and what is
+        Each ``compute`` call gets the misses of one batch of a plan made over every item, never over
+        the misses alone (see the module docstring). Entries are written in shards of ``flush_every``
+        (whole batches) as they are computed, and what is
         pending is written even when ``compute`` raises, so a crash loses little. Stored
         entries that fail their checksum, or were in a shard that can no longer be read, are
         computed again (``FillReport.corrupt``); damaged shards are moved aside
@@ -312,24 +333,27 @@ class TensorCache:
             if sources is not None and sources.verify:
                 changed, unhashed = self._find_changed_sources(unique, sources, prepare_workers, prepare_pool)
             missing = [key for key in unique if key not in self.store]
-        mine = missing
         if shared:
             corrupt, changed, unhashed, missing = share.from_first((corrupt, changed, unhashed, missing))
             if share.rank != 0:
                 self.store.discard(missing)  # what rank 0 found corrupt or changed is not served here either
+        wanted = set(missing)
+        planned = (
+            [key for key in batch if key in wanted] for batch in _plan_batches(unique, batch_size, group, locality)
+        )
+        mine = [batch for batch in planned if batch]
+        if shared:
             where = None if locality is None else (lambda key: locality(unique[key]))
-            mine = split_misses(missing, share.num_ranks, where)[share.rank] if missing else []
+            mine = split_batches(mine, share.num_ranks, where)[share.rank] if mine else []
         num_hits = len(unique) - len(missing)
-        misses = {key: unique[key] for key in mine}
         if sources is not None:
             prepare = _with_source_hashes(prepare, sources)
         error: BaseException | None = None
         try:
             num_computed, failed = self._encode(
-                misses,
+                mine,
+                unique,
                 compute,
-                batch_size,
-                group,
                 desc,
                 prepare,
                 prepare_workers,
@@ -379,10 +403,9 @@ class TensorCache:
 
     def _encode(
         self,
-        misses: dict[str, Any],
+        batches: Sequence[Sequence[str]],
+        payloads: Mapping[str, Any],
         compute: ComputeFn,
-        batch_size: int,
-        group: Callable[[Any], Hashable] | None,
         desc: str | None,
         prepare: Callable[[list[Any]], Any] | None,
         prepare_workers: int,
@@ -390,9 +413,9 @@ class TensorCache:
         has_sources: bool,
         entry_bytes: Callable[[Any], int] | None,
     ) -> tuple[int, list[str]]:
-        """Compute and write ``misses`` (``prepare`` already wrapped to hash sources when
-        ``has_sources``); returns ``(entries written, keys compute could not produce)``."""
-        batches = _plan_batches(misses, batch_size, group)
+        """Compute and write ``batches`` (keys of ``payloads``; ``prepare`` already wrapped to hash
+        sources when ``has_sources``); returns ``(entries written, keys compute could not produce)``."""
+        misses = {key: payloads[key] for batch in batches for key in batch}
         space = _SpaceCheck(self.store, self.name, misses, entry_bytes)  # NoSpace: nothing encoded or written
         pending: dict[str, Entry] = {}
         pending_sources: dict[str, str] = {}
@@ -400,21 +423,18 @@ class TensorCache:
         num_computed = 0
         progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
         try:
-            for batch_keys, inputs in _prepared(batches, misses, prepare, prepare_workers, prepare_pool):
+            for batch_keys, inputs in _prepared(batches, payloads, prepare, prepare_workers, prepare_pool):
                 hashes: list[str | None] = [None] * len(batch_keys)
                 if has_sources:
                     hashes, inputs = inputs
                 results = compute(inputs)
                 self._check_results(batch_keys, results)
                 space.after_batch(results)
-                for key, result, source in zip(batch_keys, results, hashes):
-                    if result is None:
-                        failed.append(key)
-                    else:
-                        pending[key] = dict(result)
-                        if source is not None:
-                            pending_sources[key] = source
-                        num_computed += 1
+                done = {key: dict(result) for key, result in zip(batch_keys, results) if result is not None}
+                failed.extend(key for key in batch_keys if key not in done)
+                pending_sources.update((k, h) for k, h in zip(batch_keys, hashes) if k in done and h is not None)
+                pending.update(done)  # one call: a signal never leaves part of a batch to be written (see above)
+                num_computed += len(done)
                 progress.update(len(batch_keys))
                 if len(pending) >= self.flush_every:
                     self._write(pending, pending_sources, has_sources)

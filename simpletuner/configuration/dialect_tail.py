@@ -168,9 +168,15 @@ _TOP_IGNORED = (
     ),
     *_ignored(
         "aspect_bucket_worker_count aspect_bucket_disable_rebuild image_processing_batch_size max_workers "
-        "read_batch_size write_batch_size enable_multiprocessing torch_num_threads dataloader_prefetch "
+        "read_batch_size write_batch_size enable_multiprocessing dataloader_prefetch "
         "dataloader_prefetch_qlen text_encoder_batch_size",
         _LOADING,
+    ),
+    *_ignored(
+        "torch_num_threads",
+        "SimpleTuner passes it to torch.set_num_threads (default 8; trainer.py `_misc_init`); here a CPU run "
+        "picks a count that does not oversubscribe the cores it may use, and `num_cpu_threads` sets it. Speed "
+        "only: no effect on what is trained",
     ),
     *_ignored(
         "sdnq_compile_mode sdnq_dequantize_fp32 sdnq_group_size sdnq_hadamard_group_size sdnq_modules_dtype_dict "

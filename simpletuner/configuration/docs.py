@@ -46,13 +46,15 @@ Any key can be overridden on the command line: `--set max_train_steps=100`,
 `--set cache_config.cache_dir=/scratch/cache` (values are parsed as JSON when they can be).
 
 **Relative paths are taken from the config file's folder**, not from the folder you run in:
-`output_dir`, `cache_config.cache_dir`, `resume_from_checkpoint`, `data_backend_config` and each
-dataset's `instance_data_dir` (also those of a `data_backend_config` file), given relative, and
-the defaults `output` and `cache`, resolve against the folder holding the config, so the same
-config run from another folder writes to and reads from the same places. `--set` values follow
-the same rule. (Before this release, all but `data_backend_config` were taken from the working
-directory: a config that relied on that now points elsewhere; give absolute paths to be sure.)
-`pretrained_model_name_or_path` is still taken as written (a local folder, or a hub id).
+`pretrained_model_name_or_path`, `output_dir`, `cache_config.cache_dir`, `resume_from_checkpoint`,
+`data_backend_config` and each dataset's `instance_data_dir` (also those of a `data_backend_config`
+file), given relative, and the defaults `output` and `cache`, resolve against the folder holding the
+config, so the same config run from another folder writes to and reads from the same places. `--set`
+values follow the same rule. A relative `pretrained_model_name_or_path` of the form `org/name` that is
+not a folder beside the config stays a hub id; any other that is not there is refused, naming the
+config's folder (and the working directory, when the folder is there instead). (Earlier, all but
+`data_backend_config` were taken from the working directory, `pretrained_model_name_or_path` the
+longest: a config that relied on that now points elsewhere; give absolute paths to be sure.)
 
 `model_family` may be left out: it is then read from the model folder's `model_index.json`.
 

@@ -29,6 +29,8 @@ Section = Literal["top", "dataset"]
 SIMPLETUNER = "SimpleTuner"
 KOHYA = "kohya sd-scripts"
 AI_TOOLKIT = "ai-toolkit"
+#: The small-language-model trainer whose GPU tuning guide (seed 004) sets `slm_config` knobs.
+SLM_GUIDE = "GPU tuning guide (slm_config)"
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ def _kohya(key, ours, kind, note="", section="top"):
 
 def _ait(key, ours, kind, note="", section="top"):
     return ForeignKey(key, AI_TOOLKIT, ours, kind, note, section)
+
+
+def _slm(key, ours, kind, note=""):
+    return ForeignKey(key, SLM_GUIDE, ours, kind, note)
 
 
 def _native_keys(section: Section) -> frozenset[str]:
@@ -250,6 +256,15 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
         '`"disk"` at the top level, the default',
         "dataset",
     ),
+    # --- a GPU tuning guide's `slm_config` (its enable_tf32 / enable_compile / batch_size-like keys are ours) ---
+    _slm(
+        "enable_amp",
+        "mixed_precision",
+        "approximated",
+        '`enable_amp: true` with `amp_dtype: "bf16"` is `mixed_precision: "bf16"` ("fp16" likewise); '
+        '`enable_amp: false` is `mixed_precision: "no"`',
+    ),
+    _slm("amp_dtype", "mixed_precision", "same", '`"bf16"` or `"fp16"`, spelled the same'),
 )
 
 FOREIGN_VALUES: tuple[ForeignValue, ...] = (

@@ -104,7 +104,18 @@ def find_launch_command(
     parent: Callable[[int], int | None] = _parent_pid,
     levels: int = 4,
 ) -> list[str] | None:
-    """The arguments of the ``accelerate launch`` among this process's ancestors (None if none).
+    """The arguments of the ``accelerate launch`` among this process's ancestors (None if none)."""
+    found = find_launcher(pid, read, parent, levels)
+    return None if found is None else found[1]
+
+
+def find_launcher(
+    pid: int | None = None,
+    read: Callable[[int], list[str] | None] = _read_cmdline,
+    parent: Callable[[int], int | None] = _parent_pid,
+    levels: int = 4,
+) -> tuple[int, list[str]] | None:
+    """The process id and arguments of the ``accelerate launch`` among this process's ancestors (None if none).
 
     A one-process launch starts the script as its child; a multi-process one starts it from
     torch's elastic agent, which runs inside the launcher, so a few levels up is enough.
@@ -117,7 +128,7 @@ def find_launch_command(
         if argv:
             found = _launch_args(argv)
             if found is not None:
-                return found
+                return pid, found
         pid = parent(pid)
     return None
 

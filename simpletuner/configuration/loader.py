@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from simpletuner.configuration import dialect
 from simpletuner.configuration.dataset_sections import url_protocol
 from simpletuner.configuration.errors import ConfigError, format_validation_error
-from simpletuner.configuration.model_folder import looks_local, settle_model_family
+from simpletuner.configuration.model_folder import looks_like_hub_id, looks_local, settle_model_family
 from simpletuner.configuration.partial import InvalidInput, PartialModel, partial_config, run_rules
 from simpletuner.configuration.schema import CacheConfig, TrainingConfig
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES, metadata_file_format
@@ -81,14 +81,15 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return out
 
 
-def _model_folder(config) -> Iterator[str]:
+def _model_folder(config, origin: str = "") -> Iterator[str]:
+    """``origin``: where a relative path was looked for (:func:`_model_origin`), said when it is not there."""
     model = config.pretrained_model_name_or_path
     if not looks_local(model):
         return
     p = Path(model).expanduser()
     if not p.exists():
         yield (
-            f"pretrained_model_name_or_path: {p} does not exist (give a local diffusers-format folder, "
+            f"pretrained_model_name_or_path: {p} does not exist ({origin}give a local diffusers-format folder, "
             "or create a tiny one with `simpletuner zoo --family sd --out DIR`)"
         )
     elif not p.is_dir():
@@ -202,12 +203,14 @@ _PATH_CHECKS = (
 )
 
 
-def check_paths(config: TrainingConfig | PartialModel) -> list[str]:
+def check_paths(config: TrainingConfig | PartialModel, model_origin: str = "") -> list[str]:
     """Problems with paths (and tracker packages) the run needs; empty when all is well.
 
     Works on a config that failed validation too: a check whose field is itself invalid is skipped.
+    ``model_origin``: where a relative model path was looked for (:func:`_model_origin`).
     """
-    return run_rules(_PATH_CHECKS, config)
+    model_check = (lambda c: _model_folder(c, model_origin)) if model_origin else _model_folder
+    return run_rules((model_check, *_PATH_CHECKS[1:]), config)
 
 
 def _resolve_datasets(raw: dict[str, Any], base_dir: Path | None, problems: list[str]) -> dict[str, Any]:
@@ -240,8 +243,33 @@ def _from_base(value: Any, base_dir: Path) -> Any:
     return os.path.normpath(os.path.join(os.path.abspath(base_dir), value))
 
 
+def _model_from_base(value: Any, base_dir: Path) -> Any:
+    """A relative ``pretrained_model_name_or_path`` taken from ``base_dir`` like every other path; one that is not
+    there and reads as a hub id (``org/name``) stays as written."""
+    local = _from_base(value, base_dir)
+    if local is value or os.path.exists(local) or not looks_like_hub_id(value):
+        return local
+    return value
+
+
+def _model_origin(raw: dict[str, Any], base_dir: Path | None) -> str:
+    """Where a relative ``pretrained_model_name_or_path`` was looked for, for the message when it is not there:
+    the config file's folder, and the working directory when the folder is there instead (the rule before)."""
+    value = raw.get("pretrained_model_name_or_path")
+    if base_dir is None or not isinstance(value, str) or _model_from_base(value, base_dir) in (value, None):
+        return ""
+    origin = f"{value!r} is taken from the config file's folder {os.path.abspath(base_dir)}, as every relative path"
+    if os.path.isdir(value):
+        origin += (
+            f"; the working directory holds it ({os.path.abspath(value)}), but relative paths no longer start there: "
+            "write that path, or one relative to the config file's folder"
+        )
+    return origin + "; "
+
+
 def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
-    """Relative ``output_dir``, ``cache_config.cache_dir`` / ``text_cache_dir``, ``datasets[].instance_data_dir`` /
+    """Relative ``pretrained_model_name_or_path`` (unless it is a hub id: :func:`_model_from_base`), ``output_dir``,
+    ``cache_config.cache_dir`` / ``text_cache_dir``, ``datasets[].instance_data_dir`` /
     ``conditioning_data_dir`` / ``cache_dir_vae``, a ``validation_image``, a
     ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir``
     (the config file's folder), so the same config run from another folder writes and reads the same places.
@@ -250,6 +278,8 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
     if base_dir is None:
         return raw
     out = dict(raw)
+    if isinstance(out.get("pretrained_model_name_or_path"), str):
+        out["pretrained_model_name_or_path"] = _model_from_base(out["pretrained_model_name_or_path"], base_dir)
     out["output_dir"] = _from_base(out.get("output_dir", _DEFAULT_OUTPUT_DIR), base_dir)
     if isinstance(out.get("resume_from_checkpoint"), str) and out["resume_from_checkpoint"] != "latest":
         out["resume_from_checkpoint"] = _from_base(out["resume_from_checkpoint"], base_dir)
@@ -330,7 +360,7 @@ def validate_config(
         config, rule_problems = partial_config(TrainingConfig, resolved, exc)
         problems.extend(rule_problems)
     if check_files:
-        problems.extend(check_paths(config))
+        problems.extend(check_paths(config, _model_origin(raw, base_dir)))
     if problems:
         raise ConfigError(problems, source)
     assert isinstance(config, TrainingConfig)  # a failed validation always leaves at least one line

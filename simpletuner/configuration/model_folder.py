@@ -46,11 +46,14 @@ class FolderFamily:
     family: str | None
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name``: one slash, not starting with ``.``, ``/`` or ``~`` (the shape alone; nothing is looked up)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 def looks_local(name: str) -> bool:
     """A hub id is ``org/name``; anything else (absolute, ./, ~, several slashes, existing) is a path."""
-    if os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name:
-        return True
-    return name.count("/") != 1
+    return os.path.exists(name) or not looks_like_hub_id(name)
 
 
 def read_folder_family(model: Any) -> FolderFamily | None:

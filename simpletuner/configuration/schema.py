@@ -56,7 +56,13 @@ class TrainingConfig(_Strict):
 
     # --- model ---
     pretrained_model_name_or_path: PathText = Field(
-        ..., min_length=1, description="Local diffusers-format folder (or a hub id where the machine has network)."
+        ...,
+        min_length=1,
+        description=(
+            "Local diffusers-format folder (or a hub id where the machine has network). A relative path is taken "
+            "from the config file's folder, as every path in the config; a relative `org/name` that is not a folder "
+            "there stays a hub id."
+        ),
     )
     model_family: Literal[FAMILY_NAMES] = Field(
         None,
@@ -760,6 +766,20 @@ class TrainingConfig(_Strict):
             "launch asks "
             "for the inductor dynamo backend (`--dynamo_backend inductor`); another backend, or a launch that "
             "disagrees with this key, stops the run."
+        ),
+    )
+    num_cpu_threads: Optional[int] = Field(
+        None,
+        ge=1,
+        le=1024,
+        description=(
+            "Threads torch uses for CPU work (intra-op; inter-op too where torch still allows it). Unset: a CPU run "
+            "(no CUDA device) takes the cores it may use (CPU affinity, cgroup quota) that the 1-minute load "
+            "average leaves idle, shared among the run's processes on the machine, at least 1; a CUDA run keeps "
+            "torch's default. An `OMP_NUM_THREADS` you set (exported, or `accelerate launch "
+            "--num_cpu_threads_per_process`) is used instead of that choice; this key, set, wins over both. The "
+            "start-up log says the count, the load and why. Torch's default (one thread per core) on a busy "
+            "machine made CPU steps many times slower (documentation/PERFORMANCE.md, CPU threads)."
         ),
     )
     dataloader_num_workers: int = Field(

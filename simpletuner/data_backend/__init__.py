@@ -7,6 +7,7 @@ from simpletuner.data_backend.factory import (
     RegisteredDataset,
     build_datasets,
     build_local_backend,
+    build_source_backend,
     builder_for,
     load_sample_pixels,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "build_datasets",
     "build_local_backend",
     "build_metadata",
+    "build_source_backend",
     "builder_for",
     "caption_for",
     "load_clip_pixels",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from simpletuner.configuration.cache_paths import is_trained, left_out_reason
+from simpletuner.configuration.dataset_sections import url_protocol
 from simpletuner.data_backend.base import DataBackend, SupportsStagingReport
 from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.images import load_rgb, prepare_image
@@ -142,6 +143,19 @@ def build_datasets(state: "StateTracker", spec: Any = None) -> list[RegisteredDa
             "every dataset is left out (`disabled: true` or `probability: 0`): enable at least one dataset"
         )
     return built
+
+
+def build_source_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """The backend that reads ``dataset_cfg``'s files where they are, staging nothing: an ``in_memory`` entry's
+    folder (or object store URL) read in place, every other type through its builder. Its file identities are
+    those training keys the caches by, so ``simpletuner cache`` scans and hashes sources through it."""
+    if getattr(dataset_cfg, "type", None) != "in_memory":
+        return builder_for(dataset_cfg)(dataset_cfg, config)
+    if url_protocol(dataset_cfg.instance_data_dir) is not None:
+        from simpletuner.data_backend.object_store import backend_from_options
+
+        return backend_from_options(dataset_cfg.instance_data_dir, dataset_cfg.id, dataset_cfg)
+    return build_local_backend(dataset_cfg, config)
 
 
 def staging_failures(backend: DataBackend) -> dict[str, str]:

@@ -5,7 +5,15 @@ object's size and ETag, so ``size``, ``identity`` and ``exists`` never ask the s
 ``read_head`` (a ranged GET) fetch bytes when needed. Every request goes through one retry loop: transient
 failures (connection reset / refused / dropped, timeouts, HTTP 5xx, throttling) are retried with exponential
 backoff up to ``max_retries`` times; permanent ones (refused credentials, no permission, no bucket, no object)
-are raised at once with what to fix. A read returns the whole object or raises: never part of it.
+are raised at once with what to fix (:mod:`.store_failures` tells them apart). A listing that still fails is a
+ValueError naming the URL, the endpoint and the retries. A read returns the whole object or raises: never part
+of it.
+
+A read returns the *listed version* or nothing: the listing's ETag keys the object's cache entries, so bytes of
+another version must never be encoded under it. S3 reads ask for that version (``If-Match: <listed ETag>``, and
+``VersionId`` when listed) and check the ETag that comes back; other stores compare the object's tag after the
+read with the listed one. An object rewritten since the listing raises :class:`ObjectChangedError`, which the
+scan and the cache fill count as an unreadable file (``max_bad_image_fraction``); the next run lists it anew.
 
 fsspec's protocol packages are optional (``s3fs``: the ``s3`` extra). Credentials come from where the
 protocol's own library looks (for S3, botocore: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
@@ -15,7 +23,6 @@ dataset's ``storage_options``; they are never logged.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
@@ -23,9 +30,19 @@ import time
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from simpletuner.configuration.dataset_sections import LOCAL_PROTOCOLS, url_protocol
 from simpletuner.data_backend.base import normalize_extensions
+from simpletuner.data_backend.store_failures import (
+    Failure,
+    ObjectChangedError,
+    ObjectStoreAccessError,
+    ObjectStoreError,
+    ShortRead,
+    TagMismatch,
+    classify,
+)
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -38,161 +55,6 @@ T = TypeVar("T")
 MAX_BACKOFF_SECONDS = 30.0
 #: The extra that installs a protocol's fsspec package, where this project has one.
 PROTOCOL_EXTRAS = {"s3": "s3", "s3a": "s3"}
-
-#: Error codes (S3's, and HTTP statuses as text) worth another attempt.
-TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestThrottled",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "InternalError",
-        "ServiceUnavailable",
-        "429",
-        "500",
-        "502",
-        "503",
-        "504",
-    }
-)
-#: The store did not accept who we are.
-CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "InvalidToken",
-        "ExpiredToken",
-        "TokenRefreshRequired",
-        "InvalidClientTokenId",
-        "UnrecognizedClientException",
-        "AuthorizationHeaderMalformed",
-        "NoCredentialsError",
-        "PartialCredentialsError",
-        "ProfileNotFound",
-        "401",
-    }
-)
-#: It did, but we may not do this.
-DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "Forbidden", "403"})
-#: Transport failures, by class name (botocore, aiohttp, urllib3, fsspec): worth another attempt.
-TRANSIENT_CLASS_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ReadTimeoutError",
-        "ConnectTimeoutError",
-        "ProxyConnectionError",
-        "ServerDisconnectedError",
-        "ClientConnectionError",
-        "ClientOSError",
-        "ClientPayloadError",
-        "ServerTimeoutError",
-        "IncompleteRead",
-        "ResponseStreamingError",
-        "ResponseParserError",
-        "HTTPClientError",
-        "FSTimeoutError",
-        "ProtocolError",
-    }
-)
-_TRANSIENT_ERRNOS = frozenset(
-    {
-        errno.ECONNRESET,
-        errno.ECONNREFUSED,
-        errno.ECONNABORTED,
-        errno.ETIMEDOUT,
-        errno.EPIPE,
-        errno.EHOSTUNREACH,
-        errno.ENETUNREACH,
-        errno.ENETDOWN,
-    }
-)
-
-
-class ObjectStoreError(OSError):
-    """A request to the object store failed (after its retries, when the failure was transient)."""
-
-
-class ObjectStoreAccessError(ObjectStoreError, PermissionError):
-    """The store refused the credentials, or they may not read this."""
-
-
-class _ShortRead(OSError):
-    """Fewer bytes came back than the listing promised (a cut-off body): retried like a dropped connection."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What went wrong with one request: ``kind`` is ``transient``, ``credentials``, ``denied``, ``no_bucket``,
-    ``no_object`` or ``other``; ``code`` the store's error code or the exception's class; ``detail`` its message."""
-
-    kind: str
-    code: str
-    detail: str
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    seen: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        item = todo.pop(0)
-        if item is None or any(item is s for s in seen):
-            continue
-        seen.append(item)
-        todo += [item.__cause__, item.__context__]
-    return seen
-
-
-def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
-    response = getattr(exc, "response", None)  # botocore's ClientError
-    if isinstance(response, Mapping):
-        error = response.get("Error") or {}
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        return (str(error["Code"]) if error.get("Code") else None), status if isinstance(status, int) else None
-    status = getattr(exc, "status", None)  # aiohttp's ClientResponseError (fsspec's http)
-    return None, status if isinstance(status, int) else None
-
-
-def classify(exc: BaseException) -> Failure:
-    """Whether ``exc`` (and what caused it) is worth another attempt, and which permanent failure it is if not."""
-    chain = _chain(exc)
-    detail = str(exc) or type(exc).__name__
-    transient: Failure | None = None
-    for item in chain:
-        code, status = _code_and_status(item)
-        names = {cls.__name__ for cls in type(item).__mro__}
-        if code is None and status is not None:
-            code = str(status)
-        if code is None and names & CREDENTIAL_CODES:
-            code = next(iter(names & CREDENTIAL_CODES))
-        if code in CREDENTIAL_CODES:
-            return Failure("credentials", code, str(item) or detail)
-        if code in DENIED_CODES:
-            return Failure("denied", code, str(item) or detail)
-        if code == "NoSuchBucket":
-            return Failure("no_bucket", code, str(item) or detail)
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return Failure("no_object", code, str(item) or detail)
-        if transient is None and (
-            code in TRANSIENT_CODES
-            or (status is not None and (status >= 500 or status == 429))
-            or names & TRANSIENT_CLASS_NAMES
-            or isinstance(item, (ConnectionError, TimeoutError, _ShortRead))
-            or (isinstance(item, OSError) and item.errno in _TRANSIENT_ERRNOS)
-        ):
-            transient = Failure("transient", code or type(item).__name__, str(item) or type(item).__name__)
-    if transient is not None:
-        return transient
-    if isinstance(exc, FileNotFoundError):
-        return Failure("no_object", "FileNotFoundError", detail)
-    if isinstance(exc, PermissionError):
-        return Failure("denied", "PermissionError", detail)
-    return Failure("other", type(exc).__name__, detail)
 
 
 def open_filesystem(protocol: str, storage_options: Mapping[str, Any], dataset_id: str) -> Any:
@@ -238,24 +100,43 @@ def open_filesystem(protocol: str, storage_options: Mapping[str, Any], dataset_i
 class _Object:
     size: int
     identity: str
+    tag_field: str | None  # the listing's field that tells versions apart (``ETag``, ...); None: none given
+    tag: str | None  # its value, as listed (an S3 ETag with its quotes, as If-Match takes it)
+    version: str | None  # ``VersionId`` of a versioned bucket's listing
+
+
+#: Listing fields that tell an object's versions apart, best first.
+TAG_FIELDS = ("ETag", "etag", "md5Hash", "content_md5", "VersionId", "version_id", "LastModified", "mtime")
+
+
+def _tag(info: Mapping[str, Any]) -> tuple[str, str] | tuple[None, None]:
+    """``(field, value)`` of the first of :data:`TAG_FIELDS` ``info`` gives."""
+    for field in TAG_FIELDS:
+        if info.get(field):
+            return field, str(info[field])
+    return None, None
+
+
+def _bare(tag: Any) -> str:
+    """An ETag without its quotes (listings and responses differ in whether they keep them)."""
+    return str(tag).strip('"')
 
 
 def _identity(info: Mapping[str, Any], size: int) -> str:
     """ETag (or the store's content hash / version / mtime, whichever it gives) and size."""
-    for key in ("ETag", "etag", "md5Hash", "content_md5", "VersionId", "version_id", "LastModified", "mtime"):
-        value = info.get(key)
-        if value:
-            tag = str(value).strip('"')
-            version = info.get("VersionId")
-            return f"{size}:{tag}" + (f":{version}" if version and key != "VersionId" else "")
-    return f"{size}:?"
+    field, value = _tag(info)
+    if field is None:
+        return f"{size}:?"
+    tag, version = _bare(value), info.get("VersionId")
+    return f"{size}:{tag}" + (f":{version}" if version and field != "VersionId" else "")
 
 
 class ObjectStoreBackend:
     """The objects under ``url`` (``s3://bucket/prefix``), addressed by POSIX path relative to it.
 
     Listed once when built: ``list_files`` / ``exists`` / ``size`` / ``identity`` answer from that listing
-    (``identity`` is ``"{size}:{etag}"``, so a rewritten object gets a new one at the next run's listing).
+    (``identity`` is ``"{size}:{etag}"``, so a rewritten object gets a new one at the next run's listing), and
+    ``read`` / ``read_head`` return that listed version or raise :class:`ObjectChangedError`.
 
     Args:
         url: an fsspec URL with its protocol (``s3://bucket/prefix``; the prefix may be empty).
@@ -268,7 +149,8 @@ class ObjectStoreBackend:
         filesystem: an fsspec filesystem to use instead of one built from ``storage_options`` (tests).
 
     Raises:
-        ValueError: not a URL, refused credentials, no bucket, or no files under the URL.
+        ValueError: not a URL, refused credentials, no bucket, no files under the URL, or a listing that failed
+            on every attempt (the store down or unreachable, a wrong endpoint, 5xx).
         ImportError: the protocol's package is missing.
     """
 
@@ -369,15 +251,45 @@ class ObjectStoreBackend:
             )
         if failure.kind == "no_object":
             return FileNotFoundError(f"{where}: no such object ({failure.code}: {failure.detail})")
-        if failure.kind == "transient":
-            return ObjectStoreError(
-                f"{where} failed {attempts} time(s) ({failure.code}: {failure.detail}): the store kept failing; check "
-                "the network and the endpoint, or raise the dataset's `max_retries` / `retry_backoff_seconds`"
+        if failure.kind == "changed":
+            return ObjectChangedError(
+                f"dataset {self.id!r}: {target} changed after it was listed at the start of the run ({failure.code}: "
+                f"{failure.detail}); it is not read, since its cache entries are keyed by the listed version and would "
+                "not describe what it holds now. Run again to list it anew and train on its new content, and do not "
+                "rewrite a dataset's objects while a run reads them"
             )
-        return ObjectStoreError(f"{where} failed ({failure.code}: {failure.detail})")
+        if failure.kind == "transient":
+            retries = (
+                f"{self.max_retries} retries, the first after {self.retry_backoff_seconds:g} s, then doubling"
+                if self.max_retries
+                else "no retries: `max_retries` is 0"
+            )
+            return ObjectStoreError(
+                f"{where} failed {attempts} time(s) ({failure.code}: {failure.detail}; {retries}) at "
+                f"{self._endpoint()}: the store kept failing. Check that it is running and that its endpoint (host "
+                "and port) is right, and the network; if it is only starting or overloaded, raise the dataset's "
+                "`max_retries` / `retry_backoff_seconds`"
+            )
+        return ObjectStoreError(f"{where} failed ({failure.code}: {failure.detail}) at {self._endpoint()}")
 
     def _bucket(self) -> str:
         return self._root_path.split("/", 1)[0]
+
+    def _endpoint(self) -> str:
+        """Which server the requests went to, and the setting that chose it (without any user:password)."""
+        options = self._storage_options
+        for name, endpoint in (
+            ("storage_options.endpoint_url", options.get("endpoint_url")),
+            ("storage_options.client_kwargs.endpoint_url", (options.get("client_kwargs") or {}).get("endpoint_url")),
+            *((name, os.environ.get(name)) for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
+        ):
+            if endpoint and (name.startswith("storage") or self.protocol in ("s3", "s3a")):
+                parts = urlsplit(str(endpoint))
+                host = parts.netloc.rpartition("@")[2]
+                return f"{urlunsplit(parts._replace(netloc=host)) if parts.netloc else endpoint} (from {name})"
+        if self.protocol in ("s3", "s3a"):
+            return "AWS's own S3 endpoint (no `storage_options.endpoint_url` or AWS_ENDPOINT_URL is set)"
+        return f"the {self.protocol}:// store of {self.url}"
 
     # --- the listing ---
     def _list(self) -> dict[str, _Object]:
@@ -385,6 +297,8 @@ class ObjectStoreBackend:
             found = self._with_retries("listing", self.url, lambda: self.fs.find(self._root_path, detail=True))
         except (PermissionError, FileNotFoundError) as exc:  # refused credentials, no permission, no bucket
             raise ValueError(str(exc)) from exc.__cause__
+        except OSError as exc:  # down, a wrong port, 5xx after every retry: nothing can start without the listing
+            raise ValueError(f"{exc}. The dataset is listed when a run starts; nothing was trained") from exc
         objects: dict[str, _Object] = {}
         prefix = self._root_path + "/"
         for name, info in found.items():
@@ -395,7 +309,8 @@ class ObjectStoreBackend:
             if any(part.startswith(".") for part in rel.split("/")) or not rel:
                 continue
             size = int(info.get("size") or 0)
-            objects[rel] = _Object(size, _identity(info, size))
+            field, tag = _tag(info)
+            objects[rel] = _Object(size, _identity(info, size), field, tag, info.get("VersionId") or None)
         if not objects:
             raise ValueError(
                 f"dataset {self.id!r}: no files under {self.url} (the listing is recursive; names starting with '.' "
@@ -431,6 +346,8 @@ class ObjectStoreBackend:
         return [p for p in self._paths if os.path.splitext(p)[1].lower() in wanted]
 
     def _fetch(self, path: str, num_bytes: int | None) -> bytes:
+        """The first ``num_bytes`` (None: all) of the listed version of ``path``; ObjectChangedError when the
+        object holds another version now (its cache keys, made from the listing, would not describe them)."""
         obj = self._object(path)
         key = self._key(path)
         full = f"{self._root_path}/{key}"
@@ -439,12 +356,16 @@ class ObjectStoreBackend:
         def call() -> bytes:
             if expected == 0:
                 return b""
-            if expected == obj.size:
-                data = self.fs.cat_file(full)
+            end = None if expected == obj.size else expected
+            if self._reads_by_etag(obj):
+                data, tag = self._get_if_match(full, obj, end)
             else:
-                data = self.fs.cat_file(full, start=0, end=expected)
+                data = self.fs.cat_file(full) if end is None else self.fs.cat_file(full, start=0, end=end)
+                tag = self._tag_now(full, obj)
+            if tag is not None and _bare(tag) != _bare(obj.tag):
+                raise TagMismatch(f"listed {obj.tag_field} {obj.tag}, now {tag}")
             if len(data) != expected:
-                raise _ShortRead(
+                raise ShortRead(
                     f"{len(data)} bytes came back, {expected} expected (the object changed since it was listed, or "
                     "the body was cut off)"
                 )
@@ -452,8 +373,45 @@ class ObjectStoreBackend:
 
         return self._with_retries("reading", f"{self.url}/{key}", call)
 
+    def _reads_by_etag(self, obj: _Object) -> bool:
+        """Whether reads of ``obj`` ask for the listed version itself (S3: ``If-Match`` with the listed ETag)."""
+        return self.protocol in ("s3", "s3a") and obj.tag_field == "ETag" and hasattr(self.fs, "_call_s3")
+
+    def _get_if_match(self, full: str, obj: _Object, end: int | None) -> tuple[bytes, str | None]:
+        """One S3 GET of the listed version (``If-Match``: a rewritten object answers 412 PreconditionFailed;
+        ``VersionId`` when the listing gave one), bytes ``[0, end)`` or all; and the ETag that came back, so a
+        store that ignores ``If-Match`` is caught too."""
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        bucket, key, _ = fs.split_path(full)
+        request = {"Bucket": bucket, "Key": key, "IfMatch": f'"{_bare(obj.tag)}"'}  # an entity tag is quoted
+        if obj.version:
+            request["VersionId"] = obj.version
+        if end is not None:
+            request["Range"] = f"bytes=0-{end - 1}"
+
+        async def get() -> tuple[bytes, str | None]:
+            response = await fs._call_s3("get_object", **request)
+            try:
+                return await response["Body"].read(), response.get("ETag")
+            finally:
+                response["Body"].close()
+
+        return sync(fs.loop, get)
+
+    def _tag_now(self, full: str, obj: _Object) -> str | None:
+        """The object's tag as the store gives it after a plain read (stores without a conditional read):
+        a rewrite that landed before the read shows here. None when the listing gave no tag to compare."""
+        if obj.tag_field is None:
+            return None
+        self.fs.invalidate_cache(full)  # the listing may have filled fsspec's cache of file details
+        value = self.fs.info(full).get(obj.tag_field)
+        return None if value is None else str(value)
+
     def read(self, path: str) -> bytes:
-        """The whole object (all of it or an error: never part); FileNotFoundError naming it if it is not listed."""
+        """The whole listed version of the object (all of it or an error: never part); FileNotFoundError naming it
+        if it is not listed, ObjectChangedError if it was rewritten since."""
         return self._fetch(path, None)
 
     def read_head(self, path: str, num_bytes: int) -> bytes:

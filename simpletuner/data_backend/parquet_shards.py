@@ -105,6 +105,8 @@ class ParquetBackend(_ShardBackend):
         pa, pq = self._pa, self._pq
         try:
             return pq.ParquetFile(self.shards[index].full)
+        except FileNotFoundError:
+            raise self._gone(index) from None
         except (pa.ArrowException, OSError) as exc:  # ArrowInvalid: not a Parquet file (or cut off)
             raise ValueError(
                 f"{self._where(index)} is not a readable Parquet file ({exc}); replace it or move it out of "
@@ -197,8 +199,7 @@ class ParquetBackend(_ShardBackend):
     def _load_row_group(self, index: int, group: int, with_captions: bool = True) -> tuple[Any, Any]:
         """Row group ``group`` of shard ``index``: (image bytes array, caption array or None); the only
         place rows are read after indexing (tests count its calls)."""
-        shard = self.shards[index]
-        self._check_unchanged(index, shard.full.stat())
+        self._check_unchanged(index, self._stat(index))
         layout = self._layouts[index]
         image_spec = f"{self.image_column}.bytes" if layout.is_struct else self.image_column
         columns = [image_spec]

@@ -16,7 +16,9 @@ zero-padded names (what webdataset writers and this module's Parquet row names u
 sorted.
 
 A shard rewritten after it was indexed is not read with stale offsets: ``identity`` changes with the
-shard's size and mtime, and a read raises an OSError naming the shard.
+shard's size and mtime, and a read raises an OSError naming the shard. One deleted after it was indexed
+keeps its indexed identity, and a read raises FileNotFoundError naming the shard and the dataset: the scan
+and the cache fill count its files as unreadable (``max_bad_image_fraction``), as they do a broken image.
 """
 
 from __future__ import annotations
@@ -134,9 +136,15 @@ class _ShardBackend:
         return path in self._entries
 
     def identity(self, path: str) -> str:
-        """``"{shard size}:{shard mtime_ns}:{position in the shard}"``: changes when the shard is rewritten."""
+        """``"{shard size}:{shard mtime_ns}:{position in the shard}"``: changes when the shard is rewritten. A
+        shard gone since it was indexed keeps its indexed identity: what the key describes is what was indexed,
+        and a read of it fails naming the shard (:meth:`_stat`)."""
         entry = self._entry(path)
-        st = self.shards[entry.shard].full.stat()
+        shard = self.shards[entry.shard]
+        try:
+            st = shard.full.stat()
+        except FileNotFoundError:
+            return f"{shard.size}:{shard.mtime_ns}:{entry.position}"
         return f"{st.st_size}:{st.st_mtime_ns}:{entry.position}"
 
     def shard_of(self, path: str) -> str:
@@ -151,6 +159,19 @@ class _ShardBackend:
                 f"dataset {self.id!r}: no file {path!r} in the shards under {self.root}; use a path as returned by "
                 "list_files() (`<shard>/<name>`)"
             ) from None
+
+    def _gone(self, index: int) -> FileNotFoundError:
+        return FileNotFoundError(
+            f"{self._where(index)} is gone: the shard was deleted or moved after the run found it at its start, so "
+            "none of its files can be read; put it back and run again to train on them"
+        )
+
+    def _stat(self, index: int) -> os.stat_result:
+        """The shard's ``stat`` now; FileNotFoundError naming the shard and the dataset when it is gone."""
+        try:
+            return self.shards[index].full.stat()
+        except FileNotFoundError:
+            raise self._gone(index) from None
 
     def _check_unchanged(self, index: int, st: os.stat_result) -> None:
         shard = self.shards[index]
@@ -315,7 +336,11 @@ class WebDatasetBackend(_ShardBackend):
     def _pread(self, index: int, offset: int, length: int) -> bytes:
         # A file opened per read and a positional read: safe from the decoding threads, and no
         # descriptor limit to hit with thousands of shards.
-        with open(self.shards[index].full, "rb") as handle:
+        try:
+            handle = open(self.shards[index].full, "rb")
+        except FileNotFoundError:
+            raise self._gone(index) from None
+        with handle:
             self._check_unchanged(index, os.fstat(handle.fileno()))
             data = os.pread(handle.fileno(), length, offset)
         if len(data) != length:

@@ -40,6 +40,16 @@ ENV_VARS = (
 TORCH_CUDA_FIX = "install a CUDA build of PyTorch (https://pytorch.org/get-started/locally/)"
 DEVICE_FIX = "check `nvidia-smi`, the NVIDIA driver and CUDA_VISIBLE_DEVICES"
 ENV_FIX = "source scripts/setup_gh200_env.sh"
+#: Where a user of the GH200 fork of ai-toolkit looks for its unified-memory statistics, and what stands in
+#: for them on stock PyTorch (the seed reads them from ``torch.cuda.memory_stats()``).
+FORK_UVM_STATS = (
+    "torch.cuda.memory_stats()'s uvm.stage, uvm.light_reclamations and uvm.hard_reclamations are statistics of "
+    "the GH200 fork's patched PyTorch (its use_uvm allocator) and do not exist on stock PyTorch (KeyError). "
+    "Here: the managed pool's reserved and peak bytes (this section; managed_pool_gib in metrics.jsonl and the "
+    "log line), torch.cuda.memory_stats()'s num_alloc_retries (the caching allocator freed its cache and retried) "
+    "and num_ooms, and for pages moving between CPU and GPU memory Nsight Systems: nsys profile "
+    "--cuda-um-cpu-page-faults=true --cuda-um-gpu-page-faults=true"
+)
 
 
 def _gib(nbytes: int | None) -> str:
@@ -115,7 +125,11 @@ def collect_pool(runtime) -> dict:
     """Whether the managed-memory pool can be used, and what it holds (if the runtime says)."""
     reason = runtime.unavailable_reason()
     stats_fn = getattr(runtime, "pool_stats", None)
-    return {"status": "available" if reason is None else reason, "stats": stats_fn() if callable(stats_fn) else None}
+    return {
+        "status": "available" if reason is None else reason,
+        "stats": stats_fn() if callable(stats_fn) else None,
+        "fork_uvm_stats": FORK_UVM_STATS,  # the fork's `uvm.*` keys: not here, and what replaces them
+    }
 
 
 def verdicts(summary: dict) -> list[dict]:
@@ -304,6 +318,7 @@ def format_report(summary: dict) -> str:
     lines += [f"warning: {w}" for w in env["warnings"]]
     pool = summary["managed_pool"]
     lines += ["== managed pool ==", pool["status"] + (f"  {pool['stats']}" if pool["stats"] else "")]
+    lines.append(f"note: {FORK_UVM_STATS}")
     over = summary.get("oversubscription")
     if over is not None:
         lines.append("== oversubscription ==")

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Sequence
 from tqdm.auto import tqdm
 
 from simpletuner.configuration.dataset_sections import url_protocol
-from simpletuner.data_backend.base import ENCODED_MEDIA_EXTENSIONS, normalize_extensions
+from simpletuner.data_backend.base import (
+    ANIMATED_IMAGE_EXTENSIONS,
+    ENCODED_MEDIA_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    VIDEO_FILE_EXTENSIONS,
+    normalize_extensions,
+)
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.faults import fault_point
 from simpletuner.gh200.codecs import Codec, get_codec
@@ -66,7 +72,8 @@ class _Entry(NamedTuple):
 class StagingReport:
     """What staging did: files and bytes held, time taken, and the files it could not read.
 
-    ``files`` counts staged files (unreadable ones excluded); ``raw_bytes`` is their content
+    ``files`` counts staged files (unreadable ones excluded), ``images`` and ``clips`` those that
+    are training media (the rest: captions and other files); ``raw_bytes`` is their content
     size, ``stored_bytes`` what is held in RAM; ``failed`` lists ``(path, reason)``.
     """
 
@@ -77,6 +84,8 @@ class StagingReport:
     workers: int
     codec: str
     failed: tuple[tuple[str, str], ...] = ()
+    images: int | None = None  # None: not counted (every file is reported as a file)
+    clips: int = 0
 
     @property
     def ratio(self) -> float:
@@ -89,15 +98,44 @@ class StagingReport:
         return self.raw_bytes / _MB / self.seconds if self.seconds > 0 else float("inf")
 
     def summary(self, dataset_id: str) -> str:
-        """One log line: ``staged dataset 'x': 1200 files, 512.0 MB -> 498.3 MB (ratio 0.97, lz4) ...``."""
+        """One log line: ``staged dataset 'x': 600 images (+600 captions and other files), 512.0 MB -> 498.3 MB
+        (ratio 0.97, lz4) in 2.1 s, 244 MB/s, 8 workers`` (KB and KB/s for small sets)."""
         line = (
-            f"staged dataset {dataset_id!r}: {self.files} files, {self.raw_bytes / _MB:.1f} MB -> "
-            f"{self.stored_bytes / _MB:.1f} MB (ratio {self.ratio:.2f}, {self.codec}) in {self.seconds:.1f} s, "
-            f"{self.mb_per_s:.0f} MB/s, {self.workers} workers"
+            f"staged dataset {dataset_id!r}: {self._counts()}, {_amount(self.raw_bytes)} -> "
+            f"{_amount(self.stored_bytes)} (ratio {self.ratio:.2f}, {self.codec}) in {self.seconds:.1f} s, "
+            f"{_rate(self.raw_bytes, self.seconds)}, {self.workers} workers"
         )
         if self.failed:
             line += f"; {len(self.failed)} unreadable file(s) left out"
         return line
+
+    def _counts(self) -> str:
+        if self.images is None:
+            return f"{self.files} files"
+        media = [f"{self.images} images"] if self.images or not self.clips else []
+        media += [f"{self.clips} clips"] if self.clips else []
+        other = self.files - self.images - self.clips
+        return " and ".join(media) + (f" (+{other} captions and other files)" if other else "")
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes as MB (10**6) with one decimal, or as KB (10**3) below 1 MB, where "0.1 MB" and "0 MB/s" say little."""
+    return f"{nbytes / _MB:.1f} MB" if nbytes >= _MB else f"{nbytes / 1000:.0f} KB"
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    """``269 MB/s``; ``2.5 MB/s`` below 10 MB/s; ``330 KB/s`` below 1 MB/s."""
+    per_s = nbytes / seconds if seconds > 0 else 0.0
+    if per_s >= 10 * _MB:
+        return f"{per_s / _MB:.0f} MB/s"
+    return f"{per_s / _MB:.1f} MB/s" if per_s >= _MB else f"{per_s / 1000:.0f} KB/s"
+
+
+def _media_counts(paths: Iterable[str]) -> tuple[int, int]:
+    """``(images, clips)`` among ``paths`` by extension (an animated GIF / WebP counts as an image here)."""
+    suffixes = [os.path.splitext(p)[1].lower() for p in paths]
+    images = sum(s in IMAGE_EXTENSIONS or s in ANIMATED_IMAGE_EXTENSIONS for s in suffixes)
+    return images, sum(s in VIDEO_FILE_EXTENSIONS for s in suffixes)
 
 
 def _read_file(full: str) -> tuple[bytes, os.stat_result]:
@@ -250,8 +288,11 @@ class GH200InMemoryBackend:
         entries, read_failed = self._load_all(to_load)
         failed = sorted(failed + read_failed)
         self._check_failures(len(paths), failed)
+        images, clips = _media_counts(entries)
         report = StagingReport(
             files=len(entries),
+            images=images,
+            clips=clips,
             raw_bytes=sum(e.size for e in entries.values()),
             stored_bytes=sum(len(e.data) for e in entries.values()),
             seconds=time.perf_counter() - started,

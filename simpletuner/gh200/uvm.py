@@ -140,6 +140,17 @@ def cache_type_in_use(kind: str) -> str:
     return "memory" if unified_caches_fall_back_to_cpu() else kind
 
 
+def cache_type_used(kind: str) -> str:
+    """What a configured ``kind`` really holds its entries in, for the run's record: as
+    :func:`cache_type_in_use`, except that a ``unified_memory`` cache where managed memory is not
+    usable (no CUDA, no cuda-bindings) is a ``memory`` one in effect: :func:`to_unified` keeps its
+    entries in plain (or pinned) CPU memory."""
+    kind = cache_type_in_use(kind)
+    if kind == "unified_memory" and get_runtime().unavailable_reason() is not None:
+        return "memory"
+    return kind
+
+
 _decided: tuple[tuple, bool] | None = None  # ((override, env values, runtime), answer): asked per tensor
 
 

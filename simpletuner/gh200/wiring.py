@@ -21,7 +21,7 @@ from simpletuner.gh200.managed_memory import check_managed_memory, start_managed
 from simpletuner.gh200.uvm import (
     ENV_ALIAS,
     ENV_VAR,
-    cache_type_in_use,
+    cache_type_used,
     env_hint_request,
     gh200_uvm_enabled,
     set_uvm_hint_override,
@@ -141,8 +141,8 @@ def configure_runtime(
         "unified_memory": unified,
         "vae_cache_type": cache.vae_cache_type,
         "text_cache_type": cache.text_cache_type,
-        "vae_cache_type_in_use": cache_type_in_use(cache.vae_cache_type),
-        "text_cache_type_in_use": cache_type_in_use(cache.text_cache_type),
+        "vae_cache_type_in_use": cache_type_used(cache.vae_cache_type),  # what holds the entries, not the ask
+        "text_cache_type_in_use": cache_type_used(cache.text_cache_type),
         "persistent_cache": cache.persistent_cache,
         "cache_dir": cache.cache_dir,
         "managed_memory": managed,

@@ -39,6 +39,7 @@ from simpletuner.configuration.cache_paths import trained_datasets
 from simpletuner.data_backend.buckets import bucket_name
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.data_backend.metadata import build_metadata
+from simpletuner.memory import estimate_store
 from simpletuner.memory.advice import (
     DDP_BUCKETS,
     VALIDATION_MODELS,
@@ -136,6 +137,7 @@ class Estimate:
     breakdown: MemoryBreakdown
     extras: dict[str, int]
     seconds: float
+    cached: bool = False  # read from the estimate cache (simpletuner/memory/estimate_store.py), not remade
 
     @property
     def total(self) -> int:
@@ -145,8 +147,8 @@ class Estimate:
 class EstimateCache:
     """Estimates of one config per ``(micro-batch, checkpointing)``, each made once.
 
-    ``estimate_fn(config, batch_size)`` defaults to :func:`estimate_memory` for CUDA; tests pass
-    a cheap one. Share one cache between plans for several memory sizes.
+    ``estimate_fn`` defaults to :func:`estimate_memory` for CUDA, also kept on disk between runs
+    (:mod:`.estimate_store`); tests pass a cheap one. Share one cache between plans for several memory sizes.
     """
 
     def __init__(self, config: "TrainingConfig", num_processes: int = 1, estimate_fn: EstimateFn | None = None):
@@ -160,13 +162,19 @@ class EstimateCache:
         if key not in self._done:
             variant = self.config.model_copy(update={"gradient_checkpointing": gradient_checkpointing})
             start = time.perf_counter()
-            breakdown = self.estimate_fn(variant, micro_batch_size)
-            if self._validation_bytes is None:
-                self._validation_bytes = validation_model_bytes(self.config) or 0
+            on_disk = self.estimate_fn is _default_estimate  # tests' own estimates are not kept
+            stored = estimate_store.lookup(variant, micro_batch_size) if on_disk else None
+            if stored is not None:
+                breakdown, self._validation_bytes = stored
+            else:
+                breakdown = self.estimate_fn(variant, micro_batch_size)
+                if self._validation_bytes is None:
+                    self._validation_bytes = validation_model_bytes(self.config) or 0
+                if on_disk:
+                    estimate_store.keep(variant, micro_batch_size, breakdown, self._validation_bytes)
             extras = extra_bytes(variant, breakdown, self.num_processes, self._validation_bytes)
-            self._done[key] = Estimate(
-                micro_batch_size, gradient_checkpointing, breakdown, extras, time.perf_counter() - start
-            )
+            seconds, cached = time.perf_counter() - start, stored is not None
+            self._done[key] = Estimate(micro_batch_size, gradient_checkpointing, breakdown, extras, seconds, cached)
         return self._done[key]
 
     @property

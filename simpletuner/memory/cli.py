@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(h100, a100-80gb, rtx4090, gb10, gh200, ...)",
     )
     parser.add_argument(
+        "--auto",
+        action="store_true",
+        help="detect this machine's GPU: --gpu auto, the default (the flag of optimize_gpu_config.py, "
+        "which the GPU-memory guides run as `optimize_gpu_config.py --auto`)",
+    )
+    parser.add_argument(
         "--gpu-memory",
         type=float,
         metavar="GB",

@@ -233,6 +233,8 @@ def check_environment() -> None:
 def run_estimate(args) -> int:
     """The command's work; an expected failure prints one line and returns its exit code."""
     try:
+        if getattr(args, "auto", False) and args.gpu != "auto":
+            raise ValueError(f"--auto means --gpu auto: drop one of --auto and --gpu {args.gpu}")
         if args.list_presets and args.apply:
             raise ValueError(
                 "--list-presets lists presets; --apply writes one: use --preset NAME --config CFG.json --apply"

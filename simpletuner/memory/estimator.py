@@ -7,9 +7,11 @@ How the numbers are made:
   gradient checkpointing when configured). Weights, trainable weights, gradients and optimizer
   state are exact byte counts over its parameters.
 * Activations come from one training step (``spec.training_loss`` + backward) run on fake CPU
-  tensors under ``FakeTensorMode``, with ``MemTracker`` recording every storage the step
-  creates. Fake tensors carry shape and dtype but no data and do no compute, so an SD1.5-size
-  UNet traces in seconds. After every op the tracker's snapshot is split by category, and
+  tensors under ``FakeTensorMode``, with :class:`~simpletuner.memory.step_memory.StepMemory`
+  recording every storage the step creates (it counts as torch's ``MemTracker`` does, without
+  its per-module snapshots, which cost more than the fake step itself). Fake tensors carry shape
+  and dtype but no data and do no compute, so an SD1.5-size UNet traces in seconds. After every
+  op the tracker's live bytes are split by category, and
   ``activations`` is the most ever live of ``total - parameters - buffers - inputs -
   gradients``: parameters, the batch and gradients have rows of their own, so nothing is
   counted twice. Autograd's temporaries in the backward pass are part of ``activations``.
@@ -295,58 +297,14 @@ def run_fake_step(
     return mode
 
 
-class _NoHook:
-    @staticmethod
-    def remove() -> None:
-        pass
-
-
-def _make_tracker():
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-
-    not_activations = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT, _MemRefType.OTH)
-
-    class StepTracker(MemTracker):
-        """MemTracker that also keeps the largest activation footprint (``peak_activations``)."""
-
-        peak_activations = 0
-
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            # torch 2.13 registers a gradient hook on every parameter, which raises for frozen
-            # ones (a LoRA base): mark those as hooked already.
-            for p in module.parameters():
-                if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
-                    self._param_to_grad_hook_handles[p] = (_NoHook, _NoHook)
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
-
-        def _update_peak_stats(self, peak_state) -> None:
-            # The global peak only: the stock version also walks every module's stats on every
-            # op (ops x modules: minutes for an SD1.5 UNet), and per-module peaks are unused here.
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)
-                live = snap[_TOTAL_KEY] - sum(snap[k] for k in not_activations)
-                self.peak_activations = max(self.peak_activations, live)
-
-    return StepTracker()
-
-
 def trace_activations(config: "TrainingConfig", batch_size: int, model: nn.Module | None = None) -> tuple[int, int]:
     """``(activations, backward peak)`` of one fake training step: the most bytes of
     activations and temporaries ever live, and the most bytes ever live above the parameters
-    and the batch (activations plus the gradients made so far)."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType
+    and the batch (activations plus the gradients made so far); :class:`~.step_memory.StepMemory`."""
+    from simpletuner.memory.step_memory import StepMemory
 
-    def make_tracker(fake_model, inputs):
-        tracker = _make_tracker()
-        tracker.track_external(fake_model, *inputs)  # parameters, buffers; inputs as "other"
-        return tracker
-
-    tracker = run_fake_step(config, batch_size, model or build_meta_denoiser(config), make_tracker)
-    (peak,) = tracker.get_tracker_snapshot("peak").values()
-    resident = peak[_MemRefType.PARAM] + peak[_MemRefType.BUFFER] + peak[_MemRefType.OTH]
-    return tracker.peak_activations, peak[_TOTAL_KEY] - resident
+    tracker = run_fake_step(config, batch_size, model or build_meta_denoiser(config), StepMemory)
+    return tracker.peak_activations, tracker.peak_above_resident
 
 
 def flops_per_step(config: "TrainingConfig", batch_size: int | None = None) -> int:

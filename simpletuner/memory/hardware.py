@@ -212,6 +212,16 @@ GPU_SPECS: tuple[GpuSpec, ...] = (
         (7, 0),
         "NVIDIA V100 datasheet (PCIe): FP16 tensor 112; FP32 14",
     ),
+    # Quadro RTX 6000 datasheet (and Turing whitepaper, appendix): 24 GB GDDR6, FP32 16.3, tensor 130.5 TFLOPS
+    # FP16 with FP32 accumulate (a Quadro: full rate); no BF16 or TF32. The card of seed 003's guide.
+    _spec(
+        "Quadro RTX 6000",
+        [("quadro", "rtx", "6000"), ("rtx", "6000")],
+        [24],
+        (None, 130.5, None, 16.3),
+        (7, 5),
+        "NVIDIA Quadro RTX 6000 datasheet / Turing whitepaper: FP16 tensor 130.5 (FP32 accumulate); FP32 16.3",
+    ),
     # T4 datasheet: 65 TFLOPS mixed precision (FP16/FP32), FP32 8.1; Turing has no BF16 or TF32.
     _spec("T4", [("t4",)], [16], (None, 65.0, None, 8.1), (7, 5), "NVIDIA T4 datasheet: 65 mixed precision; FP32 8.1"),
     # GeForce cards run FP16 with FP32 accumulate (what training uses, and always for BF16) at half

@@ -255,6 +255,7 @@ class EstimateReport:
             return out
         estimate = self.estimate
         out.update(estimate=estimate.breakdown.as_dict(), extras=estimate.extras, total_bytes=estimate.total)
+        out["from_estimate_cache"] = estimate.cached
         if self.fits is not None:
             out.update(fits=self.fits, headroom_bytes=self.machine.usable_bytes - estimate.total)
             if not self.fits:
@@ -271,9 +272,13 @@ class EstimateReport:
             return text + self._plan_text(usable)
         estimate = self.estimate
         text += [estimate.breakdown.table(usable), *_extras_lines(estimate, usable)]
-        text.append(
-            f"(estimated in {self.seconds:.1f} s, without a GPU; see documentation/MEMORY.md for how far to trust it)"
+        made = (
+            "read from the estimate cache: an earlier run estimated the same model folder, config and code "
+            "(SIMPLETUNER_ESTIMATE_CACHE=off estimates again); made"
+            if estimate.cached
+            else f"estimated in {self.seconds:.1f} s,"
         )
+        text.append(f"({made} without a GPU; see documentation/MEMORY.md for how far to trust it)")
         text += self._managed_text()
         if self.fits is not None:
             text += ["", self.verdict if self.fits else self.advice]

@@ -695,9 +695,21 @@ def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``simpletuner zoo``'s options."""
-    parser.add_argument("--family", default="sd")
-    parser.add_argument("--out", required=True)
+    """``simpletuner zoo``'s options (``--help`` lists the families)."""
+    parser.description = (
+        "Write a tiny random-weight diffusers pipeline folder (configs, tokenizers and weights; seconds on a CPU) "
+        "to try a config or the trainer on: its images are noise, it is no model to fine-tune."
+    )
+    parser.add_argument(
+        "--family",
+        default="sd",
+        choices=list(TINY_MODELS),
+        help="the model family (model_family in a config), or a variant: wan22 (Wan 2.2's two experts), "
+        "wan22_i2v, wan22_ti2v, qwen_image_edit (default: sd)",
+    )
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="the folder to write (pretrained_model_name_or_path)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

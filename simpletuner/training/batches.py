@@ -16,6 +16,7 @@ import torch
 from simpletuner.caching import FillReport, ShardedTensorStore, TensorCache
 from simpletuner.caching.keys import DROPPED_CAPTION, PairedCaption, cache_keys, text_id
 from simpletuner.caching.layout import cache_base, epoch_folder
+from simpletuner.caching.read_only import ReadOnlyCaches
 from simpletuner.caching.reencode import (
     DecodeThreads,
     EpochLatents,
@@ -37,6 +38,7 @@ from simpletuner.gh200.uvm import optimize_batch_for_gh200
 from simpletuner.locks import CacheLocks, hold_epoch_folder
 from simpletuner.models import ModelSpec
 from simpletuner.training.launch import from_every_process, from_main_process, probe_shared_folder
+from simpletuner.training.reliability import run_step
 
 logger = logging.getLogger(__name__)
 
@@ -256,12 +258,14 @@ class _LazyEncoders:
 
     def get_vae(self):
         if self.vae is None:
-            self.vae = self.spec.load_vae(self.device, torch.float32)
+            with run_step("load_vae", "loading the VAE"):  # a Ctrl-C here names it
+                self.vae = self.spec.load_vae(self.device, torch.float32)
         return self.vae
 
     def get_text(self):
         if self.text is None:
-            self.text = self.spec.load_text_encoders(self.device, self.text_dtype)
+            with run_step("load_text_encoders", "loading the text encoders"):
+                self.text = self.spec.load_text_encoders(self.device, self.text_dtype)
         return self.text
 
 
@@ -417,6 +421,9 @@ def prepare_caches(
     with something to encode holds the folder's writer lock (a second run waits, then encodes only
     what is still missing), and ``refresh_each_epoch`` holds this process's per-epoch folder. A latent
     folder of a dataset's own (``cache_dir_vae``) or a ``text_cache_dir`` holds its own locks, taken the same way.
+    A cache folder this process cannot write (a read-only mount) is read without locks when it holds every
+    entry the run needs, and stops the run before anything is encoded when it does not
+    (:mod:`simpletuner.caching.read_only`).
     """
     cache = spec.config.cache_config
     config = spec.config
@@ -426,17 +433,21 @@ def prepare_caches(
         folders = CacheFolders(folders.base, folders.default_vae, folders.text)
     vae_folders = folders.vae_folders(ds.id for ds in datasets)
 
+    on_disk = cache.persistent_cache or "disk" in (cache.vae_cache_type, cache.text_cache_type)
+    lock_bases = sorted({folders.lock_base(f) for f in [*vae_folders, folders.text]}) if on_disk else []
+    read_only = ReadOnlyCaches(lock_bases)  # read without locks; everything needed must be there
+
     def open_vae(folder: Path) -> TensorCache:
-        return open_folder_cache(folder, cache.vae_cache_type, "vae", cache.persistent_cache, state)
+        with read_only.refusing_writes(folders.lock_base(folder)):
+            return open_folder_cache(folder, cache.vae_cache_type, "vae", cache.persistent_cache, state)
 
     def open_text() -> TensorCache:
-        return open_folder_cache(folders.text, cache.text_cache_type, "text", cache.persistent_cache, state)
+        with read_only.refusing_writes(folders.lock_base(folders.text)):
+            return open_folder_cache(folders.text, cache.text_cache_type, "text", cache.persistent_cache, state)
 
     vae_caches = {folder: open_vae(folder) for folder in vae_folders}
     text_cache = open_text()
-    on_disk = cache.persistent_cache or "disk" in (cache.vae_cache_type, cache.text_cache_type)
-    lock_bases = sorted({folders.lock_base(f) for f in [*vae_folders, folders.text]}) if on_disk else []
-    cache_locks = {base: CacheLocks(base) for base in lock_bases}  # sorted: runs take them in one order
+    cache_locks = {base: CacheLocks(base) for base in lock_bases if base not in read_only}  # sorted: one order
     run_locks = getattr(state, "run_locks", None)  # the Trainer's, released when train() ends
     if run_locks is not None:  # in use from here: `cache clear` refuses
         for locks in cache_locks.values():
@@ -445,7 +456,8 @@ def prepare_caches(
     def locks_of(folder: Path) -> CacheLocks | None:
         return cache_locks.get(folders.lock_base(folder))
 
-    if share is not None and on_disk and not all(share.sees_one_folder(f) for f in [*vae_folders, folders.text]):
+    written = [f for f in [*vae_folders, folders.text] if folders.lock_base(f) not in read_only]
+    if share is not None and on_disk and not all(share.sees_one_folder(f) for f in written):
         logger.warning(
             "the cache folders (%s) are not one folder for every process (a node-local disk at that path on some "
             "node): every process fills the whole cache itself, one at a time per folder. Put cache_dir on a "
@@ -468,14 +480,21 @@ def prepare_caches(
                 for key, (ds, s) in distinct.items()
                 if folders.vae_folder(ds.id) == folder
             ]
-            with _writing(
-                locks_of(folder),
-                vae_caches[folder],
-                [key for key, _ in items],
-                lambda folder=folder: open_vae(folder),
-                may_rewrite=cache.verify_content,
-                share=share,
-            ) as filled:
+            base = folders.lock_base(folder)
+            if base in read_only:  # an image that does not decode is dropped, not needed
+                has, decodes = vae_caches[folder].__contains__, lambda payload: loader.load(*payload) is not None
+                items = read_only.present_items(base, has, items, "VAE latents", decodes)
+            with (
+                read_only.refusing_writes(base),
+                _writing(
+                    locks_of(folder),
+                    vae_caches[folder],
+                    [key for key, _ in items],
+                    lambda folder=folder: open_vae(folder),
+                    may_rewrite=cache.verify_content,
+                    share=share,
+                ) as filled,
+            ):
                 reports.append(
                     filled.fill(
                         items,
@@ -535,15 +554,23 @@ def prepare_caches(
     def text_group(item) -> tuple:  # a batch of pairs holds one source size (their prompts stack)
         return ("pair", distinct[item.sample_key][1].bucket) if isinstance(item, PairedCaption) else ("caption",)
 
-    with _writing(locks_of(folders.text), text_cache, text_keys.values(), open_text, share=share) as text_cache:
+    text_items = [(key, caption) for caption, key in text_keys.items()]
+    text_base = folders.lock_base(folders.text)
+    if text_base in read_only:
+        text_items = read_only.present_items(text_base, text_cache.__contains__, text_items, "text embeddings")
+    with (
+        read_only.refusing_writes(text_base),
+        _writing(locks_of(folders.text), text_cache, text_keys.values(), open_text, share=share) as text_cache,
+    ):
         text_report = text_cache.fill(
-            [(key, caption) for caption, key in text_keys.items()],
+            text_items,
             encode_text,
             TEXT_ENCODE_BATCH,
             group=text_group,
             desc="text embeddings",
             share=share,
         )
+    read_only.log_used()
     reports = {"latents": latent_report, "text": text_report}
     by_dataset = {ds.id: vae_caches[folders.vae_folder(ds.id)] for ds in datasets}
     default = vae_caches.get(folders.default_vae) or next(iter(vae_caches.values()))

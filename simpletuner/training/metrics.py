@@ -9,6 +9,7 @@ description), so the CPU tests drive the CUDA branches with a fake.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -141,12 +142,20 @@ def managed_pool_stats() -> dict | None:
     return stats() if stats is not None else None
 
 
+def samples_per_s(rate: float) -> str:
+    """Two significant figures (``12``, ``2.3``, ``0.042``): a step of more than 20 s on a busy CPU
+    host is not "0.0 samples/s"; three or more digits before the point are shown whole (``1234``)."""
+    if rate >= 99.5 or rate <= 0 or not math.isfinite(rate):
+        return f"{rate:.0f}"
+    return f"{rate:#.2g}".rstrip(".")
+
+
 def progress_postfix(logs: dict) -> dict[str, str]:
     """The progress bar's figures: loss, lr, samples/s, step time, and MFU / eval loss when known."""
     shown = {
         "loss": f"{logs['loss']:.4f}",
         "lr": f"{logs['lr']:.2e}",
-        "samples_s": f"{logs['samples_per_s']:.1f}",
+        "samples_s": samples_per_s(logs["samples_per_s"]),
         "step_s": f"{logs['step_time_s']:.3f}",
         "wait": f"{logs['data_wait_share']:.0%}",
     }
@@ -166,14 +175,15 @@ def log_line(logs: dict) -> str:
     parts = [
         f"loss {logs['loss']:.4f}",
         f"lr {logs['lr']:.2e}",
-        f"{logs['samples_per_s']:.1f} samples/s",
+        f"{samples_per_s(logs['samples_per_s'])} samples/s",
         f"step {logs['step_time_s']:.3f}s",
         f"data wait {logs['data_wait_share']:.0%}",
     ]
     if "tflops" in logs and ("mfu" in logs or "peak_memory_gib" in logs):
         parts.append(f"{logs['tflops']:.2f} TFLOPS")
     if "mfu" in logs:
-        parts.append(f"MFU {logs['mfu']:.1%}")
+        # and the metrics.jsonl key in lower case: `grep mfu training.log` (the seeds' habit) finds the line
+        parts.append(f"MFU {logs['mfu']:.1%} (mfu={logs['mfu']:.4f})")
     if "peak_memory_gib" in logs:
         parts.append(f"peak {logs['peak_memory_gib']:.2f} GiB")
     if "managed_pool_gib" in logs:

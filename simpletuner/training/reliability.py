@@ -56,6 +56,8 @@ PHASES: dict[str, tuple[str, str, Kept]] = {
         "interrupt",
         NOTHING_YET + "; the next run stages and scans again",
     ),
+    # Sizing the VAE, text encoders and denoiser from their configs (seconds on a busy host; on a GPU the estimate)
+    "memory_check": ("the memory check before the cache fill", "interrupt", NOTHING_YET),
     "cache_fill": ("the cache fill", "interrupt", NOTHING_YET),
     "model_load": ("the model load", "interrupt", CACHES_COMPLETE),
     "first_validation": ("the first validation", "interrupt", CACHES_COMPLETE),
@@ -73,11 +75,15 @@ class RunStopped(RuntimeError):
 
 
 class Preempted(RunStopped):
-    def __init__(self, signum: int, checkpoint):
+    """A signal stopped the step loop: a checkpoint was saved; ``resume_command`` (when the entry point
+    knows one, e.g. the demo's) is named instead of the config key."""
+
+    def __init__(self, signum: int, checkpoint, resume_command: str | None = None):
         self.signum = signum
         self.exit_code = 128 + signum
         name = signal.Signals(signum).name
-        super().__init__(f'stopped by {name}: saved {checkpoint}; resume with resume_from_checkpoint: "latest"')
+        how = f"`{resume_command}`" if resume_command else 'resume_from_checkpoint: "latest"'
+        super().__init__(f"stopped by {name}: saved {checkpoint}; resume with {how}")
 
 
 class Interrupted(RunStopped):
@@ -269,6 +275,23 @@ def run_phase(phase: str, kept: Kept | None = None) -> None:
         signals.enter(phase, kept)
     else:
         fault_point(f"phase:{phase}")
+
+
+@contextmanager
+def run_step(name: str, words: str) -> Iterator[None]:
+    """A named step inside the current phase (loading the VAE in the cache fill): a stop during it
+    says ``during <phase>, while <words>``; the phase's words come back after it. Reaching it is the
+    fault point ``step:<name>``."""
+    signals = RunSignals.installed()
+    before = signals.words if signals is not None else None
+    if signals is not None:
+        signals.words = f"{before}, while {words}"
+    try:
+        fault_point(f"step:{name}")
+        yield
+    finally:
+        if signals is not None and signals.words == f"{before}, while {words}":  # no phase change inside
+            signals.words = before
 
 
 def cache_entries_kept(folders: Callable[[], Iterable[Path]]) -> Callable[[], str]:

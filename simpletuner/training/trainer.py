@@ -25,6 +25,7 @@ from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import knobs, metrics, run_folder, runlog, sharded_state
 from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
 from simpletuner.training.batches import Batch, free_memory, launch_share, prepare_caches
+from simpletuner.training.cpu_threads import CpuThreads, settle_cpu_threads
 from simpletuner.training.ema import EMA
 from simpletuner.training.launch import PhaseClock, check_launch, check_shared_output_dir, make_accelerator
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
@@ -70,6 +71,7 @@ class Trainer:
     accelerator: Accelerator
     run_id: str  # made per launch; a resume adopts the checkpoint's
     _save_token: str  # this launch's checkpoint temp-folder token
+    cpu_threads: CpuThreads  # torch's CPU thread count and why (training/cpu_threads.py)
     finished_at: int | None  # the step of a resumed run that is already finished: nothing else is built
     accumulation: AccumulationPolicy
     generator: torch.Generator  # noise and timesteps: one per rank, saved and restored with checkpoints
@@ -164,6 +166,7 @@ class Trainer:
             self.output_dir,
             find_unused_parameters=self.spec.needs_unused_parameter_detection,
         )
+        self.cpu_threads = settle_cpu_threads(cfg.num_cpu_threads, is_cuda=acc.device.type == "cuda")  # before the work
         check_launch(acc, cfg)  # processes, FSDP, one config on every node: before anything loads or is written
         self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
         check_shared_output_dir(acc, self.output_dir)  # every node sees the folder rank 0 holds
@@ -191,6 +194,7 @@ class Trainer:
         """``data`` (every latent and text embedding cached) and ``validator``. Stops first when RAM or
         GPU cannot hold the run; then every rank encodes its part of what is missing and reads the others'."""
         cfg, acc, spec, datasets = self.config, self.accelerator, self.spec, self.state.datasets
+        run_phase("memory_check")
         check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
         run_phase("cache_fill", kept=cache_entries_kept(lambda: self.state.cache_dirs))  # a stop keeps what is written
         cache_dir = Path(cfg.cache_config.cache_dir).expanduser()
@@ -249,6 +253,7 @@ class Trainer:
         precision = sources.get("mixed_precision", "the default: neither the config nor the launcher set it")
         changed = "" if self.mixed_precision == asked else f" (asked for {asked!r}; this GPU has no bf16)"
         logger.info("mixed precision %s in force%s, %s", self.accelerator.mixed_precision, changed, precision)
+        logger.log(self.cpu_threads.level, "%s", self.cpu_threads.line)
         for key in [k for k in ("gradient_accumulation_steps", "enable_compile") if k in sources]:
             logger.info("%s %s, %s", key, getattr(self.config, key), sources[key])
         for line in self.state.startup_notes:
@@ -578,7 +583,7 @@ class Trainer:
             path = self._last_saved_path
         else:
             path = self.save_checkpoint()
-        raise Preempted(self.preempt_signum, path)
+        raise Preempted(self.preempt_signum, path, self.state.resume_command)
 
     def _save_final(self) -> Path | None:
         """The final adapter (or model), then, with ``checkpoint_at_end``, a checkpoint of the last

@@ -111,6 +111,19 @@ def _project(tmp_path: Path, tiny_sd: Path, shapes_dir: Path, config: dict, data
     return path
 
 
+def test_a_missing_relative_model_folder_is_looked_for_in_the_working_directory(
+    tmp_path, tiny_sd, shapes_dir, monkeypatch
+):
+    """SimpleTuner reads a relative model path from the working directory: the refusal names that folder,
+    not the config file's (where a native config's relative paths are read)."""
+    path = _project(tmp_path, tiny_sd, shapes_dir, {"--pretrained_model_name_or_path": "models/gone/sd"})
+    root = path.parent.parent
+    monkeypatch.chdir(root)
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(root / "models" / "gone" / "sd") in str(raised.value)
+
+
 def test_a_dashed_config_with_string_values_loads_with_its_meaning(tmp_path, tiny_sd, shapes_dir, monkeypatch, caplog):
     path = _project(tmp_path, tiny_sd, shapes_dir, {"--checkpoint_step_interval": "5", "--lora_rank": "4"})
     root = path.parent.parent

@@ -93,15 +93,15 @@ def _same_folder(t: Translation, value: Any, entry: DialectKey) -> None:
 
 
 def _model_path(t: Translation, value: Any, entry: DialectKey) -> None:
-    """A local folder (relative ones from the working directory, as SimpleTuner reads them); a hub id
-    stops with the download command, since nothing is downloaded here."""
+    """A local folder, relative ones from the working directory as SimpleTuner reads them (made absolute, so
+    a missing one is reported there, not beside the config file); a hub id stops with the download command,
+    since nothing is downloaded here."""
     if isinstance(value, str) and value:
         local = os.path.normpath(os.path.join(t.cwd, os.path.expanduser(value)))
-        if os.path.isdir(local):
-            value = local
-        elif value.count("/") == 1 and not value.startswith((".", "/", "~")):
+        if not os.path.isdir(local) and value.count("/") == 1 and not value.startswith((".", "/", "~")):
             t.problems.append(f"`{entry.key}`: {value!r} is not a local folder; {hub_advice(value)}")
             return
+        value = local
     t.put("pretrained_model_name_or_path", value, entry.key)
 
 

@@ -203,7 +203,7 @@ def _materialise(model, mode: str, runtime, width: int, device: str) -> None:
 def _memory(runtime, used: list[int], on_gpu: bool) -> dict:
     import torch
 
-    stats = getattr(runtime, "pool_stats", lambda: None)() or {}
+    stats = runtime.pool_stats() or {}
     return {
         "peak_hbm_bytes": max(used) if used else None,  # device memory in use, sampled after each step
         "peak_allocated_bytes": torch.cuda.max_memory_allocated() if on_gpu else None,

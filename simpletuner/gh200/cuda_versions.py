@@ -67,7 +67,7 @@ def version_call(rt, name: str) -> int | None:
     """``rt.<name>()`` (cudaDriverGetVersion / cudaRuntimeGetVersion) as an int, None when it fails."""
     try:
         err, value = getattr(rt, name)()
-    except Exception:
+    except Exception:  # the bindings could not load libcudart at all: the version is unknown, not an error
         return None
     return int(value) if err == rt.cudaError_t.cudaSuccess else None
 

@@ -122,12 +122,11 @@ def collect_environment(environ=None) -> dict:
 
 
 def collect_pool(runtime) -> dict:
-    """Whether the managed-memory pool can be used, and what it holds (if the runtime says)."""
+    """Whether the managed-memory pool can be used, and what it holds."""
     reason = runtime.unavailable_reason()
-    stats_fn = getattr(runtime, "pool_stats", None)
     return {
         "status": "available" if reason is None else reason,
-        "stats": stats_fn() if callable(stats_fn) else None,
+        "stats": runtime.pool_stats(),
         "fork_uvm_stats": FORK_UVM_STATS,  # the fork's `uvm.*` keys: not here, and what replaces them
     }
 

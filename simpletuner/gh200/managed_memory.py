@@ -298,7 +298,7 @@ def stop_managed_memory(plan: ManagedMemoryPlan, runtime=None) -> None:
     runtime = runtime or get_runtime()
     runtime.end_routing()
     set_batch_advice(True)
-    stats = getattr(runtime, "pool_stats", lambda: None)()
+    stats = runtime.pool_stats()
     if stats:
         logger.info(
             'managed_memory "all" ended: the pool held at most %s of its %s bound (%d allocation(s) refused)',

@@ -124,6 +124,9 @@ class UnifiedMemoryRuntime(Protocol):
         """From now on every CUDA allocation of this process, on any thread, comes from the managed
         pool, which may hold at most ``limit_bytes`` (None: unbounded)."""
 
+    def pool_stats(self) -> dict | None:
+        """What the managed pool holds (see :meth:`CudaBindingsRuntime.pool_stats`); None before it exists."""
+
     def end_routing(self) -> None:
         """Stop :meth:`route_all_allocations`: later allocations come from PyTorch's own pools again
         (what the managed pool holds stays valid; its cached blocks are freed with the process)."""
@@ -191,6 +194,9 @@ class NoCudaRuntime:
 
     def end_routing(self) -> None:
         pass
+
+    def pool_stats(self) -> dict | None:
+        return None
 
     def routing_problem(self) -> str | None:
         return f"managed memory is unavailable: {self.reason}"

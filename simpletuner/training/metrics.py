@@ -138,8 +138,7 @@ def uvm_memory_figures(pool_stats: Mapping[str, int] | None) -> dict[str, float]
 
 def managed_pool_stats() -> dict | None:
     """The unified-memory pool's figures once it holds memory (caches in `unified_memory`)."""
-    stats = getattr(get_runtime(), "pool_stats", None)
-    return stats() if stats is not None else None
+    return get_runtime().pool_stats()
 
 
 def samples_per_s(rate: float) -> str:

@@ -89,7 +89,7 @@ class AspectBucket(_Strict):
     weight: float = Field(..., ge=0, description="Chance of this aspect with `crop_aspect: random`; all add up to 1.")
 
 
-class _FolderDatasetConfig(_Strict):
+class FolderDatasetConfig(_Strict):
     """Fields every folder-of-images dataset shares, whatever its storage backend."""
 
     cross_field_rules: ClassVar[tuple[Rule, ...]] = DATASET_RULES
@@ -389,7 +389,7 @@ def object_store_url_problem(value: str) -> Optional[str]:
     return None
 
 
-class LocalDatasetConfig(_FolderDatasetConfig):
+class LocalDatasetConfig(FolderDatasetConfig):
     """A folder of images on local disk (searched recursively), read when needed."""
 
     type: Literal["local"] = Field(..., description="Storage backend: `local` reads files from disk. Required.")
@@ -426,7 +426,7 @@ class InMemoryOptions(_Strict):
     )
 
 
-class InMemoryDatasetConfig(_FolderDatasetConfig):
+class InMemoryDatasetConfig(FolderDatasetConfig):
     """A folder of images staged whole in CPU RAM at start-up (GH200 / GB10: no disk I/O while training)."""
 
     type: Literal["in_memory"] = Field(
@@ -472,7 +472,7 @@ class InMemoryDatasetConfig(_FolderDatasetConfig):
         return self
 
 
-class ObjectStoreDatasetConfig(_FolderDatasetConfig):
+class ObjectStoreDatasetConfig(FolderDatasetConfig):
     """Images in an object store (``s3://``, ``gs://``, ``http(s)://``, ... through fsspec), read when needed."""
 
     type: Literal["object_store"] = Field(
@@ -537,7 +537,7 @@ def _shard_dataset_fields(ds):
             )
 
 
-class WebDatasetConfig(_FolderDatasetConfig):
+class WebDatasetConfig(FolderDatasetConfig):
     """webdataset-style tar shards (``<key>.jpg`` + ``<key>.txt`` members), streamed: nothing is extracted."""
 
     cross_field_rules: ClassVar[tuple[Rule, ...]] = DATASET_RULES + (_shard_dataset_fields,)
@@ -557,7 +557,7 @@ class WebDatasetConfig(_FolderDatasetConfig):
     )
 
 
-class ParquetDatasetConfig(_FolderDatasetConfig):
+class ParquetDatasetConfig(FolderDatasetConfig):
     """Parquet files holding image bytes and captions (as Hugging Face `datasets` stores them), streamed."""
 
     cross_field_rules: ClassVar[tuple[Rule, ...]] = DATASET_RULES + (_shard_dataset_fields,)

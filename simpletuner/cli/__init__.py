@@ -100,6 +100,3 @@ def main(argv: list[str] | None = None) -> int:
         reporter.error(f"unrecognized arguments: {' '.join(unknown)}")
     return _module(command).run(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

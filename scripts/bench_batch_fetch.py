@@ -42,7 +42,6 @@ from bench_staging import write_dataset  # noqa: E402
 
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.data_backend import RegisteredDataset, build_datasets, load_sample_pixels  # noqa: E402
-from simpletuner.state import StateTracker  # noqa: E402
 
 
 def build(root: Path, kind: str, resolution: int, compression: str) -> RegisteredDataset:
@@ -55,7 +54,7 @@ def build(root: Path, kind: str, resolution: int, compression: str) -> Registere
         "resolution": resolution,
         "datasets": [entry],
     }
-    (dataset,) = build_datasets(StateTracker(validate_config(raw, check_files=False), raw))
+    (dataset,) = build_datasets(validate_config(raw, check_files=False))
     return dataset
 
 

@@ -78,8 +78,9 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from simpletuner.memory.estimator import GiB, estimate_memory
-    from simpletuner.memory.measure import measure_cpu_step, write_sd15_config_only
-    from simpletuner.models.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_sd
+    from simpletuner.memory.measure import measure_cpu_step
+    from simpletuner.testing.config_only import write_sd15_config_only
+    from simpletuner.testing.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_sd
 
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "

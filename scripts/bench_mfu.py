@@ -38,7 +38,7 @@ def write_mid_sd(out_dir: str | Path, seed: int = 0) -> Path:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from simpletuner.models.zoo import save_sd_pipeline, tiny_clip_tokenizer
+    from simpletuner.testing.zoo import save_sd_pipeline, tiny_clip_tokenizer
 
     torch.manual_seed(seed)
     tokenizer = tiny_clip_tokenizer()
@@ -79,8 +79,8 @@ def write_mid_sd(out_dir: str | Path, seed: int = 0) -> Path:
 
 def write_bench_config(root: str | Path, size: str = "mid", batch_size: int = 4, mixed_precision: str = "bf16") -> Path:
     """Model (unless already there), shapes dataset and a LoRA config under ``root``; returns the config path."""
-    from simpletuner.demo import write_shapes_dataset
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.zoo import write_tiny_model
 
     if size not in SIZES:
         raise ValueError(f"--size must be one of {', '.join(SIZES)}, not {size!r}")

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.models import get_model_spec  # noqa: E402
-from simpletuner.models.zoo import write_tiny_sd  # noqa: E402
+from simpletuner.testing.zoo import write_tiny_sd  # noqa: E402
 
 
 def _setup(model_dir: Path, lora_type: str, device: torch.device):

@@ -39,7 +39,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported: no bars i
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from simpletuner.gh200.in_memory_backend import GH200InMemoryBackend  # noqa: E402
+from simpletuner.data_backend.in_memory import GH200InMemoryBackend  # noqa: E402
 
 CODECS = ("none", "lz4", "zlib", "snappy")
 

@@ -75,7 +75,7 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, str(ROOT))
-        from simpletuner.demo import write_demo
+        from simpletuner.cli.demo import write_demo
 
         config = write_demo(Path(tmp))
         for i in range(args.repeats + 1):  # the first run fills the caches and is not counted

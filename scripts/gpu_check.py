@@ -87,8 +87,8 @@ def managed_cap(
     counted once where it is a NUMA node of the host, ``memory_only_numa_bytes``; None: read this machine's),
     and on a discrete GPU at most 0.9 x the card's free memory; None when host memory is unknown."""
     from simpletuner.gh200.managed_memory import backable_bytes
-    from simpletuner.host import hbm_in_host_memory
-    from simpletuner.host import memory_only_numa_bytes as numa_bytes
+    from simpletuner.hardware.host import hbm_in_host_memory
+    from simpletuner.hardware.host import memory_only_numa_bytes as numa_bytes
 
     numa = numa_bytes() if memory_only_numa_bytes is None else memory_only_numa_bytes
     hbm_in_host = not info.integrated and hbm_in_host_memory(info.total_bytes, numa)
@@ -326,7 +326,7 @@ def _cmd(cmd: list[str]) -> str:
 def _device_info(machine: dict):
     from dataclasses import fields
 
-    from simpletuner.gh200.runtime import DeviceMemoryInfo
+    from simpletuner.hardware.runtime import DeviceMemoryInfo
 
     d = machine["device"]
     values = {f.name: d[f.name] for f in fields(DeviceMemoryInfo)}

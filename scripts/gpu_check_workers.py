@@ -26,8 +26,8 @@ def probe() -> dict:
     """The machine: GPU name, memory, kind, driver / torch / CUDA / cuda-bindings versions, host RAM, date."""
     import torch
 
-    from simpletuner.gh200.runtime import get_runtime
-    from simpletuner.host import collect_host
+    from simpletuner.hardware.host import collect_host
+    from simpletuner.hardware.runtime import get_runtime
 
     runtime = get_runtime()
     machine = {
@@ -98,8 +98,8 @@ def mode_worker(
 
     from simpletuner.configuration.sections import GH200Optimizations
     from simpletuner.gh200.managed_memory import check_managed_memory, start_managed_memory
-    from simpletuner.gh200.runtime import get_runtime
-    from simpletuner.host import collect_host
+    from simpletuner.hardware.host import collect_host
+    from simpletuner.hardware.runtime import get_runtime
 
     row: dict = {"mode": mode, "outcome": "running"}
 

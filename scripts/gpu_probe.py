@@ -5,7 +5,7 @@
 
 Each case (in ``scripts/gpu_probe_cases.py``) runs in a process of its own, with its own timeout
 (routing every allocation to the managed pool cannot be undone in a process, and a crash or a hang
-then costs one case), through simpletuner's own runtime (``simpletuner.gh200.runtime.
+then costs one case), through simpletuner's own runtime (``simpletuner.hardware.runtime.
 CudaBindingsRuntime``). Each writes exactly one JSON line as soon as it ends, to stdout and appended to
 ``--out``: its figures, or ``error`` (an exception, a timeout, a process that printed nothing), or
 ``skipped``, and ``seconds``. Without CUDA every case is ``{"case": ..., "skipped": "no CUDA: <why>"}``
@@ -82,7 +82,7 @@ def skip_reasons() -> tuple[str | None, str | None]:
     """("no CUDA: why" or None, "managed memory unavailable: why" or None). A runtime that raises is
     left to the cases (and --env) to report."""
     try:
-        from simpletuner.gh200.runtime import CudaBindingsRuntime
+        from simpletuner.hardware.runtime import CudaBindingsRuntime
 
         rt = CudaBindingsRuntime()
         if not rt.cuda_available():
@@ -156,14 +156,14 @@ def environment() -> dict:
         except (OSError, subprocess.TimeoutExpired) as exc:
             out["nvidia_smi"] = f"{type(exc).__name__}: {exc}"
     try:
-        from simpletuner.gh200.runtime import CudaBindingsRuntime
+        from simpletuner.hardware.runtime import CudaBindingsRuntime
 
         rt = CudaBindingsRuntime()
         out.update(versions=rt.versions(), unavailable_reason=rt.unavailable_reason())
         info = rt.device_info()
         out["device"] = info.as_dict() if info else None
         if info is not None:
-            from simpletuner.memory.hardware import lookup_gpu
+            from simpletuner.hardware.gpus import lookup_gpu
 
             props = torch.cuda.get_device_properties(info.index)
             out["device"]["multi_processors"] = props.multi_processor_count

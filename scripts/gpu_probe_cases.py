@@ -34,7 +34,7 @@ def case_caches(rt) -> dict:
     import torch
 
     from simpletuner.gh200 import uvm
-    from simpletuner.gh200.runtime import set_runtime
+    from simpletuner.hardware.runtime import set_runtime
 
     set_runtime(rt)
     uvm.set_uvm_hint_override(True, "gpu_probe")
@@ -317,7 +317,7 @@ def run_here(name: str) -> dict:
     """One case in this process: its figures, or ``error`` with the exception's last lines."""
     out: dict = {"case": name, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     try:
-        from simpletuner.gh200.runtime import CudaBindingsRuntime
+        from simpletuner.hardware.runtime import CudaBindingsRuntime
 
         out.update(RUNNERS[name](CudaBindingsRuntime()))
     except Exception as exc:  # the line says what broke; the other cases still run

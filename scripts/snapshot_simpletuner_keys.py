@@ -1,6 +1,6 @@
 """Write tests/data/simpletuner_keys.json: every key of SimpleTuner's config dialect at one commit.
 
-The dialect table (simpletuner/configuration/dialect.py and dialect_tail.py) must say something about
+The dialect table (``simpletuner.configuration.simpletuner.translate.DIALECT``) must say something about
 every key a SimpleTuner user may bring; a test checks the table against this snapshot. The snapshot
 holds key names only (facts), read from SimpleTuner's own documentation and examples:
 

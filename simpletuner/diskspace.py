@@ -7,7 +7,7 @@ way: its temp files removed, what was there before untouched, and :class:`NoSpac
 "<what> needs ~X in DIR, Y free" (exit code 5, no traceback).
 
 A leaf module: it imports nothing from the package but the exit-code table, so caching, models
-and training can all use it.
+and training can all use it. :func:`human_bytes` (decimal units) and :func:`format_gib` print sizes.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ _FULL_WORDS = (
     "os error 122",
     "quotaexceeded",
 )
+
+
+#: Bytes in a GiB: the unit memory figures (RAM, GPU memory) are printed in.
+GIB = 1024**3
+
+
+def format_gib(num_bytes: float | None) -> str:
+    """``1.5 * GIB`` -> ``"1.5 GiB"``; None (not known) -> ``"unknown"``."""
+    return "unknown" if num_bytes is None else f"{num_bytes / GIB:.1f} GiB"
 
 
 def human_bytes(num_bytes: float) -> str:
@@ -115,14 +124,15 @@ def is_disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a full disk or an exceeded quota, however the writer
     worded it (an OSError from Python, a SafetensorError from Rust, a RuntimeError from torch.save)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _FULL_ERRNOS:
             return True
-        text = str(exc).lower()
+        text = str(current).lower()
         if any(word in text for word in _FULL_WORDS):
             return True
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 

@@ -1,19 +1,7 @@
 """Exit codes every ``simpletuner`` command shares, and the one way an unexpected error ends.
 
-Each code has one meaning across commands, so scripts can branch on it:
-
-==== ===============================================================================
-0    done
-1    ``estimate``: the config does not fit the GPU; ``train``: stopped early on purpose
-2    bad input: config, flags, files (the message says what to fix)
-3    ``train``: non-finite loss or gradient (the last good state is saved)
-4    ``train``: out of memory (the message says what would fit)
-5    not enough disk space for a write (the message says how much, where, and what is free)
-70   internal error: a bug in simpletuner, not in the input (EX_SOFTWARE of sysexits.h)
-130  ``train``: stopped by SIGINT (Ctrl-C) after saving
-141  the output was piped into a reader that stopped early (``... | head``), as a shell reports it
-143  ``train``: stopped by SIGTERM after saving
-==== ===============================================================================
+Each code has one meaning across commands, so scripts can branch on it (130 / 143: stopped by SIGINT /
+SIGTERM after saving). The table with each command's use: documentation/RELIABILITY.md, "Exit codes".
 """
 
 from __future__ import annotations
@@ -22,12 +10,12 @@ import sys
 import traceback
 
 OK = 0
-DOES_NOT_FIT = 1
-BAD_INPUT = 2
-NON_FINITE = 3
-OUT_OF_MEMORY = 4
-NO_SPACE = 5
-INTERNAL_ERROR = 70
+DOES_NOT_FIT = 1  # `estimate`: the config does not fit the GPU; `train`: stopped early on purpose
+BAD_INPUT = 2  # config, flags, files (the message says what to fix)
+NON_FINITE = 3  # `train`: non-finite loss or gradient (the last good state is saved)
+OUT_OF_MEMORY = 4  # `train`: out of memory (the message says what would fit)
+NO_SPACE = 5  # not enough disk space for a write (how much, where, what is free)
+INTERNAL_ERROR = 70  # a bug in simpletuner, not in the input (EX_SOFTWARE of sysexits.h)
 BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE
 
 REPORT_HINT = (

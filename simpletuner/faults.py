@@ -1,17 +1,11 @@
 """Fault points: named places where the fault-injection tests make a run die or get a signal.
 
-``SIMPLETUNER_FAULT`` names one or more points, comma-separated, each ``<point>[@N][:SIGNAL]``:
-the N-th time (default the 1st) the process reaches ``<point>`` it sends itself ``SIGNAL``
-(``SIGTERM`` or ``SIGINT``; default ``SIGKILL``, as a crash or ``kill -9`` would). A signal
-sent this way reaches the run's handlers exactly as one from a user or a scheduler does, but
-at a chosen moment, so a test can interrupt a chosen phase without racing it.
-
-Examples: ``checkpoint:renamed@2`` (SIGKILL during the second checkpoint save),
-``cache:shard_written:SIGTERM``, ``validation:prompt@1:SIGINT,validation:prompt@2:SIGINT``
-(Ctrl-C twice).
-
-Unset in normal runs, where :func:`fault_point` costs one dictionary lookup. A leaf module
-(standard library only), so every layer (data backends, caches, staging, training) may call it.
+``SIMPLETUNER_FAULT`` names points, comma-separated, each ``<point>[@N][:SIGNAL]``: the N-th time (default
+1st) the process reaches ``<point>`` it sends itself ``SIGNAL`` (``SIGTERM``, ``SIGINT``; default ``SIGKILL``),
+which reaches the run's handlers as a user's or a scheduler's would, at a chosen moment (e.g.
+``checkpoint:renamed@2``, ``validation:prompt@1:SIGINT,validation:prompt@2:SIGINT``). Unset,
+:func:`fault_point` costs one dictionary lookup. A leaf (standard library only), callable from every layer.
+See documentation/RELIABILITY.md, "Fault injection".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Which part of simpletuner may import which: the layering rule, written down once.
 
-``tests/test_layering.py`` reads every module's imports (module level and inside functions) and
-fails on an arrow this table does not allow, naming the file, the line and the two parts; it also
-fails on an import cycle between modules at module level. Imports under ``if TYPE_CHECKING:`` are
-annotations only and are not arrows.
-
-A module's *part* is the longest entry of :data:`LAYERS` that is its dotted name below
-``simpletuner`` or a package above it (``models.adapters.lycoris`` is in ``models``;
-``memory.cli`` is a part of its own). An import is allowed when
-
-* both modules are in the same part, or
-* the imported part sits in a lower layer, or
-* both parts share a layer and :data:`BESIDE` lists the arrow (a set there names the only
-  functions or classes that may be imported across it: a narrow door, not a free passage).
-
-Nothing may import a part in a higher layer.
+Documentation that ``tests/test_layering.py`` enforces: it fails on an import (module level or in a
+function; ``if TYPE_CHECKING:`` excepted) this table does not allow, and on a module-level cycle. A module's
+*part* is the longest entry of :data:`LAYERS` that is its dotted name below ``simpletuner`` or a package
+above it. An import is allowed within a part, into a lower layer, or across one layer where :data:`BESIDE`
+lists the arrow (a set there names the only functions or classes allowed). Nothing imports a higher layer.
+See documentation/ARCHITECTURE.md, "Layers".
 """
 
 from __future__ import annotations
@@ -27,29 +18,32 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Leaf helpers: each imports nothing from simpletuner but (diskspace) an exit code and (locks) diskspace.
     (
         "__init__",
-        "commands",
         "diskspace",
         "exit_codes",
         "faults",
         "file_modes",
-        "host",
         "layers",
         "locks",
         "precision",
+        "ranks",
         "resources",
     ),
     ("configuration",),
+    # What machine this is (host and device facts) and the CUDA runtime that reaches the device.
+    ("hardware",),
     ("state",),
-    # gh200 sits beside data_backend (its in-memory backend is a data backend) and below caching:
-    # the memory stores place and prefetch through gh200.uvm; gh200 never imports caching.
+    # Below caching: the memory stores place and prefetch through gh200.uvm; gh200 never imports caching.
     ("data_backend", "gh200"),
     ("caching",),
     ("models",),  # with models.adapters: LoRA, LyCORIS, quantisation, the trainable set-up
     # memory sits beside training: it never imports training; training asks it through BESIDE's door.
     ("memory", "training"),
-    # Commands: each is a `simpletuner` sub-command (memory.profile runs the Trainer for `estimate --profile`).
-    ("train", "demo", "convert", "caching.admin", "memory.cli", "memory.estimate_command", "memory.profile"),
+    # Scaffolding for tests, benchmarks and the demo (tiny pipelines, config-only folders): never imported below.
+    ("testing",),
+    # The `simpletuner` command and its sub-commands, one module each.
     ("cli",),
+    # The entry file of `accelerate launch simpletuner/train.py`: it only calls cli.train.
+    ("train",),
 )
 
 #: Arrows between parts of one layer, one way each: ``(importer, imported) -> ANY or allowed names``.
@@ -66,19 +60,12 @@ BESIDE: dict[tuple[str, str], frozenset[str] | None] = {
             "diskspace.require_space",
         }
     ),
-    ("gh200", "data_backend"): ANY,
-    # The `in_memory` entry of data_backend.factory.BUILDERS, imported when a dataset asks for it.
-    ("data_backend", "gh200"): frozenset({"gh200.in_memory_backend.build_in_memory_backend"}),
     ("training", "memory"): frozenset(
         {
-            "memory.hardware.detect_hardware",  # the GPU behind MFU
             "memory.oom.explain_out_of_memory",  # what to say after an OOM
             "memory.preflight.check_run_memory",  # does the run fit before the cache fill
         }
     ),
-    ("memory.cli", "memory.estimate_command"): ANY,  # the options, then the work (imported on use)
-    ("memory.estimate_command", "memory.profile"): ANY,
-    ("demo", "train"): frozenset({"train.main"}),  # the demo ends by training on what it wrote
 }
 
 

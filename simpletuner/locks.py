@@ -1,50 +1,12 @@
 """Folder locks: one training run per output_dir; many runs may read a cache folder, one fills it.
 
-Two runs writing one output_dir overwrite each other's checkpoints, and ``simpletuner cache
-clear`` under a run that fills the cache kills that run. Advisory ``flock(2)`` locks on small
-hidden files keep them apart:
-
-- ``<output_dir>/.simpletuner.lock``, exclusive (:func:`hold_output_dir`): rank 0 of a run holds
-  it from start-up until ``train()`` returns or raises. A second run stops at once with
-  :class:`FolderLocked`, naming the holder's pid, host, start time and command.
-- ``<cache_dir>/<family>/.cache-users.lock``, shared (:meth:`CacheLocks.use`): every process of
-  a run holds it from its cache fill until the run ends, and leaves a record naming itself in
-  ``.users/`` (removed on release; records of dead processes are ignored and removed).
-  ``cache clear`` takes it exclusively (:meth:`CacheLocks.clearing`): it refuses, naming the runs,
-  or with ``--wait`` waits until they end. A run starting while a clear holds it waits for it.
-- ``<cache_dir>/<family>/.cache-writer.lock``, exclusive (:meth:`CacheLocks.writing`): held
-  while a run fills the caches. A second run with something to fill waits, saying for whom,
-  then re-reads the stores and encodes only what is still missing, so no entry is encoded twice.
-- ``<cache_dir>/<family>/vae-epochs/rank-R-of-N/.simpletuner.lock``, exclusive
-  (:func:`hold_epoch_folder`): ``refresh_each_epoch`` rewrites that folder every epoch, so one
-  run (process) at a time; a second stops at once, as for output_dir.
-
-An exclusive holder writes JSON naming itself (pid, host, start time, command line) into the
-lock file; on release the file is emptied (its modification time restored), then unlocked. Only
-``cache clear``, holding the cache's locks exclusively, deletes lock files (with the emptied
-folder); since a process blocked on a deleted file would lock the orphan while a newcomer locks
-a new file, every acquirer checks after locking that it holds the file at the path, and locks
-again otherwise. The kernel drops a dead process's flock (``kill -9``, a crash), so a lock file
-that names a holder but that nobody holds was left by a process that died: the next acquirer
-takes it over and logs a warning naming the dead holder. The descriptors are not inherited by
-programs the run starts (``O_CLOEXEC``); a ``fork()`` without ``exec`` would share the lock
-until both processes close it.
-
-Limits (flock is advisory and as good as the file system's locking):
-
-- Local file systems: exact, and a holder's death releases its lock at once.
-- NFS: Linux's NFS client turns flock into POSIX locks the server arbitrates, so runs on
-  different hosts exclude each other on NFSv4 and on NFSv3 with lockd; a mount with ``nolock``
-  (or ``local_lock=flock``) keeps locks on each host, so two hosts can both "hold" one. When a
-  holder's host crashes, the server frees its lock only when the lease ends (NFSv4: ~90 s).
-  Whether a holder on another host is alive cannot be checked, so its record is always listed.
-- File systems without flock (some FUSE and object-store mounts): the lock cannot be taken; a
-  warning says so once and the run goes on unprotected, as it did before locks existed.
-
-A full disk while a lock file or a record is written ends as :class:`~simpletuner.diskspace.NoSpace`
-(exit 5) with nothing half-written left; a record is written only after a space check.
-
-A leaf module: the standard library and :mod:`simpletuner.diskspace`, usable from every layer.
+Advisory ``flock(2)`` locks on small hidden files: ``<output_dir>/.simpletuner.lock`` (:func:`hold_output_dir`);
+in ``<cache_dir>/<family>``, ``.cache-users.lock`` (shared by runs, exclusive for ``cache clear``:
+:meth:`CacheLocks.use`, :meth:`CacheLocks.clearing`) and ``.cache-writer.lock`` (:meth:`CacheLocks.writing`);
+the ``refresh_each_epoch`` folder's (:func:`hold_epoch_folder`). An exclusive holder names itself in the file;
+a named lock nobody holds is taken over. Busy: :class:`FolderLocked`; a full disk:
+:class:`~simpletuner.diskspace.NoSpace`. A leaf (stdlib and :mod:`simpletuner.diskspace`).
+Rules and limits: documentation/RELIABILITY.md, "Locks".
 """
 
 from __future__ import annotations
@@ -200,7 +162,7 @@ class FolderLock:
             # `cache clear` deleted the file while we waited: our lock is on an orphan; lock the new file
             self._fd = None
             os.close(fd)
-        self._held()
+        self._held(fd)
         return True
 
     def _is_current(self, fd: int) -> bool:
@@ -228,7 +190,8 @@ class FolderLock:
         self._flock(blocking=True)
         return True
 
-    def _held(self) -> None:
+    def _held(self, fd: int) -> None:
+        """Just locked through ``fd``: take over a dead holder's name, and (exclusive) write our own."""
         self.is_held = True
         previous = self.holder(retries=0)  # a name left in a lock nobody held: its holder died
         if previous is not None:
@@ -240,15 +203,15 @@ class FolderLock:
             )
         if self.shared:  # no exclusive holder can exist now: drop a dead one's name
             if previous is not None:
-                os.ftruncate(self._fd, 0)
+                os.ftruncate(fd, 0)
             return
-        before = os.fstat(self._fd)
+        before = os.fstat(fd)
         self._times = (before.st_atime_ns, before.st_mtime_ns)
         name = Holder.me().to_json()
         with disk_full_guard(self.path.parent, len(name), f"the lock file {self.path.name}"):
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, name, 0)
-            os.fsync(self._fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, name, 0)
+            os.fsync(fd)
 
     # --- who holds it ---------------------------------------------------------------------------
     def holder(self, retries: int = 20) -> Holder | None:
@@ -351,6 +314,7 @@ class CacheLocks:
         self.users_path = self.base / CACHE_USERS_LOCK_NAME
         self.writer_path = self.base / CACHE_WRITER_LOCK_NAME
         self.records = self.base / CACHE_USERS_FOLDER
+        self._is_clearing = False  # inside clearing(): the cache is held exclusively
 
     # --- every run that uses the cache -----------------------------------------------------------
     @contextmanager
@@ -455,8 +419,8 @@ class CacheLocks:
     def remove_if_empty(self) -> bool:
         """Inside :meth:`clearing`: when the cache folder holds nothing but these locks (the caches
         are gone), delete the lock files, the records of ended runs and the folder; returns whether
-        it did. Processes waiting on the deleted files notice and lock new ones (see the module doc)."""
-        assert getattr(self, "_is_clearing", False), "remove_if_empty needs the exclusive hold of clearing()"
+        it did. Processes waiting on the deleted files notice and lock new ones (:meth:`FolderLock._flock`)."""
+        assert self._is_clearing, "remove_if_empty needs the exclusive hold of clearing()"
         ours = {CACHE_USERS_LOCK_NAME, CACHE_WRITER_LOCK_NAME, CACHE_USERS_FOLDER}
         try:
             if any(entry.name not in ours for entry in self.base.iterdir()):

@@ -1,5 +1,5 @@
-"""The torch dtype of each ``mixed_precision`` mode, the bf16 -> fp16 fallback on GPUs without bf16,
-and the reset of Accelerate's process-wide precision state at the start of a run.
+"""The run's precision: the torch dtype of each ``mixed_precision`` mode, the bf16 -> fp16 fallback on GPUs
+without bf16 (:func:`run_dtype` applies both), and the reset of Accelerate's process-wide precision state.
 
 A leaf: training, caching and the memory estimator all read it, so it imports nothing from simpletuner.
 """
@@ -7,9 +7,12 @@ A leaf: training, caching and the memory estimator all read it, so it imports no
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,12 @@ def resolve_mixed_precision(requested: str, cuda: Any = torch.cuda) -> str:
         cuda.get_device_name(),
     )
     return "fp16"
+
+
+def run_dtype(config: TrainingConfig, cuda: Any = torch.cuda) -> torch.dtype:
+    """The torch dtype the run computes in: ``config.mixed_precision``'s, after the bf16 -> fp16 fallback
+    (:func:`resolve_mixed_precision`). Frozen LoRA bases and cached text embeddings are stored in it."""
+    return PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision, cuda)]
 
 
 def reset_accelerate_state() -> None:

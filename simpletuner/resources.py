@@ -1,23 +1,14 @@
 """Where simpletuner's own config files are: in a source checkout, or inside an installed wheel.
 
-The repository keeps them in ``config/`` at its root (presets, example configs, dataset configs,
-Accelerate YAMLs). A wheel carries the same folder as the package data of ``simpletuner._bundled``
-(``pyproject.toml`` maps that package onto ``config/``), so an installed copy finds them at
-``site-packages/simpletuner/_bundled/``. Every reader asks this module instead of building a path
-from ``__file__``, and ``simpletuner config-path NAME`` prints one path for shell use::
-
-    accelerate launch --config_file "$(simpletuner config-path accelerate_config_gh200.yaml)" \\
-        -m simpletuner.train --config cfg.json
-
-The lookup is by path, not by importing ``simpletuner._bundled``: an editable install
-(``pip install -e .``) keeps using the checkout's ``config/``, which has no ``__init__.py``.
-This module imports nothing from simpletuner, so any layer may use it.
+The repository keeps them in ``config/`` (presets, examples, dataset configs, Accelerate YAMLs); a wheel
+carries that folder as the package data of ``simpletuner._bundled``. Every reader asks this module instead
+of building a path from ``__file__``, and ``simpletuner config-path NAME`` prints one. The lookup is by
+path, not by importing ``simpletuner._bundled``: an editable install keeps using the checkout's ``config/``,
+which has no ``__init__.py``. A leaf: it imports nothing from simpletuner.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -117,45 +108,3 @@ def accelerate_config(name: str = "gh200") -> Path:
         known = ", ".join(f"{short} ({file})" for short, file in ACCELERATE_CONFIGS.items())
         raise FileNotFoundError(f"unknown Accelerate config {name!r}: known are {known}")
     return config_file(filename)
-
-
-def print_config_path(name: str | None, list_all: bool = False, stream=None) -> int:
-    """``simpletuner config-path [NAME] [--list]``: print one path (or the folder, or every file); exit code."""
-    stream = stream if stream is not None else sys.stdout
-    if list_all:
-        root = config_dir()
-        for rel in list_config_files():
-            print(root / rel, file=stream)
-        return 0
-    if name is None:
-        print(config_dir(), file=stream)
-        return 0
-    try:
-        path = accelerate_config(name) if name in ACCELERATE_CONFIGS else config_file(name)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(path, file=stream)
-    return 0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``simpletuner config-path``'s options."""
-    parser.description = (
-        "Print where a file of simpletuner's config folder is: config/ in a checkout, inside the "
-        "package when installed from a wheel. E.g. accelerate launch --config_file "
-        '"$(simpletuner config-path accelerate_config_gh200.yaml)" -m simpletuner.train --config cfg.json'
-    )
-    parser.add_argument(
-        "name",
-        nargs="?",
-        metavar="NAME",
-        help="accelerate_config_gh200.yaml, presets/gh200.json, examples/sd15_lora.json, a file name that "
-        "occurs once, or gh200 / gh200_fsdp for the Accelerate YAMLs; none: the folder itself",
-    )
-    parser.add_argument("--list", action="store_true", help="print the path of every bundled file")
-
-
-def run(args: argparse.Namespace) -> int:
-    """``simpletuner config-path`` from the parsed arguments; returns the exit code."""
-    return print_config_path(args.name, list_all=args.list)

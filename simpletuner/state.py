@@ -1,14 +1,14 @@
-"""StateTracker: the registry one training run shares between trainer, data factory and caches.
+"""StateTracker: the record of one training run, shared by the entry point, the trainer and the caches.
 
-An ordinary object made per run and passed in explicitly: no class attributes, no module
-globals, so two runs in one process never see each other's state.
+An ordinary object made per run and passed in explicitly: no class attributes, no module globals, so two
+runs in one process never see each other's state. The trainer's builders hand what they build to each other
+as arguments; this is where the run is recorded for the seeds, tools and tests.
 
-Who reads what: the trainer builds its samplers and caches from ``datasets`` (the factory
-registers them), shows ``cache_dirs`` when a stop keeps a partial cache fill, logs
-``setting_sources`` / ``startup_notes`` (the entry point fills them) and holds ``run_locks``, which
-the cache fill adds its locks to. ``gh200_runtime_config`` (also written to
-``<output_dir>/gh200_runtime.json``), ``get_dataset`` and ``delete_cache_files`` serve tools and
-tests: training itself never uses them.
+Who writes what: the entry point fills ``config``, ``raw_config``, ``setting_sources``, ``startup_notes``
+and ``resume_command`` (the trainer logs and quotes them); the trainer records the datasets it built
+(``register_dataset``; ``get_dataset`` / ``datasets`` read them), the GH200 runtime decisions
+(``gh200_runtime_config``, as ``<output_dir>/gh200_runtime.json`` has them); the caches register their folders,
+which ``cache_dirs`` lists (a stop keeps a partial fill there) and ``delete_cache_files`` removes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import functools
 import logging
 import shutil
 import weakref
-from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -57,7 +56,7 @@ class _RunOrClassMethod:
 
 
 class StateTracker:
-    """Holds the validated config, the raw JSON, the registered datasets and runtime decisions."""
+    """The run's validated config, raw JSON, datasets, runtime decisions, locks and cache folders."""
 
     def __init__(self, config: "TrainingConfig", raw_config: Mapping[str, Any] | None = None):
         self.config = config
@@ -69,15 +68,13 @@ class StateTracker:
         self.startup_notes: list[str] = []
         #: the command that resumes this run, for the line a stop signal ends with (None: the config key)
         self.resume_command: str | None = None
-        #: locks held until the run ends (the trainer's output_dir lock, then the cache folders')
-        self.run_locks: ExitStack | None = None
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
         _LIVE.add(self)
 
     # --- datasets ---
     def register_dataset(self, dataset: "RegisteredDataset") -> None:
-        """Add a dataset built by the factory; ids are unique within a run."""
+        """Record a dataset the trainer built; ids are unique within a run."""
         if dataset.id in self._datasets:
             raise ValueError(f"dataset id {dataset.id!r} is registered twice")
         self._datasets[dataset.id] = dataset
@@ -94,6 +91,7 @@ class StateTracker:
 
     # --- runtime decisions ---
     def set_gh200_runtime_config(self, values: Mapping[str, Any]) -> None:
+        """Record the run's GH200 runtime decisions (``RuntimeDecisions.as_record()``)."""
         self.gh200_runtime_config = dict(values)
 
     # --- caches ---

@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory):
     """A tiny random-weight SD pipeline folder (epsilon prediction)."""
-    from simpletuner.models.zoo import write_tiny_sd
+    from simpletuner.testing.zoo import write_tiny_sd
 
     return write_tiny_sd(tmp_path_factory.mktemp("tiny_sd") / "model")
 
@@ -27,7 +27,7 @@ def tiny_sd(tmp_path_factory):
 @pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory):
     """A small captioned dataset of coloured shapes (three aspect ratios)."""
-    from simpletuner.demo import write_shapes_dataset
+    from simpletuner.cli.demo import write_shapes_dataset
 
     return write_shapes_dataset(tmp_path_factory.mktemp("shapes") / "data", num_images=12)
 
@@ -36,7 +36,7 @@ def shapes_dir(tmp_path_factory):
 def zoo(tiny_sd, tmp_path_factory):
     """``name -> folder`` of a tiny zoo model (``simpletuner zoo --family name``), written once per session on
     first use and shared by every test file (read only)."""
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     made = {"sd": tiny_sd}
 
@@ -89,7 +89,7 @@ def fake_runtime():
     from fake_cuda import FakeRuntime
 
     from simpletuner.gh200 import uvm
-    from simpletuner.gh200.runtime import use_runtime
+    from simpletuner.hardware.runtime import use_runtime
 
     uvm._reset_for_tests()
     runtime = FakeRuntime()
@@ -102,8 +102,8 @@ def fake_runtime():
 def clean_uvm_state(monkeypatch):
     """No SIMPLETUNER_GH200_UVM_HINTS from the caller's shell, no hint override, nothing said yet; the
     process's CUDA runtime restored afterwards (gh200.uvm keeps these per process)."""
-    from simpletuner.gh200 import runtime as runtime_module
     from simpletuner.gh200 import uvm
+    from simpletuner.hardware import runtime as runtime_module
 
     monkeypatch.delenv(uvm.ENV_VAR, raising=False)
     monkeypatch.setattr(runtime_module, "_runtime", runtime_module._runtime)

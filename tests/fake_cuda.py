@@ -1,4 +1,4 @@
-"""A recording stand-in for the CUDA runtime of ``simpletuner.gh200.runtime``.
+"""A recording stand-in for the CUDA runtime of ``simpletuner.hardware.runtime``.
 
 CUDA cannot exist on the test machine, so the unified-memory layer is exercised against this
 fake: "managed" tensors are CPU tensors the fake remembers by storage pointer, and every
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from simpletuner.gh200.runtime import DeviceMemoryInfo
+from simpletuner.hardware.runtime import DeviceMemoryInfo
 
 GIB = 1024**3
 

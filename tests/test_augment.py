@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import train
+from training_helpers import cached_data, train
 
 from simpletuner.caching import MemoryTensorStore, ShardedTensorStore, sample_latent_key
 from simpletuner.caching.reencode import EpochLatents
 from simpletuner.configuration import validate_config
 from simpletuner.configuration.schema import Augmentations
-from simpletuner.data_backend import BucketSampler, build_datasets
+from simpletuner.data_backend import BucketSampler
 from simpletuner.data_backend.augment import (
     AugmentParams,
     apply_params,
@@ -25,9 +25,7 @@ from simpletuner.data_backend.augment import (
 )
 from simpletuner.models import get_model_spec
 from simpletuner.models.sd import StableDiffusionSpec
-from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
-from simpletuner.training.batches import prepare_caches
 
 AUG = {"flip_probability": 0.5, "crop_jitter": 0.1, "color_jitter": 0.2}
 CPU = torch.device("cpu")
@@ -150,13 +148,7 @@ def encodes(monkeypatch):
 
 
 def _prepare(make_config, **overrides):
-    raw = make_config(**overrides)
-    config = validate_config(raw)
-    state = StateTracker(config, raw)
-    datasets = build_datasets(state)
-    data, _ = prepare_caches(
-        get_model_spec(config), datasets, Path(config.cache_config.cache_dir), CPU, torch.float32, state
-    )
+    data, datasets, config, _ = cached_data(make_config, **overrides)
     return data, datasets, config
 
 

@@ -55,7 +55,7 @@ from simpletuner.data_backend import (
     prepare_image,
 )
 from simpletuner.data_backend import images as images_module
-from simpletuner.gh200 import in_memory_backend as imb
+from simpletuner.data_backend import in_memory as imb
 from simpletuner.state import StateTracker
 
 BACKENDS = ["local", "in_memory"]
@@ -236,7 +236,7 @@ def make_state(kind: str, folder: Path, max_bad: float = 0.5) -> StateTracker:
 def scan_and_decode(state: StateTracker):
     """What the trainer does with the data: scan, then decode every sample (as the latent
     cache fill does) and drop the ones whose body does not decode."""
-    (dataset,) = build_datasets(state)
+    (dataset,) = build_datasets(state.config)
     failures = {}
     for sample in {s.key: s for s in dataset.samples}.values():
         try:
@@ -328,7 +328,7 @@ def test_captions_never_crash_and_bad_encodings_are_reported_once(kind, corpus, 
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_more_bad_files_than_the_limit_abort_listing_them(kind, corpus, locked):
     with pytest.raises(ValueError) as info:
-        build_datasets(make_state(kind, corpus, max_bad=0.1))
+        build_datasets(make_state(kind, corpus, max_bad=0.1).config)
     message = str(info.value)
     assert "8 of 29 image files" in message and "max_bad_image_fraction=0.1" in message
     for path, (stage, _) in SKIPPED.items():
@@ -339,7 +339,7 @@ def test_more_bad_files_than_the_limit_abort_listing_them(kind, corpus, locked):
 @pytest.mark.parametrize("kind", BACKENDS)
 def test_below_the_limit_the_scan_proceeds_and_decode_failures_count_too(kind, corpus, locked):
     # 8 of 29 fail the scan (28%): allowed at 0.3, but the 2 decode failures make it 34%.
-    (dataset,) = build_datasets(make_state(kind, corpus, max_bad=0.3))
+    (dataset,) = build_datasets(make_state(kind, corpus, max_bad=0.3).config)
     assert len(dataset.metadata.bad_files) == 8
     with pytest.raises(ValueError, match=r"(?s)10 of 29 image files .*corrupt_body\.png"):
         scan_and_decode(make_state(kind, corpus, max_bad=0.3))
@@ -355,7 +355,7 @@ def test_only_unreadable_images_is_not_reported_as_an_empty_folder(tmp_path, mon
     with pytest.raises(
         ValueError, match="(?s)none of the 1 image files .*unreadable.png: cannot read file: Permission denied"
     ):
-        build_datasets(make_state("in_memory", folder, max_bad=1.0))
+        build_datasets(make_state("in_memory", folder, max_bad=1.0).config)
 
 
 # --- aspect ratios -------------------------------------------------------------------------------
@@ -445,7 +445,7 @@ def broken_pair(folder: Path) -> dict[str, str]:
 
 
 def test_thirty_images_with_two_broken_files_train_and_both_are_listed(make_config, tmp_path, caplog):
-    from simpletuner.demo import write_shapes_dataset
+    from simpletuner.cli.demo import write_shapes_dataset
     from simpletuner.training.trainer import Trainer
 
     data = write_shapes_dataset(tmp_path / "data", num_images=28)
@@ -472,18 +472,18 @@ def test_thirty_images_with_two_broken_files_train_and_both_are_listed(make_conf
 
 
 def test_half_the_dataset_unreadable_stops_naming_the_dataset_the_count_and_what_to_check(tmp_path):
-    from simpletuner.demo import write_shapes_dataset
+    from simpletuner.cli.demo import write_shapes_dataset
 
     data = write_shapes_dataset(tmp_path / "data", num_images=2)
     broken_pair(data)  # 2 of 4: half
     with pytest.raises(ValueError) as info:
-        build_datasets(make_state("local", data, max_bad=0.5))
+        build_datasets(make_state("local", data, max_bad=0.5).config)
     message = str(info.value)
     assert message.startswith("dataset 'corpus': 2 of 4 image files under ") and str(data) in message
     assert "max_bad_image_fraction=0.5" in message and "wrong `instance_data_dir`" in message
     assert "garbage.png: not a recognised image" in message and "truncated.jpg: cannot decode image" in message
     (data / "extra.png").write_bytes(encode(noise((64, 64)), "PNG"))  # 2 of 5: trains
-    (dataset,) = build_datasets(make_state("local", data, max_bad=0.5))
+    (dataset,) = build_datasets(make_state("local", data, max_bad=0.5).config)
     assert len(dataset.samples) == 3
 
 
@@ -518,10 +518,10 @@ def test_a_large_cut_off_jpeg_is_found_at_the_scan_from_its_end(tmp_path, monkey
 
 
 def test_a_corrupt_body_passes_the_scan_is_skipped_at_the_fill_and_the_same_on_a_rerun(make_config, tmp_path, caplog):
+    from simpletuner.caching.fill import fill_caches
+    from simpletuner.cli.demo import write_shapes_dataset
     from simpletuner.data_backend import BucketSampler
-    from simpletuner.demo import write_shapes_dataset
     from simpletuner.models import get_model_spec
-    from simpletuner.training.batches import prepare_caches
 
     data = write_shapes_dataset(tmp_path / "data", num_images=8)
     (data / "corrupt_body.jpg").write_bytes(jpeg_with_garbage_scan())  # ends with its EOI: passes the cheap checks
@@ -531,15 +531,21 @@ def test_a_corrupt_body_passes_the_scan_is_skipped_at_the_fill_and_the_same_on_a
 
     def fill_and_order():
         state = StateTracker(config, raw)
-        datasets = build_datasets(state)
+        datasets = build_datasets(state.config)
         assert "corrupt_body.jpg" in {s.path for s in datasets[0].samples}  # the scan kept it
         cache_dir = Path(config.cache_config.cache_dir)
-        data_, _ = prepare_caches(
-            get_model_spec(config), datasets, cache_dir, torch.device("cpu"), torch.float32, state
+        filled, _ = fill_caches(
+            get_model_spec(config),
+            datasets,
+            cache_dir,
+            torch.device("cpu"),
+            torch.float32,
+            locks=None,
+            record_cache_dir=state.register_cache_dir,
         )
         samples = [s for ds in datasets for s in ds.samples]
         sampler = BucketSampler(samples, config.train_batch_size, 1, 0, config.seed)
-        return datasets[0].metadata, [[s.key for s in batch] for batch in sampler], data_.fill_reports["latents"]
+        return datasets[0].metadata, [[s.key for s in batch] for batch in sampler], filled.reports["latents"]
 
     with caplog.at_level(logging.WARNING):
         meta, order, report = fill_and_order()
@@ -557,7 +563,7 @@ def test_a_corrupt_body_passes_the_scan_is_skipped_at_the_fill_and_the_same_on_a
 
 
 def test_files_found_bad_on_different_ranks_leave_every_rank_the_same_samples(tmp_path):
-    from simpletuner.training.batches import _every_rank_undecodable
+    from simpletuner.caching.fill import _every_rank_undecodable
 
     class Share:  # rank r found only the failures of its own part of the misses
         def __init__(self, parts):
@@ -573,7 +579,7 @@ def test_files_found_bad_on_different_ranks_leave_every_rank_the_same_samples(tm
         (tmp_path / name).write_bytes(encode(noise((64, 64)), "PNG"))
     kept = []
     for failures in merged:
-        (dataset,) = build_datasets(make_state("local", tmp_path))
+        (dataset,) = build_datasets(make_state("local", tmp_path).config)
         dataset.metadata.drop_unreadable("corpus", str(tmp_path), failures["corpus"], 0.5)
         kept.append([s.key for s in dataset.samples])
     assert kept[0] == kept[1] == ["corpus/c.png", "corpus/d.png", "corpus/e.png"]

@@ -23,10 +23,10 @@ import torch
 from PIL import Image
 
 from simpletuner.caching import ShardedTensorStore
-from simpletuner.caching.admin import main
 from simpletuner.caching.fingerprint import source_hash
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.tensor_cache import SourceCheck, TensorCache
+from simpletuner.cli.cache import main
 from simpletuner.configuration import validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training.trainer import Trainer
@@ -213,7 +213,7 @@ def test_fix_needs_content_and_refuses_while_a_run_uses_the_cache(make_config, t
     assert "--fix goes with --content" in capsys.readouterr().err
 
     store = ShardedTensorStore(Path(raw["cache_config"]["cache_dir"]) / "sd" / "vae")
-    from simpletuner.caching.admin import needed_keys
+    from simpletuner.cli.cache import needed_keys
     from simpletuner.configuration import load_config
 
     [key, *_] = sorted(needed_keys(load_config(str(cfg), [], check_files=False).config)["vae"])

@@ -28,7 +28,7 @@ from simpletuner import diskspace
 from simpletuner.caching import read_only as read_only_module
 from simpletuner.caching.read_only import ReadOnlyCaches, is_writable
 from simpletuner.caching.store import ShardedTensorStore
-from simpletuner.train import main as train_main
+from simpletuner.cli.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = "pytorch_lora_weights.safetensors"

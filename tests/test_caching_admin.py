@@ -12,7 +12,7 @@ import pytest
 from test_caching_integrity import flip_byte, truncate
 
 from simpletuner.caching import ShardedTensorStore
-from simpletuner.caching.admin import main
+from simpletuner.cli.cache import main
 from simpletuner.configuration import validate_config
 from simpletuner.state import StateTracker
 from simpletuner.training.trainer import Trainer

@@ -17,8 +17,8 @@ from simpletuner.caching import (
     open_caches,
 )
 from simpletuner.gh200 import uvm
-from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
 from simpletuner.gh200.uvm import ENV_VAR, set_uvm_hint_override
+from simpletuner.hardware.runtime import NoCudaRuntime, use_runtime
 from simpletuner.state import StateTracker
 
 NO_CUDA_REASON = "no CUDA device in this test"

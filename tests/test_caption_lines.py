@@ -22,7 +22,6 @@ from simpletuner.caching.keys import DROPPED_CAPTION, cache_keys
 from simpletuner.configuration import ConfigError, validate_config
 from simpletuner.data_backend import LocalDataBackend, build_datasets, build_metadata
 from simpletuner.data_backend.captions import caption_line_index
-from simpletuner.state import StateTracker
 
 CPU = torch.device("cpu")
 
@@ -244,7 +243,7 @@ def test_disable_multiline_split_trains_the_whole_file(make_config, shapes_dir, 
     raw = make_config()
     raw["datasets"][0].update(instance_data_dir=str(data), disable_multiline_split=True)
     config = validate_config(raw)
-    (dataset,) = build_datasets(StateTracker(config, raw))
+    (dataset,) = build_datasets(config)
     sample = next(s for s in dataset.samples if s.path == "000.png")
     assert sample.captions == ("a red circle\na round red shape\nzxq style circle",)
     assert not any(s.caption_lines for s in dataset.samples)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from training_helpers import train
 
 from simpletuner import diskspace
-from simpletuner.train import main as train_main
+from simpletuner.cli.train import main as train_main
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import run_folder
 
@@ -246,28 +246,6 @@ def test_another_seed_is_refused_naming_the_run_id_and_seed(base, tmp_path, caps
     assert f"run {run_id}, seed 123" in err and "seed: checkpoint has 123, config has 7" in err
 
 
-def test_a_checkpoint_without_seed_or_run_id_still_resumes(base, tmp_path, caplog):
-    """An older checkpoint: "ok" marker, no seed, no run id: resumed with one warning, not refused."""
-    out = _copy_checkpoints(base, tmp_path / "out")
-    shutil.rmtree(out / "checkpoint-4")
-    (out / "latest").write_text("checkpoint-2")
-    folder = out / "checkpoint-2"
-    state = orjson.loads((folder / "trainer_state.json").read_bytes())
-    del state["run_id"], state["identity"]["seed"]
-    (folder / "trainer_state.json").write_bytes(orjson.dumps(state))
-    (folder / "COMPLETE").write_bytes(b"ok\n")
-    with caplog.at_level(logging.WARNING, logger="simpletuner"):
-        _, result = train(base.raw(output_dir=str(out), resume_from_checkpoint="latest"))
-    assert caplog.text.count("carries no checksums") == 1  # one warning, however often it is resolved
-    assert _same(load_file(result.output_path), base.weights)
-    # Its structure is still checked: a flipped byte inside a .pt fails the zip's CRC-32.
-    legacy = shutil.copytree(base.out / "checkpoint-2", tmp_path / "legacy")
-    (legacy / "COMPLETE").write_bytes(b"ok\n")
-    _damage(legacy / "optimizer.pt", "flipped")
-    damage = ckpt.verify_checkpoint(legacy)
-    assert damage is not None and damage.file == "optimizer.pt" and "CRC-32" in damage.reason
-
-
 def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(base, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     raw = base.raw(output_dir=str(out))
@@ -295,9 +273,8 @@ def _tiny_save(out: Path, step: int, token: str = "abc123"):
     param.grad = torch.ones_like(param)
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return ckpt.save_checkpoint(
-        _fake_accelerator(), out, step, {"p": param}, opt, sched, {"identity": {}}, torch.Generator(), None, token=token
-    )
+    contents = ckpt.CheckpointContents({"p": param}, opt, sched, {"identity": {}}, torch.Generator())
+    return ckpt.Checkpointer(_fake_accelerator(), out, None, token).write(step, contents)
 
 
 def test_too_little_space_stops_before_writing(tmp_path, monkeypatch):
@@ -344,17 +321,15 @@ def test_every_rank_raises_the_same_no_space_when_rank_zero_cannot_save(tmp_path
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=0.1)
     with pytest.raises(diskspace.NoSpace, match=r"checkpoint-2: needs ~3.0 MB in .*, 1.0 KB free") as raised:
-        ckpt.save_checkpoint(
-            rank1,
-            out,
+        ckpt.Checkpointer(rank1, out, None, "abc").write(
             2,
-            {"p": param},
-            opt,
-            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
-            {"identity": {}},
-            torch.Generator(),
-            None,
-            token="abc",
+            ckpt.CheckpointContents(
+                {"p": param},
+                opt,
+                torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                {"identity": {}},
+                torch.Generator(),
+            ),
         )
     assert raised.value.agreed  # rank 0's failure: `simpletuner train` prints it on rank 0 only
     assert not out.exists() or not any(out.iterdir())

@@ -56,7 +56,7 @@ def test_help_loads_only_the_command_asked_for():
         "        main(argv)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "watched = ('torch', 'simpletuner.memory.estimate_command', 'simpletuner.demo')\n"
+        "watched = ('torch', 'simpletuner.cli.estimate_run', 'simpletuner.cli.demo')\n"
         "print(sorted(m for m in watched if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

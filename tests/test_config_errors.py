@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from simpletuner.configuration import ConfigError, load_config, validate_config
-from simpletuner.configuration.docs import ERRORS
+from simpletuner.configuration.docs import template
 from simpletuner.configuration.errors import close_match, close_matches
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
@@ -139,7 +139,7 @@ def test_valid_config_is_still_frozen_and_unchanged(make_config):
 
 
 def test_documented_example_is_what_a_run_prints(make_config, tmp_path):
-    block = re.search(r"```\n(.*?)```", ERRORS, re.S).group(1).strip().splitlines()
+    block = re.search(r"```\n(.*?)```", template("CONFIG.md"), re.S).group(1).strip().splitlines()
     raw = make_config(learning_rat=1e-4, network_dim=16, train_batch_size="four", validation_steps=5)
     path = tmp_path / "cfg.json"
     path.write_bytes(orjson.dumps(raw))

@@ -32,10 +32,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from simpletuner.cli import main as cli_main
+from simpletuner.cli.train import prepare_config
 from simpletuner.configuration import ConfigError
 from simpletuner.configuration.schema import CacheConfig, GH200Optimizations, InMemoryDatasetConfig, TrainingConfig
 from simpletuner.resources import examples_dir
-from simpletuner.train import prepare_config
 
 EXAMPLES = sorted(examples_dir().glob("*.json"))
 #: SD 3.5 Medium's position-embedding size (patches per side); the tiny SD3 has 16, too few for 1024 px.
@@ -54,7 +54,7 @@ class World:
     """Config-only tiny models, an empty data folder, a plain file and a fresh folder per example."""
 
     def __init__(self, root: Path):
-        from simpletuner.models.zoo import write_tiny_model
+        from simpletuner.testing.zoo import write_tiny_model
 
         self.root = root
         self.models: dict[str, Path] = {}

@@ -1,4 +1,4 @@
-"""Factory: datasets built from the config, registered in the StateTracker, pixels loaded."""
+"""Factory: datasets built from the config (and recorded in the StateTracker by the caller), pixels loaded."""
 
 from __future__ import annotations
 
@@ -49,10 +49,21 @@ def make_state(tmp_path, **first_dataset):
     return StateTracker(validate_config(raw, check_files=False), raw)
 
 
-def test_build_datasets_builds_and_registers(tmp_path):
+def _build_and_record(state: StateTracker) -> list[RegisteredDataset]:
+    """As the trainer does: build the datasets, then record each in the run's StateTracker."""
+    datasets = build_datasets(state.config)
+    for dataset in datasets:
+        state.register_dataset(dataset)
+    return datasets
+
+
+def test_build_datasets_builds_and_the_state_records_them(tmp_path):
     state = make_state(tmp_path, repeats=1)
-    datasets = build_datasets(state)
+    datasets = build_datasets(state.config)
     assert [d.id for d in datasets] == ["one", "two"]
+    assert state.datasets == []  # building records nothing: the caller does
+    for dataset in datasets:
+        state.register_dataset(dataset)
     assert state.datasets == datasets
     one = state.get_dataset("one")
     assert isinstance(one, RegisteredDataset)
@@ -64,21 +75,21 @@ def test_build_datasets_builds_and_registers(tmp_path):
     assert all(s.crop_style == "random" for s in state.get_dataset("two").samples)
 
 
-def test_building_twice_into_one_state_is_refused(tmp_path):
+def test_recording_twice_into_one_state_is_refused(tmp_path):
     state = make_state(tmp_path)
-    build_datasets(state)
+    _build_and_record(state)
     with pytest.raises(ValueError, match="registered twice"):
-        build_datasets(state)
+        _build_and_record(state)
 
 
 def test_two_states_do_not_share_datasets(tmp_path):
     first, second = make_state(tmp_path / "a"), make_state(tmp_path / "b")
-    build_datasets(first)
-    assert second.datasets == []
+    _build_and_record(first)
+    assert [d.id for d in first.datasets] == ["one", "two"] and second.datasets == []
 
 
 def test_load_sample_pixels_matches_bucket(tmp_path):
-    datasets = build_datasets(make_state(tmp_path))
+    datasets = build_datasets(make_state(tmp_path).config)
     for dataset in datasets:
         for sample in dataset.samples:
             pixels, info = load_sample_pixels(dataset, sample)
@@ -92,7 +103,7 @@ def test_load_sample_pixels_matches_bucket(tmp_path):
 
 
 def test_sampler_over_built_datasets(tmp_path):
-    datasets = build_datasets(make_state(tmp_path))
+    datasets = build_datasets(make_state(tmp_path).config)
     samples = [s for d in datasets for s in d.samples]
     sampler = BucketSampler(samples, batch_size=2, seed=7)
     batches = list(sampler)
@@ -130,4 +141,4 @@ def test_missing_folder_is_a_clear_error(tmp_path):
     }
     state = StateTracker(validate_config(raw, check_files=False), raw)
     with pytest.raises(ValueError, match="nowhere.*instance_data_dir"):
-        build_datasets(state)
+        build_datasets(state.config)

@@ -27,7 +27,6 @@ from simpletuner.data_backend import (
     prepare_image,
 )
 from simpletuner.data_backend.video import find_clips, natural_key, probe_clip
-from simpletuner.state import StateTracker
 
 av = pytest.importorskip("av", reason="video files need the `video` extra (PyAV)")
 
@@ -258,7 +257,7 @@ def test_in_memory_backend_stages_clips_and_frames(tmp_path):
     write_frame_folder(tmp_path / "clip", 5)
     write_video(tmp_path / "pan.mp4", 5)
     raw = config_for(tmp_path, dataset={"type": "in_memory"})
-    (dataset,) = build_datasets(StateTracker(validate_config(raw, check_files=False), raw))
+    (dataset,) = build_datasets(validate_config(raw, check_files=False))
     assert {"clip/f1.png", "clip/f5.png", "pan.mp4"} <= set(dataset.backend.list_files())
     assert dataset.backend._entries["pan.mp4"].codec.name == "none"  # already compressed: kept as is
     local = scan(tmp_path)
@@ -268,7 +267,7 @@ def test_in_memory_backend_stages_clips_and_frames(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_wan
+    from simpletuner.testing.zoo import write_tiny_wan
 
     return write_tiny_wan(tmp_path_factory.mktemp("tiny_wan_video") / "model")
 

@@ -31,8 +31,8 @@ from PIL import Image
 from training_helpers import train
 
 import simpletuner.data_backend.factory as factory
-from simpletuner.caching.admin import main as cache_main
-from simpletuner.train import main as train_main
+from simpletuner.cli.cache import main as cache_main
+from simpletuner.cli.train import main as train_main
 
 NUM_SHARDS, PER_SHARD = 3, 4
 SHARD_NAMES = {"webdataset": "{:05d}.tar", "parquet": "train-{:05d}.parquet"}

@@ -211,14 +211,14 @@ def test_left_out_dataset_is_not_scanned(tmp_path, caplog, left_out):
     raw["max_bad_image_fraction"] = 0.0
     state = StateTracker(validate_config(raw, check_files=False), raw)
     with caplog.at_level(logging.INFO, logger="simpletuner.data_backend.factory"):
-        built = build_datasets(state)
-    assert [d.id for d in built] == ["a"] and [d.id for d in state.datasets] == ["a"]
+        built = build_datasets(state.config)
+    assert [d.id for d in built] == ["a"]
     said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert len(said) == 1 and "'b'" in said[0]
     # The same dataset enabled is scanned, and its broken file stops the run.
     raw["datasets"][1] = {k: v for k, v in raw["datasets"][1].items() if k not in left_out}
     with pytest.raises(ValueError):
-        build_datasets(StateTracker(validate_config(raw, check_files=False), raw))
+        build_datasets(validate_config(raw, check_files=False))
 
 
 # --- config: cache folder templates and relative paths ------------------------------------------------

@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from simpletuner.configuration import dialect, dialect_read, dialect_values, load_config
+from simpletuner.configuration import load_config
 from simpletuner.configuration.docs import render_migrating
 from simpletuner.configuration.errors import ConfigError
 from simpletuner.configuration.loader import NATIVE_KEYS
+from simpletuner.configuration.simpletuner import facts as dialect_values
+from simpletuner.configuration.simpletuner import reading as dialect_read
+from simpletuner.configuration.simpletuner import translate as dialect
 
 SNAPSHOT = Path(__file__).parent / "data" / "simpletuner_keys.json"
 REPO = Path(__file__).resolve().parents[1]

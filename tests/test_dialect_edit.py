@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from simpletuner.configuration import dialect, load_config
+from simpletuner.configuration import load_config
 from simpletuner.configuration.errors import ConfigError
+from simpletuner.configuration.simpletuner import translate as dialect
 
 
 def _edit_v1_datasets(reference_type: str = "reference_strict") -> list[dict]:

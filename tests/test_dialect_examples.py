@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from simpletuner.cli.demo import write_shapes_dataset
 from simpletuner.configuration import load_config
 from simpletuner.configuration.errors import ConfigError
-from simpletuner.demo import write_shapes_dataset
-from simpletuner.state import StateTracker
 
 #: Settings every published example repeats that do not change what is trained.
 _PUBLISHING = {"push_to_hub": False, "push_checkpoints_to_hub": False, "hub_model_id": "simpletuner-example"}
@@ -357,7 +356,7 @@ _FLUX_LYCORIS = {
 # --- the project folder ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     root = tmp_path_factory.mktemp("example-models")
     families = ("sd", "sdxl", "flux", "wan", "wan22_i2v", "wan22_ti2v")
@@ -403,7 +402,7 @@ def _named_keys(error: ConfigError) -> set[str]:
 def _scan(config) -> list:
     from simpletuner.data_backend import build_datasets
 
-    return build_datasets(StateTracker(config, {}))
+    return build_datasets(config)
 
 
 def test_sd1x_dreambooth_trains_with_square_crops_and_the_instance_prompt(tmp_path, models, images, monkeypatch):

@@ -2,7 +2,7 @@
 defaults and keys, settings its model classes force per family and flavour, validation cadence and seed.
 
 Expected values are figures computed once from SimpleTuner's source at the dialect's commit (bc8e6ab7,
-``dialect_values.SIMPLETUNER_COMMIT``), recorded with the file and line they come from. The schedule figures
+``facts.SIMPLETUNER_COMMIT``), recorded with the file and line they come from. The schedule figures
 come from running its ``Cosine`` class and ``get_polynomial_decay_schedule_with_warmup``
 (simpletuner/helpers/training/custom_schedule.py:102-153, 193-265) stepped as its trainer steps them: built
 with ``T_0 = lr_warmup_steps * processes`` (custom_schedule.py:574-584), wrapped by Accelerate, which steps a
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from simpletuner.configuration import dialect
 from simpletuner.configuration.loader import validate_config
+from simpletuner.configuration.simpletuner import translate as dialect
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 
 # SimpleTuner's Cosine at learning_rate 1e-4, lr_end 4e-7 (its default), lr_warmup_steps 100: the learning rate
@@ -171,7 +171,7 @@ def test_native_schedules_keep_diffusers_shapes_and_refuse_unread_keys(make_conf
 @pytest.mark.parametrize(
     "name, expected",
     [
-        # (value, optimizer_param.py line) as in dialect_values.SIMPLETUNER_OPTIMIZER_DEFAULTS
+        # (value, optimizer_param.py line) as in facts.SIMPLETUNER_OPTIMIZER_DEFAULTS
         ("adamw_bf16", {"adam_epsilon": 1e-6}),  # :196; betas (0.9, 0.999) and weight decay 1e-2 are ours too
         ("prodigy", {"adam_beta2": 0.99, "weight_decay": 0.0}),  # :735, :737
         ("optimi-adamw", {"adam_beta2": 0.99, "adam_epsilon": 1e-6, "weight_decay": 0.0}),  # :318-320
@@ -420,7 +420,7 @@ def test_top_level_multiline_switch_is_skipped_as_simpletuners_reader_skips_it(t
 
 # --- convert -> load, for every value SimpleTuner spells -----------------------------------------------------------
 def _value_rows():
-    from simpletuner.configuration.dialect_values import VALUE_TABLES
+    from simpletuner.configuration.simpletuner.facts import VALUE_TABLES
 
     return [(key, value, ours) for key, table in VALUE_TABLES.items() for value, ours in table.items()]
 

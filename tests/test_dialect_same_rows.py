@@ -25,8 +25,9 @@ import torch
 from diffusers import DDPMScheduler
 from PIL import Image
 
-from simpletuner.configuration import dialect, validate_config
-from simpletuner.configuration.dialect_values import SIMPLETUNER_COMMIT
+from simpletuner.configuration import validate_config
+from simpletuner.configuration.simpletuner import translate as dialect
+from simpletuner.configuration.simpletuner.facts import SIMPLETUNER_COMMIT
 from simpletuner.models import losses, noise
 from simpletuner.training.ema import EMA, decay_at
 

@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 from test_dialect_same_rows import UNSET, Row, _row, check_case, write_project
 
-from simpletuner.configuration import dialect, validate_config
+from simpletuner.configuration import validate_config
+from simpletuner.configuration.simpletuner import translate as dialect
 from simpletuner.data_backend import LocalDataBackend, build_metadata
 from simpletuner.data_backend.geometry import geometry_for
 

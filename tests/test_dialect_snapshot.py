@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simpletuner.configuration.dialect_tail import TAIL, TAIL_DEFAULTS
+from simpletuner.configuration.simpletuner.unmapped import TAIL, TAIL_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOT = ROOT / "tests" / "data" / "simpletuner_keys.json"

@@ -24,9 +24,9 @@ from simpletuner import diskspace
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.tensor_cache import TensorCache
+from simpletuner.cli.train import main as train_main
 from simpletuner.diskspace import NoSpace, disk_full_guard, is_disk_full
 from simpletuner.models.spec import FINAL_SAVE_PREFIX
-from simpletuner.train import main as train_main
 from simpletuner.training import run_folder
 
 LORA = "pytorch_lora_weights.safetensors"

@@ -203,7 +203,7 @@ def test_two_processes_train_both_wan22_experts(make_config, tmp_path):
     unused parameters (batch size 1: every micro-batch reaches exactly one expert); both adapters
     come out."""
     from simpletuner.models.wan22 import LORA_FILES
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     model = write_tiny_model("wan22", tmp_path / "wan22")
     raw = make_config(

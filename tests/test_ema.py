@@ -15,7 +15,7 @@ from training_helpers import fixed_batch, step_trainer, train
 
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.batches import Batch
-from simpletuner.training.ema import EMA, decay_at
+from simpletuner.training.ema import decay_at
 from simpletuner.training.trainer import Trainer
 
 
@@ -28,10 +28,9 @@ def _hand_decay(step: int, cap: float) -> float:
 
 
 def _trainer(make_config, **overrides) -> Trainer:
-    """A Trainer holding only what ``train_step`` uses, and its EMA made as setup makes it."""
+    """A Trainer holding what ``train_step`` uses, its EMA made by setup's own builder."""
     trainer = step_trainer(make_config, use_ema=True, **overrides)
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    trainer.ema = EMA.for_model(model, trainer.config, trainer.accelerator.device)
+    assert trainer.ema is not None
     return trainer
 
 

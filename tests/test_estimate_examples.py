@@ -38,7 +38,7 @@ def _zoo_kind(raw: dict) -> str:
 @pytest.fixture(scope="session")
 def config_only_model(tmp_path_factory):
     """``kind -> folder``: a tiny zoo pipeline of that kind with no weights (written once per session)."""
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     made: dict[str, Path] = {}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import simpletuner.train as train
+import simpletuner.cli.train as train
 from simpletuner import exit_codes
 
 

@@ -22,7 +22,7 @@ from simpletuner.models.flux import T5_MAX_LENGTH as FLUX_T5_LENGTH
 from simpletuner.models.qwen_image import QWEN_MAX_LENGTH
 from simpletuner.models.sd3 import T5_MAX_LENGTH as SD3_T5_LENGTH
 from simpletuner.models.wan import WAN_MAX_LENGTH
-from simpletuner.models.zoo import (
+from simpletuner.testing.zoo import (
     TINY_FLUX_CLIP_HIDDEN,
     TINY_FLUX_T5_WIDTH,
     TINY_QWEN_LATENT_CHANNELS,
@@ -242,7 +242,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def edit_pairs(tmp_path_factory):
     """Edit pairs of the shapes dataset (``demo.write_edit_pairs``): images and their sources."""
-    from simpletuner.demo import write_edit_pairs
+    from simpletuner.cli.demo import write_edit_pairs
 
     return write_edit_pairs(tmp_path_factory.mktemp("edit_pairs"), num_pairs=12)
 

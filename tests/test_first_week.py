@@ -56,8 +56,8 @@ def test_a_config_error_is_reported_before_torch_is_imported(tmp_path):
     ],
 )
 def test_ctrl_c_before_the_cache_fill_names_what_was_running(fault, words, make_config, monkeypatch, capsys):
+    from simpletuner.cli.train import main as train_main
     from simpletuner.faults import reset_fault_counts
-    from simpletuner.train import main as train_main
     from simpletuner.training.reliability import RunSignals
 
     config = Path(make_config()["output_dir"]).parent / "cfg.json"
@@ -86,8 +86,8 @@ def test_runtime_record_says_which_memory_the_unified_caches_use(
 
     from simpletuner.configuration import load_config
     from simpletuner.gh200 import uvm
-    from simpletuner.gh200.runtime import use_runtime
     from simpletuner.gh200.wiring import RUNTIME_FILE, configure_runtime
+    from simpletuner.hardware.runtime import use_runtime
     from simpletuner.state import StateTracker
     from simpletuner.training.accumulation import build_accumulation
 
@@ -105,7 +105,7 @@ def test_runtime_record_says_which_memory_the_unified_caches_use(
     try:
         with use_runtime(FakeRuntime(reason=reason, cuda=cuda)):
             configure_runtime(
-                state, 1, True, tmp_path / "out", accumulation=build_accumulation(state.config, 1).state_dict()
+                state.config, 1, True, tmp_path / "out", accumulation=build_accumulation(state.config, 1).state_dict()
             )
     finally:
         uvm._reset_for_tests()
@@ -120,12 +120,12 @@ def test_staging_line_counts_images_and_gives_small_rates_in_kb(shapes_dir, tmp_
     """The newcomer saw `60 files, 0.1 MB -> 0.1 MB ... 0 MB/s` for 30 images and their captions."""
     import logging
 
-    from simpletuner.gh200.in_memory_backend import GH200InMemoryBackend, StagingReport
+    from simpletuner.data_backend.in_memory import GH200InMemoryBackend, StagingReport
 
     images = sorted(p.name for p in shapes_dir.iterdir() if p.suffix == ".png")
     captions = sorted(p.name for p in shapes_dir.iterdir() if p.suffix == ".txt")
     assert images and captions
-    with caplog.at_level(logging.INFO, logger="simpletuner.gh200.in_memory_backend"):
+    with caplog.at_level(logging.INFO, logger="simpletuner.data_backend.in_memory"):
         backend = GH200InMemoryBackend(shapes_dir, id="train_images", num_workers=2)
     line = backend.report.summary("train_images")
     assert line in caplog.text
@@ -163,7 +163,7 @@ def test_cache_verify_calls_an_undecodable_image_unreadable(make_config, shapes_
     from PIL import Image
     from training_helpers import train
 
-    from simpletuner.caching.admin import main as cache_main
+    from simpletuner.cli.cache import main as cache_main
 
     data = tmp_path / "data"
     shutil.copytree(shapes_dir, data)
@@ -202,7 +202,7 @@ def test_demo_passes_the_command_that_resumes_it(tmp_path, monkeypatch):
     """`simpletuner demo` passes --overwrite (a re-run starts over): the resume is `train` on its config."""
     import argparse
 
-    from simpletuner import demo
+    from simpletuner.cli import demo
 
     seen = {}
 
@@ -220,8 +220,8 @@ def test_demo_passes_the_command_that_resumes_it(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_in_the_loop_names_the_resume_command_it_was_given(make_config, monkeypatch, capsys):
+    from simpletuner.cli.train import main as train_main
     from simpletuner.faults import reset_fault_counts
-    from simpletuner.train import main as train_main
 
     raw = make_config(checkpointing_steps=2)
     config = Path(raw["output_dir"]).parent / "cfg.json"
@@ -238,7 +238,7 @@ def test_ctrl_c_in_the_loop_names_the_resume_command_it_was_given(make_config, m
 # --- zoo --help and the README -----------------------------------------------------------------------
 def test_zoo_help_lists_the_families_and_the_readme_mentions_zoo(capsys):
     from simpletuner.cli import main
-    from simpletuner.models.zoo import TINY_MODELS
+    from simpletuner.testing.zoo import TINY_MODELS
 
     with pytest.raises(SystemExit):
         main(["zoo", "--help"])

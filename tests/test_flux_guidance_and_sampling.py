@@ -32,7 +32,7 @@ from simpletuner.models import get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.flux import T5_MAX_LENGTH
 from simpletuner.models.sd3 import T5_MAX_LENGTH as SD3_T5_MAX_LENGTH
-from simpletuner.models.zoo import (
+from simpletuner.testing.zoo import (
     TINY_FLUX_CLIP_HIDDEN,
     TINY_FLUX_T5_WIDTH,
     TINY_SD3_CLIP_PROJECTION,
@@ -68,7 +68,7 @@ def schnell_like(tmp_path_factory):
     """The tiny Flux folder with a transformer that has no guidance embedding (as FLUX.1-schnell)."""
     from diffusers import FluxTransformer2DModel
 
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     folder = write_tiny_model("flux", tmp_path_factory.mktemp("schnell") / "model")
     config = json.loads((folder / "transformer" / "config.json").read_text())

@@ -23,8 +23,8 @@ from simpletuner.gh200.managed_memory import (
     start_managed_memory,
     stop_managed_memory,
 )
-from simpletuner.gh200.runtime import use_runtime
-from simpletuner.host import collect_host, hbm_in_host_memory, memory_only_numa_bytes
+from simpletuner.hardware.host import collect_host, hbm_in_host_memory, memory_only_numa_bytes
+from simpletuner.hardware.runtime import use_runtime
 
 KIB = 1024
 HOST = 400 * GIB

@@ -18,8 +18,8 @@ from simpletuner.caching import MemoryTensorStore, open_caches
 from simpletuner.data_backend.metadata import Sample
 from simpletuner.data_backend.sampler import BucketSampler
 from simpletuner.gh200 import uvm
-from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
 from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR, optimize_batch_for_gh200, set_uvm_hint_override
+from simpletuner.hardware.runtime import NoCudaRuntime, use_runtime
 from simpletuner.training.batches import CachedData
 
 BATCH = 3
@@ -245,8 +245,8 @@ def test_stacking_falls_back_to_torch_stack_without_managed_memory(tmp_path, cap
 
 @pytest.mark.gpu
 def test_real_cuda_stacks_a_unified_batch_into_managed_memory_and_places_it():
-    from simpletuner.gh200.runtime import CudaBindingsRuntime
     from simpletuner.gh200.uvm import stack_unified, to_unified
+    from simpletuner.hardware.runtime import CudaBindingsRuntime
 
     rt = CudaBindingsRuntime()
     reason = rt.unavailable_reason()

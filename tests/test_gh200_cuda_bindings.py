@@ -15,9 +15,9 @@ import types
 import pytest
 import torch
 
-from simpletuner.gh200 import runtime as runtime_module
-from simpletuner.gh200.cuda_versions import bindings_error_reason, bindings_requirement, install_hint
-from simpletuner.gh200.runtime import CudaBindingsRuntime, use_runtime
+from simpletuner.hardware import runtime as runtime_module
+from simpletuner.hardware.cuda_versions import bindings_error_reason, bindings_requirement, install_hint
+from simpletuner.hardware.runtime import CudaBindingsRuntime, use_runtime
 
 cuda_bindings = pytest.importorskip("cuda.bindings", reason="cuda-bindings is in the test extra")
 
@@ -76,7 +76,7 @@ def test_bindings_newer_than_the_driver_name_the_fix(cuda12_driver):
 
 
 def test_the_diagnostic_reports_the_mismatch_and_exits(cuda12_driver, capsys):
-    from simpletuner.gh200.diagnostic import main
+    from simpletuner.cli.diagnose import main
 
     with use_runtime(CudaBindingsRuntime()):
         code = main([])
@@ -87,7 +87,7 @@ def test_the_diagnostic_reports_the_mismatch_and_exits(cuda12_driver, capsys):
 
 
 def test_hardware_detection_still_names_the_gpu(cuda12_driver):
-    from simpletuner.memory.hardware import detect_hardware
+    from simpletuner.hardware.machine import detect_hardware
 
     with use_runtime(CudaBindingsRuntime()) as rt:
         hw = detect_hardware(rt)
@@ -112,10 +112,10 @@ def test_training_runs_without_the_layer_and_says_so_once(cuda12_driver, make_co
     loaded = _config(make_config, tmp_path)
     state = StateTracker(loaded.config, loaded.raw)
     with use_runtime(CudaBindingsRuntime()), caplog.at_level(logging.WARNING, "simpletuner.gh200"):
-        decided = configure_runtime(state, 1, True, tmp_path / "out", accumulation={})
+        decided = configure_runtime(state.config, 1, True, tmp_path / "out", accumulation={})
     said = [r.getMessage() for r in caplog.records if "unified-memory layer is off" in r.getMessage()]
     assert len(said) == 1 and "needs an NVIDIA driver for CUDA 13" in said[0]
-    assert decided["unified_memory"]["managed_memory_available"] is False
+    assert decided.unified_memory["managed_memory_available"] is False
 
 
 def test_a_config_that_asks_for_managed_memory_stops_with_the_reason(cuda12_driver, make_config, tmp_path):

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
 
+from simpletuner.cli import diagnose
+from simpletuner.cli.diagnose import main
 from simpletuner.gh200 import diagnostic
-from simpletuner.gh200.diagnostic import main
-from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
-from simpletuner.host import collect_host, parse_meminfo
+from simpletuner.hardware.host import collect_host, parse_meminfo
+from simpletuner.hardware.runtime import NoCudaRuntime, use_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP = ROOT / "scripts" / "setup_gh200_env.sh"
@@ -150,7 +151,7 @@ def test_discrete_gpu_runs_with_force_after_a_warning(capsys):
 
 def test_refuses_more_than_the_machine_can_back(capsys, monkeypatch):
     host = {"cpu_count": 72, "cpu_affinity": 72, "ram_total_bytes": 480 * 1024**3, "ram_available_bytes": 100 * 1024**3}
-    monkeypatch.setattr(diagnostic, "collect_host", lambda meminfo_path=None: host)
+    monkeypatch.setattr(diagnose, "collect_host", lambda meminfo_path=None: host)
     fake = FakeRuntime(info=gh200_info())  # 96 GiB device
     with use_runtime(fake):
         code = main(["--oversubscription-scale", "100"])

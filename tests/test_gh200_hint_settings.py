@@ -101,7 +101,7 @@ def test_run_start_stops_on_disagreeing_names_even_when_the_config_decides(
     monkeypatch.setenv(ENV_ALIAS, "1")
     state = _state(make_config, tmp_path, gh200_optimizations={"enable_uvm_hints": True})
     with pytest.raises(ValueError, match=f"{ENV_VAR}='0' and {ENV_ALIAS}='1' disagree"):
-        configure_runtime(state, 1, True, tmp_path / "out", accumulation=_fixed(state))
+        configure_runtime(state.config, 1, True, tmp_path / "out", accumulation=_fixed(state))
     assert not (tmp_path / "out").exists()  # stopped before anything was decided or written
 
 
@@ -109,8 +109,7 @@ def test_alias_drives_a_run(fake_runtime, make_config, tmp_path, monkeypatch, ca
     caplog.set_level(logging.INFO, logger="simpletuner.gh200.wiring")
     monkeypatch.setenv(ENV_ALIAS, "1")
     state = _state(make_config, tmp_path)
-    configure_runtime(state, 1, False, tmp_path / "out", accumulation=_fixed(state))
-    decided = state.gh200_runtime_config
+    decided = configure_runtime(state.config, 1, False, tmp_path / "out", accumulation=_fixed(state)).as_record()
     assert decided["uvm_hints_active"] is True and decided["uvm_hints_setting"] == f"{ENV_ALIAS}=1"
     assert f"GH200 unified-memory hints are on: {ENV_ALIAS}=1" in caplog.text
 
@@ -118,8 +117,8 @@ def test_alias_drives_a_run(fake_runtime, make_config, tmp_path, monkeypatch, ca
 def test_the_config_overriding_the_environment_is_said(fake_runtime, make_config, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "0")
     state = _state(make_config, tmp_path, gh200_optimizations={"enable_uvm_hints": True})
-    configure_runtime(state, 1, False, tmp_path / "out", accumulation=_fixed(state))
-    assert state.gh200_runtime_config["uvm_hints_setting"] == (
+    decided = configure_runtime(state.config, 1, False, tmp_path / "out", accumulation=_fixed(state))
+    assert decided.uvm_hints_setting == (
         f"gh200_optimizations.enable_uvm_hints=true (the config overrides {ENV_VAR}=0)"
     )
 
@@ -187,8 +186,7 @@ def test_run_start_records_the_cache_types_in_use(
         monkeypatch.setenv(ENV_ALIAS, env)
     opts = {} if config_hint is None else {"enable_uvm_hints": config_hint}
     state = _state(make_config, tmp_path, cache_config=UNIFIED, gh200_optimizations=opts)
-    configure_runtime(state, 1, False, tmp_path / "out", accumulation=_fixed(state))
-    decided = state.gh200_runtime_config
+    decided = configure_runtime(state.config, 1, False, tmp_path / "out", accumulation=_fixed(state)).as_record()
     assert decided["vae_cache_type"] == decided["text_cache_type"] == "unified_memory"  # what was asked
     assert decided["vae_cache_type_in_use"] == decided["text_cache_type_in_use"] == in_use  # what is used
     assert decided["uvm_hints_active"] is (in_use == "unified_memory")

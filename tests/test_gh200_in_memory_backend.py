@@ -25,10 +25,9 @@ from simpletuner.data_backend import (
     build_datasets,
     load_sample_pixels,
 )
-from simpletuner.gh200 import in_memory_backend as imb
-from simpletuner.gh200.codecs import CODEC_NAMES, get_codec
-from simpletuner.gh200.in_memory_backend import GH200InMemoryBackend, StagingReport
-from simpletuner.state import StateTracker
+from simpletuner.data_backend import in_memory as imb
+from simpletuner.data_backend.codecs import CODEC_NAMES, get_codec
+from simpletuner.data_backend.in_memory import GH200InMemoryBackend, StagingReport
 
 CODECS = ["lz4", "zlib", "snappy", "none"]
 
@@ -411,7 +410,7 @@ def test_factory_builds_in_memory_from_config(make_config, shapes_dir, tmp_path)
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(raw))
     loaded = load_config(path)
-    (dataset,) = build_datasets(StateTracker(loaded.config, loaded.raw))
+    (dataset,) = build_datasets(loaded.config)
     assert isinstance(dataset.backend, GH200InMemoryBackend)
     assert dataset.backend.codec.name == "lz4" and dataset.backend.num_workers == 2
     assert len(dataset.samples) == 12 and dataset.metadata.caption_sources == {"textfile": 12}
@@ -430,7 +429,7 @@ def build_shapes(shapes_dir, kind, **options):
         "seed": 11,
         "datasets": [entry],
     }
-    (dataset,) = build_datasets(StateTracker(validate_config(raw, check_files=False), raw))
+    (dataset,) = build_datasets(validate_config(raw, check_files=False))
     return dataset
 
 

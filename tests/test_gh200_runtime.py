@@ -1,4 +1,4 @@
-"""The CUDA runtime behind the unified-memory hints (gh200.runtime) and the status it reports,
+"""The CUDA runtime behind the unified-memory hints (hardware.runtime) and the status it reports,
 against the recording fake (tests/fake_cuda.py) and a fake cuda-bindings module; the hints themselves
 are in tests/test_gh200_uvm.py. One `gpu` test repeats a managed round trip on real CUDA.
 """
@@ -13,13 +13,6 @@ import pytest
 import torch
 from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
 
-from simpletuner.gh200.runtime import (
-    CudaBindingsRuntime,
-    NoCudaRuntime,
-    get_runtime,
-    set_runtime,
-    use_runtime,
-)
 from simpletuner.gh200.uvm import (
     gh200_uvm_enabled,
     optimize_batch_for_gh200,
@@ -28,6 +21,13 @@ from simpletuner.gh200.uvm import (
     set_uvm_hint_override,
     to_unified,
     unified_memory_status,
+)
+from simpletuner.hardware.runtime import (
+    CudaBindingsRuntime,
+    NoCudaRuntime,
+    get_runtime,
+    set_runtime,
+    use_runtime,
 )
 
 UVM_LOGGER = "simpletuner.gh200.uvm"

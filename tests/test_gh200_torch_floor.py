@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from simpletuner.gh200.cuda_versions import TORCH_FLOOR, torch_release
-from simpletuner.gh200.runtime import CudaBindingsRuntime
+from simpletuner.hardware.cuda_versions import TORCH_FLOOR, torch_release
+from simpletuner.hardware.runtime import CudaBindingsRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_DIR = Path(torch.__file__).parent
 
-#: torch._C functions simpletuner/gh200 calls -> the parameters it passes, in order.
+#: torch._C functions simpletuner/gh200 and simpletuner/hardware call -> the parameters it passes, in order.
 C_CALLS = {
     "_cuda_beginAllocateToPool": ["device", "mempool_id"],  # runtime.route_all_allocations
     "_cuda_endAllocateToPool": ["device", "mempool_id"],  # runtime.end_routing
@@ -43,9 +43,10 @@ def test_the_installed_stubs_have_every_call_the_runtime_makes():
 
 
 def test_the_runtime_calls_what_the_stub_list_names():
-    """The list above is the runtime's: each name is called in simpletuner/gh200 (and nothing else of torch._C's
-    CUDA pool API is), so the check above covers what runs."""
-    source = "".join(p.read_text() for p in (ROOT / "simpletuner" / "gh200").glob("*.py"))
+    """The list above is the runtime's: each name is called in simpletuner/gh200 or simpletuner/hardware (and
+    nothing else of torch._C's CUDA pool API is), so the check above covers what runs."""
+    folders = [ROOT / "simpletuner" / "gh200", ROOT / "simpletuner" / "hardware"]
+    source = "".join(p.read_text() for folder in folders for p in folder.glob("*.py"))
     called = set(re.findall(r"torch\._C\.(_\w+)\(", source))
     assert called == set(C_CALLS) - {"_cuda_beginAllocateCurrentThreadToPool"}
 

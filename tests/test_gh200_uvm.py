@@ -15,10 +15,6 @@ import pytest
 import torch
 from fake_cuda import FakeRuntime, gb10_info, gh200_info
 
-from simpletuner.gh200.runtime import (
-    NoCudaRuntime,
-    use_runtime,
-)
 from simpletuner.gh200.uvm import (
     ENV_VAR,
     gh200_uvm_enabled,
@@ -28,6 +24,10 @@ from simpletuner.gh200.uvm import (
     prefetch_to_device,
     set_uvm_hint_override,
     to_unified,
+)
+from simpletuner.hardware.runtime import (
+    NoCudaRuntime,
+    use_runtime,
 )
 
 UVM_LOGGER = "simpletuner.gh200.uvm"

@@ -11,8 +11,8 @@ import pytest
 
 from simpletuner.configuration import load_config
 from simpletuner.gh200 import uvm
-from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
 from simpletuner.gh200.wiring import RUNTIME_FILE, configure_runtime
+from simpletuner.hardware.runtime import NoCudaRuntime, use_runtime
 from simpletuner.state import StateTracker
 from simpletuner.training.accumulation import build_accumulation
 from simpletuner.training.trainer import Trainer
@@ -148,10 +148,14 @@ def test_hint_precedence(fake_runtime, make_config, tmp_path, monkeypatch, confi
     loaded = load_config(_write(tmp_path, make_config(gh200_optimizations=opts)))
     state = StateTracker(loaded.config, loaded.raw)
     policy = build_accumulation(state.config, num_processes=1)
-    configure_runtime(
-        state, num_processes=1, is_main_process=False, output_dir=tmp_path / "out", accumulation=policy.state_dict()
+    decided = configure_runtime(
+        state.config,
+        num_processes=1,
+        is_main_process=False,
+        output_dir=tmp_path / "out",
+        accumulation=policy.state_dict(),
     )
-    assert state.gh200_runtime_config["uvm_hints_active"] is expected
+    assert decided.uvm_hints_active is expected
     assert uvm.gh200_uvm_enabled() is expected
     assert policy.state_dict() == {"kind": "fixed", "steps": 1}
     assert not (tmp_path / "out").exists()  # only the main process writes the file

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from simpletuner.cli import main as cli_main
-from simpletuner.train import main as train_main
+from simpletuner.cli.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _console_logging_released():
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """``kind -> folder`` of tiny zoo pipelines (written once for the module, on demand)."""
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     made: dict[str, Path] = {}
 
@@ -281,7 +281,7 @@ for weight, bias in reference:
     expected = expected @ weight.t() + bias
 assert out.shape == (3, 5, 8) and torch.allclose(out.float(), expected, rtol=0.1, atol=0.1), (out, expected)
 
-from simpletuner.train import main
+from simpletuner.cli.train import main
 sys.exit(main(["--config", sys.argv[1], "--log-level", "WARNING"]))
 """
 

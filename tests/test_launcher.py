@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from simpletuner.cli.train import prepare_config
 from simpletuner.configuration import ConfigError
 from simpletuner.configuration.launcher import (
     find_launch_command,
     parse_launch_command,
     resolve_launcher_settings,
 )
-from simpletuner.train import prepare_config
 
 REPO = Path(__file__).resolve().parents[1]
 GH200_YAML = REPO / "config" / "accelerate_config_gh200.yaml"
@@ -197,7 +197,7 @@ def test_seed_launch_line_with_a_conflicting_json_stops_before_loading(make_conf
 
 def test_unknown_allocator_keys_are_warned_in_the_run_log(make_config, tmp_path, monkeypatch):
     """A key stock PyTorch may not know is a warning (not an error), and it reaches training.log."""
-    from simpletuner.train import main as train_main
+    from simpletuner.cli.train import main as train_main
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,made_up_key:3")
     path = tmp_path / "cfg.json"

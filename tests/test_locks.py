@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 from training_helpers import same_weights, train
 
 from simpletuner import locks
-from simpletuner.caching import ShardedTensorStore, admin
+from simpletuner.caching import ShardedTensorStore
+from simpletuner.caching import fill as cache_fill
+from simpletuner.cli import cache as cache_command
 from simpletuner.configuration import ConfigError, validate_config
 from simpletuner.state import StateTracker
-from simpletuner.training import batches
 from simpletuner.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,20 +272,20 @@ def test_cache_clear_during_a_fill_refuses_and_wait_clears_after_the_run(make_co
     ended: list[float] = []
 
     def clear_waiting():
-        during["wait_code"] = admin.main(["clear", "--config", cfg, "--yes", "--wait"])
+        during["wait_code"] = cache_command.main(["clear", "--config", cfg, "--yes", "--wait"])
         during["wait_done"] = time.monotonic()
 
-    encode = batches.encode_loaded
+    encode = cache_fill.encode_loaded
 
     def encode_and_clear(*args):
         if "code" not in during:  # the first VAE batch of the fill
-            during["code"] = admin.main(["clear", "--config", cfg, "--yes"])
+            during["code"] = cache_command.main(["clear", "--config", cfg, "--yes"])
             during["err"] = capsys.readouterr().err
             during["waiter"] = threading.Thread(target=clear_waiting)
             during["waiter"].start()
         return encode(*args)
 
-    monkeypatch.setattr(batches, "encode_loaded", encode_and_clear)
+    monkeypatch.setattr(cache_fill, "encode_loaded", encode_and_clear)
     _, result = train(raw)
     ended.append(time.monotonic())
     assert result.global_step == 2

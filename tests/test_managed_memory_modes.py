@@ -21,8 +21,8 @@ from simpletuner.gh200.managed_memory import (
     managed_memory_problems,
     start_managed_memory,
 )
-from simpletuner.gh200.managed_pool import PoolAccount
-from simpletuner.gh200.runtime import NoCudaRuntime, use_runtime
+from simpletuner.hardware.managed_pool import PoolAccount
+from simpletuner.hardware.runtime import NoCudaRuntime, use_runtime
 
 HOST = 400 * GIB  # MemAvailable of a GH200's Grace side, give or take
 HBM = 96 * GIB  # fake_cuda.gh200_info()
@@ -254,7 +254,7 @@ def test_a_frozen_weights_run_trains_with_its_base_in_managed_memory(make_config
 
 
 def test_train_refuses_a_mode_this_machine_cannot_do_before_loading_anything(make_config, tmp_path, capsys):
-    from simpletuner.train import main
+    from simpletuner.cli.train import main
 
     raw = make_config(gh200_optimizations={"managed_memory": "frozen_weights"})
     path = tmp_path / "cfg.json"

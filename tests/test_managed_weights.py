@@ -15,7 +15,7 @@ from peft import LoraConfig
 from torch import nn
 
 from simpletuner.gh200.managed_weights import PlacedWeights, WeightPrefetcher, place_frozen_weights, weight_units
-from simpletuner.gh200.runtime import use_runtime
+from simpletuner.hardware.runtime import use_runtime
 from simpletuner.models.wan22 import WanExperts
 
 SENTINEL = 0xA5  # what a fresh managed allocation is filled with, to see when the values arrive

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from simpletuner.cli import main
-from simpletuner.memory import hardware
+from simpletuner.hardware import machine as hardware
 
 
 @pytest.fixture
@@ -167,8 +167,8 @@ def test_profile_runs_the_trainers_steps_in_a_throwaway_output_dir(tmp_path, mak
     """The --profile plumbing on CPU, with a fake torch.cuda giving the peak figures."""
     import types
 
+    from simpletuner.cli import profile
     from simpletuner.configuration import load_config
-    from simpletuner.memory import profile
     from simpletuner.memory.estimator import GiB, estimate_memory
 
     class FakeCuda:

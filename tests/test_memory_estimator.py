@@ -22,9 +22,10 @@ from simpletuner.memory.estimator import (
     flops_per_step,
     trace_activations,
 )
-from simpletuner.memory.measure import measure_cpu_step, write_sd15_config_only
+from simpletuner.memory.measure import measure_cpu_step
 from simpletuner.models import get_model_spec
 from simpletuner.models.adapters import prepare_for_training
+from simpletuner.testing.config_only import write_sd15_config_only
 from simpletuner.training.optim import build_optimizer
 
 _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

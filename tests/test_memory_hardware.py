@@ -5,19 +5,10 @@ from __future__ import annotations
 import pytest
 from fake_cuda import FakeRuntime, discrete_info, gb10_info, gh200_info
 
-from simpletuner.gh200.runtime import DeviceMemoryInfo, NoCudaRuntime
-from simpletuner.memory.hardware import (
-    GIB,
-    GPU_SPECS,
-    HardwareInfo,
-    achieved_tflops,
-    detect_hardware,
-    hardware_for_gpu,
-    known_gpu_names,
-    lookup_gpu,
-    mfu,
-    resolve_gpu_name,
-)
+from simpletuner.diskspace import GIB
+from simpletuner.hardware.gpus import GPU_SPECS, achieved_tflops, known_gpu_names, lookup_gpu, mfu, resolve_gpu_name
+from simpletuner.hardware.machine import HardwareInfo, detect_hardware, hardware_for_gpu
+from simpletuner.hardware.runtime import DeviceMemoryInfo, NoCudaRuntime
 
 KIB = 1024
 
@@ -151,7 +142,7 @@ def test_describe_names_gpu_memory_peak_and_host(meminfo):
 
 
 def test_detect_uses_the_installed_runtime(meminfo):
-    from simpletuner.gh200.runtime import use_runtime
+    from simpletuner.hardware.runtime import use_runtime
 
     with use_runtime(FakeRuntime(info=gb10_info())):
         assert detect_hardware(meminfo_path=meminfo).gpu_spec == "GB10"

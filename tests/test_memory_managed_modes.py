@@ -8,7 +8,7 @@ import json
 import pytest
 
 from simpletuner.cli import main
-from simpletuner.memory import hardware
+from simpletuner.hardware import machine as hardware
 from simpletuner.memory.advice import VALIDATION_MODELS
 from simpletuner.memory.autoconfig import Estimate
 from simpletuner.memory.estimator import GiB, MemoryBreakdown

@@ -10,7 +10,7 @@ import pytest
 
 from simpletuner.cli import main
 from simpletuner.configuration import validate_config
-from simpletuner.memory.hardware import resolve_gpu_name
+from simpletuner.hardware.gpus import resolve_gpu_name
 from simpletuner.memory.presets import (
     PRESETS_DIR,
     apply_preset,
@@ -46,7 +46,7 @@ def test_the_issue_presets_exist():
 @pytest.fixture(scope="module")
 def tiny_wan22(tmp_path_factory):
     """A Wan 2.2 folder: a config naming model_family wan must point at one (the folder is checked)."""
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return str(write_tiny_model("wan22", tmp_path_factory.mktemp("tiny_wan22") / "model"))
 

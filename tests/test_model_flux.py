@@ -14,12 +14,12 @@ from simpletuner.models import FluxSpec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.flux import T5_MAX_LENGTH
 from simpletuner.models.packed import pack_latents, unpack_latents
-from simpletuner.models.zoo import TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_T5_WIDTH
+from simpletuner.testing.zoo import TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_T5_WIDTH
 
 
 @pytest.fixture(scope="module")
 def tiny_flux(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("flux", tmp_path_factory.mktemp("tiny_flux") / "model")
 

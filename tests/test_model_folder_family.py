@@ -7,13 +7,13 @@ import shutil
 import orjson
 import pytest
 
+from simpletuner.cli.train import main, prepare_config
 from simpletuner.configuration import ConfigError, TrainingConfig, load_config, validate_config
-from simpletuner.train import main, prepare_config
 
 
 @pytest.fixture(scope="module")
 def tiny_sdxl(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("sdxl", tmp_path_factory.mktemp("tiny_sdxl") / "model")
 
@@ -90,7 +90,7 @@ def test_bare_schema_without_family_is_refused(make_config):
 
 @pytest.mark.parametrize("zoo_name, family", [("sd3", "sd3"), ("flux", "flux"), ("wan", "wan"), ("wan22", "wan")])
 def test_every_zoo_folder_names_its_family(make_config, tmp_path, zoo_name, family):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     raw = make_config(pretrained_model_name_or_path=str(write_tiny_model(zoo_name, tmp_path / zoo_name)))
     raw.pop("model_family")

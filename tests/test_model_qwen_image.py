@@ -17,7 +17,7 @@ import torch
 from simpletuner.configuration import validate_config
 from simpletuner.models import QwenImageSpec, get_model_spec
 from simpletuner.models.qwen_image import PROMPT_TEMPLATE, QWEN_MAX_LENGTH, TEMPLATE_DROP
-from simpletuner.models.zoo import TINY_QWEN_LATENT_CHANNELS, TINY_QWEN_TEXT_HIDDEN
+from simpletuner.testing.zoo import TINY_QWEN_LATENT_CHANNELS, TINY_QWEN_TEXT_HIDDEN
 
 CPU = torch.device("cpu")
 
@@ -252,7 +252,7 @@ def test_a_text_encoder_of_another_class_is_refused_before_loading(qwen_config, 
 
 
 def test_simpletuner_flavours(tmp_path):
-    from simpletuner.configuration import dialect
+    from simpletuner.configuration.simpletuner import translate as dialect
 
     base = {"model_family": "qwen_image", "pretrained_model_name_or_path": str(tmp_path)}
     with pytest.raises(dialect.DialectError, match=r"Edit Plus model \(several source images per sample\)"):

@@ -25,7 +25,7 @@ from simpletuner.models.qwen_image_edit import (
     EDIT_TEMPLATE_KEPT,
     load_edit_processor,
 )
-from simpletuner.models.zoo import TINY_QWEN_LATENT_CHANNELS, TINY_QWEN_TEXT_HIDDEN
+from simpletuner.testing.zoo import TINY_QWEN_LATENT_CHANNELS, TINY_QWEN_TEXT_HIDDEN
 
 CPU = torch.device("cpu")
 C = TINY_QWEN_LATENT_CHANNELS

@@ -14,7 +14,7 @@ from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusion3Spec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd3 import T5_MAX_LENGTH
-from simpletuner.models.zoo import TINY_SD3_CLIP_PROJECTION, TINY_SD3_T5_WIDTH
+from simpletuner.testing.zoo import TINY_SD3_CLIP_PROJECTION, TINY_SD3_T5_WIDTH
 
 POOLED = sum(TINY_SD3_CLIP_PROJECTION)
 SEQ = 77 + T5_MAX_LENGTH
@@ -22,14 +22,14 @@ SEQ = 77 + T5_MAX_LENGTH
 
 @pytest.fixture(scope="module")
 def tiny_sd3(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("sd3", tmp_path_factory.mktemp("tiny_sd3") / "model")
 
 
 @pytest.fixture(scope="module")
 def tiny_sd3_no_t5(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_sd3
+    from simpletuner.testing.zoo import write_tiny_sd3
 
     return write_tiny_sd3(tmp_path_factory.mktemp("tiny_sd3_no_t5") / "model", with_t5=False)
 

@@ -11,12 +11,12 @@ import torch
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import StableDiffusionXLSpec, get_model_spec
-from simpletuner.models.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
+from simpletuner.testing.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
 
 
 @pytest.fixture(scope="module")
 def tiny_sdxl(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("sdxl", tmp_path_factory.mktemp("tiny_sdxl") / "model")
 

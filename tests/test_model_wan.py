@@ -15,13 +15,13 @@ from simpletuner.configuration import validate_config
 from simpletuner.models import WanSpec, get_model_spec
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.wan import WAN_MAX_LENGTH
-from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C
-from simpletuner.models.zoo import TINY_WAN_T5_WIDTH as WIDTH
+from simpletuner.testing.zoo import TINY_WAN_LATENT_CHANNELS as C
+from simpletuner.testing.zoo import TINY_WAN_T5_WIDTH as WIDTH
 
 
 @pytest.fixture(scope="module")
 def tiny_wan(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("wan", tmp_path_factory.mktemp("tiny_wan") / "model")
 

@@ -15,8 +15,8 @@ from simpletuner.configuration import validate_config
 from simpletuner.models import get_model_spec
 from simpletuner.models.wan import WAN_MAX_LENGTH
 from simpletuner.models.wan22 import LORA_FILES, Wan22Spec, WanExperts
-from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C
-from simpletuner.models.zoo import TINY_WAN_T5_WIDTH as WIDTH
+from simpletuner.testing.zoo import TINY_WAN_LATENT_CHANNELS as C
+from simpletuner.testing.zoo import TINY_WAN_T5_WIDTH as WIDTH
 from simpletuner.training.optim import build_optimizer
 
 BOUNDARY = 875.0  # the zoo's boundary_ratio 0.875 x 1000 training timesteps
@@ -24,7 +24,7 @@ BOUNDARY = 875.0  # the zoo's boundary_ratio 0.875 x 1000 training timesteps
 
 @pytest.fixture(scope="module")
 def tiny_wan22(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("wan22", tmp_path_factory.mktemp("tiny_wan22") / "model")
 
@@ -56,7 +56,7 @@ def test_a_two_expert_folder_gets_the_wan22_spec(wan22_config, tiny_wan22, make_
     assert not torch.equal(model.transformer.proj_out.weight, model.transformer_2.proj_out.weight)
 
     # A Wan 2.1 folder (one transformer) refuses a stage; a one-denoiser family refuses it in the config.
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     wan21 = write_tiny_model("wan", tmp_path / "wan21")
     with pytest.raises(ValueError, match="train_stages 'high' picks one expert of Wan 2.2.*Wan 2.1"):
@@ -301,24 +301,3 @@ def test_resume_refuses_another_base_precision_or_stage(wan22_config, tmp_path):
         )
     with pytest.raises(ValueError, match="train_stages: checkpoint has 'both', config has 'high'"):
         train(wan22_config(max_train_steps=3, output_dir=out, resume_from_checkpoint="latest", train_stages="high"))
-
-
-def test_checkpoints_from_before_the_adapter_keys_still_resume():
-    from pathlib import Path
-
-    from simpletuner.training.checkpoint import check_compatible
-
-    old = {"world_size": 1, "identity": {"training_type": "lora", "lora_rank": 16}}
-    new = {
-        "training_type": "lora",
-        "lora_rank": 16,
-        "lora_type": "standard",
-        "lycoris_algo": None,
-        "base_model_precision": "no_change",
-        "train_stages": "both",
-    }
-    check_compatible(old, new, 1, Path("ckpt"))
-    full_old = {"world_size": 1, "identity": {"training_type": "full"}}
-    check_compatible(full_old, dict(new, training_type="full", lora_type=None, lora_rank=None), 1, Path("ckpt"))
-    with pytest.raises(ValueError, match="lora_type: checkpoint has 'standard', config has 'lycoris'"):
-        check_compatible(old, dict(new, lora_type="lycoris"), 1, Path("ckpt"))

@@ -18,8 +18,8 @@ from simpletuner.configuration import validate_config
 from simpletuner.models import Wan22I2VSpec, Wan22Spec, Wan22TI2VSpec, get_model_spec
 from simpletuner.models.wan import WAN_MAX_LENGTH
 from simpletuner.models.wan22 import LORA_FILES
-from simpletuner.models.zoo import TINY_WAN_LATENT_CHANNELS as C
-from simpletuner.models.zoo import TINY_WAN_T5_WIDTH as WIDTH
+from simpletuner.testing.zoo import TINY_WAN_LATENT_CHANNELS as C
+from simpletuner.testing.zoo import TINY_WAN_T5_WIDTH as WIDTH
 
 MEAN = torch.tensor([0.1, -0.2, 0.3, -0.05]).view(1, C, 1, 1, 1)  # the zoo VAE's latents_mean / latents_std
 STD = torch.tensor([1.5, 0.8, 2.0, 1.2]).view(1, C, 1, 1, 1)
@@ -27,14 +27,14 @@ STD = torch.tensor([1.5, 0.8, 2.0, 1.2]).view(1, C, 1, 1, 1)
 
 @pytest.fixture(scope="module")
 def tiny_i2v(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("wan22_i2v", tmp_path_factory.mktemp("tiny_wan22_i2v") / "model")
 
 
 @pytest.fixture(scope="module")
 def tiny_ti2v(tmp_path_factory):
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     return write_tiny_model("wan22_ti2v", tmp_path_factory.mktemp("tiny_wan22_ti2v") / "model")
 

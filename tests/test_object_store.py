@@ -28,10 +28,9 @@ from simpletuner.caching import ShardedTensorStore  # noqa: E402
 from simpletuner.configuration import ConfigError, load_config, validate_config  # noqa: E402
 from simpletuner.data_backend.base import DataBackend, SupportsReadHead  # noqa: E402
 from simpletuner.data_backend.factory import build_datasets  # noqa: E402
+from simpletuner.data_backend.in_memory import GH200InMemoryBackend  # noqa: E402
 from simpletuner.data_backend.local import LocalDataBackend  # noqa: E402
 from simpletuner.data_backend.object_store import ObjectStoreBackend, ObjectStoreError  # noqa: E402
-from simpletuner.gh200.in_memory_backend import GH200InMemoryBackend  # noqa: E402
-from simpletuner.state import StateTracker  # noqa: E402
 
 BUCKET = "data"
 PREFIX = "shapes"
@@ -298,7 +297,7 @@ def test_training_reads_through_a_flaky_store_and_skips_the_file_that_never_come
     trainer, result = train(raw)
     assert result.global_step == 2
     assert proxy.served["drop"] == 2 and proxy.served["503"] >= 2 + 2 * (FAST["max_retries"] + 1)
-    reference = build_datasets(StateTracker(validate_config(tiny_config(tiny_sd, shapes_dir, tmp_path))))[0]
+    reference = build_datasets(validate_config(tiny_config(tiny_sd, shapes_dir, tmp_path)))[0]
     expected = [(s.path, s.caption, s.bucket) for s in reference.samples if s.path != victim]
     for dataset in trainer.state.datasets:
         assert [(s.path, s.caption, s.bucket) for s in dataset.samples] == expected
@@ -404,7 +403,7 @@ def test_simpletuner_aws_datasets_become_object_store_and_load(s3, tiny_sd, tmp_
         "key": entry["aws_access_key_id"],
         "secret": entry["aws_secret_access_key"],
     }
-    built = build_datasets(StateTracker(config))[0]
+    built = build_datasets(config)[0]
     assert (
         len(built.samples) == 12
         and built.backend.list_files()
@@ -500,8 +499,8 @@ def test_an_object_rewritten_during_the_fill_is_left_out_and_encoded_when_put_ba
     from training_helpers import tiny_config, train
 
     import simpletuner.data_backend.factory as factory
-    from simpletuner.caching.admin import main as cache_main
     from simpletuner.caching.fingerprint import source_hash
+    from simpletuner.cli.cache import main as cache_main
 
     prefix, files, twin = rewritable
     key = f"{prefix}/005.png"

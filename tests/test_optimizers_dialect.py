@@ -7,7 +7,6 @@ import io
 import math
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -341,6 +340,17 @@ def test_prodigy_settings_are_checked_before_anything_loads(make_config):
     assert "takes no optimizer_config settings" in _problems(make_config(optimizer_config="d_coef=1"))
 
 
+def test_sgd_momentum_must_be_a_number(make_config):
+    """torch.optim.SGD takes no null momentum (a TypeError at the first step): refused with the config."""
+    assert validate_config(make_config(optimizer="sgd", optimizer_config={"momentum": 0.5})).optimizer_config == {
+        "momentum": 0.5
+    }
+    for bad in (None, 1.0, -0.1):
+        text = _problems(make_config(optimizer="sgd", optimizer_config={"momentum": bad}))
+        assert f"optimizer_config.momentum is {bad if bad is not None else 'None'}" in text
+        assert "it must be a number in [0, 1)" in text
+
+
 def test_prodigy_wants_a_learning_rate_near_one(make_config):
     text = _problems(make_config(optimizer="prodigy", learning_rate=1e-4))
     assert "learning_rate 0.0001 with optimizer prodigy" in text and "Set learning_rate to 1.0" in text
@@ -378,39 +388,24 @@ def _expected_chunks(datasets, size):
 
 @pytest.mark.parametrize("size", [3, 8])
 def test_vae_batch_size_sets_images_per_vae_call(make_config, vae_calls, size):
-    from simpletuner.data_backend import build_datasets
-    from simpletuner.models import get_model_spec
-    from simpletuner.state import StateTracker
-    from simpletuner.training.batches import prepare_caches
+    from training_helpers import cached_data
 
-    raw = make_config(vae_batch_size=size)
-    config = validate_config(raw)
-    state = StateTracker(config, raw)
-    datasets = build_datasets(state)
-    prepare_caches(
-        get_model_spec(config), datasets, Path(config.cache_config.cache_dir), torch.device("cpu"), torch.float32, state
-    )
+    _, datasets, _, _ = cached_data(make_config, vae_batch_size=size)
     assert sum(vae_calls) == 12 and max(vae_calls) <= size
     assert sorted(vae_calls) == _expected_chunks(datasets, size)
     assert validate_config(make_config()).vae_batch_size == 8  # today's batch when unset
 
 
 def test_vae_batch_size_sets_the_refresh_batches_too(make_config, vae_calls):
-    from simpletuner.data_backend import BucketSampler, build_datasets
-    from simpletuner.models import get_model_spec
-    from simpletuner.state import StateTracker
-    from simpletuner.training.batches import prepare_caches
+    from training_helpers import cached_data
 
-    raw = make_config(
+    from simpletuner.data_backend import BucketSampler
+
+    data, datasets, config, _ = cached_data(
+        make_config,
         vae_batch_size=3,
         augmentations={"flip_probability": 0.5},
         augmentations_cache_mode="refresh_each_epoch",
-    )
-    config = validate_config(raw)
-    state = StateTracker(config, raw)
-    datasets = build_datasets(state)
-    data, _ = prepare_caches(
-        get_model_spec(config), datasets, Path(config.cache_config.cache_dir), torch.device("cpu"), torch.float32, state
     )
     assert vae_calls == []  # nothing encoded before the epoch starts
     sampler = BucketSampler([s for ds in datasets for s in ds.samples], config.train_batch_size, 1, 0, config.seed)
@@ -425,7 +420,7 @@ def test_vae_batch_size_must_be_positive(make_config):
 def test_prodigy_trains_wan22_experts_with_their_own_rates_and_d(make_config, tmp_path_factory):
     from training_helpers import train
 
-    from simpletuner.models.zoo import write_tiny_model
+    from simpletuner.testing.zoo import write_tiny_model
 
     model = write_tiny_model("wan22", tmp_path_factory.mktemp("tiny_wan22") / "model")
     raw = make_config(

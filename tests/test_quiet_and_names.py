@@ -49,11 +49,11 @@ def test_ordinary_run_says_one_debug_line_about_gh200_and_writes_no_file(make_co
     with caplog.at_level(logging.DEBUG, logger="simpletuner"):
         policy = build_accumulation(state.config, num_processes=1)
         decided = configure_runtime(
-            state, num_processes=1, is_main_process=True, output_dir=out, accumulation=policy.state_dict()
+            state.config, num_processes=1, is_main_process=True, output_dir=out, accumulation=policy.state_dict()
         )
-    assert policy.state_dict() == decided["accumulation"] == {"kind": "fixed", "steps": 1}
+    assert policy.state_dict() == decided.accumulation == {"kind": "fixed", "steps": 1}
     assert not (out / RUNTIME_FILE).exists()
-    assert state.gh200_runtime_config["uvm_hints_active"] is False  # still recorded for the run
+    assert decided.uvm_hints_active is False  # still decided for the run
     about_gh200 = [
         r for r in caplog.records if "gh200" in r.getMessage().lower() or "unified" in r.getMessage().lower()
     ]
@@ -109,15 +109,15 @@ def test_configured_gh200_layer_writes_runtime_json(
         monkeypatch.setenv(*env)
     state = _state(tmp_path, raw)
     assert named in gh200_layer_requests(state.config)
-    configure_runtime(
-        state,
+    decided = configure_runtime(
+        state.config,
         num_processes=1,
         is_main_process=True,
         output_dir=tmp_path / "out",
         accumulation=build_accumulation(state.config, num_processes=1).state_dict(),
     )
     on_disk = json.loads((tmp_path / "out" / RUNTIME_FILE).read_text())
-    assert on_disk["accumulation"] == state.gh200_runtime_config["accumulation"]
+    assert on_disk["accumulation"] == decided.accumulation
 
 
 _IMPORTS = r"""
@@ -272,14 +272,15 @@ def test_ordinary_permissions_respect_the_umask(tmp_path):
 def test_diagnose_exits_0_here_and_3_when_a_verdict_fails(capsys, monkeypatch):
     from fake_cuda import FakeRuntime, gh200_info
 
+    from simpletuner.cli import diagnose
     from simpletuner.gh200 import diagnostic
-    from simpletuner.gh200.runtime import use_runtime
-    from simpletuner.host import nvidia_gpu_present
+    from simpletuner.hardware.host import nvidia_gpu_present
+    from simpletuner.hardware.runtime import use_runtime
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", uvm.ENV_VAR, uvm.ENV_ALIAS):
         monkeypatch.delenv(name, raising=False)
     host_has_gpu = nvidia_gpu_present()
-    code = diagnostic.main(["--json"])
+    code = diagnose.main(["--json"])
     summary = json.loads(capsys.readouterr().out)
     if not host_has_gpu and not summary["device"]:  # this CPU machine: GPU verdicts do not apply
         assert code == 0
@@ -289,8 +290,8 @@ def test_diagnose_exits_0_here_and_3_when_a_verdict_fails(capsys, monkeypatch):
     assert summary["device"] or {v["status"] for v in failing} == {"failed"}
 
     with use_runtime(FakeRuntime(info=gh200_info())):
-        assert diagnostic.main([]) == 0  # a ready GH200; hints unset is advice, not a failure
+        assert diagnose.main([]) == 0  # a ready GH200; hints unset is advice, not a failure
         assert "[tip] SIMPLETUNER_GH200_UVM_HINTS=unset" in capsys.readouterr().out
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "use_uvm:True")  # a key stock PyTorch rejects
-        assert diagnostic.main([]) == 3
+        assert diagnose.main([]) == 3
         assert "[--] PYTORCH_CUDA_ALLOC_CONF has keys stock PyTorch rejects: use_uvm" in capsys.readouterr().out

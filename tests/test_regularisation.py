@@ -8,17 +8,13 @@ import pytest
 import torch
 from fakes import data_only_config
 from PIL import Image
+from training_helpers import step_trainer
 
 from simpletuner.configuration import validate_config
 from simpletuner.data_backend import LocalDataBackend, build_metadata
 from simpletuner.data_backend.metadata import Sample
 from simpletuner.models import get_model_spec
-from simpletuner.precision import reset_accelerate_state
-from simpletuner.state import StateTracker
-from simpletuner.training.accumulation import build_accumulation
 from simpletuner.training.batches import Batch
-from simpletuner.training.launch import make_accelerator
-from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.trainer import Trainer
 
 LATENT_SHAPE = (4, 8, 8)  # the tiny UNet at resolution 64
@@ -46,9 +42,13 @@ def _batch(num_samples: int, seed: int, regularisation: bool) -> Batch:
 
 
 def _adapted(spec, config):
-    """The tiny UNet with the run's adapter, its up-projections made nonzero (a fresh adapter is the
-    identity, which would make any target test pass)."""
-    denoiser = spec.prepare_denoiser(spec.load_denoiser(torch.float32), torch.float32)
+    """The tiny UNet with the run's adapter, its up-projections made nonzero (:func:`_perturb_adapter`)."""
+    return _perturb_adapter(spec.prepare_denoiser(spec.load_denoiser(torch.float32), torch.float32), config)
+
+
+def _perturb_adapter(denoiser, config):
+    """Make the adapter's up-projections of ``denoiser`` nonzero, in place (a fresh adapter is the identity,
+    which would make any target test pass); returns it."""
     gen = torch.Generator().manual_seed(99)
     with torch.no_grad():
         for name, p in denoiser.named_parameters():
@@ -106,20 +106,9 @@ def test_regularisation_target_is_the_base_models_prediction(make_config, lora_t
 
 
 def _trainer(make_config, **overrides) -> Trainer:
-    """A Trainer holding only what ``train_step`` touches (as in test_train_step.py)."""
-    raw = make_config(lr_scheduler="constant", max_grad_norm=None, lora_rank=4, **overrides)
-    config = validate_config(raw)
-    trainer = Trainer(StateTracker(config, raw))
-    reset_accelerate_state()
-    trainer.spec = spec = get_model_spec(config)
-    trainer.accelerator = acc = make_accelerator("no", "none", trainer.output_dir, find_unused_parameters=False)
-    denoiser = _adapted(spec, config)
-    optimizer = build_optimizer(config, spec.named_parameter_groups(denoiser))
-    trainer.lr_scheduler = build_lr_scheduler(config, optimizer, total_steps=10)
-    trainer.model, trainer.optimizer = acc.prepare(denoiser, optimizer)
-    trainer.trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
-    trainer.accumulation = build_accumulation(config, acc.num_processes)
-    trainer.generator = torch.Generator().manual_seed(1234)
+    """A Trainer holding what ``train_step`` touches (training_helpers.step_trainer), its adapter made nonzero."""
+    trainer = step_trainer(make_config, lr_scheduler="constant", max_grad_norm=None, lora_rank=4, **overrides)
+    _perturb_adapter(trainer.model, trainer.config)
     return trainer
 
 

@@ -20,10 +20,10 @@ from fakes import NanGradient
 from safetensors.torch import load_file
 from training_helpers import same_weights, tiny_config
 
+from simpletuner.cli.train import main as train_main
 from simpletuner.configuration import validate_config
 from simpletuner.models.sd import StableDiffusionSpec
 from simpletuner.state import StateTracker
-from simpletuner.train import main as train_main
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.reliability import NonFiniteLoss
 from simpletuner.training.trainer import Trainer
@@ -181,9 +181,8 @@ def test_amp_scaler_state_round_trips_through_a_checkpoint(tmp_path):
     param = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([param], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    path = ckpt.save_checkpoint(
-        acc, tmp_path, 1, {"p": param}, opt, sched, {"identity": {}}, torch.Generator(), None, scaler=scaler
-    )
+    contents = ckpt.CheckpointContents({"p": param}, opt, sched, {"identity": {}}, torch.Generator(), scaler=scaler)
+    path = ckpt.Checkpointer(acc, tmp_path, None, "abc123").write(1, contents)
     loaded = ckpt.load_tensors(path, 0)
     restored = torch.amp.GradScaler("cpu")
     restored.load_state_dict(loaded["scaler"])

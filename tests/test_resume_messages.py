@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from simpletuner.train import main
+from simpletuner.cli.train import main
 from simpletuner.training.checkpoint import check_compatible
 
 IDENTITY = {"model_family": "sd", "training_type": "lora", "lora_type": "standard", "lora_rank": 4}

@@ -34,7 +34,7 @@ def test_the_last_step_is_a_checkpoint_and_a_finished_run_is_not_resaved(make_co
     before = _snapshot(out)
     path = tmp_path / "again.json"
     path.write_bytes(orjson.dumps(make_config(max_train_steps=4, output_dir=str(out), resume_from_checkpoint="latest")))
-    from simpletuner.train import main
+    from simpletuner.cli.train import main
 
     with caplog.at_level(logging.WARNING, logger="simpletuner"):
         assert main(["--config", str(path)]) == 0
@@ -103,7 +103,7 @@ def _write(tmp_path: Path, raw: dict, name: str = "cfg.json") -> str:
 
 
 def test_an_output_dir_holding_a_finished_run_is_refused_until_resume_or_overwrite(make_config, tmp_path, capsys):
-    from simpletuner.train import main
+    from simpletuner.cli.train import main
 
     out = tmp_path / "run"
     train(make_config(max_train_steps=3, output_dir=str(out)))

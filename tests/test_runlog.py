@@ -71,7 +71,7 @@ def test_training_log_and_metrics_are_appended_across_a_resume(make_config, tmp_
 
 
 def test_debug_shows_our_debug_lines_not_third_party_noise(make_config, tmp_path, capsys):
-    from simpletuner.train import main
+    from simpletuner.cli.train import main
 
     root, ours = logging.getLogger(), logging.getLogger("simpletuner")
     saved = root.level, list(root.handlers), ours.level

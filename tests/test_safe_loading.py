@@ -40,7 +40,7 @@ NO_WEIGHTS_SUFFIXES = ("Tokenizer", "TokenizerFast", "Scheduler", "Config", "Pro
 #: Weight-loading entry points that must pass ``use_safetensors=True``.
 WEIGHT_LOADERS = {"from_pretrained", "load_lora_weights", "load_attn_procs", "from_single_file"}
 #: Files that may call ``importlib.import_module`` (the argument is built from a constant table).
-IMPORT_MODULE_ALLOWED = {"simpletuner/gh200/__init__.py", "simpletuner/cli.py"}
+IMPORT_MODULE_ALLOWED = {"simpletuner/gh200/__init__.py", "simpletuner/cli/__init__.py"}
 #: Files that may look a class up by a name read from a model folder (only through the allow-list).
 CLASS_LOOKUP_ALLOWED = {"simpletuner/models/spec.py"}
 #: Files that still do ``getattr(diffusers|transformers, name_from_model_index)`` directly. They

@@ -176,7 +176,7 @@ def test_a_latent_cached_without_them_is_a_miss_and_is_encoded_again(sdxl_raw, f
     config = validate_config(raw)
     state = StateTracker(config, raw)
     spec = get_model_spec(config)
-    (dataset,) = build_datasets(state, spec)
+    (dataset,) = build_datasets(state.config, spec)
     identity = spec.image_encoder_identity()
     # What an older version stored: the latent alone, under the key it used (no size and crop in it).
     old_keys = [sample_latent_key(dataset, s, identity, config.resolution) for s in dataset.samples]

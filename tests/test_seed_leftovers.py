@@ -48,8 +48,8 @@ def test_the_diagnostic_says_the_forks_uvm_statistics_do_not_exist_and_what_repl
     import torch
     from fake_cuda import FakeRuntime
 
-    from simpletuner.gh200.diagnostic import main
-    from simpletuner.gh200.runtime import use_runtime
+    from simpletuner.cli.diagnose import main
+    from simpletuner.hardware.runtime import use_runtime
 
     assert "uvm.light_reclamations" not in torch.cuda.memory_stats()  # stock PyTorch (CPU build: empty)
     with use_runtime(FakeRuntime()):
@@ -81,7 +81,7 @@ def test_estimate_accepts_auto_as_the_seeds_script_does(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["Quadro RTX 6000", "quadro-rtx-6000", "rtx6000"])
 def test_the_quadro_rtx_6000_is_in_the_gpu_table(name):
     """nvidia-smi names it "Quadro RTX 6000" (seed 003); it was missing, so MFU and `--gpu` did not know it."""
-    from simpletuner.memory.hardware import lookup_gpu, resolve_gpu_name
+    from simpletuner.hardware.gpus import lookup_gpu, resolve_gpu_name
 
     spec = resolve_gpu_name(name)
     assert spec.name == "Quadro RTX 6000" and spec.memory_gb == (24,) and spec.compute_capability == (7, 5)

@@ -128,8 +128,8 @@ def guarded_signals():
     ],
 )
 def test_a_signal_outside_the_loop_stops_at_once_with_one_line(runs, name, words, monkeypatch, capsys, guarded_signals):
+    from simpletuner.cli.train import main as train_main
     from simpletuner.faults import reset_fault_counts
-    from simpletuner.train import main as train_main
 
     variant, fault, code = IN_PROCESS[name]
     raw = _raw(*runs["model"], runs["base"], name, variant, cache="cache")  # the reference's complete cache

@@ -8,8 +8,8 @@ import sys
 import orjson
 import pytest
 
+from simpletuner.cli.train import main, prepare_config
 from simpletuner.configuration import ConfigError, load_config
-from simpletuner.train import main, prepare_config
 
 
 def _write(path, raw):

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
+from simpletuner.cli.train import main as train_main
+from simpletuner.cli.train import prepare_config
 from simpletuner.configuration import ConfigError
-from simpletuner.train import main as train_main
-from simpletuner.train import prepare_config
 
 
 def _write(tmp_path, raw) -> str:

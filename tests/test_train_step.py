@@ -1,8 +1,8 @@
 """``Trainer.train_step`` alone, on real tiny parts: the tiny SD spec and UNet with its LoRA, a real
 optimizer and schedule, and fixed micro-batches built by hand (no dataset, no cache fill).
 
-The trainer is made with ``Trainer(state)``, which builds nothing, and given only what a step
-touches; each test compares the step with the same arithmetic done by hand.
+The trainer is set up by its own builders as far as a step needs (``training_helpers.step_trainer``);
+each test compares the step with the same arithmetic done by hand.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def _mfu_run(make_config, tmp_path, name, hardware=None, peak_tflops=None, **con
 )
 def test_mfu_uses_the_peak_of_the_runs_precision(make_config, tmp_path, caplog, precision, tf32, peak, kind):
     # CUDA cannot exist here: the run is real, the GPU it is measured against (an H100 SXM) is injected.
-    from simpletuner.memory.hardware import hardware_for_gpu
+    from simpletuner.hardware.machine import hardware_for_gpu
 
     caplog.set_level(logging.INFO, logger="simpletuner")
     trainer, records = _mfu_run(
@@ -173,8 +173,8 @@ def test_mfu_uses_the_peak_of_the_runs_precision(make_config, tmp_path, caplog, 
 def test_a_gpu_not_in_the_table_says_peak_unknown_once(make_config, tmp_path, caplog):
     from fake_cuda import FakeRuntime
 
-    from simpletuner.gh200.runtime import DeviceMemoryInfo
-    from simpletuner.memory.hardware import detect_hardware
+    from simpletuner.hardware.machine import detect_hardware
+    from simpletuner.hardware.runtime import DeviceMemoryInfo
 
     mystery = DeviceMemoryInfo(0, "NVIDIA Mystery 9000", (9, 0), 48 * 2**30, True, True, False, False, False)
     hardware = detect_hardware(FakeRuntime(info=mystery), meminfo_path=str(tmp_path / "no-meminfo"))
@@ -190,7 +190,7 @@ def test_a_gpu_not_in_the_table_says_peak_unknown_once(make_config, tmp_path, ca
 
 
 def test_peak_tflops_flag_overrides_the_table(make_config, tmp_path):
-    from simpletuner.memory.hardware import hardware_for_gpu
+    from simpletuner.hardware.machine import hardware_for_gpu
 
     trainer, _ = _mfu_run(make_config, tmp_path, "flag", hardware=hardware_for_gpu("h100"), peak_tflops=0.5)
     assert trainer.last_logs["mfu"] == pytest.approx(trainer.last_logs["tflops"] / 0.5)
@@ -223,7 +223,7 @@ def test_peak_tflops_on_the_command_line(make_config, tmp_path, capsys):
 
 def test_flop_counting_and_eval_do_not_change_training(make_config, tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
-        patch.setattr(Trainer, "_flops_per_sample", lambda self, model: None)  # no counting pass at all
+        patch.setattr(Trainer, "_flops_per_sample", lambda self, model, samples: None)  # no counting pass at all
         plain_trainer, plain = _train(make_config(max_train_steps=3, output_dir=str(tmp_path / "a")))
     assert "tflops" not in plain_trainer.last_logs
     _, measured = _train(

@@ -13,11 +13,11 @@ import logging
 import pytest
 import torch
 
+from simpletuner.cli.demo import write_shapes_dataset
 from simpletuner.configuration import validate_config
 from simpletuner.data_backend import LocalDataBackend, build_metadata
-from simpletuner.demo import write_shapes_dataset
+from simpletuner.hardware.machine import detect_hardware, hardware_for_gpu
 from simpletuner.memory.advice import format_bytes
-from simpletuner.memory.hardware import detect_hardware, hardware_for_gpu
 from simpletuner.memory.preflight import NotEnoughMemory, check_run_memory
 from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker

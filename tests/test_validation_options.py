@@ -15,7 +15,7 @@ from simpletuner.configuration import validate_config
 from simpletuner.configuration.errors import ConfigError
 from simpletuner.configuration.rules import GUIDANCE_RESCALE_FAMILIES
 from simpletuner.models import get_model_spec
-from simpletuner.models.zoo import write_tiny_model
+from simpletuner.testing.zoo import write_tiny_model
 from simpletuner.training.ema import EMA
 from simpletuner.training.validation import generate_validation_images, pipeline_arguments
 

@@ -22,7 +22,7 @@ from training_helpers import tiny_config
 
 from simpletuner.configuration import validate_config
 from simpletuner.models import get_model_spec
-from simpletuner.models.zoo import write_tiny_model
+from simpletuner.testing.zoo import write_tiny_model
 from simpletuner.training import validation
 from simpletuner.training.validation import encode_video, generate_validation_images
 

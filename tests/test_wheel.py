@@ -177,7 +177,7 @@ def test_diagnose_is_the_diagnostic_script(installed, capsys):
     result = _run(["simpletuner", "diagnose"], env=env, cwd=cwd)
     assert result.returncode == 0, result.stderr
 
-    from simpletuner.gh200.diagnostic import main as script_main  # what `python gh200_diagnostic.py` runs
+    from simpletuner.cli.diagnose import main as script_main  # what `python gh200_diagnostic.py` runs
 
     assert script_main([]) == 0
     assert _sections(result.stdout) == _sections(capsys.readouterr().out)

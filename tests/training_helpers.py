@@ -79,27 +79,19 @@ TOKENS, WIDTH = 6, 32
 
 
 def step_trainer(make_config, **overrides) -> Trainer:
-    """A Trainer holding only the parts ``train_step`` / ``run_window`` use (the tiny SD UNet with its
-    LoRA, a real optimizer and schedule; no dataset, no cache fill). Keyword overrides go to the config."""
-    from simpletuner.models import get_model_spec
-    from simpletuner.precision import reset_accelerate_state
+    """A Trainer set up by its own builders as far as ``train_step`` / ``run_window`` need, without data (no
+    dataset, no cache fill, no output_dir): ``_setup_process`` (the tiny SD spec, Accelerate, the noise
+    generator), the run's accumulation policy, ``_setup_model`` and ``_setup_optimizer`` over 10 steps.
+    Keyword overrides go to the config."""
+    from simpletuner.gh200.managed_memory import check_managed_memory
     from simpletuner.training.accumulation import build_accumulation
-    from simpletuner.training.launch import make_accelerator
-    from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 
     raw = make_config(**{"nonfinite_policy": "skip", **overrides})
-    config = validate_config(raw)
-    trainer = Trainer(StateTracker(config, raw))
-    reset_accelerate_state()
-    trainer.spec = spec = get_model_spec(config)
-    trainer.accelerator = acc = make_accelerator("no", "none", trainer.output_dir, find_unused_parameters=False)
-    denoiser = spec.prepare_denoiser(spec.load_denoiser(torch.float32), torch.float32)
-    optimizer = build_optimizer(config, spec.named_parameter_groups(denoiser))
-    trainer.lr_scheduler = build_lr_scheduler(config, optimizer, total_steps=10)
-    trainer.model, trainer.optimizer = acc.prepare(denoiser, optimizer)
-    trainer.trainable_params = [p for p in trainer.model.parameters() if p.requires_grad]
-    trainer.accumulation = build_accumulation(config, acc.num_processes)
-    trainer.generator = torch.Generator().manual_seed(1234)
+    trainer = Trainer(StateTracker(validate_config(raw), raw))
+    trainer._setup_process()
+    trainer.accumulation = build_accumulation(trainer.config, trainer.accelerator.num_processes)
+    denoiser = trainer._setup_model(check_managed_memory(trainer.config))
+    trainer._setup_optimizer(denoiser, total_steps=10)
     return trainer
 
 
@@ -123,17 +115,27 @@ def fixed_batch(num_samples: int, seed: int, nan: bool = False):
 def cached_data(make_config, **overrides):
     """The tiny run's datasets scanned and its caches filled as training fills them (no Trainer):
     ``(CachedData, datasets, config, spec)``."""
+    from simpletuner.caching.fill import fill_caches
     from simpletuner.data_backend import build_datasets
     from simpletuner.models import get_model_spec
-    from simpletuner.training.batches import prepare_caches
+    from simpletuner.training.batches import CachedData, CaptionDropout
 
     raw = make_config(**overrides)
     config = validate_config(raw)
     state = StateTracker(config, raw)
-    datasets = build_datasets(state)
+    datasets = build_datasets(state.config)
     spec = get_model_spec(config)
     cpu = torch.device("cpu")
-    data, _ = prepare_caches(spec, datasets, Path(config.cache_config.cache_dir), cpu, torch.float32, state)
+    filled, _ = fill_caches(
+        spec,
+        datasets,
+        Path(config.cache_config.cache_dir),
+        cpu,
+        torch.float32,
+        locks=None,
+        record_cache_dir=state.register_cache_dir,
+    )
+    data = CachedData.of(filled, CaptionDropout(config.seed, config.caption_dropout_probability))
     return data, datasets, config, spec
 
 

@@ -1,26 +1,14 @@
 """Encode-once caches for VAE latents and text embeddings.
 
-- :mod:`.layout`: where a model's caches live (``<cache_dir>/<family>/{vae,text,vae-epochs}``);
-  :mod:`.routing`: a dataset's own latent folder (``cache_dir_vae``) and the text folder
-  (``cache_config.text_cache_dir``), for training and ``simpletuner cache`` alike.
-- :mod:`.keys`: :func:`cache_keys`, every latent and text key a config's training reads; training,
-  re-encoding and ``simpletuner cache`` all build their keys there.
-- :mod:`.fingerprint`: cache keys over everything that changes a value, plus file and
-  encoder-folder identities.
-- :mod:`.base`: :class:`TensorStore`, the protocol both stores implement.
-- :mod:`.store`: :class:`ShardedTensorStore`, atomic safetensors shards on disk; its integrity
-  checks (verify, checked reads, compaction) live in :mod:`.shard_checks`.
-- :mod:`.integrity`: per-tensor checksums in each shard's header, :class:`VerifyReport`.
-- :mod:`.memory_store`: :class:`MemoryTensorStore`, entries in RAM or managed memory.
-- :mod:`.tensor_cache`: :class:`TensorCache` (``fill`` / ``get_batch``); :mod:`.opening`, a cache over
-  the store a cache type names, :func:`open_caches` for a model's ``(vae, text)`` pair; :mod:`.share`,
-  a fill split between the processes of a launch; :mod:`.threads`, its thread helpers.
-- :mod:`.vae_cache`, :mod:`.text_cache`: the key builders for each kind; :mod:`.size_crop`, each image's
-  size and crop kept beside its latent for SDXL's micro-conditioning.
-- :mod:`.reencode`: decoding images for the VAE, and the re-encoding cache modes
-  (``refresh_each_epoch``, ``disable_cache``).
-- :mod:`.admin`: ``simpletuner cache verify|clear --config cfg.json`` (the command; it alone asks
-  :mod:`simpletuner.models` for a spec); :mod:`.report`: what it finds in a cache folder, as text or JSON.
+- Where and what: :mod:`.layout` and :mod:`.routing` (the folders), :mod:`.keys` (every key a config's
+  training reads), :mod:`.fingerprint`, :mod:`.vae_cache`, :mod:`.text_cache`, :mod:`.size_crop`.
+- Stores: :mod:`.base` (:class:`TensorStore`), :mod:`.store` (safetensors shards on disk) with
+  :mod:`.shard_checks` (its integrity checks), :mod:`.integrity` and :mod:`.markers`; :mod:`.memory_store`
+  (RAM or managed memory); :mod:`.opening` (a store by cache type); :mod:`.read_only`.
+- Filling: :mod:`.tensor_cache` (:class:`TensorCache`), :mod:`.share` (between the ranks of a launch),
+  :mod:`.threads`; the trainer's fill in phases: :mod:`.plan`, :mod:`.fill`, :mod:`.encoders`;
+  :mod:`.reencode` (decoding for the VAE, the re-encoding cache modes).
+- :mod:`.report`: what ``simpletuner cache`` (:mod:`simpletuner.cli.cache`) finds in a folder.
 """
 
 from simpletuner.caching.base import TensorStore

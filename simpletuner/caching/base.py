@@ -21,8 +21,10 @@ from simpletuner.caching.integrity import VerifyReport
 class TensorStore(Protocol):
     """String keys mapping to ``dict[str, Tensor]`` entries, with checksums, source hashes and markers."""
 
-    #: Where the entries live (a folder), or a name for logs when they live in memory only.
-    root: Path | str
+    @property
+    def root(self) -> Path | str:
+        """Where the entries live (a folder), or a name for logs when they live in memory only."""
+        ...
 
     def __contains__(self, key: object) -> bool: ...
 
@@ -32,6 +34,10 @@ class TensorStore(Protocol):
 
     def keys(self) -> list[str]:
         """Every key held, as a list."""
+        ...
+
+    def refresh(self) -> int:
+        """Take in the entries other processes stored since this store was opened; returns how many."""
         ...
 
     def get(self, key: str) -> dict[str, torch.Tensor]:

@@ -1,15 +1,10 @@
 """Cache keys: a stable fingerprint of everything that changes a cached value.
 
-A cache key must change whenever the value it names could change: the source file, the
-crop and resolution, the encoder that produced it, its dtype, and the code that encodes
-and stores it (``CACHE_FORMAT_VERSION``). Anything the key does not cover is a silent
-stale hit, so the serialisation here is strict: values it does not know how to encode
-raise ``TypeError`` instead of falling back to ``str()``.
-
-The canonical form is JSON (orjson, sorted keys) with tagged objects for the types JSON
-cannot carry exactly: floats travel as ``repr`` (so ``1`` and ``1.0`` differ, and no
-platform float formatting leaks in), ``torch.dtype`` as its name, ``bytes`` as hex. A
-user dict key starting with ``$`` is escaped so it can never be read as such a tag.
+A key must change whenever its value could: the source file, crop and resolution, the encoder, the dtype
+and the code that stores it (``CACHE_FORMAT_VERSION``); anything it misses is a silent stale hit. So the
+canonical form (orjson, sorted keys) is strict: tagged objects carry what JSON cannot carry exactly
+(floats as ``repr``, so ``1`` and ``1.0`` differ; ``torch.dtype`` by name; ``bytes`` as hex; a user key
+starting with ``$`` is escaped), and a value it cannot encode raises ``TypeError``, never ``str()``.
 """
 
 from __future__ import annotations

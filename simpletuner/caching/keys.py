@@ -1,22 +1,17 @@
 """Every cache key a config's training reads, from its model spec and datasets: the one rule.
 
-Training (:func:`simpletuner.training.batches.prepare_caches`), the re-encoding modes
-(:mod:`simpletuner.caching.reencode`) and ``simpletuner cache`` (:mod:`simpletuner.caching.admin`)
-all build their keys here, so what ``cache clear --stale-only`` keeps is exactly what training reads:
-
-- a latent of the ``vae`` cache per distinct sample (a dataset's repeats share one), encoded with the
-  ``static`` augmentation version when augmentations are on (:func:`static_latent_key`), with the image's
-  size and crop beside it for a model conditioned on them (SDXL, :mod:`simpletuner.caching.size_crop`);
-- ``refresh_each_epoch``: a latent per sample and epoch in the epoch folders (:func:`epoch_latent_key`);
-- a text embedding per distinct caption (each line of a caption file of several lines), in the run's
-  precision (:class:`CacheKeys`.texts), and of the empty caption :data:`DROPPED_CAPTION` when
-  ``caption_dropout_probability`` is above 0.
+The cache fill (:mod:`simpletuner.caching.fill`), the re-encoding modes (:mod:`simpletuner.caching.reencode`)
+and ``simpletuner cache`` (:mod:`simpletuner.cli.cache`) all build their keys here, so ``cache clear
+--stale-only`` keeps exactly what training reads: a latent per distinct sample (repeats share one;
+:func:`static_latent_key`, with size and crop for SDXL), one per sample and epoch with
+``refresh_each_epoch`` (:func:`epoch_latent_key`), and a text embedding per distinct caption line in the
+run's precision, plus :data:`DROPPED_CAPTION` when ``caption_dropout_probability`` is above 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import torch
 
@@ -24,6 +19,10 @@ from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME
 from simpletuner.caching.text_cache import caption_text_key
 from simpletuner.caching.vae_cache import sample_latent_key
 from simpletuner.data_backend.augment import augmentation_key, static_augmentation_key
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.data_backend import Sample
 
 #: ``(registered dataset, sample)``: what a latent is encoded from.
 Source = tuple[Any, Any]
@@ -41,34 +40,44 @@ class PairedCaption:
     sample_key: str
 
 
-def text_id(sample: Any, caption: str | None = None):
+#: A text-cache id: a caption, or an edit pair's :class:`PairedCaption`.
+TextId = str | PairedCaption
+
+
+def text_id(sample: Sample, caption: str | None = None) -> TextId:
     """The text-cache id ``sample`` trains with: its caption (or ``caption``, e.g. the dropped one), paired
     with the sample when it has a source image."""
     caption = sample.caption if caption is None else caption
-    return caption if getattr(sample, "source", None) is None else PairedCaption(caption, sample.key)
+    return caption if sample.source is None else PairedCaption(caption, sample.key)
 
 
 def _id_order(item) -> tuple:
     return (0, item, "") if isinstance(item, str) else (1, item.caption, item.sample_key)
 
 
-def source_view(sample) -> dict[str, Any]:
+def source_view(sample: Sample) -> dict[str, Any]:
     """What an edit pair's prompt embedding sees of its source: the file (:func:`source_identity`) and the
     geometry that cut it (bucket, crop, canvas)."""
     from simpletuner.data_backend.pairs import source_identity
 
+    identity = source_identity(sample)
+    assert identity is not None, "only an edit pair's sample has a source view"
     return {
-        **source_identity(sample),
+        **identity,
         "bucket": list(sample.bucket),
         "crop": {"style": sample.crop_style, "seed": sample.crop_seed},
-        "canvas": list(sample.canvas) if getattr(sample, "canvas", None) is not None else None,
+        "canvas": list(sample.canvas) if sample.canvas is not None else None,
     }
 
 
 class EncoderIdentities(Protocol):
     """What the keys need of a model spec (:class:`simpletuner.models.ModelSpec` has it)."""
 
-    config: Any
+    @property
+    def config(self) -> TrainingConfig: ...
+
+    @property
+    def conditions_on_size_crop(self) -> bool: ...
 
     def image_encoder_identity(self) -> str: ...
 
@@ -101,19 +110,15 @@ class CacheKeys:
     """The keys of one config's caches.
 
     Attributes:
-        latents: sample key -> key of its latent in the ``vae`` cache, datasets in order, each sample
-            once (empty when asked for none: the re-encoding modes read no cached latents).
-        texts: text id (:func:`text_id`: a caption, or an edit pair's :class:`PairedCaption`) -> key of its
-            embeddings in the ``text`` cache, captions sorted.
+        latents: sample key -> its latent's key in the ``vae`` cache, each sample once (empty when none asked).
+        texts: text id (:func:`text_id`) -> its embeddings' key in the ``text`` cache, captions sorted.
         sources: sample key -> ``(dataset, sample)`` of each distinct sample (the first repeat).
-        static_version: the augmentation version the ``vae`` cache's latents are encoded with
-            (:func:`static_version`).
-        has_dropped_caption: :data:`DROPPED_CAPTION` is in :attr:`texts` for caption dropout (kept by
-            :meth:`texts_of` whatever the datasets hold).
+        static_version: the augmentation version of the ``vae`` cache's latents (:func:`static_version`).
+        has_dropped_caption: :data:`DROPPED_CAPTION` is in :attr:`texts` for caption dropout.
     """
 
     latents: dict[str, str]
-    texts: dict[str, str]
+    texts: dict[TextId, str]
     sources: dict[str, Source]
     static_version: int | None
     has_dropped_caption: bool = False
@@ -126,7 +131,7 @@ class CacheKeys:
         """Latent key -> ``(dataset, sample)`` it is encoded from."""
         return {key: self.sources[sample_key] for sample_key, key in self.latents.items()}
 
-    def texts_of(self, datasets: Iterable[Any]) -> dict[str, str]:
+    def texts_of(self, datasets: Iterable[Any]) -> dict[TextId, str]:
         """:attr:`texts` of the captions ``datasets`` still hold (after dropping undecodable images)."""
         kept = _text_ids(datasets, self.has_dropped_caption)
         return {caption: key for caption, key in self.texts.items() if caption in kept}
@@ -154,8 +159,8 @@ def cache_keys(
             key: static_latent_key(config, image_identity, ds, s, size_crop) for key, (ds, s) in sources.items()
         }
     text_identity = spec.text_encoder_identity()
-    has_dropped = getattr(config, "caption_dropout_probability", 0) > 0
-    texts = {}
+    has_dropped = config.caption_dropout_probability > 0
+    texts: dict[TextId, str] = {}
     for item in sorted(_text_ids(datasets, has_dropped), key=_id_order):
         if isinstance(item, str):
             texts[item] = caption_text_key(item, text_identity, text_dtype)
@@ -165,9 +170,9 @@ def cache_keys(
     return CacheKeys(latent_keys, texts, sources, static_version(config), has_dropped)
 
 
-def _text_ids(datasets: Iterable[Any], has_dropped: bool) -> set:
+def _text_ids(datasets: Iterable[Any], has_dropped: bool) -> set[TextId]:
     """The text ids the samples of ``datasets`` train with (and the dropped caption's, with dropout)."""
-    ids = set()
+    ids: set[TextId] = set()
     paired_only = True
     for ds in datasets:
         for sample in ds.samples:

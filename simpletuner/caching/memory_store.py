@@ -17,13 +17,13 @@ import torch
 from tqdm import tqdm
 
 from simpletuner.caching.integrity import VerifyReport, summarise_problems
-from simpletuner.caching.shard_checks import check_marker_name
+from simpletuner.caching.markers import check_marker_name
 from simpletuner.caching.store import ShardedTensorStore
 
 logger = logging.getLogger(__name__)
 
 Placement = Callable[[torch.Tensor], torch.Tensor]
-Stack = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+Stack = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from simpletuner.caching.base import TensorStore
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from simpletuner.state import StateTracker
 
 CACHE_TYPES = ("disk", "memory", "unified_memory")
+#: Where a unified-memory cache's entries prefer to reside.
+Residency = Literal["cpu", "gpu"]
 _MODEL_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
@@ -30,7 +32,7 @@ def _check_cache_types(*kinds: str) -> None:
             raise ValueError(f"cache type {kind!r} is not one of {', '.join(CACHE_TYPES)}")
 
 
-def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: str) -> TensorStore:
+def _open_store(folder: Path, kind: str, name: str, persistent: bool, prefer: Residency) -> TensorStore:
     """A disk store, or a memory store (optionally backed by disk) placed per ``kind`` (one of
     :data:`CACHE_TYPES`, checked by the caller)."""
     kind = cache_type_in_use(kind)
@@ -53,7 +55,7 @@ def open_tensor_cache(
     kind: str,
     name: str,
     persistent: bool = True,
-    prefer: str = "cpu",
+    prefer: Residency = "cpu",
     verify: bool = True,
 ) -> TensorCache:
     """One :class:`TensorCache` in ``folder`` of cache type ``kind`` (`disk`, `memory`,
@@ -76,20 +78,15 @@ def open_caches(
     persistent: bool = True,
     verify: bool = True,
 ) -> tuple[TensorCache, TensorCache]:
-    """Open the ``(vae_cache, text_cache)`` pair of a model under ``cache_dir/model_tag``.
+    """Open the ``(vae_cache, text_cache)`` pair of a model in ``cache_dir/model_tag/{vae,text}``.
 
-    The stores live in ``cache_dir/model_tag/vae`` and ``cache_dir/model_tag/text``; both
-    folders are registered with ``state.register_cache_dir`` when a state is given, so
-    ``state.delete_cache_files()`` removes them. ``vae_type`` / ``text_type`` choose
-    `disk`, `memory` or `unified_memory` (latents prefer CPU residency, text embeddings GPU;
-    a CPU-backed `memory` cache while unified-memory hints are forced off, see
-    :func:`cache_type_in_use`); memory stores are written through to disk when ``persistent``
-    (both kinds share the disk format, so either reloads the other's entries). ``verify`` is passed to
-    :class:`TensorCache` (check each needed entry's checksum when filling).
+    Both folders are registered with ``state.register_cache_dir`` when a state is given. ``vae_type`` /
+    ``text_type``: ``disk``, ``memory`` or ``unified_memory`` (see :func:`cache_type_in_use`); memory stores are
+    written through to disk when ``persistent`` (one disk format for both). ``verify``: check each needed
+    entry's checksum when filling (:class:`TensorCache`).
 
     Raises:
-        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or a
-            cache type is unknown.
+        ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or an unknown cache type.
     """
     if not isinstance(model_tag, str) or not _MODEL_TAG_PATTERN.match(model_tag):
         raise ValueError(

@@ -18,11 +18,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from PIL import Image
 
+from simpletuner.caching.encoders import CacheEncoders
 from simpletuner.caching.keys import epoch_latent_key
 from simpletuner.caching.layout import cache_base, epoch_folder
 from simpletuner.caching.opening import open_tensor_cache
@@ -109,7 +111,7 @@ class PixelLoader:
         )
 
 
-def latent_extras(spec, loaded: Loaded) -> dict[str, torch.Tensor]:
+def latent_extras(spec: CacheEncoders, loaded: Loaded) -> dict[str, torch.Tensor]:
     """What a latent entry of ``spec`` holds beside ``latents``, stacked for the decoded payloads of ``loaded``:
     :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, else nothing."""
     if not spec.conditions_on_size_crop or loaded.pixels is None:
@@ -117,7 +119,7 @@ def latent_extras(spec, loaded: Loaded) -> dict[str, torch.Tensor]:
     return {SIZE_CROP: size_crop_tensor(loaded.size_crops)}
 
 
-def encode_loaded(spec, vae, loaded: Loaded) -> list[dict[str, torch.Tensor] | None]:
+def encode_loaded(spec: CacheEncoders, vae: Any, loaded: Loaded) -> list[dict[str, torch.Tensor] | None]:
     """The cache entry (float32, CPU) of each payload of a loaded batch: its VAE latents and
     :func:`latent_extras`; None for the undecodable ones."""
     if loaded.pixels is None:
@@ -200,7 +202,7 @@ class EpochLatents:
         datasets: dict[str, RegisteredDataset],
         loader: PixelLoader,
         threads: DecodeThreads,
-        encode: Callable[[Loaded], list],
+        encode: Callable[[Loaded], list[dict[str, torch.Tensor] | None]],
         batch_size: int,
     ):
         self._open_cache, self._key_for = open_cache, key_for
@@ -256,30 +258,22 @@ class EpochLatents:
 
 
 class Reencoder:
-    """Latents encoded while training: ``refresh_each_epoch`` (:attr:`epochs`) or
-    ``disable_cache`` (:meth:`iterate_epoch`). Holds the VAE, so it stays loaded after start-up.
+    """Latents encoded while training: ``refresh_each_epoch`` (:attr:`epochs`) or ``disable_cache``
+    (:meth:`iterate_epoch`). Holds the VAE, so it stays loaded after start-up.
 
-    Args:
-        spec: the model spec (``encode_images``).
-        vae: the loaded VAE.
-        loader: decodes and augments.
-        datasets: the run's datasets.
-        cache_dir: the run's cache folder; per-epoch latents go to
-            ``<cache_dir>/<family>/vae-epochs/rank-<r>-of-<n>`` (:func:`~simpletuner.caching.layout.epoch_folder`).
-        state: the StateTracker (registers that folder), or None.
-        image_identity: the VAE's identity, for latent keys.
-        mode: ``refresh_each_epoch`` or ``disable_cache``.
-        batch_size: images per VAE call when refreshing.
+    ``loader`` decodes and augments; per-epoch latents go to ``<cache_dir>/<family>/vae-epochs/rank-<r>-of-<n>``
+    (:func:`~simpletuner.caching.layout.epoch_folder`), passed to ``record_cache_dir`` (or None) when on disk;
+    ``image_identity`` is the VAE's identity for latent keys; ``batch_size`` images per VAE call when refreshing.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
-        spec,
-        vae,
+        spec: CacheEncoders,
+        vae: Any,
         loader: PixelLoader,
         datasets: list[RegisteredDataset],
-        cache_dir,
-        state,
+        cache_dir: Path,
+        record_cache_dir: Callable[[Path], None] | None,
         image_identity: str,
         mode: str,
         batch_size: int,
@@ -293,8 +287,8 @@ class Reencoder:
         def open_cache(rank: int, num_replicas: int) -> TensorCache:
             folder = epoch_folder(cache_base(cache_dir, spec.family), rank, num_replicas)
             persistent = cache_cfg.vae_cache_type == "disk" or cache_cfg.persistent_cache
-            if state is not None and persistent:
-                state.register_cache_dir(folder)
+            if record_cache_dir is not None and persistent:
+                record_cache_dir(folder)
             return open_tensor_cache(folder, cache_cfg.vae_cache_type, "vae-epoch", cache_cfg.persistent_cache)
 
         size_crop = spec.conditions_on_size_crop
@@ -303,7 +297,7 @@ class Reencoder:
             dataset = self._datasets[sample.dataset_id]
             return epoch_latent_key(config, image_identity, dataset, sample, version, size_crop)
 
-        self.epochs = None
+        self.epochs: EpochLatents | None = None
         if mode == "refresh_each_epoch":
             self.epochs = EpochLatents(
                 open_cache,

@@ -3,7 +3,7 @@
 :func:`inspect_cache` opens one folder read-only and checks every entry into a :class:`CacheSummary`
 (compared with the keys a config needs, from :func:`simpletuner.caching.keys.cache_keys`);
 :func:`check_sources` adds the ``--content`` check; the rest renders a summary as text or JSON.
-The command itself (config loading, locks, removal) is :mod:`simpletuner.caching.admin`.
+The command itself (config loading, locks, removal) is :mod:`simpletuner.cli.cache`.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def format_size(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def print_summary(s: CacheSummary, out: TextIO) -> None:
+def print_summary(s: CacheSummary, out: TextIO) -> None:  # noqa: C901
     print(f"{s.name} cache: {s.folder}", file=out)
     if not s.exists:
         needed = f"; this config needs {s.num_needed} entries (encoded on the next run)" if s.num_needed else ""

@@ -1,15 +1,10 @@
 """Which folder holds which cache of a run: per-dataset latent folders and the text-embedding folder.
 
-By default a model's caches live in ``<cache_dir>/<family>/{vae,text}`` (:mod:`.layout`). A dataset's
-``cache_dir_vae`` moves its latents to a folder of its own, and ``cache_config.text_cache_dir`` moves
-the text embeddings; both may name ``{model_family}``, ``{id}`` (the dataset) and ``{output_dir}``
-(:mod:`simpletuner.configuration.cache_paths`). Such a folder holds its store's shards directly, and
-its own cache locks (:class:`simpletuner.locks.CacheLocks`), so ``simpletuner cache clear`` and a
-second run see it as they see ``<cache_dir>/<family>``. Datasets naming one folder share its store.
-
-Training (:func:`simpletuner.training.batches.prepare_caches`) and ``simpletuner cache``
-(:mod:`simpletuner.caching.admin`) both build a :class:`CacheFolders` here, so they agree on where
-every latent lives.
+By default ``<cache_dir>/<family>/{vae,text}`` (:mod:`.layout`); a dataset's ``cache_dir_vae`` and
+``cache_config.text_cache_dir`` move them (:mod:`simpletuner.configuration.cache_paths`). Such a folder
+holds its store's shards and its own cache locks directly, and datasets naming one folder share its store.
+The cache fill (:mod:`simpletuner.caching.plan`) and ``simpletuner cache`` both build a :class:`CacheFolders`
+here, so they agree on where every latent lives.
 """
 
 from __future__ import annotations
@@ -17,11 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from simpletuner.caching.keys import CacheKeys
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
-from simpletuner.caching.opening import open_tensor_cache
+from simpletuner.caching.opening import Residency, open_tensor_cache
 from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.configuration.cache_paths import fill_template, trained_datasets
 
@@ -104,15 +99,20 @@ class CacheFolders:
 
 
 def open_folder_cache(
-    folder: Path, kind: str, name: str, persistent: bool, state: Any = None, verify: bool = True
+    folder: Path,
+    kind: str,
+    name: str,
+    persistent: bool,
+    record_cache_dir: Callable[[Path], None] | None = None,
+    verify: bool = True,
 ) -> TensorCache:
     """A :class:`TensorCache` in ``folder`` (``name``: ``vae`` keeps entries in CPU memory, ``text`` prefers
-    the GPU, as :func:`~simpletuner.caching.opening.open_caches` places them), registered with
-    ``state`` when it writes to disk."""
-    prefer = "cpu" if name == VAE_CACHE_NAME else "gpu"
+    the GPU, as :func:`~simpletuner.caching.opening.open_caches` places them), passed to
+    ``record_cache_dir`` when it writes to disk."""
+    prefer: Residency = "cpu" if name == VAE_CACHE_NAME else "gpu"
     cache = open_tensor_cache(folder, kind, name, persistent, prefer, verify=verify)
-    if state is not None and (kind == "disk" or persistent):
-        state.register_cache_dir(folder)
+    if record_cache_dir is not None and (kind == "disk" or persistent):
+        record_cache_dir(folder)
     return cache
 
 

@@ -1,30 +1,23 @@
 """A cache fill shared by the processes of a launch: each encodes a disjoint part of what is missing.
 
-With several processes (GPUs, nodes) and one cache folder, rank 0 decides what is missing (it
-alone verifies the stored entries, so no two processes move a damaged shard aside), every rank
-encodes its part of that list into shard files of its own (``ShardedTensorStore`` writes each
-shard to a temp file and renames it, under a unique name, so writers never collide), and then
-every rank re-indexes the folder and sees all the entries. A process killed mid-fill leaves its
-whole shards behind; the next run encodes only what is still missing.
-
-Parts are contiguous runs of the fill's encode batches (:func:`split_batches`), balanced by
-count. The batches are cut from the full item list, not from what is missing or from one process's
-part, so an entry's value depends neither on the number of processes nor on where an interruption
-stopped an earlier fill (see :mod:`simpletuner.caching.tensor_cache`).
-Files that live inside a larger shard file (tar, parquet; ``locality``) are never split between
-processes: each process reads whole shards, in order.
-
-This layer does not know how the processes talk: the caller passes a :class:`FillShare`
-(``simpletuner.training.batches.launch_share`` makes one from the run's Accelerator).
+Rank 0 decides what is missing (it alone verifies the stored entries), every rank encodes its part into
+shard files of its own, then every rank re-indexes the folder and sees all the entries. Parts are
+contiguous runs of the fill's encode batches (:func:`split_batches`), planned over the full item list and
+never splitting a shard file (tar, parquet), so an entry's value depends neither on the number of
+processes nor on where an interruption stopped an earlier fill (documentation/DISTRIBUTED.md).
+The fill sees the processes as a :class:`FillShare`; :func:`launch_share` makes one from the run's
+Accelerator (through :mod:`simpletuner.ranks`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable, Hashable, Protocol, Sequence, TypeVar
 
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.diskspace import NoSpace
+from simpletuner.ranks import from_every_process, from_main_process, probe_shared_folder
 
 T = TypeVar("T")
 
@@ -42,6 +35,33 @@ class FillShare(Protocol):
     def from_all(self, value: T) -> list[T]:
         """Every rank's ``value``, in rank order, on every rank."""
         ...
+
+    def sees_one_folder(self, folder: Path) -> bool:
+        """Whether every rank reads ``folder`` as rank 0 writes it (not a node-local disk at that path)."""
+        ...
+
+
+class LaunchShare:
+    """The processes of an ``accelerate.Accelerator``'s launch as a :class:`FillShare`."""
+
+    def __init__(self, accelerator: Any):
+        self.accelerator = accelerator
+        self.rank, self.num_ranks = accelerator.process_index, accelerator.num_processes
+
+    def from_first(self, value: T) -> T:
+        return from_main_process(self.accelerator, value)
+
+    def from_all(self, value: T) -> list[T]:
+        return from_every_process(self.accelerator, value)
+
+    def sees_one_folder(self, folder: Path) -> bool:
+        failed, seen = probe_shared_folder(self.accelerator, folder)
+        return failed is None and all(ok for ok, _ in seen)
+
+
+def launch_share(accelerator: Any) -> LaunchShare | None:
+    """The processes of ``accelerator``'s launch as a cache fill's share; None for one process."""
+    return LaunchShare(accelerator) if accelerator.num_processes > 1 else None
 
 
 def split_misses(

@@ -1,23 +1,11 @@
 """Each image's size before resizing and its crop offset, stored with its latent: SDXL's size and crop
 micro-conditioning (the first four of its six ``add_time_ids``).
 
-A model whose spec sets ``conditions_on_size_crop`` gets, in every latent entry
-beside ``latents``, a float32 tensor :data:`SIZE_CROP` ``[original_h, original_w, crop_top, crop_left]``,
-with the meaning diffusers' ``examples/text_to_image/train_text_to_image_lora_sdxl.py`` gives them
-(``preprocess_train``, its ``original_sizes`` and ``crop_top_lefts``):
-
-- ``original_h, original_w``: the image as decoded, after its EXIF orientation, before any resize;
-- ``crop_top, crop_left``: where the bucket's window starts, in the pixels of the image resized to cover
-  the bucket (:func:`~simpletuner.data_backend.images.prepare_image`), i.e. of the image whose crop the
-  model sees. An augmentation that zooms (``crop_jitter``) or mirrors (``flip_probability``) the window
-  changes that image, so the offset is given in its coordinates: the window's offset in the resized image
-  enlarged by the zoom, and a mirrored window's offset from the left of the mirrored image (as the script's
-  ``random_flip``, which flips before it crops, reports it).
-
-These are per-image facts, like the crop, so their presence is part of the latent's key
-(:data:`SIZE_CROP_VERSION`, :func:`~simpletuner.caching.vae_cache.sample_latent_key`): an entry written
-without them (by an older version) is a miss and is encoded again, never read as zeros. Families that do
-not condition on them store and key nothing new.
+A spec with ``conditions_on_size_crop`` gets, beside ``latents``, a float32 :data:`SIZE_CROP` tensor
+``[original_h, original_w, crop_top, crop_left]`` as diffusers' ``train_text_to_image_lora_sdxl.py`` gives
+them, in the coordinates of the image the model sees (after a zoom or mirror). Its presence is part of the
+latent's key (:data:`SIZE_CROP_VERSION`): an entry without it is a miss, never read as zeros.
+Sources and rounding: documentation/MODEL_FAMILIES.md, "SDXL: size and crop micro-conditioning".
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """ShardedTensorStore: cached tensors on disk, many entries per safetensors file.
 
-One file per sample (the usual layout) costs an open, a header parse and a pickle load
-for every latent read, and leaves hundreds of thousands of small files behind. Here an
-entry (``dict[str, Tensor]`` under a string key) lives in a shard, a safetensors file
-holding many entries with tensor names ``"{key}|{name}"``. Reading goes through cached
-``safe_open`` handles (mmap, no pickle), grouped by shard.
-
-Writes are atomic: a shard is written to a hidden temp file in the same folder, fsync'd,
-then ``os.replace``'d into place, so a crash leaves either the whole shard or none of it.
-A full disk (checked before each shard, or ENOSPC during the write) raises
-:class:`~simpletuner.diskspace.NoSpace` with the temp file removed.
-On start the store indexes shards from their headers only; a shard that cannot be opened
-(truncated, corrupt, foreign) is skipped with a warning naming why and how many entries it
-held, and those entries become misses.
-
-Integrity (format version 2): the key of an entry is the fingerprint of everything its value
-depends on (see :mod:`.fingerprint`), and the shard's header metadata records a CRC-32 of
-every tensor (over its dtype, shape and bytes) under ``"crc32:{key}|{name}"``. Reads on the
-training path do not check it (CRC-32 of a 32 KiB latent takes ~12 us, more than half of what
-reading it costs); ``verify`` and ``read_checked`` (in :mod:`.shard_checks`) do, and
-:class:`~simpletuner.caching.tensor_cache.TensorCache` verifies every entry it is about to use once, at
-fill time. Version-1 shards (no checksums) stay
-readable and are reported as unverified. An entry encoded from a file may also carry a hash of
-that file's bytes under ``"source:{key}"`` (:meth:`ShardedTensorStore.source_hashes`), which
-``cache_config.verify_content`` compares with the file as it is now.
-
-Not safe for concurrent writers in one process; separate processes may each write their
-own shards into one folder (names are uuids) and call :meth:`refresh` to see the others'.
+An entry (``dict[str, Tensor]`` under a string key) lives in a shard as tensors ``"{key}|{name}"``, read
+through cached ``safe_open`` handles (mmap, no pickle, no open per read). Writes are atomic; a full disk
+raises :class:`~simpletuner.diskspace.NoSpace`. Shards are indexed from their headers (an unreadable one
+is skipped with a warning), which also hold a CRC-32 per tensor (``"crc32:{key}|{name}"``, checked by
+:class:`~simpletuner.caching.shard_checks.ShardVerifier`, not on the training path) and an entry's source
+hash (``"source:{key}"``). One writer per process; separate processes may write their own shards into one
+folder and :meth:`refresh`. See documentation/RELIABILITY.md, "Caches".
 """
 
 from __future__ import annotations
@@ -38,7 +18,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -58,7 +38,8 @@ from simpletuner.caching.integrity import (
     read_header,
     tensor_checksum,
 )
-from simpletuner.caching.shard_checks import QUARANTINE_SUFFIX, ShardChecks
+from simpletuner.caching.markers import FolderMarkers
+from simpletuner.caching.shard_checks import QUARANTINE_SUFFIX, ShardVerifier
 from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
 from simpletuner.file_modes import ordinary_permissions
 
@@ -116,7 +97,7 @@ def _shard_bytes(flat: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) 
     return sum(t.nbytes for t in flat.values()) + header
 
 
-class ShardedTensorStore(ShardChecks):
+class ShardedTensorStore:
     """A folder of safetensors shards mapping string keys to ``dict[str, Tensor]`` entries.
 
     Args:
@@ -139,7 +120,8 @@ class ShardedTensorStore(ShardChecks):
         self._shard_keys: dict[Path, tuple[str, ...]] = {}  # every key each readable shard holds
         self._shard_order: dict[Path, tuple[int, str]] = {}  # (write time ns, name): newer wins
         self._unreadable: dict[Path, _Unreadable] = {}
-        self._handles: OrderedDict[Path, object] = OrderedDict()
+        self._handles: OrderedDict[Path, Any] = OrderedDict()
+        self._markers = FolderMarkers(self.root, self.sync_folder)
         self.refresh()
 
     # --- indexing ---
@@ -276,7 +258,8 @@ class ShardedTensorStore(ShardChecks):
         """Unreadable shards moved aside by :meth:`quarantine_unreadable`."""
         return sorted(self.root.glob(SHARD_GLOB + QUARANTINE_SUFFIX))
 
-    def _handle(self, shard: Path):
+    def shard_handle(self, shard: Path) -> Any:
+        """An open ``safe_open`` handle of ``shard`` (kept, up to ``max_open_shards``)."""
         handle = self._handles.get(shard)
         if handle is not None:
             self._handles.move_to_end(shard)
@@ -287,7 +270,8 @@ class ShardedTensorStore(ShardChecks):
             self._handles.popitem(last=False)
         return handle
 
-    def _locate(self, key: str) -> tuple[Path, tuple[str, ...]]:
+    def locate(self, key: str) -> tuple[Path, tuple[str, ...]]:
+        """``(shard, tensor names)`` of the entry ``key``; KeyError naming the key and the store root."""
         try:
             return self._index[key]
         except KeyError:
@@ -308,12 +292,12 @@ class ShardedTensorStore(ShardChecks):
         """
         by_shard: dict[Path, list[int]] = {}
         for position, key in enumerate(keys):
-            shard, _ = self._locate(key)
+            shard, _ = self.locate(key)
             by_shard.setdefault(shard, []).append(position)
         results: list[dict[str, torch.Tensor] | None] = [None] * len(keys)
         for shard, positions in by_shard.items():
             try:
-                handle = self._handle(shard)
+                handle = self.shard_handle(shard)
                 for position in positions:
                     key = keys[position]
                     names = self._index[key][1]
@@ -324,7 +308,7 @@ class ShardedTensorStore(ShardChecks):
                     "Run `simpletuner cache verify --config <your config>` to check the cache; corrupt entries "
                     "are re-encoded when training starts again"
                 ) from error
-        return results  # type: ignore[return-value]
+        return [entry for entry in results if entry is not None]  # every position was read
 
     def source_hashes(self, keys: Sequence[str]) -> dict[str, str | None]:
         """``{key: source hash recorded when it was written, or None}`` for each stored key in
@@ -337,7 +321,7 @@ class ShardedTensorStore(ShardChecks):
         out: dict[str, str | None] = {}
         for shard, group in by_shard.items():
             try:
-                metadata = self._handle(shard).metadata() or {}
+                metadata = self.shard_handle(shard).metadata() or {}
             except (SafetensorError, OSError):
                 metadata = {}  # unreadable now: no recorded hash, so a content check re-encodes it
             out.update({key: metadata.get(SOURCE_HASH_PREFIX + key) for key in group})
@@ -356,6 +340,21 @@ class ShardedTensorStore(ShardChecks):
                 del self._index[key]
         self._indexed_shards.discard(shard)
 
+    def served_keys(self, shard: Path) -> list[str]:
+        """The keys ``shard`` holds that the index serves from it (not superseded, not discarded)."""
+        return [k for k in self._shard_keys.get(shard, ()) if self._index.get(k, (None,))[0] == shard]
+
+    def damaged_shards(self) -> dict[Path, tuple[str, ...]]:
+        """Unreadable shards that are damaged safetensors files (not foreign or newer ones), and the keys
+        their headers list."""
+        return {shard: info.keys for shard, info in self._unreadable.items() if info.is_corrupt}
+
+    def delete_shard(self, shard: Path) -> None:
+        """Delete ``shard`` from disk and forget it (its entries there are no longer served)."""
+        self._forget_shard(shard)
+        self._unreadable.pop(shard, None)
+        shard.unlink(missing_ok=True)
+
     def folder_bytes(self) -> int:
         """Bytes of the shards (readable or not) and quarantined files in the folder."""
         paths = [*self.root.glob(SHARD_GLOB), *self.quarantined_files()]
@@ -373,16 +372,13 @@ class ShardedTensorStore(ShardChecks):
     ) -> Path:
         """Write ``entries`` as one new shard, atomically, and index them. Returns the shard path.
 
-        Tensors are detached, moved to CPU and made contiguous; dtypes are kept. A key that
-        is already stored is overwritten (the new shard wins). The header records a checksum
-        of every tensor, and ``source_hashes[key]`` (what the entry was encoded from, see
-        :func:`~simpletuner.caching.fingerprint.source_hash`) for the keys given there.
+        Tensors go to CPU, contiguous, dtypes kept; a key already stored is overwritten (the new shard wins). The
+        header records every tensor's checksum and ``source_hashes[key]`` for the keys given there.
 
         Raises:
-            ValueError: ``entries`` is empty, a key is empty or contains ``"|"``, or an entry
-                is not a non-empty dict of tensors.
-            NoSpace: the folder's disk has no room for the shard (checked first), or filled while
-                it was written (its temp file is removed; the shards already there are intact).
+            ValueError: ``entries`` is empty, a key is empty or contains ``"|"``, or an entry is not a
+                non-empty dict of tensors.
+            NoSpace: no room for the shard, checked first or hit while writing (the temp file is removed).
         """
         if not entries:
             raise ValueError("put_many needs at least one entry")
@@ -422,7 +418,7 @@ class ShardedTensorStore(ShardChecks):
         finally:
             if not is_done:
                 temp_path.unlink(missing_ok=True)
-        self._fsync_root()
+        self.sync_folder()
         self._indexed_shards.add(final_path)
         self._shard_keys[final_path] = tuple(entries)
         self._shard_order[final_path] = (int(metadata["written_ns"]), final_path.name)
@@ -431,8 +427,8 @@ class ShardedTensorStore(ShardChecks):
         logger.debug("wrote %d entries to %s", len(entries), final_path)
         return final_path
 
-    def _fsync_root(self) -> None:
-        """Persist the rename itself (the folder entry); not every platform allows it."""
+    def sync_folder(self) -> None:
+        """Persist renames in the folder (its entries); not every platform allows it."""
         if not hasattr(os, "O_DIRECTORY"):
             return
         try:
@@ -446,6 +442,90 @@ class ShardedTensorStore(ShardChecks):
             logger.debug("fsync of folder %s failed: %s", self.root, error)
         finally:
             os.close(fd)
+
+    # --- integrity (:class:`~simpletuner.caching.shard_checks.ShardVerifier`) ---
+    def verify(self, keys: Iterable[str] | None = None, desc: str | None = None) -> VerifyReport:
+        """See :meth:`ShardVerifier.verify <simpletuner.caching.shard_checks.ShardVerifier.verify>`."""
+        return ShardVerifier(self).verify(keys, desc)
+
+    def read_checked(self, keys: Sequence[str]) -> CheckedRead:
+        """See :meth:`ShardVerifier.read_checked <simpletuner.caching.shard_checks.ShardVerifier.read_checked>`."""
+        return ShardVerifier(self).read_checked(keys)
+
+    def compact(self, keep: Collection[str]) -> CompactReport:
+        """See :meth:`ShardVerifier.compact <simpletuner.caching.shard_checks.ShardVerifier.compact>`."""
+        return ShardVerifier(self).compact(keep)
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Stop serving ``keys`` (in this process; nothing on disk changes), e.g. corrupt
+        entries about to be re-encoded: they become misses, and a later write wins."""
+        for key in keys:
+            self._index.pop(key, None)
+
+    def quarantine_unreadable(self) -> list[Path]:
+        """Rename damaged shards (truncated, corrupt header) to ``<name>.corrupt`` so they stop
+        being scanned; returns the new paths. Foreign or newer-format shards are left alone."""
+        moved = []
+        for shard, info in list(self._unreadable.items()):
+            if not info.is_corrupt:
+                continue
+            target = shard.with_name(shard.name + QUARANTINE_SUFFIX)
+            try:
+                os.replace(shard, target)
+            except FileNotFoundError:
+                pass  # already gone
+            except OSError as error:
+                logger.warning("cannot move unreadable cache shard %s aside: %s", shard, error)
+                continue
+            else:
+                moved.append(target)
+                logger.warning("moved unreadable cache shard %s aside to %s (%s)", shard.name, target.name, info.reason)
+            del self._unreadable[shard]
+            self._indexed_shards.discard(shard)
+        return moved
+
+    # --- removal (e.g. the per-epoch augmented latents) ---
+    def remove(self, keys: Iterable[str]) -> int:
+        """Delete the entries of ``keys`` from disk (unlike :meth:`discard`); returns how many were held.
+
+        A shard holding nothing else is deleted; one that also holds entries still served is
+        rewritten without them first (new shard atomically, then the old one deleted), so a
+        crash leaves every kept entry readable. Not for a folder another process reads from.
+        """
+        doomed = set(keys)
+        num_removed = sum(key in self._index for key in doomed)
+        for shard, shard_keys in list(self._shard_keys.items()):
+            if not doomed.intersection(shard_keys):
+                continue
+            kept = [k for k in self.served_keys(shard) if k not in doomed]
+            if kept:
+                self.put_many(dict(zip(kept, self.get_many(kept))), source_hashes=self.recorded_sources(kept))
+            self._forget_shard(shard)
+            shard.unlink(missing_ok=True)
+        self.discard(doomed)  # keys held only by unreadable shards
+        self.sync_folder()
+        return num_removed
+
+    def recorded_sources(self, keys: Iterable[str]) -> dict[str, str]:
+        """The source hashes recorded for ``keys`` (those that have one), to rewrite them with."""
+        return {key: value for key, value in self.source_hashes(list(keys)).items() if value is not None}
+
+    # --- markers (:mod:`simpletuner.caching.markers`) ---
+    def write_marker(self, name: str, content: Mapping[str, Any]) -> None:
+        """Record ``content`` (JSON-able) under ``name`` in the store folder, atomically."""
+        self._markers.write(name, content)
+
+    def read_marker(self, name: str) -> dict[str, Any] | None:
+        """The content of marker ``name``, or None when there is none (or it cannot be parsed)."""
+        return self._markers.read(name)
+
+    def marker_names(self) -> list[str]:
+        """Names of the markers in the folder."""
+        return self._markers.names()
+
+    def remove_marker(self, name: str) -> None:
+        """Delete marker ``name`` (nothing happens when there is none)."""
+        self._markers.remove(name)
 
     def close(self) -> None:
         """Drop every open shard handle (they are reopened on the next read)."""

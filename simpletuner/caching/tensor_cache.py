@@ -1,35 +1,11 @@
 """TensorCache: encode each item once, store it, and serve stacked batches of it.
 
-The VAE-latent and text-embed caches are both this: a list of ``(key, payload)`` items, a
-batched ``compute`` (the encoder) run only on the keys the store does not hold yet, and
-``get_batch`` for the training loop. Keys come from :mod:`simpletuner.caching.fingerprint`
-so a key names everything its value depends on; an unknown key is simply a miss.
-
-Before a fill counts an entry as a hit it checks it against its checksum (once per fill,
-i.e. at start-up, not on every read): a corrupt or truncated entry becomes a miss, is
-encoded again, and the fill logs "re-encoded N corrupt entries: ...".
-
-Entries encoded from files (VAE latents) record a hash of the file's bytes, taken just before
-the file is decoded (:class:`SourceCheck`). Keys name a file by identity (size + mtime), so an
-edit in place that keeps both would be a hit on the old value; with ``SourceCheck.verify``
-(``cache_config.verify_content``) every hit's file is hashed again before the fill trusts it,
-and one that changed, or that carries no hash (written before hashes were recorded), is
-encoded again: "re-encoded N entries whose source changed: <paths>".
-
-A fill that writes to disk first checks that the cache folder's disk holds its new entries
-(:class:`_SpaceCheck`) and stops with :class:`~simpletuner.diskspace.NoSpace` before writing
-anything; a disk that fills anyway ends the same way, keeping the shards already written, which
-the next fill reuses (it encodes only what is still missing).
-
-Which entries may share an encode call is fixed by the full item list (:func:`_plan_batches`), never
-by how a shared fill splits the work: an encoder's float rounding can depend on its batch (a CPU
-convolution of one image differs from the same image among others by ~1e-6). Each compute call gets
-the missing entries of one planned batch, and a shared fill hands whole planned batches to the
-processes. Written shards hold whole batches and an interruption (a kill, a rank's death, a full
-disk) loses whole batches, so a resumed fill, with any number of processes, encodes each missing
-entry among the same batch-mates as an uninterrupted fill and stores bit-identical values. An entry
-missing alone from its batch (found corrupt, or changed under ``verify_content``) is encoded with the
-other missing ones of its batch only: its stored batch-mates are not encoded again.
+The VAE-latent and text-embed caches are both this: a list of ``(key, payload)`` items, a batched
+``compute`` (the encoder) run only on the keys the store does not hold yet, and ``get_batch`` for the
+training loop. Keys come from :mod:`simpletuner.caching.fingerprint`, so an unknown key is a miss. A fill
+checks every entry it would reuse against its checksum (and, on request, its source file's hash), checks
+the disk has room before writing, and encodes each miss among the batch-mates a full fill would give it.
+Why each of these, and what they cost: documentation/RELIABILITY.md, "Caches".
 """
 
 from __future__ import annotations
@@ -39,28 +15,27 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from tqdm import tqdm
 
 from simpletuner.caching.base import TensorStore
 from simpletuner.caching.integrity import summarise_problems
+from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.share import FillShare, describe_failure, raise_agreed, shares_folder, split_batches
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.threads import map_threads, run_ahead_on_threads
 from simpletuner.diskspace import NoSpace, free_bytes, human_bytes, require_space
 from simpletuner.faults import fault_point
 
-if TYPE_CHECKING:
-    pass
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_FLUSH_EVERY = 256
 
 Entry = dict[str, torch.Tensor]
-ComputeFn = Callable[[list[Any]], Sequence[Mapping[str, torch.Tensor]]]
+#: Payloads (or what ``prepare`` made of them) -> one entry per payload, in order; None: it cannot be encoded.
+ComputeFn = Callable[[Any], Sequence[Mapping[str, torch.Tensor] | None]]
 
 
 @dataclass(frozen=True)
@@ -131,8 +106,9 @@ def _disk_folder(store: TensorStore) -> Path | None:
     """Where ``store`` writes shards; None for a memory store without a backing folder (no disk)."""
     if isinstance(store, ShardedTensorStore):
         return store.root
-    backing = getattr(store, "backing", None)
-    return None if backing is None else backing.root
+    if isinstance(store, MemoryTensorStore) and store.backing is not None:
+        return store.backing.root
+    return None
 
 
 def _entry_bytes(entry: Mapping[str, torch.Tensor]) -> int:
@@ -166,6 +142,8 @@ class _SpaceCheck:
 
     def _require(self, needed: int) -> None:
         self.done = True
+        if self.folder is None:  # a memory store of its own writes nothing to disk
+            return
         require_space(self.folder, needed, self.what)
         logger.info(
             "%s needs ~%s in %s; %s free",
@@ -224,6 +202,30 @@ def _prepared(
     return run_ahead_on_threads(run, batches, workers if prepare is not None else 0, pool)
 
 
+class _Misses(NamedTuple):
+    """What a fill must encode: stored entries that failed their check, or whose source changed or carries
+    no hash (each key -> a reason or its source's name), and every key to encode (those included)."""
+
+    corrupt: dict[str, str]
+    changed: dict[str, str]
+    unhashed: dict[str, str]
+    missing: list[str]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """How a fill encodes its misses (see :meth:`TensorCache.fill`); ``prepare`` returns ``(source hashes,
+    prepared)`` when ``has_sources``."""
+
+    compute: ComputeFn
+    desc: str | None
+    prepare: Callable[[list[Any]], Any] | None
+    workers: int
+    pool: Executor | None
+    has_sources: bool
+    entry_bytes: Callable[[Any], int] | None
+
+
 class TensorCache:
     """An encode-once cache of ``dict[str, Tensor]`` entries on a :class:`~simpletuner.caching.base.TensorStore`.
 
@@ -260,7 +262,7 @@ class TensorCache:
         """One entry. Raises KeyError naming the key and the store root."""
         return self.store.get(key)
 
-    def fill(
+    def fill(  # noqa: PLR0913
         self,
         items: Sequence[tuple[str, Any]],
         compute: ComputeFn,
@@ -275,47 +277,14 @@ class TensorCache:
         share: FillShare | None = None,
         locality: Callable[[Any], Hashable | None] | None = None,
     ) -> FillReport:
-        """Compute and store every item whose key the store does not hold yet.
+        """Compute and store every item the store lacks or holds damaged (``FillReport.corrupt``), or, with
+        ``sources.verify``, encoded from a changed or unhashed source; a key given twice is computed once.
 
-        Args:
-            items: ``(key, payload)`` pairs; a key given twice is computed once (first
-                payload wins).
-            compute: takes a list of payloads, returns one ``dict[str, Tensor]`` per payload,
-                in order, or None for a payload it cannot encode (e.g. an image whose body is
-                corrupt); those keys are not stored and are listed in ``FillReport.failed``.
-                It is only called with payloads that share one ``group`` value.
-            batch_size: the most payloads per ``compute`` call.
-            group: payload -> hashable batch group (e.g. the image bucket), so a batch can be
-                stacked; None puts everything in one group.
-            desc: progress-bar label; defaults to ``"caching <name>"``.
-            prepare: optional CPU stage (e.g. decode images) run on each batch of payloads
-                before ``compute``, which then receives its result instead of the payloads.
-            prepare_workers: threads running ``prepare`` ahead of ``compute`` (at most two
-                batches per thread in flight); 0 runs it inline.
-            prepare_pool: run ``prepare`` on this executor (of ``prepare_workers`` threads) instead of
-                starting threads for this fill; it is left running (``dataloader_persistent_workers``).
-            sources: record a hash of each computed entry's source beside it, and with
-                ``sources.verify`` re-encode hits whose source changed (``FillReport.changed``)
-                or carry no recorded hash (``FillReport.unhashed``).
-            entry_bytes: payload -> about the bytes its entry takes in a shard (tensors and header),
-                known from the config: the cache folder's free space is checked against the
-                misses' total before anything is encoded. Without it the check runs after the
-                first batch is encoded, before anything is written (see :class:`_SpaceCheck`).
-            share: the processes of a launch filling this cache together (every one calls ``fill``
-                with the same items): rank 0 finds what is missing, each rank encodes its part of the
-                batches (:func:`~simpletuner.caching.share.split_batches`) into shards of its own, then every
-                rank indexes them all; the report counts every rank's work. A store no other process
-                can read (a memory cache without ``persistent_cache``) is filled whole on each rank.
-            locality: payload -> the shard file its source lives in (None: a file of its own): a
-                batch never spans two shard files, and a rank of a shared fill reads whole shards.
-
-        Each ``compute`` call gets the misses of one batch of a plan made over every item, never over
-        the misses alone (see the module docstring). Entries are written in shards of ``flush_every``
-        (whole batches) as they are computed, and what is
-        pending is written even when ``compute`` raises, so a crash loses little. Stored
-        entries that fail their checksum, or were in a shard that can no longer be read, are
-        computed again (``FillReport.corrupt``); damaged shards are moved aside
-        (``<name>.corrupt``) so later runs do not trip over them.
+        ``compute`` takes payloads of one ``group`` (after ``prepare`` on ``prepare_workers`` / ``prepare_pool``)
+        and returns an entry per payload, None for a failure (``FillReport.failed``). Batches of at most
+        ``batch_size`` are planned over every item, never across a ``locality`` (a shard file), and written every
+        ``flush_every``, also when ``compute`` raises. ``entry_bytes`` lets free space be checked first.
+        ``share``: every process calls this with the same items and encodes its part of the batches.
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -323,121 +292,143 @@ class TensorCache:
         unique: dict[str, Any] = {}
         for key, payload in items:
             unique.setdefault(key, payload)
-        shared = share is not None and share.num_ranks > 1 and shares_folder(self.store)
-        corrupt: dict[str, str] = {}
-        changed: dict[str, str] = {}
-        unhashed: dict[str, str] = {}
-        missing: list[str] = []
-        if not shared or share.rank == 0:  # one process checks what is stored (and moves damaged shards aside)
+        shared = share if share is not None and share.num_ranks > 1 and shares_folder(self.store) else None
+        misses = self._find_misses(unique, sources, prepare_workers, prepare_pool, shared)
+        job = _Job(
+            compute,
+            desc,
+            prepare if sources is None else _with_source_hashes(prepare, sources),
+            prepare_workers,
+            prepare_pool,
+            sources is not None,
+            entry_bytes,
+        )
+        mine = self._my_batches(unique, misses.missing, batch_size, group, locality, shared)
+        num_computed, failed = self._encode_part(mine, unique, job, shared)
+        report = FillReport(
+            num_items=len(unique),
+            num_hits=len(unique) - len(misses.missing),
+            num_computed=num_computed,
+            seconds=time.perf_counter() - started,
+            failed=tuple(failed),
+            corrupt=tuple(misses.corrupt),
+            changed=tuple(misses.changed),
+            unhashed=tuple(misses.unhashed),
+        )
+        self._log_fill(report, misses)
+        return report
+
+    def _find_misses(
+        self,
+        unique: Mapping[str, Any],
+        sources: SourceCheck | None,
+        workers: int,
+        pool: Executor | None,
+        shared: FillShare | None,
+    ) -> _Misses:
+        """What the fill must encode. One process checks what is stored (and moves damaged shards
+        aside): rank 0 of a ``shared`` fill, which tells the others; they stop serving those keys too."""
+        misses = _Misses({}, {}, {}, [])
+        if shared is None or shared.rank == 0:
             corrupt = self._find_corrupt(unique)
+            changed: dict[str, str] = {}
+            unhashed: dict[str, str] = {}
             if sources is not None and sources.verify:
-                changed, unhashed = self._find_changed_sources(unique, sources, prepare_workers, prepare_pool)
-            missing = [key for key in unique if key not in self.store]
-        if shared:
-            corrupt, changed, unhashed, missing = share.from_first((corrupt, changed, unhashed, missing))
-            if share.rank != 0:
-                self.store.discard(missing)  # what rank 0 found corrupt or changed is not served here either
+                changed, unhashed = self._find_changed_sources(unique, sources, workers, pool)
+            misses = _Misses(corrupt, changed, unhashed, [key for key in unique if key not in self.store])
+        if shared is not None:
+            misses = shared.from_first(misses)
+            if shared.rank != 0:
+                self.store.discard(misses.missing)  # what rank 0 found corrupt or changed is not served here either
+        return misses
+
+    @staticmethod
+    def _my_batches(
+        unique: Mapping[str, Any],
+        missing: Sequence[str],
+        batch_size: int,
+        group: Callable[[Any], Hashable] | None,
+        locality: Callable[[Any], Hashable | None] | None,
+        shared: FillShare | None,
+    ) -> Sequence[Sequence[str]]:
+        """The misses of each batch planned over every item (:func:`_plan_batches`), without the empty
+        ones; of a ``shared`` fill, this rank's part (whole batches, whole shard files)."""
         wanted = set(missing)
         planned = (
             [key for key in batch if key in wanted] for batch in _plan_batches(unique, batch_size, group, locality)
         )
-        mine = [batch for batch in planned if batch]
-        if shared:
-            where = None if locality is None else (lambda key: locality(unique[key]))
-            mine = split_batches(mine, share.num_ranks, where)[share.rank] if mine else []
-        num_hits = len(unique) - len(missing)
-        if sources is not None:
-            prepare = _with_source_hashes(prepare, sources)
+        mine: list[list[str]] = [batch for batch in planned if batch]
+        if shared is None or not mine:
+            return mine
+        where = None if locality is None else (lambda key: locality(unique[key]))
+        return split_batches(mine, shared.num_ranks, where)[shared.rank]
+
+    def _encode_part(
+        self, batches: Sequence[Sequence[str]], payloads: Mapping[str, Any], job: _Job, shared: FillShare | None
+    ) -> tuple[int, list[str]]:
+        """:meth:`_encode` this process's ``batches``. In a ``shared`` fill every rank then learns how the
+        others' parts went, indexes their shards and raises when any failed; the counts are the launch's."""
         error: BaseException | None = None
         try:
-            num_computed, failed = self._encode(
-                mine,
-                unique,
-                compute,
-                desc,
-                prepare,
-                prepare_workers,
-                prepare_pool,
-                sources is not None,
-                entry_bytes,
-            )
+            num_computed, failed = self._encode(batches, payloads, job)
         except Exception as exc:  # noqa: BLE001 - a shared fill tells the other ranks first, then raises it
-            if not shared:
+            if shared is None:
                 raise
             error, num_computed, failed = exc, 0, []
-        if shared:
-            outcomes = share.from_all((num_computed, failed, describe_failure(error)))
-            self.store.refresh()  # every rank's shards
-            raise_agreed([outcome[2] for outcome in outcomes], error, self.name)
-            num_computed = sum(outcome[0] for outcome in outcomes)
-            failed = [key for outcome in outcomes for key in outcome[1]]
+        if shared is None:
+            return num_computed, failed
+        outcomes = shared.from_all((num_computed, failed, describe_failure(error)))
+        self.store.refresh()  # every rank's shards
+        raise_agreed([outcome[2] for outcome in outcomes], error, self.name)
+        return sum(outcome[0] for outcome in outcomes), [key for outcome in outcomes for key in outcome[1]]
 
-        report = FillReport(
-            num_items=len(unique),
-            num_hits=num_hits,
-            num_computed=num_computed,
-            seconds=time.perf_counter() - started,
-            failed=tuple(failed),
-            corrupt=tuple(corrupt),
-            changed=tuple(changed),
-            unhashed=tuple(unhashed),
-        )
+    def _log_fill(self, report: FillReport, misses: _Misses) -> None:
         logger.info(
             "%s cache: %d items, %d hits, %d computed (%d of them corrupt before), %d failed in %.2fs (%s)",
             self.name,
             report.num_items,
             report.num_hits,
             report.num_computed,
-            len(corrupt),
-            len(failed),
+            len(misses.corrupt),
+            len(report.failed),
             report.seconds,
             self.store.root,
         )
-        reencoded = {key: reason for key, reason in corrupt.items() if key in self.store}
+        reencoded = {key: reason for key, reason in misses.corrupt.items() if key in self.store}
         if reencoded:
             logger.warning(
                 "%s cache: re-encoded %d corrupt entries: %s", self.name, len(reencoded), summarise_problems(reencoded)
             )
-        self._log_source_reencodes(changed, unhashed)
-        return report
+        self._log_source_reencodes(misses.changed, misses.unhashed)
 
     def _encode(
-        self,
-        batches: Sequence[Sequence[str]],
-        payloads: Mapping[str, Any],
-        compute: ComputeFn,
-        desc: str | None,
-        prepare: Callable[[list[Any]], Any] | None,
-        prepare_workers: int,
-        prepare_pool: Executor | None,
-        has_sources: bool,
-        entry_bytes: Callable[[Any], int] | None,
+        self, batches: Sequence[Sequence[str]], payloads: Mapping[str, Any], job: _Job
     ) -> tuple[int, list[str]]:
-        """Compute and write ``batches`` (keys of ``payloads``; ``prepare`` already wrapped to hash
-        sources when ``has_sources``); returns ``(entries written, keys compute could not produce)``."""
+        """Compute and write ``batches`` (keys of ``payloads``); returns ``(entries written, keys compute
+        could not produce)``."""
         misses = {key: payloads[key] for batch in batches for key in batch}
-        space = _SpaceCheck(self.store, self.name, misses, entry_bytes)  # NoSpace: nothing encoded or written
+        space = _SpaceCheck(self.store, self.name, misses, job.entry_bytes)  # NoSpace: nothing encoded or written
         pending: dict[str, Entry] = {}
         pending_sources: dict[str, str] = {}
         failed: list[str] = []
         num_computed = 0
-        progress = tqdm(total=len(misses), desc=desc or f"caching {self.name}", unit="item", disable=None)
+        progress = tqdm(total=len(misses), desc=job.desc or f"caching {self.name}", unit="item", disable=None)
         try:
-            for batch_keys, inputs in _prepared(batches, payloads, prepare, prepare_workers, prepare_pool):
+            for batch_keys, inputs in _prepared(batches, payloads, job.prepare, job.workers, job.pool):
                 hashes: list[str | None] = [None] * len(batch_keys)
-                if has_sources:
+                if job.has_sources:
                     hashes, inputs = inputs
-                results = compute(inputs)
+                results = job.compute(inputs)
                 self._check_results(batch_keys, results)
                 space.after_batch(results)
                 done = {key: dict(result) for key, result in zip(batch_keys, results) if result is not None}
                 failed.extend(key for key in batch_keys if key not in done)
                 pending_sources.update((k, h) for k, h in zip(batch_keys, hashes) if k in done and h is not None)
-                pending.update(done)  # one call: a signal never leaves part of a batch to be written (see above)
+                pending.update(done)  # one call: a signal never leaves part of a batch to be written
                 num_computed += len(done)
                 progress.update(len(batch_keys))
                 if len(pending) >= self.flush_every:
-                    self._write(pending, pending_sources, has_sources)
+                    self._write(pending, pending_sources, job.has_sources)
                     pending, pending_sources = {}, {}
         except NoSpace:
             pending = {}  # the disk is full: writing them now would fail the same way; written shards stay
@@ -445,7 +436,7 @@ class TensorCache:
         finally:
             progress.close()
             if pending:
-                self._write(pending, pending_sources, has_sources)
+                self._write(pending, pending_sources, job.has_sources)
         return num_computed, failed
 
     def _write(self, pending: dict[str, Entry], pending_sources: dict[str, str], has_sources: bool) -> None:

@@ -24,15 +24,11 @@ def text_cache_key(
 ) -> str:
     """The cache key of one caption's embeddings.
 
-    Args:
-        caption: the caption exactly as it is tokenized (after any prefix or dropout rule).
-        encoder_identity: identity of the text encoder(s) and tokenizer(s), e.g. a
-            :func:`~simpletuner.caching.fingerprint.fingerprint` over the
-            :func:`~simpletuner.caching.fingerprint.folder_identity` of each.
-        dtype: the dtype the embeddings were computed and stored in.
-        max_length: the tokenizer's max length, or None when it does not truncate.
-        image: an edit pair's source image as the text encoder sees it (file identity, size, crop), JSON-like;
-            None (every caption-only family) leaves the key as it was before edit pairs existed.
+    ``caption`` exactly as tokenized (after any prefix or dropout rule); ``encoder_identity`` of the text
+    encoder(s) and tokenizer(s) (e.g. a :func:`~simpletuner.caching.fingerprint.fingerprint` of each one's
+    :func:`~simpletuner.caching.fingerprint.folder_identity`); ``dtype`` the embeddings are stored in;
+    ``max_length`` of the tokenizer, None when it does not truncate; ``image``: an edit pair's source as the
+    encoder sees it (JSON-like), None leaves a caption-only key as it was before edit pairs.
 
     Raises:
         ValueError: ``caption`` is not a str or ``max_length`` is not a positive int or None.
@@ -41,7 +37,7 @@ def text_cache_key(
         raise ValueError(f"caption must be a str, got {type(caption).__name__}")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be a positive int or None, got {max_length!r}")
-    parts = dict(kind=TEXT_KIND, caption=caption, encoder_identity=encoder_identity, dtype=str(dtype))
+    parts: dict[str, Any] = dict(kind=TEXT_KIND, caption=caption, encoder_identity=encoder_identity, dtype=str(dtype))
     parts["max_length"] = max_length
     if image is not None:
         parts["image"] = dict(image)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from concurrent.futures import Executor, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 from tqdm import tqdm
 
 
-def run_ahead(pool: Executor | None, fn: Callable[[Any], Any], args: Iterable[Any], depth: int) -> Iterator[Any]:
+def run_ahead(
+    pool: Executor | None, fn: Callable[[Any], Any], args: Iterable[Any], depth: int
+) -> Generator[Any, None, None]:
     """``fn(a)`` for each ``a`` in order, computed on ``pool`` up to ``depth`` ahead (inline when
     ``pool`` is None). Closing the generator cancels what has not started and waits for the rest."""
     if pool is None:
@@ -36,20 +38,20 @@ def run_ahead(pool: Executor | None, fn: Callable[[Any], Any], args: Iterable[An
 
 def run_ahead_on_threads(
     fn: Callable[[Any], Any], args: Iterable[Any], workers: int, pool: Executor | None = None
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """:func:`run_ahead` on ``pool`` (left running for its owner), else on ``workers`` threads started
     for this run and shut down when it ends, up to ``2 * workers`` ahead; inline when ``workers < 1``."""
     if workers < 1:
         yield from run_ahead(None, fn, args, 0)
         return
-    own_pool = pool is None
-    if own_pool:
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="cache-prepare")
-    try:
+    if pool is not None:
         yield from run_ahead(pool, fn, args, 2 * workers)
+        return
+    own = ThreadPoolExecutor(workers, thread_name_prefix="cache-prepare")
+    try:
+        yield from run_ahead(own, fn, args, 2 * workers)
     finally:
-        if own_pool:
-            pool.shutdown(wait=True, cancel_futures=True)
+        own.shutdown(wait=True, cancel_futures=True)
 
 
 def map_threads(
@@ -66,7 +68,7 @@ def map_threads(
                 progress.update(1)
             return out
         own = pool is None
-        executor = ThreadPoolExecutor(workers, thread_name_prefix="cache-hash") if own else pool
+        executor = pool if pool is not None else ThreadPoolExecutor(workers, thread_name_prefix="cache-hash")
         try:
             out = []
             for result in executor.map(fn, items):

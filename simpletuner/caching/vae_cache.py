@@ -12,12 +12,15 @@ The cache itself is a :class:`~simpletuner.caching.tensor_cache.TensorCache`; se
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from simpletuner.caching.fingerprint import fingerprint, source_hash
 from simpletuner.caching.size_crop import SIZE_CROP_VERSION
 from simpletuner.data_backend.pairs import source_identity
 from simpletuner.data_backend.video import FRAME_FOLDER, sample_identity
+
+if TYPE_CHECKING:
+    from simpletuner.data_backend import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +39,10 @@ def latent_cache_key(
 ) -> str:
     """The cache key of one image's latent.
 
-    Args:
-        sample_key: the sample's path or id inside its dataset.
-        file_identity: what changes when the file does, e.g.
-            :func:`~simpletuner.caching.fingerprint.file_stat_identity` or a content hash.
-        bucket: the ``(width, height)`` the image was resized to before encoding.
-        crop: every crop/augmentation decision (offsets, flip, style), JSON-like values.
-        resolution: the dataset's target resolution.
-        encoder_identity: identity of the VAE, e.g.
-            :func:`~simpletuner.caching.fingerprint.folder_identity` of its folder.
-        dtype: the dtype the latent was encoded and stored in (``"float16"``, ...).
+    ``sample_key`` is the sample's path or id in its dataset; ``file_identity`` changes when the file does
+    (:func:`~simpletuner.caching.fingerprint.file_stat_identity` or a content hash); ``bucket`` the
+    ``(width, height)`` it was resized to; ``crop`` every crop / augmentation decision (JSON-like);
+    ``resolution`` the dataset's; ``encoder_identity`` the VAE's; ``dtype`` the latent's stored dtype.
 
     Raises:
         ValueError: ``bucket`` is not two positive ints.
@@ -72,8 +69,8 @@ LATENT_DTYPE = "float32"
 
 
 def sample_latent_key(
-    dataset,
-    sample,
+    dataset: Any,
+    sample: Sample,
     encoder_identity: str,
     default_resolution: int,
     augment: Mapping[str, Any] | None = None,
@@ -86,12 +83,12 @@ def sample_latent_key(
     (:func:`~simpletuner.data_backend.augment.augmentation_key`); None (off) leaves the key as
     it was before augmentations existed. ``size_crop``: the entry also holds the image's size and crop
     (:mod:`simpletuner.caching.size_crop`, SDXL); False leaves the key as it was before that existed."""
-    crop = {"style": sample.crop_style, "seed": sample.crop_seed}
+    crop: dict[str, Any] = {"style": sample.crop_style, "seed": sample.crop_seed}
     if sample.is_video:  # clips only, so image keys stay as they were
         crop.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
-    if getattr(sample, "canvas", None) is not None:  # downsampled before the crop (maximum_image_size)
+    if sample.canvas is not None:  # downsampled before the crop (maximum_image_size)
         crop["canvas"] = list(sample.canvas)
-    if getattr(sample, "source", None) is not None:  # an edit pair: the source's latents are cached with the image's
+    if sample.source is not None:  # an edit pair: the source's latents are cached with the image's
         crop["source"] = source_identity(sample)
     if augment is not None:
         crop["augment"] = dict(augment)
@@ -108,7 +105,7 @@ def sample_latent_key(
     )
 
 
-def sample_source_hash(backend, sample) -> str:
+def sample_source_hash(backend: Any, sample: Sample) -> str:
     """:func:`~simpletuner.caching.fingerprint.source_hash` of the bytes ``sample`` is decoded
     from: its file (and an edit pair's source file), or for a frame folder the path and bytes of every
     frame it takes, in order.
@@ -116,19 +113,19 @@ def sample_source_hash(backend, sample) -> str:
     Raises:
         OSError: a file cannot be read (FileNotFoundError when it is gone).
     """
-    if getattr(sample, "media", "image") != FRAME_FOLDER:
-        parts = [backend.read(sample.path)]
-        if getattr(sample, "source", None) is not None:  # an edit pair's latents hold its source's too
+    parts: list[bytes] = []
+    if sample.media != FRAME_FOLDER:
+        parts.append(backend.read(sample.path))
+        if sample.source is not None:  # an edit pair's latents hold its source's too
             with open(sample.source, "rb") as handle:
                 parts.append(handle.read())
         return source_hash(parts)
-    parts: list[bytes] = []
     for path in sample.frame_paths:
         parts += [path.encode("utf-8", "surrogateescape"), backend.read(path)]
     return source_hash(parts)
 
 
-def sample_source_name(dataset, sample) -> str:
+def sample_source_name(dataset: Any, sample: Sample) -> str:
     """How logs and ``cache verify --content`` name the source of ``sample``: its full path."""
-    root = getattr(dataset.backend, "root", None)
+    root = getattr(dataset.backend, "root", None)  # a backend without a folder: the sample's key
     return f"{root}/{sample.path}" if root is not None else sample.key

@@ -1,7 +1,7 @@
 """The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, convert.
 
-Each sub-command is a module with ``add_arguments(parser)`` and ``run(args) -> exit code``
-(:mod:`simpletuner.commands`); this module lists them in :data:`COMMANDS`, builds the parser and
+Each sub-command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit code``
+(the arguments several share: :mod:`.arguments`); this module lists them in :data:`COMMANDS`, builds the parser and
 dispatches. Only the module of the command asked for is imported, so ``simpletuner --help`` and
 ``simpletuner train --help`` stay quick (no torch).
 """
@@ -20,40 +20,40 @@ class Command:
 
     module: str
     help: str
-    #: The module also runs on its own (``python -m simpletuner.train``, ``gh200_diagnostic.py``,
-    #: ``python -m simpletuner.caching.admin``) and says "simpletuner NAME: error: unrecognized
+    #: The module also runs on its own (``python -m simpletuner.cli.train``, as ``simpletuner/train.py``;
+    #: ``gh200_diagnostic.py``; ``python -m simpletuner.cli.cache``) and says "simpletuner NAME: error: unrecognized
     #: arguments" there; the others leave unknown arguments to ``simpletuner``'s own parser.
     standalone: bool = False
 
 
 COMMANDS: dict[str, Command] = {
     "train": Command(
-        "simpletuner.train",
+        "simpletuner.cli.train",
         "train from a JSON config (single process; use accelerate launch for several); see `simpletuner train -h`",
         standalone=True,
     ),
     "estimate": Command(
-        "simpletuner.memory.cli",
+        "simpletuner.cli.estimate",
         "memory needed to train a config, the batch split that fits a GPU (--apply writes it), presets",
     ),
-    "demo": Command("simpletuner.demo", "write a tiny model + shapes dataset and train a LoRA on CPU"),
+    "demo": Command("simpletuner.cli.demo", "write a tiny model + shapes dataset and train a LoRA on CPU"),
     "cache": Command(
-        "simpletuner.caching.admin",
+        "simpletuner.cli.cache",
         "verify or clear a config's latent / text-embedding caches (see `simpletuner cache -h`)",
         standalone=True,
     ),
     "diagnose": Command(
-        "simpletuner.gh200.diagnostic",
+        "simpletuner.cli.diagnose",
         "check a GH200 / GB10 (or any) machine, as gh200_diagnostic.py (see `simpletuner diagnose -h`)",
         standalone=True,
     ),
     "config-path": Command(
-        "simpletuner.resources",
+        "simpletuner.cli.config_path",
         "print the path of a bundled config file (Accelerate YAMLs, presets, examples), also when installed",
     ),
-    "zoo": Command("simpletuner.models.zoo", "write a tiny random-weight diffusers pipeline folder"),
+    "zoo": Command("simpletuner.cli.zoo", "write a tiny random-weight diffusers pipeline folder"),
     "convert": Command(
-        "simpletuner.convert",
+        "simpletuner.cli.convert",
         "write a SimpleTuner config.json (+ multidatabackend.json) as a native config, with the mapping report",
     ),
 }
@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     command = next((word for word in argv if not word.startswith("-")), None)
     parser, subparsers = build_parser(command)
     args, unknown = parser.parse_known_args(argv)
+    assert command is not None, "argparse exits when no command is given"
     if unknown:
         reporter = subparsers[command] if COMMANDS[command].standalone else parser
         reporter.error(f"unrecognized arguments: {' '.join(unknown)}")
     return _module(command).run(args)
-

@@ -11,6 +11,7 @@ with the functions here, so each says the same thing before anything is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -133,7 +134,7 @@ _BACKENDS = ("native", "cudaMallocAsync")
 _MAX_REGISTER_THREADS = 128
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -13,11 +13,17 @@ the dataset's id and the output folder as ``{model_family}``, ``{id}`` and ``{ou
 from __future__ import annotations
 
 import string
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+from simpletuner.configuration.families import FAMILY_NAMES
+
+if TYPE_CHECKING:
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig
+    from simpletuner.configuration.schema import TrainingConfig
 
 #: Place-holders a cache folder may hold, and what each becomes.
 TEMPLATE_NAMES: dict[str, str] = {
-    "model_family": "the run's model family (sd, sdxl, sd3, flux, wan)",
+    "model_family": f"the run's model family ({', '.join(FAMILY_NAMES)})",
     "id": "the dataset's `id` (datasets[].cache_dir_vae only)",
     "output_dir": "the run's `output_dir`",
 }
@@ -66,16 +72,16 @@ def fill_template(value: str, *, model_family: str, output_dir: str, dataset_id:
     return value.format(**names)
 
 
-def is_trained(dataset: Any) -> bool:
+def is_trained(dataset: FolderDatasetConfig) -> bool:
     """False when the entry is ``disabled`` or has ``probability`` 0: the run leaves it out."""
-    return not getattr(dataset, "disabled", False) and getattr(dataset, "probability", 1.0) > 0
+    return not dataset.disabled and dataset.probability > 0
 
 
-def left_out_reason(dataset: Any) -> str:
+def left_out_reason(dataset: FolderDatasetConfig) -> str:
     """Why :func:`is_trained` is False for ``dataset``, for the log."""
-    return "disabled: true" if getattr(dataset, "disabled", False) else "probability 0"
+    return "disabled: true" if dataset.disabled else "probability 0"
 
 
-def trained_datasets(config: Any) -> list[Any]:
+def trained_datasets(config: TrainingConfig) -> list[FolderDatasetConfig]:
     """The entries of ``config.datasets`` the run trains on, in config order."""
     return [dataset for dataset in config.datasets or [] if is_trained(dataset)]

@@ -19,9 +19,9 @@ class MetadataFileOptions(_Strict):
     path: PathText = Field(
         ...,
         description=(
-            "The metadata file. A relative path is taken from the folder of the config file that loads it (like "
-            "`instance_data_dir`). Under `parquet` the extension picks the reader: `.jsonl` (JSON lines), `.json` "
-            "(a JSON array of objects), `.csv`, anything else Parquet (the `parquet` extra: pyarrow)."
+            "The metadata file, relative to the folder of the config file that loads it (like "
+            "`instance_data_dir`). Under `parquet` the extension picks the reader: `.jsonl`, `.json`, `.csv`, "
+            "anything else Parquet (the `parquet` extra)."
         ),
     )
     filename_column: str = Field(
@@ -35,30 +35,28 @@ class MetadataFileOptions(_Strict):
     )
     caption_column: str = Field(..., min_length=1, description="Column holding each image's caption.")
     fallback_caption_column: Optional[str] = Field(
-        None,
+        default=None,
         min_length=1,
         description="Column whose caption is used where `caption_column` is empty or null.",
     )
     identifier_includes_extension: bool = Field(
-        False,
+        default=False,
         description=(
             "`true`: `filename_column` values carry the file extension (`cat.png`) and must match exactly; "
             "`false`: they do not (`cat`), and an extension written there anyway is dropped before matching."
         ),
     )
     conditioning_column: Optional[str] = Field(
-        None,
+        default=None,
         min_length=1,
         description=(
-            "Edit models (Qwen-Image-Edit): column naming each row's source (conditioning) image, the picture the "
-            "instruction in `caption_column` edits into the row's image: a path relative to the dataset's "
-            "`conditioning_data_dir` (its `instance_data_dir` when that is unset) or an absolute path, with its "
-            "extension. An image of the dataset whose row names no source, or a source that is not a file, stops "
-            "the run before caching, naming them."
+            "Edit models (Qwen-Image-Edit): column naming each row's source image, a path with its extension "
+            "relative to the dataset's `conditioning_data_dir` (its `instance_data_dir` when that is unset), or "
+            "absolute."
         ),
     )
     width_column: Optional[str] = Field(
-        None,
+        default=None,
         min_length=1,
         description=(
             "Column of each image's width in pixels, read together with `height_column`. Sizes still come from "
@@ -66,7 +64,7 @@ class MetadataFileOptions(_Strict):
         ),
     )
     height_column: Optional[str] = Field(
-        None, min_length=1, description="Column of each image's height in pixels (see `width_column`)."
+        default=None, min_length=1, description="Column of each image's height in pixels (see `width_column`)."
     )
 
 
@@ -100,20 +98,18 @@ class FolderDatasetConfig(_Strict):
         description=(
             "Folder searched recursively for .jpg/.jpeg/.png/.webp images; for `dataset_type: video`, for clips "
             "(.mp4/.webm/.mov/.mkv/.gif/.webp) and frame folders (one sub-folder of numbered frames per clip)."
-            " A relative path is taken from the folder of the config file that loads it (also when the entry "
-            "comes from `data_backend_config`)."
         ),
     )
     dataset_type: Literal["image", "video"] = Field(
-        "image",
+        default="image",
         description=(
-            "`image`: still images. `video`: short clips (.mp4/.webm/.mov/.mkv through the `video` extra, animated "
-            ".gif/.webp without it) or folders of numbered frames (one sub-folder per clip); each trains as "
-            "`num_frames` frames taken every `frame_stride` frames from the start. Video needs a video family (wan)."
+            "`image`: still images. `video`: short clips or folders of numbered frames (one sub-folder per clip), "
+            "each training as `num_frames` frames taken every `frame_stride` frames from the start; it needs a "
+            "video family (wan)."
         ),
     )
     num_frames: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         le=1025,
         description=(
@@ -121,67 +117,54 @@ class FolderDatasetConfig(_Strict):
         ),
     )
     frame_stride: int = Field(
-        1,
+        default=1,
         ge=1,
         le=100,
         description="Video datasets: take every N-th frame of the source clip (1: consecutive frames; at most 100).",
     )
     caption_strategy: CaptionStrategy = Field(
-        "textfile",
+        default="textfile",
         description=(
-            "`textfile`: caption from a same-named .txt file next to the image, clip or frame folder (`walk.txt` "
-            "beside the folder `walk/`; a file of several lines is several captions, see `disable_multiline_split`; "
-            "falls back to `instance_prompt`, then to the file name as `filename_cleaned` gives it, and reports how "
-            "many fell back); "
-            "`filename`: the file name without its extension, each `_` a space and nothing else changed, as "
-            "SimpleTuner gives it (`IMG_2031.jpg` -> `IMG 2031`); "
-            "`filename_cleaned`: the file name cleaned: `_` and `-` become spaces, runs of spaces one, a trailing "
-            "number is dropped (`red_cat-on_mat_001.png` -> `red cat on mat`); "
-            "`instance_prompt`: every image gets `instance_prompt`; "
-            "`parquet` / `csv` / `jsonl`: caption from a row of the metadata file of the sub-table of the same name "
-            "(images with no row, or an empty caption, are skipped and counted in a warning)."
+            "Where each caption comes from: `textfile`, `filename`, `filename_cleaned`, `instance_prompt`, or a "
+            "row of a metadata file (`parquet` / `csv` / `jsonl`)."
         ),
     )
     disable_multiline_split: bool = Field(
-        False,
+        default=False,
         description=(
-            "`caption_strategy: textfile`: false (SimpleTuner's default), a caption file of several lines holds "
-            "several captions: each line, stripped, is one (empty lines dropped), and every time the image is "
-            "drawn it trains on one of them, chosen from the seed and the draw's place in the data order (a "
-            "resumed run chooses the same); every line's text embedding is cached. true: the whole file is one "
-            "caption, line breaks kept."
+            "`caption_strategy: textfile`: false (SimpleTuner's default), each line of a caption file is a "
+            "caption of its own; true: the whole file is one caption, line breaks kept."
         ),
     )
     instance_prompt: Optional[str] = Field(
-        None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback."
+        default=None, description="Caption used by the `instance_prompt` strategy and as the textfile fallback."
     )
     prepend_instance_prompt: bool = Field(
-        False,
+        default=False,
         description=(
             "Put `instance_prompt` and a space before every caption read from elsewhere (a .txt file, the file "
-            "name, a metadata file): `sks dog` + `on a sofa` -> `sks dog on a sofa`. Needs `instance_prompt`. An "
-            "image captioned with `instance_prompt` itself (the strategy, or the textfile fallback) keeps it as is."
+            "name, a metadata file): `sks dog` + `on a sofa` -> `sks dog on a sofa`. Needs `instance_prompt`."
         ),
     )
     parquet: Optional[MetadataFileOptions] = Field(
-        None,
+        default=None,
         description=(
             "With `caption_strategy: parquet`: the metadata file (`path`, `filename_column`, `caption_column`, ...; "
             "see the table below)."
         ),
     )
     csv: Optional[MetadataFileOptions] = Field(
-        None,
+        default=None,
         description="With `caption_strategy: csv`: a CSV file with a header row (UTF-8), the same keys as `parquet`.",
     )
     jsonl: Optional[MetadataFileOptions] = Field(
-        None,
+        default=None,
         description=(
             "With `caption_strategy: jsonl`: a JSON-lines file (one object a line), the same keys as `parquet`."
         ),
     )
     resolution: Optional[SizeValue] = Field(
-        None,
+        default=None,
         gt=0,
         le=MAX_RESOLUTION,
         description=(
@@ -191,69 +174,52 @@ class FolderDatasetConfig(_Strict):
         ),
     )
     crop_style: Literal["center", "random", "corner"] = Field(
-        "center",
+        default="center",
         description=(
             "Where the crop window sits in the resized image: `center`; `random`, a fixed offset per image from "
             "the seed, so caches stay valid; `corner`, the top-left corner."
         ),
     )
     crop: Optional[bool] = Field(
-        None,
+        default=None,
         description=(
-            "SimpleTuner's crop switch; setting it (or `resolution_type`) makes this dataset use SimpleTuner's "
-            "bucket sizes (see `resolution_type`). `false`: every image keeps its aspect: resized to cover its "
-            "bucket and only the overshoot cropped. `true`: the bucket comes from `crop_aspect`, and "
-            "`maximum_image_size` / `target_downsample_size` apply. Unset (with `resolution_type` unset): this "
-            "trainer's own buckets, area about `resolution`², aspect as close as `aspect_bucket_alignment` allows "
-            "(at most 4:1), only the overshoot cropped."
+            "SimpleTuner's crop switch: set (as `resolution_type`), this dataset uses SimpleTuner's bucket sizes. "
+            "`true`: the bucket comes from `crop_aspect`; `false`: every image keeps its aspect."
         ),
     )
     crop_aspect: Optional[CropAspect] = Field(
-        None,
+        default=None,
         description=(
-            "With `crop: true` (ignored with `crop: false`, as in SimpleTuner; refused with `crop` unset), the "
-            "bucket's aspect: `square` (the default: every image trains as one square of "
-            "the dataset's area), `preserve` (the image's own aspect), `closest` (the aspect of "
-            "`crop_aspect_buckets` nearest to the image's), `random` (one of `crop_aspect_buckets` drawn per image "
-            "from the seed, by weight when weights are given; fixed per image so caches stay valid)."
+            "With `crop: true`, the bucket's aspect: `square` (the default), `preserve` (the image's own), "
+            "`closest` or `random` (from `crop_aspect_buckets`)."
         ),
     )
     crop_aspect_buckets: Optional[list[Union[float, AspectBucket]]] = Field(
-        None,
+        default=None,
         min_length=1,
         description=(
-            "For `crop_aspect` `closest` / `random`: aspect ratios (width / height) to choose from, either numbers "
-            '(`[0.75, 1.0, 1.5]`, drawn uniformly by `random`) or objects `{"aspect": 1.5, "weight": 0.25}` '
-            "whose weights add up to 1 (`random` draws by weight; `closest` ignores weights); all numbers or all "
-            "objects."
+            "For `crop_aspect` `closest` / `random`: aspect ratios (width / height) to choose from, all numbers "
+            '(`[0.75, 1.0, 1.5]`) or all objects `{"aspect": 1.5, "weight": 0.25}` whose weights add up to 1.'
         ),
     )
     resolution_type: Optional[ResolutionType] = Field(
-        None,
+        default=None,
         description=(
-            "SimpleTuner's unit of `resolution`, `minimum_image_size`, `maximum_image_size` and "
-            "`target_downsample_size`; setting it (or `crop`) makes this dataset use SimpleTuner's bucket sizes, each "
-            "side rounded to the nearest multiple of `aspect_bucket_alignment` and the image's aspect to 2 decimals. "
-            "`pixel`: the image's shorter side becomes `resolution` px, the other follows its aspect (sizes: the "
-            "shorter side, px). `area`: `resolution` is megapixels (1.0 gives buckets around 1024x1024; sizes in "
-            "megapixels). `pixel_area` (the default once `crop` is set): `resolution` is a side in px whose square is "
-            "the bucket area (sizes: sides in px whose squares are compared with the image's area). Unset (with "
-            "`crop` unset): this trainer's own buckets (see `crop`)."
+            "SimpleTuner's unit of `resolution` and the size keys: `pixel` (the shorter side), `area` "
+            "(megapixels) or `pixel_area` (a side whose square is the area). Set (as `crop`), this dataset uses "
+            "SimpleTuner's bucket sizes."
         ),
     )
     maximum_image_size: Optional[SizeValue] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
-            "With `crop: true` (ignored with `crop: false`, as in SimpleTuner) and `target_downsample_size`: an "
-            "image larger than this (`pixel`: either side above "
-            "it; `area`: more megapixels; `pixel_area`: an area above its square) is first resized, aspect kept, to "
-            "`target_downsample_size`, then its bucket is cropped from that, so a huge photo keeps its scene "
-            "instead of becoming a small tile of it. Units follow `resolution_type`."
+            "With `crop: true` and `target_downsample_size`: an image larger than this is first resized, aspect "
+            "kept, to `target_downsample_size`, and its bucket cropped from that. Units follow `resolution_type`."
         ),
     )
     target_downsample_size: Optional[SizeValue] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
             "The size images above `maximum_image_size` are resized to before the crop (`pixel`: their shorter side; "
@@ -262,7 +228,7 @@ class FolderDatasetConfig(_Strict):
         ),
     )
     minimum_aspect_ratio: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
             "Skip images whose aspect ratio (width / height) is below this, e.g. 0.5 drops images taller than 1:2; "
@@ -270,86 +236,64 @@ class FolderDatasetConfig(_Strict):
         ),
     )
     maximum_aspect_ratio: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
             "Skip images whose aspect ratio (width / height) is above this, e.g. 3.0 drops panoramas wider than 3:1; "
             "the scan reports how many. Unset: none skipped for aspect."
         ),
     )
-    repeats: int = Field(0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
+    repeats: int = Field(default=0, ge=0, description="Extra passes over this dataset per epoch (0 = each image once).")
     is_regularisation_data: bool = Field(
-        False,
+        default=False,
         description=(
-            "Regularisation (prior-preservation) images. In an adapter run (`training_type` `lora`, standard or "
-            "LyCORIS) their target is the frozen base model's own prediction on the same noisy input (the adapter "
-            "switched off, no gradients): the adapter learns to leave such images as the base model draws them. "
-            "Costs one more forward pass per such batch. A full fine-tune has no frozen copy and trains them on the "
-            "usual target."
+            "Regularisation (prior-preservation) images: in an adapter run their target is the frozen base "
+            "model's own prediction, so the adapter learns to leave such images as the base model draws them."
         ),
     )
     probability: float = Field(
-        1.0,
+        default=1.0,
         ge=0,
         description=(
-            "Sampling weight of this dataset against the others. Each step's batch comes from one dataset, drawn "
-            "with chance proportional to `probability` x the dataset's batches per epoch (its images with "
-            "`repeats`, over `train_batch_size` x processes). Every dataset at the same value (default 1.0): each "
-            "is drawn in proportion to its size, the order of a run without the key. 0 leaves the dataset out "
-            "(not scanned, not cached, said once in the log). An epoch keeps its length (the batches of every "
-            "trained dataset); a weighted-up dataset starts a new shuffled pass when it runs out within one."
+            "Sampling weight of this dataset against the others: each step's batch comes from one dataset, drawn "
+            "with chance proportional to `probability` x its batches per epoch. 0 leaves the dataset out."
         ),
     )
     disabled: bool = Field(
-        False,
+        default=False,
         description=(
             "`true`: leave this dataset out of the run (not scanned, not cached, said once in the log); the entry "
             "is still checked, so a typo in it is still refused."
         ),
     )
     conditioning_data_dir: Optional[PathText] = Field(
-        None,
+        default=None,
         description=(
             "Edit models (Qwen-Image-Edit): folder of source (conditioning) images, one per image of "
-            "`instance_data_dir` at the same relative path and file name (the extension may differ: `cat.png` pairs "
-            "with `cat.jpg`); the caption is the edit instruction. Every image needs its source and every source "
-            "its image: a missing or extra one stops the run before caching, naming them. The source gets the "
-            "image's own crop and resize (resized to the image's size first; an aspect ratio more than 2% off is "
-            "refused), its latents are cached with the image's, and its pixels go into the prompt embedding as the "
-            "edit pipeline puts them. A relative path is taken from the config file's folder. A model that is not "
-            "an edit model refuses the key."
+            "`instance_data_dir` at the same relative path and file name (the extension may differ); the caption "
+            "is the edit instruction."
         ),
     )
     cache_dir_vae: Optional[CacheFolderText] = Field(
-        None,
+        default=None,
         description=(
-            "Folder of this dataset's VAE latents instead of `<cache_dir>/<model_family>/vae` (it holds their "
-            "shards and its own cache locks directly). `{model_family}`, `{id}` (this dataset's id) and "
-            "`{output_dir}` are replaced by their values. A relative path is taken from the config file's folder. "
-            "Datasets naming the same folder share it. Not used when latents are re-encoded while training "
-            "(`augmentations_cache_mode` `refresh_each_epoch` / `disable_cache`)."
+            "Folder of this dataset's VAE latents instead of `<cache_dir>/<model_family>/vae`; `{model_family}`, "
+            "`{id}` (this dataset's id) and `{output_dir}` are replaced by their values."
         ),
     )
     minimum_image_size: Optional[SizeValue] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
-            "Skip images (clips: their first frame) smaller than this, whatever `resolution` is; the scan reports "
-            "how many were skipped, and stops, naming the largest, when none is left. The unit follows "
-            "`resolution_type`: unset or `pixel`, the shorter side in px; `area`, megapixels of area; `pixel_area`, a "
-            "side in px whose square is compared with the area. With `crop: true` and `crop_aspect: square`, `area` "
-            "and `pixel_area` also skip images whose shorter side is below the square root of that area. Unset: none "
-            "skipped for size."
+            "Skip images (clips: their first frame) smaller than this, whatever `resolution` is; the unit follows "
+            "`resolution_type`. Unset: none skipped for size."
         ),
     )
     allow_upscale: Optional[bool] = Field(
-        None,
+        default=None,
         description=(
-            "Images smaller than their bucket. Unset: scaled up to cover it, but when `max_bad_image_fraction` of the "
-            "dataset or more needs more than 2x the run stops before caching, naming how many "
-            "and by how much (fewer: a warning). `false`: every image smaller than its bucket is skipped (counted in "
-            "a warning), so nothing is upscaled. `true`: train on them upscaled, any factor (a warning names the far "
-            "ones)."
+            "Images smaller than their bucket. Unset: scaled up to cover it, unless too many need more than 2x; "
+            "`false`: skipped; `true`: upscaled, any factor."
         ),
     )
 
@@ -409,18 +353,20 @@ class InMemoryOptions(_Strict):
     """How an `in_memory` dataset is staged in CPU RAM."""
 
     compression: Literal["lz4", "zlib", "snappy", "none"] = Field(
-        "none",
+        default="none",
         description=(
             "Codec for staged bytes. Applied to files that compress (captions, raw formats); already-compressed "
             "images (JPEG/PNG/WebP) are kept as they are unless `compress_encoded_images` is true."
         ),
     )
     compress_encoded_images: bool = Field(
-        False, description="Also compress JPEG/PNG/WebP bytes (usually gains ~0% and costs CPU)."
+        default=False, description="Also compress JPEG/PNG/WebP bytes (usually gains ~0% and costs CPU)."
     )
-    num_workers: Optional[int] = Field(None, ge=1, description="Parallel loader threads; default min(72, CPU count).")
+    num_workers: Optional[int] = Field(
+        default=None, ge=1, description="Parallel loader threads; default min(72, CPU count)."
+    )
     memory_limit_gb: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description="Refuse to stage (before reading anything) when the estimated bytes exceed this many GB.",
     )
@@ -444,10 +390,13 @@ class InMemoryDatasetConfig(FolderDatasetConfig):
         ),
     )
     max_retries: int = Field(
-        5, ge=0, le=100, description="With a URL: further attempts after a transient failure, as for `object_store`."
+        default=5,
+        ge=0,
+        le=100,
+        description="With a URL: further attempts after a transient failure, as for `object_store`.",
     )
     retry_backoff_seconds: float = Field(
-        0.5,
+        default=0.5,
         ge=0,
         le=60,
         description="With a URL: wait before the first retry (doubled each time), as for `object_store`.",
@@ -481,26 +430,22 @@ class ObjectStoreDatasetConfig(FolderDatasetConfig):
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
         description=(
-            "Keyword arguments of the fsspec filesystem of `instance_data_dir`'s protocol. For S3 (s3fs): "
-            "`endpoint_url` (a store other than AWS: MinIO, R2, Ceph...), `key` / `secret` / `token`, `profile`, "
-            '`anon` (public buckets), `client_kwargs` (e.g. `{"region_name": "eu-west-1"}`), `config_kwargs` '
-            "(botocore's Config, e.g. `max_pool_connections`). Unset: credentials come from where botocore looks "
-            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE, ~/.aws, AWS_ENDPOINT_URL, "
-            "an instance role). Prefer the environment for secrets: this file may be copied into the output folder."
+            "Keyword arguments of the fsspec filesystem of `instance_data_dir`'s protocol; unset: credentials "
+            "come from where botocore looks. Prefer the environment for secrets: this file may be copied into the "
+            "output folder."
         ),
     )
     max_retries: int = Field(
-        5,
+        default=5,
         ge=0,
         le=100,
         description=(
-            "Further attempts of a listing or read after a transient failure (connection dropped, refused or timed "
-            "out, HTTP 5xx, throttling); 0: one attempt. Refused credentials, a missing bucket or object are never "
-            "retried. A read that still fails raises: a file is read whole or not at all."
+            "Further attempts of a listing or read after a transient failure (connection dropped, refused or "
+            "timed out, HTTP 5xx, throttling); 0: one attempt."
         ),
     )
     retry_backoff_seconds: float = Field(
-        0.5,
+        default=0.5,
         ge=0,
         le=60,
         description="Wait before the first retry; doubled for each further one (with jitter, at most 30 s).",
@@ -548,11 +493,8 @@ class WebDatasetConfig(FolderDatasetConfig):
     instance_data_dir: PathText = Field(
         ...,
         description=(
-            "Folder searched recursively for `.tar` shards (hidden ones skipped), read in sorted order and in place: "
-            "nothing is extracted. A sample is the members sharing a key (the name up to the first dot: "
-            "`0001.jpg` + `0001.txt`); its .jpg/.jpeg/.png/.webp member trains, its `.txt` (else `.caption`, else "
-            "`.text`) member is its caption file for `caption_strategy: textfile`. Shards must be plain tar "
-            "(decompress .tar.gz). A relative path is taken from the folder of the config file."
+            "Folder searched recursively for `.tar` shards (hidden ones skipped), read in sorted order and in "
+            "place: nothing is extracted. Shards must be plain tar (decompress .tar.gz)."
         ),
     )
 
@@ -569,12 +511,11 @@ class ParquetDatasetConfig(FolderDatasetConfig):
         ...,
         description=(
             "Folder searched recursively for `.parquet` files (hidden ones skipped), read in sorted order and in "
-            "place, one row per image (a Hugging Face dataset's `data/` folder works as it is). A relative path is "
-            "taken from the folder of the config file."
+            "place, one row per image (a Hugging Face dataset's `data/` folder works as it is)."
         ),
     )
     image_column: str = Field(
-        "image",
+        default="image",
         min_length=1,
         description=(
             "Column of encoded image bytes (JPEG/PNG/WebP): binary, or the Hugging Face Image struct "
@@ -582,21 +523,19 @@ class ParquetDatasetConfig(FolderDatasetConfig):
         ),
     )
     caption_column: Optional[str] = Field(
-        "text",
+        default="text",
         min_length=1,
         description=(
             "Column of captions (text, or a list of texts: the first non-empty one), each row's caption file for "
-            "`caption_strategy: textfile`; a null or empty caption falls back as a missing .txt does. Read only with "
-            "`textfile`. null: no caption column."
+            "`caption_strategy: textfile`; null: no caption column."
         ),
     )
     filename_column: Optional[str] = Field(
-        None,
+        default=None,
         min_length=1,
         description=(
             "Column naming each row's image (its last path component is used). Unset: the Image struct's `path`, "
-            "else the row number (`000123.png`, the extension from the bytes). Sample paths, logs and cache keys "
-            "read `<file>.parquet/<name>`."
+            "else the row number (`000123.png`, the extension from the bytes)."
         ),
     )
 

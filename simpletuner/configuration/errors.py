@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, get_args
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from simpletuner.configuration.foreign_keys import (
     describe_foreign_key,
@@ -14,6 +15,7 @@ from simpletuner.configuration.foreign_keys import (
     stands_for,
 )
 from simpletuner.configuration.schema import DatasetConfig
+from simpletuner.configuration.simpletuner.reading import Section
 
 
 class ConfigError(ValueError):
@@ -141,7 +143,7 @@ def close_match(key: str, known: Iterable[str]) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _section(loc: tuple, owner: type[BaseModel] | None) -> str | None:
+def _section(loc: tuple, owner: type[BaseModel] | None) -> Section | None:
     """Which part of another tool's config a key at ``loc`` would come from."""
     if len(loc) == 1:
         return "top"
@@ -150,7 +152,7 @@ def _section(loc: tuple, owner: type[BaseModel] | None) -> str | None:
     return None
 
 
-def _unknown_key(err: dict, model: type[BaseModel]) -> str:
+def _unknown_key(err: ErrorDetails, model: type[BaseModel]) -> str:
     loc = tuple(err["loc"])
     path = format_path(loc)
     key = str(loc[-1])
@@ -170,7 +172,7 @@ def _unknown_key(err: dict, model: type[BaseModel]) -> str:
     return f"{path}: unknown key '{key}'{hint} (remove it or fix the spelling)"
 
 
-def _literal(err: dict, path: str) -> str:
+def _literal(err: ErrorDetails, path: str) -> str:
     value = err.get("input")
     allowed = err.get("ctx", {}).get("expected", "").replace("'", "").replace(" or ", ", ")
     line = f"{path}: {value!r} is not one of {allowed}"
@@ -179,11 +181,11 @@ def _literal(err: dict, path: str) -> str:
     return f"{line}; {describe_foreign_value(entry)}" if entry else line
 
 
-def _bound(word: str, key: str) -> Callable[[dict], str]:
+def _bound(word: str, key: str) -> Callable[[ErrorDetails], str]:
     return lambda err: f"must be {word} {err.get('ctx', {}).get(key)}"
 
 
-_SIMPLE: dict[str, Callable[[dict], str]] = {
+_SIMPLE: dict[str, Callable[[ErrorDetails], str]] = {
     "int_parsing": lambda err: "expected a whole number",
     "int_type": lambda err: "expected a whole number",
     "int_from_float": lambda err: "expected a whole number",
@@ -204,7 +206,7 @@ _SIMPLE: dict[str, Callable[[dict], str]] = {
 }
 
 
-def _describe(err: dict, model: type[BaseModel]) -> list[str]:
+def _describe(err: ErrorDetails, model: type[BaseModel]) -> list[str]:
     path = format_path(err["loc"])
     kind = err["type"]
     value = err.get("input")

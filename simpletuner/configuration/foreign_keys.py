@@ -1,30 +1,19 @@
-"""Keys (and a few values) of other trainers' configs, so an error can say what they are here.
-
-People bring configs from SimpleTuner, kohya sd-scripts and ai-toolkit. When one of their keys
-is not ours, guessing the nearest spelling of ours ("did you mean ...") is usually wrong; this
-table says instead what the key is, which of our keys does the same job, or that it is not
-supported yet. It only shapes error messages. A SimpleTuner config *file* is translated instead
-(configuration/dialect.py, `DIALECT`); its keys appear here, generated from that dialect table, for when they
-reach a native config another way (`--set`, a dict given to ``validate_config``).
-
-Each entry's ``kind``:
-  ``same``          our key ``ours`` means the same thing: use it instead.
-  ``approximated``  ``ours`` is the nearest setting; ``note`` says what differs.
-  ``unsupported``   nothing here does it yet; ``note`` says what happens instead.
-  ``ignored``       irrelevant here (e.g. hub uploads); ``note`` says why.
-A key that is also one of ours must not be in the table (a test checks): it is ours.
+"""Keys (and a few values) of other trainers' configs (SimpleTuner, kohya sd-scripts, ai-toolkit), so an error
+can say what they are here: which of our keys does the same job, or that nothing does yet. It only shapes error
+messages (documentation/CONFIG.md, "Keys from other tools"); a SimpleTuner config *file* is translated instead,
+and its rows here are generated from that translator's table. A key that is also one of ours must not be in the
+table (a test checks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional, get_args
+from typing import Optional, get_args
 
-from simpletuner.configuration import dialect, dialect_values
 from simpletuner.configuration.schema import InMemoryDatasetConfig, LocalDatasetConfig, TrainingConfig
-
-Kind = Literal["same", "approximated", "unsupported", "ignored"]
-Section = Literal["top", "dataset"]
+from simpletuner.configuration.simpletuner import facts
+from simpletuner.configuration.simpletuner import translate as dialect
+from simpletuner.configuration.simpletuner.reading import Kind, Section
 
 SIMPLETUNER = "SimpleTuner"
 KOHYA = "kohya sd-scripts"
@@ -110,7 +99,7 @@ def _simpletuner_values() -> list[ForeignValue]:
     """SimpleTuner's spellings of values of keys we share (its dialect's value tables); a value that is
     also one of ours is ours (SimpleTuner's `caption_strategy: csv` means another thing, see the dialect)."""
     out = []
-    for key, table in dialect_values.VALUE_TABLES.items():
+    for key, table in facts.VALUE_TABLES.items():
         for value, ours in table.items():
             if value == ours or value in _native_choices(key):
                 continue
@@ -126,7 +115,7 @@ _AIT_NESTED = (
 _NO_HUB = "this trainer does not upload to the Hugging Face Hub"
 
 FOREIGN_KEYS: tuple[ForeignKey, ...] = (
-    # --- SimpleTuner: generated from the dialect table (configuration/dialect.py) ---
+    # --- SimpleTuner: generated from the dialect table (configuration/simpletuner/) ---
     *_simpletuner_keys(),
     # --- kohya sd-scripts (train_network.py arguments) ---
     _kohya("network_dim", "lora_rank", "same"),

@@ -1,25 +1,7 @@
-"""Settings the launcher can also make, merged with the JSON so that neither wins in silence.
-
-``accelerate launch`` passes its precision (``--mixed_precision``, the Accelerate config file,
-or Accelerate's default config file) to the training process as ``ACCELERATE_MIXED_PRECISION``;
-DeepSpeed launches pass ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``; ``--dynamo_backend`` passes
-``ACCELERATE_DYNAMO_BACKEND``. An ``Accelerator(mixed_precision=X)`` built from the JSON beats
-all of them, so a GH200 launch with a bf16 Accelerate config and a JSON without
-``mixed_precision`` used to train in fp32 without a word.
-
-The rule, for each key both can set:
-
-- set in the JSON (or ``--set``) only: the JSON's value;
-- set by the launcher only: the launcher's value (injected as if it were a ``--set``);
-- set by both, equal: that value; different: stop before any model loads, naming both values
-  and where each came from;
-- set by neither: the schema's default.
-
-"Set by the launcher" means the user told it: a flag on the ``accelerate launch`` line, a key in
-the Accelerate config file it read, or the environment variable exported by hand. The value
-``accelerate launch`` writes when it was told nothing ("no" precision, no dynamo) is not a
-request. Where the launcher's own command line cannot be read (not Linux, another launcher),
-a variable that is set counts as a request.
+"""Settings the launcher can also make (``mixed_precision``, ``gradient_accumulation_steps``,
+``enable_compile``), merged with the JSON so that neither wins in silence: a key only the launcher was told
+is injected as a ``--set``; told both, different values stop the run before any model loads, naming both.
+The rule and why: documentation/CONFIG.md, "Keys the launcher can also set".
 """
 
 from __future__ import annotations

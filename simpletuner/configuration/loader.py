@@ -17,13 +17,13 @@ from typing import Any, Iterable, Iterator
 import orjson
 from pydantic import ValidationError
 
-from simpletuner.configuration import dialect
 from simpletuner.configuration.dataset_sections import url_protocol
 from simpletuner.configuration.errors import ConfigError, format_validation_error
 from simpletuner.configuration.model_folder import looks_like_hub_id, looks_local, settle_model_family
 from simpletuner.configuration.partial import InvalidInput, PartialModel, partial_config, run_rules
 from simpletuner.configuration.schema import CacheConfig, TrainingConfig
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES, metadata_file_format
+from simpletuner.configuration.simpletuner import translate as dialect
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _dataset_dirs(config) -> Iterator[str]:
             continue
         if not is_left_out and url_protocol(ds.instance_data_dir) is None and not d.is_dir():
             yield f"datasets[{i}].instance_data_dir: {d} is not a folder"  # a URL is checked when it is listed
-        source = getattr(ds, "conditioning_data_dir", None)
+        source = ds.conditioning_data_dir
         if not is_left_out and source is not None and not Path(source).expanduser().is_dir():
             yield f"datasets[{i}].conditioning_data_dir: {Path(source).expanduser()} is not a folder"
 
@@ -369,7 +369,7 @@ def validate_config(
 
 def read_raw_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict[str, Any]:
     """The config file's JSON object with ``--set`` overrides applied, not validated yet. A SimpleTuner
-    config is translated first (configuration/dialect.py; its report is logged once per file), so the
+    config is translated first (configuration/simpletuner/; its report is logged once per file), so the
     overrides, like everything after, use our key names."""
     p = Path(path)
     raw = _read_json(p, "config file")

@@ -15,23 +15,14 @@ from typing import Any
 
 import orjson
 
+from simpletuner.configuration.families import FAMILIES, FAMILY_NAMES
+
 logger = logging.getLogger(__name__)
 
 #: ``model_index.json`` ``_class_name`` -> the ``model_family`` that trains it (diffusers' names).
 PIPELINE_FAMILIES: dict[str, str] = {
-    "StableDiffusionPipeline": "sd",
-    "StableDiffusionXLPipeline": "sdxl",
-    "StableDiffusion3Pipeline": "sd3",
-    "FluxPipeline": "flux",
-    "WanPipeline": "wan",
-    "WanImageToVideoPipeline": "wan",
-    "QwenImagePipeline": "qwen_image",
-    "QwenImageEditPipeline": "qwen_image",  # the edit variant (models.QwenImageEditSpec)
-    "QwenImageEditPlusPipeline": "qwen_image",  # refused by the family with the reason (several source images)
+    class_name: family.name for family in FAMILIES.values() for class_name in family.pipeline_classes
 }
-
-#: The families a config may name (other values are the schema's to report).
-FAMILIES: frozenset[str] = frozenset(PIPELINE_FAMILIES.values())
 
 #: ``model_family`` when it is omitted and there is no local folder to read (a hub id).
 HUB_DEFAULT_FAMILY = "sd"
@@ -95,7 +86,7 @@ def settle_model_family(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             what = f"names pipeline class {found.class_name!r}" if found.class_name else "has no `_class_name`"
             return raw, [
                 f"model_family: not set, and {found.index_file} {what}, which no model family trains "
-                f"(known: {_known_pipelines()}); set `model_family` to one of sd, sdxl, sd3, flux, wan, "
+                f"(known: {_known_pipelines()}); set `model_family` to one of {', '.join(FAMILY_NAMES)}, "
                 "or point `pretrained_model_name_or_path` at a folder of one of those pipelines"
             ]
         logger.info("model_family %r taken from %s (_class_name %s)", found.family, found.index_file, found.class_name)
@@ -105,7 +96,7 @@ def settle_model_family(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
         found is not None
         and found.family is not None
         and isinstance(given, str)
-        and given in FAMILIES
+        and given in FAMILY_NAMES
         and given != found.family
     ):
         return raw, [

@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterator, Optional
 
 Setting = Optional[object]
 
-#: optimizer_config keys that are config keys here.
-NATIVE_KEYS = {
+#: optimizer_config keys that are top-level config keys here -> that key (refused in optimizer_config).
+TOP_LEVEL_SETTINGS = {
     "lr": "learning_rate",
     "learning_rate": "learning_rate",
     "betas": "adam_beta1 and adam_beta2",
@@ -53,6 +53,10 @@ def _beta(value: Any) -> Optional[str]:
     return None if value is None or (_number(value) and 0 <= value < 1) else "null or a number in [0, 1)"
 
 
+def _fraction(value: Any) -> Optional[str]:
+    return None if _number(value) and 0 <= value < 1 else "a number in [0, 1)"
+
+
 def _at_least_one(value: Any) -> Optional[str]:
     return None if _number(value) and value >= 1 else "a number >= 1"
 
@@ -81,7 +85,7 @@ PRODIGY_SETTINGS: dict[str, tuple[Callable[[Any], Optional[str]], str]] = {
 
 #: SGD's settings (torch.optim.SGD).
 SGD_SETTINGS: dict[str, tuple[Callable[[Any], Optional[str]], str]] = {
-    "momentum": (_beta, "momentum factor (default 0.9 here; SimpleTuner's optimi-sgd uses 0)"),
+    "momentum": (_fraction, "momentum factor (default 0.9 here; SimpleTuner's optimi-sgd uses 0)"),
 }
 
 #: SGD's momentum when `optimizer_config` does not set it.
@@ -137,8 +141,8 @@ def optimizer_config_problems(optimizer: str, settings: dict[str, Any]) -> Itera
     """One line per `optimizer_config` key that ``optimizer`` does not take, or value it cannot use."""
     known = OPTIMIZER_SETTINGS.get(optimizer, {})
     for key, value in settings.items():
-        if key in NATIVE_KEYS:
-            yield f"optimizer_config.{key}: set it with `{NATIVE_KEYS[key]}`, not in optimizer_config"
+        if key in TOP_LEVEL_SETTINGS:
+            yield f"optimizer_config.{key}: set it with `{TOP_LEVEL_SETTINGS[key]}`, not in optimizer_config"
         elif optimizer == "prodigy" and key in PRODIGY_PLUS_ONLY:
             yield (
                 f"optimizer_config.{key} is a setting of SimpleTuner's Prodigy (prodigy-plus-schedule-free); "

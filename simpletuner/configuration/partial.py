@@ -14,10 +14,12 @@ from typing import Annotated, Any, Callable, Iterable, Optional, Union, get_args
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from simpletuner.configuration.errors import format_path
 from simpletuner.configuration.foreign_keys import stands_for
 from simpletuner.configuration.rules import rules_for
+from simpletuner.configuration.simpletuner.reading import Section
 
 
 class InvalidInput(Exception):
@@ -76,7 +78,7 @@ def run_rules(rules: Iterable[Callable[[Any], Iterable[str]]], obj: Any) -> list
 
 
 class _Builder:
-    def __init__(self, errors: list[dict]):
+    def __init__(self, errors: list[ErrorDetails]):
         self.locs = [tuple(err["loc"]) for err in errors]
         self.problems: list[str] = []
         self._adapters: dict[Any, TypeAdapter] = {}
@@ -108,7 +110,9 @@ class _Builder:
                 values[name] = _INVALID
             else:
                 values[name] = field.get_default(call_default_factory=True)
-        section = "top" if not loc else "dataset" if "instance_data_dir" in model.model_fields else None
+        section: Optional[Section] = (
+            "top" if not loc else "dataset" if "instance_data_dir" in model.model_fields else None
+        )
         for key in raw:
             ours = stands_for(str(key), section, model.model_fields) if key not in model.model_fields else None
             if ours is not None and ours not in raw:  # set under another name: unknown here, not unset

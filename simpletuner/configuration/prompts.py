@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from simpletuner.configuration.rules import path_problem
+from simpletuner.configuration.paths import path_problem
 
 
 def read_prompt_file(path: str) -> list[str]:

@@ -9,7 +9,7 @@ fields are in ``rules.py``, the model families in ``families.py``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union, cast
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,7 +20,7 @@ from simpletuner.configuration.dataset_sections import (
     InMemoryOptions,
     LocalDatasetConfig,
 )
-from simpletuner.configuration.families import FAMILY_NAMES, FAMILY_ONLY_KEYS
+from simpletuner.configuration.families import FAMILY_NAMES, FAMILY_ONLY_KEYS, FamilyName
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
 from simpletuner.configuration.rules import TRAINING_RULES, Rule, check_rules, validation_sizes
@@ -49,6 +49,15 @@ __all__ = [
 ]
 
 
+def _expert_rate(key: str, expert: str) -> Any:
+    """The field of Wan 2.2's ``<expert>_noise_<key>``: ``key`` for that expert alone (unset: ``key``)."""
+    if key == "learning_rate":
+        what = f"Wan 2.2: `learning_rate` of the {expert}-noise expert's adapter"
+    else:
+        what = f"Wan 2.2, Automagic: `{key}` of the {expert}-noise expert"
+    return Field(default=None, gt=0, le=MAX_LEARNING_RATE, description=f"{what} (default: `{key}`).")
+
+
 class TrainingConfig(_Strict):
     """One training run. Load it with ``simpletuner.configuration.load_config``."""
 
@@ -64,89 +73,67 @@ class TrainingConfig(_Strict):
             "there stays a hub id."
         ),
     )
-    model_family: Literal[FAMILY_NAMES] = Field(
-        None,
+    model_family: FamilyName = Field(
+        default=None,
         validate_default=True,
         description=(
-            "Omit it to take the family from the model folder's `model_index.json` (`_class_name`: "
-            "`StableDiffusionPipeline` -> `sd`, `StableDiffusionXLPipeline` -> `sdxl`, `StableDiffusion3Pipeline` -> "
-            "`sd3`, `FluxPipeline` -> `flux`, `WanPipeline` -> `wan`, `QwenImagePipeline` -> `qwen_image`; the "
-            "start-up log says where it came from); "
-            "omitted with a hub id (no local folder): `sd`. Set, it must agree with a local folder's pipeline class, "
-            "or the config is refused before any data is read. Model family: `sd` (Stable Diffusion 1.x/2.x UNet), "
-            "`sdxl` (Stable Diffusion XL: two CLIP text encoders, pooled embeds; its size/crop time ids are each "
-            "image's size before resizing and its crop offset, as in diffusers' SDXL training script), `sd3` (Stable "
-            "Diffusion 3 MMDiT, flow matching: two CLIP encoders and T5 where present), `flux` (Flux.1 transformer, "
-            "flow matching with guidance embedding and packed latents: CLIP-L pooled + T5), `wan` (Wan 2.1 / 2.2 "
-            "text-to-video transformer, flow matching, UMT5 text encoder; image datasets train as 1-frame video; a "
-            "Wan 2.2 folder holds two experts, `transformer` for high noise and `transformer_2` for low noise, split "
-            "at the pipeline's `boundary_ratio`), `qwen_image` (Qwen-Image MMDiT text-to-image, flow matching with "
-            "the resolution-dependent shift and 2x2 packed latents, Qwen2.5-VL text encoder)."
+            'The model family (see "Model families"). Omitted: read from a local model folder\'s '
+            "`model_index.json` (`_class_name`), else `sd`."
         ),
     )
     prediction_type: Optional[Literal["epsilon", "v_prediction"]] = Field(
-        None, description="Training target; default: the `prediction_type` of the model's scheduler config."
+        default=None, description="Training target; default: the `prediction_type` of the model's scheduler config."
     )
     t5_max_length: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         le=512,
         description=(
-            "sd3: T5 tokens per caption, for training and validation. Unset: 256 (StableDiffusion3Pipeline's "
-            "default). SimpleTuner uses 154; diffusers' SD3 LoRA script 77. T5 runs unmasked, so the length "
-            "changes every token's embedding."
+            "sd3: T5 tokens per caption, for training and validation. Unset: 256 (StableDiffusion3Pipeline's default)."
         ),
     )
     rescale_betas_zero_snr: bool = Field(
-        False,
+        default=False,
         description=(
             "sd / sdxl: rescale the model scheduler's betas to zero terminal SNR (diffusers' `DDPMScheduler` "
-            "option, Lin et al. 2023) for training, and sample validation images with trailing timestep spacing. "
-            "Meant for v-prediction models; SimpleTuner turns it on for every SD 2.x model."
+            "option, Lin et al. 2023) for training, and sample validation images with trailing timestep spacing."
         ),
     )
-    revision: Optional[str] = Field(None, description="Hub revision, when loading from the hub.")
+    revision: Optional[str] = Field(default=None, description="Hub revision, when loading from the hub.")
     base_model_precision: Literal["no_change", "qfloat8", "qint8", "int8_torchao", "fp8_torchao"] = Field(
-        "no_change",
+        default="no_change",
         description=(
             "Store the frozen base's Linear weights in 8 bits: `qfloat8` / `qint8` (optimum-quanto, the `quanto` "
-            "extra) or `int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); those weights take about half "
-            "their bf16 memory (a quarter of fp32), convolutions and norms keep the mixed-precision dtype; costs a "
-            "little quality and, weight-only, some speed. Adapters (LoRA / LyCORIS) still train in fp32; the saved "
-            "LoRA loads onto the unquantised base. DoRA (`lora_use_dora`) needs a torchao kind. `no_change`: the "
+            "extra) or `int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); `no_change`: the "
             "mixed-precision dtype. LoRA / LyCORIS only."
         ),
     )
     train_stages: Literal["both", "high", "low"] = Field(
-        "both",
+        default="both",
         description=(
-            "Wan 2.2 (two experts): `both` trains an adapter on each expert in one run (each sample goes to the "
-            "expert its timestep belongs to); `high` / `low` trains only the high-noise (`transformer`, timesteps at "
-            "or above the boundary) or low-noise (`transformer_2`) expert, sampling timesteps on its side only."
+            "Wan 2.2 (two experts): `both` trains an adapter on each expert in one run; `high` / `low` trains "
+            "only the high-noise (`transformer`) or low-noise (`transformer_2`) expert."
         ),
     )
     ti2v_first_frame: bool = Field(
-        False,
+        default=False,
         description=(
-            "Wan 2.2 TI2V-5B only: train its image-to-video mode. The first latent frame of each clip stays clean "
-            "(timestep 0 on its tokens, the others at the drawn timestep, as WanImageToVideoPipeline with "
-            "`expand_timesteps` runs it) and the loss covers the other frames; one-frame samples (images) train "
-            "text-to-video. `false`: text-to-video, as WanPipeline runs the model."
+            "Wan 2.2 TI2V-5B only: train its image-to-video mode, the first latent frame of each clip kept clean. "
+            "`false`: text-to-video, as WanPipeline runs the model."
         ),
     )
     low_vram: bool = Field(
-        False,
+        default=False,
         description=(
-            "Keep what is idle in CPU RAM: the frozen expert when `train_stages` is `high` or `low`, and the text "
-            "encoders and VAE kept for validation; each moves to the GPU only while it is needed (validation). Costs "
-            "a host-to-device copy per validation. On unified-memory machines (GH200, GB10) try it off first: "
-            "there the GPU reads CPU RAM directly and the copies gain little."
+            "Keep what is idle in CPU RAM (the frozen expert when `train_stages` is `high` or `low`, the text "
+            "encoders and VAE kept for validation), each moved to the GPU only while validation needs it. Costs a "
+            "host-to-device copy per validation."
         ),
     )
 
     # --- output ---
     output_dir: PathText = Field(
-        "output",
+        default="output",
         description=(
             "Folder for checkpoints, logs, validation images and the final weights. A relative path is taken from the "
             "config file's folder (not the working directory; `--set` values too)."
@@ -155,13 +142,14 @@ class TrainingConfig(_Strict):
 
     # --- data ---
     datasets: Optional[list[DatasetConfig]] = Field(
-        None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`."
+        default=None, description="Dataset entries (see the dataset tables below). Give this or `data_backend_config`."
     )
     data_backend_config: Optional[PathText] = Field(
-        None, description="Path to a JSON file holding the list of dataset entries (relative to the config file)."
+        default=None,
+        description="Path to a JSON file holding the list of dataset entries (relative to the config file).",
     )
     resolution: int = Field(
-        512,
+        default=512,
         gt=0,
         le=MAX_RESOLUTION,
         description=(
@@ -170,26 +158,21 @@ class TrainingConfig(_Strict):
         ),
     )
     aspect_bucket_alignment: int = Field(
-        64,
+        default=64,
         gt=0,
         le=MAX_RESOLUTION,
         description=(
-            "Bucket sides are multiples of this. It must be a multiple of the VAE's pixels per latent times the "
-            "latents the denoiser takes per token along a side: 8 for sd / sdxl (the VAE's 8; 64 is usual, so "
-            "every UNet level divides evenly), 16 for sd3 / wan (2x2 patches) and flux (2x2 packing); refused "
-            "otherwise at config time, and checked again against the model folder's own configs before it loads."
+            "Bucket sides are multiples of this. It must be a multiple of the family's latent grid (\"Model "
+            'families": 8 for sd / sdxl, 16 for the others), or the config is refused.'
         ),
     )
     max_bad_image_fraction: float = Field(
-        0.5,
+        default=0.5,
         ge=0,
         le=1,
         description=(
-            "Unreadable images (empty, cut off, not an image, no permission) are skipped and named in a warning at "
-            "the end of the dataset scan and of the cache fill; the run stops when this fraction of a dataset or "
-            "more cannot be read (default: half, which usually means a wrong folder or a failed copy). 0: any "
-            "unreadable image stops the run. Also the share of a dataset that may need more than 2x upscaling "
-            "(`allow_upscale` unset)."
+            "The share of a dataset that may be unreadable (skipped and named in a warning) before the run stops; "
+            "0: any unreadable image stops the run."
         ),
     )
     cache_config: CacheConfig = Field(
@@ -201,9 +184,9 @@ class TrainingConfig(_Strict):
     )
 
     # --- schedule ---
-    train_batch_size: int = Field(1, ge=1, description="Micro-batch size per process.")
+    train_batch_size: int = Field(default=1, ge=1, description="Micro-batch size per process.")
     gradient_accumulation_steps: int = Field(
-        1,
+        default=1,
         ge=1,
         description=(
             "Micro-batches per optimizer step. Unset: `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` when the launch sets it "
@@ -211,17 +194,22 @@ class TrainingConfig(_Strict):
         ),
     )
     max_train_steps: Optional[int] = Field(
-        None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`."
+        default=None, ge=1, description="Optimizer steps to train. Takes precedence over `num_train_epochs`."
     )
     num_train_epochs: Optional[int] = Field(
-        None, ge=1, description="Epochs to train when `max_train_steps` is not set."
+        default=None, ge=1, description="Epochs to train when `max_train_steps` is not set."
     )
     seed: int = Field(
-        42, ge=0, le=2**32 - 1, description="Seed for initialisation, data order, noise and timesteps (0 to 2^32 - 1)."
+        default=42,
+        ge=0,
+        le=2**32 - 1,
+        description="Seed for initialisation, data order, noise and timesteps (0 to 2^32 - 1).",
     )
 
     # --- optimisation ---
-    learning_rate: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate (at most 1).")
+    learning_rate: float = Field(
+        default=1e-4, gt=0, le=MAX_LEARNING_RATE, description="Peak learning rate (at most 1)."
+    )
     lr_scheduler: Literal[
         "constant",
         "constant_with_warmup",
@@ -231,26 +219,19 @@ class TrainingConfig(_Strict):
         "polynomial",
         "simpletuner_cosine",
     ] = Field(
-        "constant",
+        default="constant",
         description=(
-            "Learning-rate schedule, stepped once per optimizer step. diffusers' `get_scheduler` shapes: "
-            "`constant`; `constant_with_warmup`; `linear` (warm-up, then down to 0); `cosine` (warm-up, then half "
-            "a cosine down to 0); `cosine_with_restarts` (diffusers' hard restarts, one cycle); `polynomial` "
-            "(warm-up, then `(1 - progress) ** lr_power` from `learning_rate` down to `lr_end`). "
-            "`simpletuner_cosine`: SimpleTuner's `cosine`, no warm-up ramp: from `learning_rate` down to `lr_end` "
-            "and back, a half-period of `lr_warmup_steps` optimizer steps (1000 / processes when it is 0). In a "
-            "SimpleTuner config the names mean SimpleTuner's shapes: its `cosine` is `simpletuner_cosine` here, its "
-            "`constant` with a warm-up is `constant_with_warmup`, its `polynomial` uses `lr_end` 4e-7 and `lr_power` "
-            "0.8 unless set (documentation/MIGRATING_FROM_SIMPLETUNER.md)."
+            "Learning-rate schedule, stepped once per optimizer step: diffusers' `get_scheduler` shapes, or "
+            "`simpletuner_cosine` (SimpleTuner's `cosine`)."
         ),
     )
     lr_warmup_steps: int = Field(
-        0,
+        default=0,
         ge=0,
         description="Optimizer steps of linear warm-up from 0; `simpletuner_cosine`: its half-period instead.",
     )
     lr_end: Optional[float] = Field(
-        None,
+        default=None,
         ge=0,
         le=MAX_LEARNING_RATE,
         description=(
@@ -259,7 +240,7 @@ class TrainingConfig(_Strict):
         ),
     )
     lr_power: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
             "The exponent of `polynomial`'s decay (unset: diffusers' 1.0; SimpleTuner's default is 0.8). Other "
@@ -267,41 +248,34 @@ class TrainingConfig(_Strict):
         ),
     )
     optimizer: Literal["adamw", "adam", "sgd", "automagic", "adamw_bf16", "prodigy"] = Field(
-        "adamw",
+        default="adamw",
         description=(
-            "`adamw`, `adam`, `sgd` (torch), or `automagic`: a learning rate per element, starting at "
-            "`learning_rate`, raised by `lr_bump` while its update keeps its sign and lowered when it flips, "
-            "within [`min_lr`, `max_lr`]; Adafactor-style factored second moments (about 3 bytes of state per "
-            "weight instead of AdamW's 8), decoupled weight decay, stochastic rounding into bf16 weights. "
-            "`adamw_bf16`: AdamW that keeps bf16 weights and moments in bf16 and rounds each update "
-            "stochastically (unbiased, so steps below a bf16 ulp still add up); on fp32 weights (LoRA and "
-            "LyCORIS adapters, full fine-tunes here) it is exactly `adamw`. `prodigy`: Prodigy (the `prodigy` "
-            "extra, prodigyopt), Adam with a step size `d` it estimates itself; `learning_rate` multiplies `d` and "
-            "should be about 1.0; its other settings go in `optimizer_config`, and each param group (each Wan 2.2 "
-            "expert) estimates its own `d`."
+            "`adamw`, `adam`, `sgd` (torch), `automagic` (a learning rate per element), `adamw_bf16` (AdamW "
+            "rounding stochastically into bf16 weights) or `prodigy` (prodigyopt's Prodigy, the `prodigy` extra)."
         ),
     )
     lr_bump: float = Field(
-        1e-6, gt=0, le=MAX_LEARNING_RATE, description="Automagic: how much an element's learning rate moves per step."
+        default=1e-6,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description="Automagic: how much an element's learning rate moves per step.",
     )
-    min_lr: float = Field(1e-7, gt=0, le=MAX_LEARNING_RATE, description="Automagic: lowest per-element learning rate.")
-    max_lr: float = Field(1e-3, gt=0, le=MAX_LEARNING_RATE, description="Automagic: highest per-element learning rate.")
+    min_lr: float = Field(
+        default=1e-7, gt=0, le=MAX_LEARNING_RATE, description="Automagic: lowest per-element learning rate."
+    )
+    max_lr: float = Field(
+        default=1e-3, gt=0, le=MAX_LEARNING_RATE, description="Automagic: highest per-element learning rate."
+    )
     optimizer_config: dict[str, Union[bool, int, float, str, None]] = Field(
         default_factory=dict,
         description=(
-            "The optimizer's own settings: a JSON object, or SimpleTuner's string of comma-separated "
-            '`key=value` pairs (`"d_coef=0.5,use_bias_correction=true"`). `sgd` takes `momentum` (default 0.9). '
-            "`prodigy` takes `d_coef` "
-            "(multiplies the estimate of `d`, default 1.0), `d0` (initial `d`, 1e-6), `growth_rate` (most `d` may "
-            "grow per step, unbounded), `beta3` (decay of the `d` statistics, sqrt(`adam_beta2`)), "
-            "`use_bias_correction` (false), `safeguard_warmup` (false), `decouple` (decoupled weight decay, true), "
-            "`slice_p` (estimate `d` from every p-th element, 1), `split_groups` (one `d` per param group, true). "
-            "Learning rate, betas, epsilon and weight decay come from `learning_rate`, `adam_beta1`, `adam_beta2`, "
-            "`adam_epsilon` and `weight_decay`."
+            "The optimizer's own settings: a JSON object, or SimpleTuner's string of comma-separated `key=value` "
+            'pairs (`"d_coef=0.5,use_bias_correction=true"`). Learning rate, betas, epsilon and weight decay are '
+            "top-level keys."
         ),
     )
     prodigy_steps: int = Field(
-        0,
+        default=0,
         ge=0,
         description=(
             "Prodigy: steps during which each param group adapts its step size `d`; after them `d` stays fixed "
@@ -309,90 +283,48 @@ class TrainingConfig(_Strict):
         ),
     )
     vae_batch_size: int = Field(
-        8,
+        default=8,
         ge=1,
         description=(
             "Images (or videos) per VAE call when filling the latent cache and when re-encoding it; lower it if "
             "encoding runs out of memory."
         ),
     )
-    high_noise_learning_rate: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2: `learning_rate` of the high-noise expert's adapter (default: `learning_rate`).",
+    high_noise_learning_rate: Optional[float] = _expert_rate("learning_rate", "high")
+    high_noise_lr_bump: Optional[float] = _expert_rate("lr_bump", "high")
+    high_noise_min_lr: Optional[float] = _expert_rate("min_lr", "high")
+    high_noise_max_lr: Optional[float] = _expert_rate("max_lr", "high")
+    low_noise_learning_rate: Optional[float] = _expert_rate("learning_rate", "low")
+    low_noise_lr_bump: Optional[float] = _expert_rate("lr_bump", "low")
+    low_noise_min_lr: Optional[float] = _expert_rate("min_lr", "low")
+    low_noise_max_lr: Optional[float] = _expert_rate("max_lr", "low")
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="Adam beta1.")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="Adam beta2.")
+    adam_epsilon: float = Field(default=1e-8, gt=0, le=1, description="Adam epsilon.")
+    weight_decay: float = Field(
+        default=1e-2, ge=0, le=1, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD)."
     )
-    high_noise_lr_bump: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2, Automagic: `lr_bump` of the high-noise expert (default: `lr_bump`).",
-    )
-    high_noise_min_lr: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2, Automagic: `min_lr` of the high-noise expert (default: `min_lr`).",
-    )
-    high_noise_max_lr: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2, Automagic: `max_lr` of the high-noise expert (default: `max_lr`).",
-    )
-    low_noise_learning_rate: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2: `learning_rate` of the low-noise expert's adapter (default: `learning_rate`).",
-    )
-    low_noise_lr_bump: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2, Automagic: `lr_bump` of the low-noise expert (default: `lr_bump`).",
-    )
-    low_noise_min_lr: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2, Automagic: `min_lr` of the low-noise expert (default: `min_lr`).",
-    )
-    low_noise_max_lr: Optional[float] = Field(
-        None,
-        gt=0,
-        le=MAX_LEARNING_RATE,
-        description="Wan 2.2, Automagic: `max_lr` of the low-noise expert (default: `max_lr`).",
-    )
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
-    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
-    adam_epsilon: float = Field(1e-8, gt=0, le=1, description="Adam epsilon.")
-    weight_decay: float = Field(1e-2, ge=0, le=1, description="Decoupled weight decay (AdamW) or L2 (Adam/SGD).")
     max_grad_norm: Optional[float] = Field(
-        1.0,
+        default=1.0,
         gt=0,
         description="Clip gradients to this (how: `grad_clip_method`) before each optimizer step; null: no clipping.",
     )
     grad_clip_method: Literal["norm", "value"] = Field(
-        "norm",
+        default="norm",
         description=(
             "`norm`: scale all gradients together so their total L2 norm is at most `max_grad_norm`; `value`: clamp "
             "each gradient element to [-`max_grad_norm`, `max_grad_norm`] (SimpleTuner's default)."
         ),
     )
     use_ema: bool = Field(
-        False,
+        default=False,
         description=(
-            "Keep an exponential moving average (EMA) of the trained weights (the adapter's, or the whole denoiser's "
-            "in a full fine-tune), updated after each real optimizer step (`ema_update_interval`; a skipped window "
-            "does not count). Saved in every checkpoint (`ema.safetensors`, restored exactly on resume) and at the "
-            "end as a second set of final weights under `output_dir/ema/` (same file names and format as the "
-            "final weights, e.g. `ema/pytorch_lora_weights.safetensors`); `ema_validation` says which weights "
-            "validation renders. Costs a copy of the trained weights (on `ema_device`) and an update per step."
+            "Keep an exponential moving average (EMA) of the trained weights, updated after each real optimizer "
+            "step and saved as a second set of final weights under `output_dir/ema/`."
         ),
     )
     ema_decay: float = Field(
-        0.995,
+        default=0.995,
         ge=0,
         lt=1,
         description=(
@@ -402,7 +334,7 @@ class TrainingConfig(_Strict):
         ),
     )
     ema_update_interval: int = Field(
-        1,
+        default=1,
         ge=1,
         description=(
             "Update the EMA after optimizer steps that are multiples of this (1: every step). The decay still follows "
@@ -410,7 +342,7 @@ class TrainingConfig(_Strict):
         ),
     )
     ema_warmup_steps: int = Field(
-        0,
+        default=0,
         ge=0,
         description=(
             "0: the decay ramp of `ema_decay`. N > 0: before optimizer step N the EMA copies the weights (decay 0), "
@@ -418,7 +350,7 @@ class TrainingConfig(_Strict):
         ),
     )
     ema_device: Literal["cpu", "accelerator"] = Field(
-        "cpu",
+        default="cpu",
         description=(
             "Where the EMA lives: `cpu` (no GPU memory; each update copies the trained weights to the CPU and "
             "averages there) or `accelerator` (the training GPU: fastest updates, costs GPU memory for one more "
@@ -426,37 +358,34 @@ class TrainingConfig(_Strict):
         ),
     )
     ema_validation: Literal["none", "ema_only", "comparison"] = Field(
-        "comparison",
+        default="comparison",
         description=(
             "With `use_ema`, which weights validation renders: `none` (the trained weights only), `ema_only` (the "
-            "EMA weights only, under the usual file names), `comparison` (both: the EMA images are saved as "
-            "`step_NNNNNN_K_ema.png` and each grid row shows the trained weights' images, then the EMA's). "
-            "Without `use_ema` it has no effect."
+            "EMA weights only) or `comparison` (both). Without `use_ema` it has no effect."
         ),
     )
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
-        "uniform",
+        default="uniform",
         description=(
             "How training timesteps (noise levels) are drawn: `uniform`; `logit_normal` (sigmoid of a normal with "
             "`logit_mean`, `logit_std`: more samples mid-schedule); `mode` (SD3's mode sampling, `mode_scale`)."
         ),
     )
     logit_mean: float = Field(
-        0.0,
+        default=0.0,
         ge=-10,
         le=10,
         description=(
-            "Location of `logit_normal` sampling, with the sign of diffusers' training scripts' `--logit_mean`: the "
-            "noise level (sigma, or t / T) is `sigmoid(x)` with x ~ N(-logit_mean, logit_std), so positive: more "
-            "low-noise steps (fine detail), negative: more high-noise steps (composition); 0: symmetric. The SD3 "
-            "paper's location `m` and SimpleTuner's per-dataset `timestep_sampling_offset` have the opposite sign."
+            "Location of `logit_normal` sampling, with the sign of diffusers' training scripts' `--logit_mean`: "
+            "positive, more low-noise steps (fine detail); negative, more high-noise steps (composition); 0: "
+            "symmetric."
         ),
     )
     logit_std: float = Field(
-        1.0, gt=0, le=10, description="Standard deviation of the normal behind `logit_normal` sampling."
+        default=1.0, gt=0, le=10, description="Standard deviation of the normal behind `logit_normal` sampling."
     )
     mode_scale: float = Field(
-        1.29,
+        default=1.29,
         ge=-1,
         le=1.75,
         description=(
@@ -465,37 +394,31 @@ class TrainingConfig(_Strict):
         ),
     )
     loss_weighting: Literal["none", "min_snr", "sigma_sqrt", "cosmap", "sigma_squared"] = Field(
-        "none",
+        default="none",
         description=(
-            "Per-sample loss weights: `none`; `min_snr` (Min-SNR-gamma: caps the weight of low-noise timesteps at "
-            "`snr_gamma`, for DDPM schedules (sd, sdxl); identity, with one warning, where the scheduler has no "
-            "alphas_cumprod); flow-matching weights for flow families (sd3, flux, wan, qwen_image): `sigma_sqrt` "
-            "(1 / sigma^2, clamped), `cosmap` (SD3's cosine-map weighting) or `sigma_squared` (sigma^2: with "
-            "`loss_type` l2 the loss of diffusers' SD3 script at its default `--precondition_outputs 1`; `none` is "
-            "the script with 0, and SimpleTuner's loss)."
+            "Per-sample loss weights: `none`; `min_snr` (Min-SNR-gamma, for DDPM schedules: sd, sdxl); "
+            "`sigma_sqrt`, `cosmap` or `sigma_squared` (flow-matching families)."
         ),
     )
     flow_shift: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         le=100,
         description=(
-            "Flow-matching resolution shift applied to the sampled noise levels (`shift * s / (1 + (shift - 1) * s)`; "
-            "1.0: none). Default (null): the `shift` of the model's scheduler config. Flow families (sd3) only."
+            "Flow-matching resolution shift applied to the sampled noise levels (`shift * s / (1 + (shift - 1) * "
+            "s)`; 1.0: none; null: the `shift` of the model's scheduler config). Flow families (sd3) only."
         ),
     )
     flux_guidance_mode: Literal["constant", "random-range"] = Field(
-        FAMILY_ONLY_KEYS["flux_guidance_mode"][1],
+        default=FAMILY_ONLY_KEYS["flux_guidance_mode"][1],
         description=(
-            "Flux with a guidance embedding (FLUX.1-dev-like, `guidance_embeds: true`): the embedded guidance each "
-            "training sample gets, as SimpleTuner's key: `constant` (`flux_guidance_value` for every sample) or "
-            "`random-range` (per sample, uniform in [`flux_guidance_min`, `flux_guidance_max`), drawn from the run's "
-            "seeded generator, so a resumed run draws the same). Validation renders with `validation_guidance_scale`. "
-            "Other families, and Flux without a guidance embedding (schnell), refuse a value other than the default."
+            "Flux with a guidance embedding: the embedded guidance each training sample gets, `constant` "
+            "(`flux_guidance_value`) or `random-range` (per sample, uniform in [`flux_guidance_min`, "
+            "`flux_guidance_max`))."
         ),
     )
     flux_guidance_value: float = Field(
-        FAMILY_ONLY_KEYS["flux_guidance_value"][1],
+        default=FAMILY_ONLY_KEYS["flux_guidance_value"][1],
         ge=0,
         description=(
             "The embedded guidance of `flux_guidance_mode` `constant`. 1.0 (SimpleTuner's default) keeps the guidance "
@@ -503,40 +426,35 @@ class TrainingConfig(_Strict):
         ),
     )
     flux_guidance_min: float = Field(
-        FAMILY_ONLY_KEYS["flux_guidance_min"][1],
+        default=FAMILY_ONLY_KEYS["flux_guidance_min"][1],
         ge=0,
         description="The lowest guidance of `flux_guidance_mode` `random-range` (SimpleTuner's default 0.0).",
     )
     flux_guidance_max: float = Field(
-        FAMILY_ONLY_KEYS["flux_guidance_max"][1],
+        default=FAMILY_ONLY_KEYS["flux_guidance_max"][1],
         ge=0,
         description=(
             "The highest guidance of `flux_guidance_mode` `random-range` (SimpleTuner's default 4.0); at least "
             "`flux_guidance_min`."
         ),
     )
-    snr_gamma: float = Field(5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")
+    snr_gamma: float = Field(default=5.0, gt=0, description="The gamma of `min_snr` weighting (5 in the paper).")
     loss_type: Literal["l2", "huber", "smooth_l1"] = Field(
-        "l2",
+        default="l2",
         description=(
-            "The per-element loss between prediction and target, averaged per sample before `loss_weighting`: `l2` "
-            "(mean squared error); `huber` (pseudo-Huber `2 c (sqrt(d^2 + c^2) - c)`: squared for small errors, "
-            "linear for large ones, so outliers pull less); `smooth_l1` (the same curve without the factor c: "
-            "`2 (sqrt(d^2 + c^2) - c)`). c is `huber_c`, scheduled over the noise level by `huber_schedule`. "
-            "Every family."
+            "The per-element loss between prediction and target, averaged per sample before `loss_weighting`: "
+            "`l2` (mean squared error), `huber` (pseudo-Huber) or `smooth_l1`. Every family."
         ),
     )
     huber_schedule: Literal["snr", "exponential", "constant"] = Field(
-        "snr",
+        default="snr",
         description=(
-            "How the threshold c of `huber` / `smooth_l1` follows the noise level: `snr` "
-            "(`(1 - huber_c) / (1 + s)^2 + huber_c`, s the noise-to-signal ratio: near 1 at low noise, `huber_c` at "
-            "high noise); `exponential` (1 at the cleanest timestep down to `huber_c` at the noisiest: "
-            "`huber_c ** (t / T)`); `constant` (`huber_c`). Unused with `loss_type` `l2`."
+            "How the threshold c of `huber` / `smooth_l1` follows the noise level: `snr`, `exponential` or "
+            "`constant` (`huber_c`). Unused with `loss_type` `l2`."
         ),
     )
     huber_c: float = Field(
-        0.1,
+        default=0.1,
         gt=0,
         description=(
             "The threshold c of `huber` / `smooth_l1` where the loss turns from squared to linear (the value at "
@@ -544,17 +462,16 @@ class TrainingConfig(_Strict):
         ),
     )
     noise_offset: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         le=1,
         description=(
             "Offset noise for DDPM families (sd, sdxl): adds `noise_offset` times one normal draw per sample and "
-            "channel, constant over the image, to the training noise, so the model can learn very dark or very "
-            "light images (typical 0.05-0.1). 0: off. Flow-matching families refuse it."
+            "channel to the training noise (typical 0.05-0.1; 0: off). Flow-matching families refuse it."
         ),
     )
     noise_offset_probability: float = Field(
-        0.25,
+        default=0.25,
         ge=0,
         le=1,
         description=(
@@ -563,39 +480,33 @@ class TrainingConfig(_Strict):
         ),
     )
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
-        "no",
+        default="no",
         description=(
-            "Autocast precision for the forward pass. Unset: what `accelerate launch` was asked for "
-            "(`--mixed_precision`, "
-            "its `--config_file` or default config file, or `ACCELERATE_MIXED_PRECISION`), else `no`. Set here and in "
-            "the launch to different values: the run stops before loading anything, naming both. The precision in "
-            "force and its source are logged at start."
+            "Autocast precision for the forward pass. Unset: what `accelerate launch` was asked for, else `no`."
         ),
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass: less memory, ~30% more compute."
+        default=False, description="Recompute activations in the backward pass: less memory, ~30% more compute."
     )
     caption_dropout_probability: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         lt=1,
         description=(
-            "Chance that a training sample's caption is replaced by the empty prompt, an empty string (its embedding, "
-            "cached like any caption), so the model also learns the unconditional prediction classifier-free "
-            "guidance needs (0.1 is usual). Decided per sample from `seed`, the step and the sample, so a resumed "
-            "run drops the same captions. Validation and evaluation batches are never dropped. 0: off."
+            "Chance that a training sample's caption is replaced by the empty prompt, so the model also learns "
+            "the unconditional prediction classifier-free guidance needs (0.1 is usual; 0: off)."
         ),
     )
 
     # --- adapter ---
     training_type: Literal["lora", "full"] = Field(
-        "lora",
+        default="lora",
         description=(
             "`lora`: train an adapter on the denoiser (`lora_type` says which); `full`: train every denoiser weight."
         ),
     )
     lora_type: Literal["standard", "lycoris"] = Field(
-        "standard",
+        default="standard",
         description=(
             "`standard`: a peft LoRA (optionally DoRA), saved for diffusers' `load_lora_weights`; `lycoris`: a "
             "LyCORIS adapter (`lycoris` table; the `lycoris` extra), saved in LyCORIS' own format."
@@ -605,42 +516,45 @@ class TrainingConfig(_Strict):
         default_factory=LycorisOptions,
         description="LyCORIS options; see the table below. Rank and alpha come from `lora_rank` / `lora_alpha`.",
     )
-    lora_rank: int = Field(16, ge=1, description="LoRA rank.")
-    lora_alpha: Optional[float] = Field(None, gt=0, description="LoRA alpha; default: equal to `lora_rank` (scale 1).")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
+    lora_rank: int = Field(default=16, ge=1, description="LoRA rank.")
+    lora_alpha: Optional[float] = Field(
+        default=None, gt=0, description="LoRA alpha; default: equal to `lora_rank` (scale 1)."
+    )
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA path.")
     lora_use_dora: bool = Field(
-        False,
+        default=False,
         description=(
             "DoRA: also learn a magnitude per output channel (peft `use_dora`); often closer to a full fine-tune at "
             "the same rank; each step costs more (a weight norm per adapted layer)."
         ),
     )
     lora_target_modules: Optional[list[str]] = Field(
-        None, description="Module names to adapt; default: the family's attention projections."
+        default=None, description="Module names to adapt; default: the family's attention projections."
     )
 
     # --- faults ---
     nonfinite_policy: Literal["stop", "skip"] = Field(
-        "stop",
+        default="stop",
         description=(
-            "A window whose loss or gradient is NaN/inf never reaches the optimizer. `stop`: save the last good "
-            "state and stop with an explanation (exit code 3). `skip`: drop that window and go on (the scheduler and "
-            "the ramp do not advance), stopping after `max_consecutive_nonfinite` in a row."
+            "What happens to a window whose loss or gradient is NaN/inf (it never reaches the optimizer): `stop` "
+            "saves the last good state and stops (exit code 3); `skip` drops the window and goes on."
         ),
     )
     max_consecutive_nonfinite: int = Field(
-        5, ge=1, description="With `nonfinite_policy: skip`, stop after this many non-finite windows in a row."
+        default=5, ge=1, description="With `nonfinite_policy: skip`, stop after this many non-finite windows in a row."
     )
 
     # --- checkpoints ---
     checkpointing_steps: Optional[int] = Field(
-        None, ge=1, description="Save a resumable checkpoint every N optimizer steps."
+        default=None, ge=1, description="Save a resumable checkpoint every N optimizer steps."
     )
     checkpoints_total_limit: Optional[int] = Field(
-        None, ge=1, description="Keep at most this many checkpoints (oldest removed after a new one is complete)."
+        default=None,
+        ge=1,
+        description="Keep at most this many checkpoints (oldest removed after a new one is complete).",
     )
     checkpoint_at_end: bool = Field(
-        True,
+        default=True,
         description=(
             "Also save a resumable checkpoint at the run's last step (unless checkpointing_steps already did), so "
             "raising max_train_steps with resume_from_checkpoint 'latest' continues from the end instead of "
@@ -648,7 +562,7 @@ class TrainingConfig(_Strict):
         ),
     )
     resume_from_checkpoint: Optional[PathText] = Field(
-        None,
+        default=None,
         description=(
             "`latest`, or a checkpoint folder to resume from. A relative path is taken from the config file's folder "
             "(not the working directory; `--set` values too)."
@@ -657,65 +571,55 @@ class TrainingConfig(_Strict):
 
     # --- validation ---
     validation_prompt: Optional[str] = Field(
-        None,
+        default=None,
         description="Prompt for validation images; with neither it nor `validation_prompts` there is no validation.",
     )
     validation_prompts: Optional[Union[list[str], str]] = Field(
-        None,
+        default=None,
         description=(
-            "Several validation prompts: a list of strings, or the path of a UTF-8 text file with one prompt per line "
-            "(blank lines skipped; a relative path is taken from the config file's folder). With `validation_prompt` "
-            "as well, both are used: `validation_prompt` first, then these; a prompt given twice is rendered once. "
-            "Each validation writes every image (`validation/step_NNNNNN_K.png`, K counting prompt by prompt) and "
-            "one grid, `validation/step_NNNNNN_grid.png`: a row per prompt, `num_validation_images` columns."
+            "Several validation prompts: a list of strings, or the path of a UTF-8 text file with one prompt per "
+            "line. With `validation_prompt` as well, both are used, `validation_prompt` first."
         ),
     )
     validation_steps: Optional[int] = Field(
-        None, ge=1, description="Generate validation images every N optimizer steps (and at the start and end)."
+        default=None, ge=1, description="Generate validation images every N optimizer steps (and at the start and end)."
     )
     num_validation_images: int = Field(
-        1,
+        default=1,
         ge=1,
         description=(
             "Images per prompt at each validation (the columns of the grid); every prompt's images start from the "
             "same seed (`seed`)."
         ),
     )
-    validation_num_inference_steps: int = Field(20, ge=1, description="Sampler steps for validation images.")
+    validation_num_inference_steps: int = Field(default=20, ge=1, description="Sampler steps for validation images.")
     validation_guidance_scale: float = Field(
-        7.5, ge=0, description="Classifier-free guidance scale for validation images."
+        default=7.5, ge=0, description="Classifier-free guidance scale for validation images."
     )
     validation_resolution: Optional[Union[int, str]] = Field(
-        None,
+        default=None,
         description=(
             'Size of the validation images: a number (`1024`: square), `"WIDTHxHEIGHT"` (`"832x480"`), or several '
-            'of those separated by commas (`"1024, 832x480"`): each size renders every prompt. Each side must be a '
-            "multiple of the family's latent grid (8 for sd / sdxl, 16 for sd3 / flux / wan). Unset: `resolution` "
-            "square. With one size the files are named as without this key; with several, each size gets its own "
-            "images and grid, named `step_NNNNNN_WxH_K.png` and `step_NNNNNN_WxH_grid.png`."
+            "of those separated by commas, each rendering every prompt. Unset: `resolution` square."
         ),
     )
     validation_negative_prompt: Optional[str] = Field(
-        None,
+        default=None,
         description=(
-            "Negative prompt for validation images (used where classifier-free guidance is on, "
-            "`validation_guidance_scale` > 1). Unset: none. Flux's guidance-distilled sampling uses no negative "
-            "prompt: there it is ignored, with a warning."
+            "Negative prompt for validation images, used where classifier-free guidance is on "
+            "(`validation_guidance_scale` > 1). Unset: none."
         ),
     )
     validation_image: Optional[Union[list[PathText], PathText]] = Field(
-        None,
+        default=None,
         description=(
-            "Image families conditioned on an image (Qwen-Image-Edit: the source image to edit; Wan 2.2 I2V / "
-            "TI2V with `ti2v_first_frame`: the first frame): one image file for every validation prompt, or a list "
-            "with one per prompt, in the order of `validation_prompt_list`. A relative path is taken from the config "
-            "file's folder. Unset: an edit model renders from the source image of the first training pair "
-            "(said once in the log); an image-to-video model from a flat mid-grey frame. A model that takes no "
-            "image refuses the key."
+            "The image an image-conditioned family renders from (Qwen-Image-Edit: the source to edit; Wan 2.2 I2V "
+            "/ TI2V with `ti2v_first_frame`: the first frame): one file for every validation prompt, or a list "
+            "with one per prompt."
         ),
     )
     validation_seed: Optional[int] = Field(
-        None,
+        default=None,
         ge=0,
         le=2**32 - 1,
         description=(
@@ -724,77 +628,60 @@ class TrainingConfig(_Strict):
         ),
     )
     validation_guidance_rescale: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         le=1,
         description=(
-            "Guidance rescale (the `guidance_rescale` of diffusers' SD / SDXL pipelines: blends the guided "
-            "prediction toward its rescaled standard deviation, against over-exposure with v-prediction and "
-            "zero-terminal-SNR models); 0 turns it off. Only sd and sdxl have it; another family refuses a "
-            "non-zero value."
+            "Guidance rescale (the `guidance_rescale` of diffusers' SD / SDXL pipelines), against over-exposure "
+            "with v-prediction and zero-terminal-SNR models; 0 turns it off. Only sd and sdxl have it; another "
+            "family refuses a non-zero value."
         ),
     )
     validation_num_video_frames: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         description=(
-            "Video families (wan): frames per validation video, 4k+1 (1, 5, 9, ..., 81). Unset or 1: one frame, "
-            "saved as a PNG as for images. More: the first frame is the PNG (and the grid's tile), and the whole "
-            "clip is saved beside it with the PNG's name, at the family's frame rate (wan: 16 fps): "
-            "`step_NNNNNN_K.mp4` (H.264; needs PyAV, the `video` extra; an odd side is padded by one pixel), "
-            "without PyAV an animated `step_NNNNNN_K.webp` (an animated `.gif` where Pillow cannot write animated "
-            "WebP; the log says so once). The clips also go to the trackers as `validation_video`: W&B gets one "
-            "video per clip; TensorBoard one clip of them all tiled, which needs moviepy 1.x (`pip install "
-            '"moviepy<2"`; without it a warning, once, and TensorBoard keeps the first frames only). Image '
-            "families refuse a value other than 1."
+            "Video families (wan): frames per validation video, 4k+1 (1, 5, 9, ..., 81); unset or 1: one frame, "
+            "saved as a PNG as for images. Image families refuse a value other than 1."
         ),
     )
 
     # --- performance ---
     enable_tf32: bool = Field(
-        True,
+        default=True,
         description=(
             "Let fp32 matmuls and convolutions use TF32 tensor cores (Ampere and newer): several times faster, "
-            "with 10 mantissa bits instead of 23 inside those products. Off: exact fp32. No effect on CPU."
+            "with 10 mantissa bits instead of 23 inside those products. Off: exact fp32; no effect on CPU."
         ),
     )
     enable_compile: bool = Field(
-        False,
+        default=False,
         description=(
-            "`torch.compile` the denoiser: faster steps after a compile that takes tens of seconds to minutes "
-            "at start-up and again for each new bucket shape; needs a C compiler on the machine. Unset: on when the "
-            "launch asks "
-            "for the inductor dynamo backend (`--dynamo_backend inductor`); another backend, or a launch that "
-            "disagrees with this key, stops the run."
+            "`torch.compile` the denoiser: faster steps after a compile of tens of seconds to minutes at start-up "
+            "and for each new bucket shape (needs a C compiler). Unset: on when the launch asks for the inductor "
+            "dynamo backend."
         ),
     )
     num_cpu_threads: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         le=1024,
         description=(
-            "Threads torch uses for CPU work (intra-op; inter-op too where torch still allows it). Unset: a CPU run "
-            "(no CUDA device) takes the cores it may use (CPU affinity, cgroup quota) that the 1-minute load "
-            "average leaves idle, shared among the run's processes on the machine, at least 1; a CUDA run keeps "
-            "torch's default. An `OMP_NUM_THREADS` you set (exported, or `accelerate launch "
-            "--num_cpu_threads_per_process`) is used instead of that choice; this key, set, wins over both. The "
-            "start-up log says the count, the load and why. Torch's default (one thread per core) on a busy "
-            "machine made CPU steps many times slower (documentation/PERFORMANCE.md, CPU threads)."
+            "Threads torch uses for CPU work (intra-op; inter-op too where torch still allows it). Unset: a CPU "
+            "run takes the idle cores it may use; a CUDA run keeps torch's default."
         ),
     )
     dataloader_num_workers: int = Field(
-        0,
+        default=0,
         ge=0,
         le=256,
         description=(
             "Threads that read and decode images ahead of the VAE while the latent cache fills (0: decode in the "
-            "training process between VAE batches). Helps large datasets at start-up; costs CPU RAM for "
-            "two decoded batches per thread. Training steps read from the caches and do not use it, except with "
-            "`augmentations_cache_mode` `refresh_each_epoch` or `disable_cache`, which decode while training."
+            "training process between VAE batches)."
         ),
     )
     dataloader_persistent_workers: bool = Field(
-        False,
+        default=False,
         description=(
             "Keep the image-decoding threads alive between epochs instead of starting them for each re-encode "
             "(only matters with `augmentations_cache_mode` `refresh_each_epoch` or `disable_cache`)."
@@ -804,37 +691,29 @@ class TrainingConfig(_Strict):
         default_factory=Augmentations, description="Image augmentations; see the table below."
     )
     augmentations_cache_mode: Literal["disable_cache", "static", "refresh_each_epoch"] = Field(
-        "static",
+        default="static",
         description=(
-            "How augmented images meet the latent cache: `static` encodes one augmented version per image once "
-            "(cheapest; the same augmentation every epoch); `refresh_each_epoch` re-encodes every image at the start "
-            "of each epoch with new random augmentations (each process its own share, in a folder of its own; old "
-            "entries removed; a half-refreshed cache is never read as complete; without augmentations it runs as "
-            "`static`); `disable_cache` encodes every batch as it is trained (a VAE pass per step, new augmentations "
-            "every time, no latents stored). Both re-encoding modes keep the VAE loaded and decode every image once at "
-            "start-up to drop unreadable files."
+            "How augmented images meet the latent cache: `static` (one augmented version per image, encoded "
+            "once), `refresh_each_epoch` (re-encoded with new augmentations each epoch) or `disable_cache` (each "
+            "batch encoded as it is trained)."
         ),
     )
     dataloader_pin_memory: bool = Field(
-        False,
+        default=False,
         description="Pin decoded image batches (CUDA only) so their copy to the GPU is faster; costs page-locked RAM.",
     )
     cuda_allocator: dict[str, Any] = Field(
         default_factory=dict,
         description=(
-            "PyTorch CUDA caching-allocator settings, written to PYTORCH_CUDA_ALLOC_CONF before CUDA starts "
-            "(keys given here win over the environment's). Only keys a stock PyTorch accepts: "
-            "`expandable_segments` (less fragmentation with changing shapes), `max_split_size_mb`, "
-            "`garbage_collection_threshold`, `roundup_power2_divisions`, `backend`, ...; each value as PyTorch reads "
-            "it "
-            '(true/false, whole MB, a threshold between 0 and 1, `backend` "native" or "cudaMallocAsync"). Keys of '
-            "patched builds (`use_uvm`, `uvm_*`) are refused with what to use instead."
+            "PyTorch CUDA caching-allocator settings, written to PYTORCH_CUDA_ALLOC_CONF before CUDA starts (keys "
+            "given here win over the environment's). Only keys a stock PyTorch accepts, each value as PyTorch "
+            "reads it."
         ),
     )
 
     # --- logging ---
     logging_steps: int = Field(
-        10,
+        default=10,
         ge=1,
         description=(
             "Log loss, lr, samples/s, step time, data-wait share and MFU every N optimizer steps (one host sync per "
@@ -842,19 +721,19 @@ class TrainingConfig(_Strict):
         ),
     )
     eval_steps: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         description=(
             "Every N optimizer steps, log `eval_loss`: the loss on `eval_iters` fixed micro-batches with fixed "
             "noise and timesteps, without gradients. Comparable across steps, unlike the noisy training loss."
         ),
     )
-    eval_iters: int = Field(4, ge=1, description="Micro-batches in each `eval_loss` (more: steadier, slower).")
+    eval_iters: int = Field(default=4, ge=1, description="Micro-batches in each `eval_loss` (more: steadier, slower).")
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
-        "none", description="Experiment tracker (through Accelerate)."
+        default="none", description="Experiment tracker (through Accelerate)."
     )
     tracker_project_name: FolderName = Field(
-        "simpletuner",
+        default="simpletuner",
         description="Project name for the tracker; also the name of its log folder under `output_dir/logs`.",
     )
 
@@ -915,4 +794,5 @@ class TrainingConfig(_Strict):
     def validation_prompt_list(self) -> list[str]:
         """Every validation prompt in the order rendered (the grid's rows): `validation_prompt`, then
         `validation_prompts`, each once; empty when the run does no validation."""
-        return merged_prompts(self.validation_prompt, self.validation_prompts)
+        several = cast(Optional[list[str]], self.validation_prompts)  # a prompt file was read into its prompts
+        return merged_prompts(self.validation_prompt, several)

@@ -11,13 +11,8 @@ from typing import Annotated, ClassVar, Literal, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from simpletuner.configuration.cache_paths import TEXT_TEMPLATE_NAMES, template_problem
-from simpletuner.configuration.rules import (
-    RAMP_RULES,
-    Rule,
-    check_rules,
-    folder_name_problem,
-    path_problem,
-)
+from simpletuner.configuration.paths import folder_name_problem, path_problem
+from simpletuner.configuration.rules import RAMP_RULES, Rule, check_rules
 
 
 class _Strict(BaseModel):
@@ -76,49 +71,39 @@ class CacheConfig(_Strict):
     """Where VAE latents and text embeddings are cached."""
 
     cache_dir: PathText = Field(
-        "cache",
+        default="cache",
         description=(
             "Root folder of the latent and text-embedding caches. A relative path is taken from the config file's "
             "folder (not the working directory; `--set` values too)."
         ),
     )
     vae_cache_type: CacheType = Field(
-        "disk",
+        default="disk",
         description=(
-            "`disk`: read from disk each batch; `memory`: held in CPU RAM; `unified_memory`: held in CUDA managed "
-            "memory advised to stay in CPU RAM and prefetched to the GPU before use, each batch stacked in managed "
-            "memory too and placed by role (pinned CPU memory where managed memory is unavailable; a CPU `memory` "
-            "cache, said at start, when `gh200_optimizations.enable_uvm_hints` or the environment turns hints off)."
+            "Where latents are held: `disk` (read from disk each batch), `memory` (CPU RAM) or `unified_memory` "
+            "(CUDA managed memory advised to stay in CPU RAM, prefetched to the GPU before use)."
         ),
     )
     text_cache_type: CacheType = Field(
-        "disk",
+        default="disk",
         description="As `vae_cache_type`, for text embeddings; `unified_memory` advises them to stay in GPU memory.",
     )
     persistent_cache: bool = Field(
-        True,
+        default=True,
         description="Also write `memory` / `unified_memory` caches to `cache_dir` and load them from there next run.",
     )
     text_cache_dir: Optional[TextCacheFolderText] = Field(
-        None,
+        default=None,
         description=(
-            "Folder of the text-embedding cache instead of `<cache_dir>/<model_family>/text` (it holds the shards "
-            "and its own cache locks directly). `{model_family}` and `{output_dir}` are replaced by their values. "
-            "A relative path is taken from the config file's folder. SimpleTuner's `text_embeds` dataset entry's "
-            "`cache_dir` means this."
+            "Folder of the text-embedding cache instead of `<cache_dir>/<model_family>/text`; `{model_family}` "
+            "and `{output_dir}` are replaced by their values."
         ),
     )
     verify_content: bool = Field(
-        False,
+        default=False,
         description=(
-            "Off (default): a cached latent is reused while its image keeps its path, size and modification "
-            "time, so an image edited in place with those kept (some sync tools, `touch -r`) trains on its old "
-            "latent. On: at start the source file of every latent the run would reuse is read, hashed "
-            "(blake2b-128) and compared with the hash stored when it was encoded; changed ones are re-encoded and "
-            "logged by path. Cost: one read of every reused image per start (measured ~0.25 ms per 180 KiB JPEG "
-            "from the page cache, 76 ms for 300; from a cold disk, its read speed). Latents cached before hashes "
-            "were stored are re-encoded once. `simpletuner cache verify --content` runs the same check without "
-            "training."
+            "At start, hash the source file of every latent the run would reuse and re-encode the changed ones. "
+            "Off: a cached latent is reused while its image keeps its path, size and modification time."
         ),
     )
 
@@ -129,43 +114,42 @@ class GH200Optimizations(_Strict):
     cross_field_rules: ClassVar[tuple[Rule, ...]] = RAMP_RULES
 
     enable_uvm_hints: Optional[bool] = Field(
-        None,
+        default=None,
         description=(
             "Force unified-memory placement hints on or off. Unset: the environment variable "
-            "SIMPLETUNER_GH200_UVM_HINTS (1/0; its alias SIMPLETUNER_GH200_ENABLE_UVM_HINTS, the ai-toolkit fork's "
-            "name, also works, and both set to different values stop the run), else on when a cache is "
-            "`unified_memory`, else off. Off (here or in the environment) returns `unified_memory` caches to "
-            "standard CPU-backed `memory` caches, logged once at start."
+            "SIMPLETUNER_GH200_UVM_HINTS (1/0), else on when a cache is `unified_memory`, else off."
         ),
     )
     enable_batch_size_rampup: bool = Field(
-        False,
+        default=False,
         description="Ramp the effective batch from `initial_effective_batch_size` to `target_effective_batch_size`.",
     )
     initial_effective_batch_size: Optional[int] = Field(
-        None, ge=1, description="Effective batch (samples per optimizer step, all processes) at the start of the ramp."
+        default=None,
+        ge=1,
+        description="Effective batch (samples per optimizer step, all processes) at the start of the ramp.",
     )
     target_effective_batch_size: Optional[int] = Field(
-        None, ge=1, description="Effective batch at the end of the ramp; a multiple of train_batch_size x processes."
+        default=None,
+        ge=1,
+        description="Effective batch at the end of the ramp; a multiple of train_batch_size x processes.",
     )
     batch_rampup_steps: int = Field(
-        0, ge=0, description="Micro-batches over which the ramp goes from initial to target (0: target at once)."
+        default=0,
+        ge=0,
+        description="Micro-batches over which the ramp goes from initial to target (0: target at once).",
     )
 
     managed_memory: Literal["caches", "frozen_weights", "all"] = Field(
-        "caches",
+        default="caches",
         description=(
-            "What lives in CUDA managed memory (GH200 / GB10; documentation/GH200_OPTIMIZATION.md). `caches`: only "
-            "`unified_memory` caches. `frozen_weights`: also the frozen weights (the base under an adapter, "
-            "the idle Wan 2.2 expert, text encoders and VAE kept for validation), resident in CPU memory, read "
-            "by the GPU in place and prefetched a few blocks ahead of their forward; HBM holds trainable weights, "
-            "optimizer state and activations. `all`: every training allocation comes from the managed pool, "
-            "bounded by `oversubscription_ratio`. The last two are refused on a discrete GPU (managed memory "
-            "beyond the card thrashes over PCIe) unless `force_managed_memory` is true."
+            "What lives in CUDA managed memory (GH200 / GB10): `caches` (only `unified_memory` caches), "
+            "`frozen_weights` (also the frozen weights) or `all` (every training allocation). The last two are "
+            "refused on a discrete GPU unless `force_managed_memory` is true."
         ),
     )
     oversubscription_ratio: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description=(
             "managed_memory `all` only: the managed pool may grow to this many times the GPU's memory (HBM); "
@@ -174,7 +158,7 @@ class GH200Optimizations(_Strict):
         ),
     )
     force_managed_memory: bool = Field(
-        False,
+        default=False,
         description=(
             "Consent to managed_memory `frozen_weights` / `all` on a GPU that is not unified-memory (a PCIe card): "
             "it runs, but pages that do not fit the card move over PCIe and training can slow by orders of "
@@ -182,7 +166,7 @@ class GH200Optimizations(_Strict):
         ),
     )
     prefetch_blocks_ahead: int = Field(
-        1,
+        default=1,
         ge=0,
         le=8,
         description=(
@@ -200,9 +184,9 @@ class GH200Optimizations(_Strict):
 class Augmentations(_Strict):
     """Random changes to training images before they are encoded (all off by default)."""
 
-    flip_probability: float = Field(0.0, ge=0, le=1, description="Chance of a horizontal flip.")
+    flip_probability: float = Field(default=0.0, ge=0, le=1, description="Chance of a horizontal flip.")
     crop_jitter: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         lt=0.5,
         description=(
@@ -211,7 +195,7 @@ class Augmentations(_Strict):
         ),
     )
     color_jitter: float = Field(
-        0.0,
+        default=0.0,
         ge=0,
         lt=1,
         description="Change brightness, contrast and saturation each by a random factor in [1 - x, 1 + x].",
@@ -226,11 +210,11 @@ class LycorisModuleOptions(_Strict):
     """The LyCORIS settings of the layers one `apply_preset.module_algo_map` / `name_algo_map` entry covers;
     what is left out comes from the `lycoris` table, `lora_rank` and `lora_alpha`."""
 
-    algo: Optional[Literal["locon", "loha", "lokr"]] = Field(None, description="The algo for these layers.")
-    factor: Optional[int] = Field(None, description="LoKr: the Kronecker factor for these layers.")
-    full_matrix: Optional[bool] = Field(None, description="LoKr: a full larger factor for these layers.")
-    dim: Optional[int] = Field(None, ge=1, description="The rank for these layers (default `lora_rank`).")
-    alpha: Optional[float] = Field(None, gt=0, description="The alpha for these layers (default `lora_alpha`).")
+    algo: Optional[Literal["locon", "loha", "lokr"]] = Field(default=None, description="The algo for these layers.")
+    factor: Optional[int] = Field(default=None, description="LoKr: the Kronecker factor for these layers.")
+    full_matrix: Optional[bool] = Field(default=None, description="LoKr: a full larger factor for these layers.")
+    dim: Optional[int] = Field(default=None, ge=1, description="The rank for these layers (default `lora_rank`).")
+    alpha: Optional[float] = Field(default=None, gt=0, description="The alpha for these layers (default `lora_alpha`).")
 
 
 class LycorisPreset(_Strict):
@@ -268,10 +252,11 @@ class LycorisPreset(_Strict):
         default_factory=list, description="Layer names or patterns that get no LyCORIS module."
     )
     use_fnmatch: bool = Field(
-        False, description="Match name patterns shell-style (`blocks.*.attn1`) instead of as regular expressions."
+        default=False,
+        description="Match name patterns shell-style (`blocks.*.attn1`) instead of as regular expressions.",
     )
     enable_conv: bool = Field(
-        True,
+        default=True,
         description="Adapt Conv layers with a kernel larger than 1x1 too (1x1 convolutions are adapted as linear).",
     )
 
@@ -301,24 +286,25 @@ class LycorisOptions(_Strict):
     (`lycoris_<layer>.*`, loadable by LyCORIS-aware tools), not diffusers' `load_lora_weights`."""
 
     algo: Literal["locon", "loha", "lokr"] = Field(
-        "lokr",
+        default="lokr",
         description=(
             "`locon` (LoRA on linear and conv layers), `loha` (Hadamard product of two low-rank pairs), `lokr` "
             "(Kronecker product)."
         ),
     )
     factor: int = Field(
-        -1,
+        default=-1,
         description=(
             "LoKr: the size of the smaller Kronecker factor of each weight dimension (-1: as square a split as "
             "possible)."
         ),
     )
     full_matrix: bool = Field(
-        False, description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair."
+        default=False,
+        description="LoKr: train the larger Kronecker factor as a full matrix instead of a low-rank pair.",
     )
     apply_preset: Optional[LycorisPreset] = Field(
-        None,
+        default=None,
         description=(
             "LyCORIS' preset of target classes and names with per-class settings (the `apply_preset` of "
             "SimpleTuner's `lycoris_config.json`); when given it decides which layers are adapted and "
@@ -326,12 +312,12 @@ class LycorisOptions(_Strict):
         ),
     )
     multiplier: float = Field(
-        1.0,
+        default=1.0,
         gt=0,
         description="Scale of every LyCORIS module's output while training (LyCORIS' `multiplier`); keep 1.0.",
     )
     bypass_mode: bool = Field(
-        True,
+        default=True,
         description=(
             "Compute each adapted layer as `layer(x) + adapter(x)` (no weight-sized delta; works on an 8-bit base). "
             "false: merge the delta into the weight at every forward, as LyCORIS does by default (needs "
@@ -339,12 +325,12 @@ class LycorisOptions(_Strict):
         ),
     )
     conv_dim: Optional[int] = Field(
-        None,
+        default=None,
         ge=1,
         description="Rank of Conv layers with a kernel larger than 1x1 (LyCORIS' `conv_dim`; default `lora_rank`).",
     )
     conv_alpha: Optional[float] = Field(
-        None,
+        default=None,
         gt=0,
         description="Alpha of Conv layers with a kernel larger than 1x1 (LyCORIS' `conv_alpha`; default `lora_alpha`).",
     )

@@ -1,16 +1,10 @@
 """Image and video augmentations applied to decoded pixels before the VAE encodes them.
 
-Input is what :func:`~simpletuner.data_backend.load_sample_pixels` returns: a float tensor in
-``[-1, 1]`` shaped ``[3, H, W]`` (an image) or ``[3, F, H, W]`` (a video clip; every frame gets
-the same flip, crop window and colour factors). Output has the same shape and range.
-
-Every draw comes from ``random.Random`` seeded with a stable hash of ``(config seed, sample
-key, version)``, so an augmentation is a pure function of those three: a cached latent stays
-valid, and a resumed run reproduces exactly what an uninterrupted one would have encoded.
-The *version* is what changes between re-encodes: ``0`` for the ``static`` cache, the epoch
-for ``refresh_each_epoch``, the read position for ``disable_cache``.
-
-torch / numpy only (no torchvision, which has no CPU build here).
+Input and output: a float tensor in ``[-1, 1]``, ``[3, H, W]`` (an image) or ``[3, F, H, W]`` (a clip: every
+frame gets the same flip, crop window and colour factors). Every draw comes from ``random.Random`` seeded
+with a stable hash of ``(config seed, sample key, version)``, so a cached latent stays valid and a resumed
+run encodes what an uninterrupted one would; the version is ``0`` for the ``static`` cache, the epoch for
+``refresh_each_epoch``, the read position for ``disable_cache``. torch / numpy only (no torchvision).
 """
 
 from __future__ import annotations
@@ -18,10 +12,14 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.sections import Augmentations
 
 #: Bump when the augmentation arithmetic changes: it is part of every augmented cache key.
 AUGMENT_ALGORITHM_VERSION = 1
@@ -58,7 +56,7 @@ def augment_seed(seed: int, sample_key: str, version: int | str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def draw_params(augmentations, seed: int, sample_key: str, version: int | str) -> AugmentParams:
+def draw_params(augmentations: Augmentations, seed: int, sample_key: str, version: int | str) -> AugmentParams:
     """The augmentation of ``sample_key`` at ``version`` under ``augmentations`` (the config's
     :class:`~simpletuner.configuration.schema.Augmentations`). Disabled parts stay identity."""
     rng = random.Random(augment_seed(seed, sample_key, version))
@@ -140,7 +138,9 @@ def apply_params(pixels: torch.Tensor, params: AugmentParams) -> torch.Tensor:
     return out.clamp(-1.0, 1.0) if out is not pixels else out
 
 
-def augment_pixels(pixels: torch.Tensor, augmentations, seed: int, sample_key: str, version: int | str) -> torch.Tensor:
+def augment_pixels(
+    pixels: torch.Tensor, augmentations: Augmentations, seed: int, sample_key: str, version: int | str
+) -> torch.Tensor:
     """The augmented ``pixels`` of ``sample_key`` at ``version`` (see the module docstring);
     the input itself when ``augmentations`` is disabled.
 
@@ -153,7 +153,7 @@ def augment_pixels(pixels: torch.Tensor, augmentations, seed: int, sample_key: s
     return apply_params(pixels, draw_params(augmentations, seed, sample_key, version))
 
 
-def augmentation_key(augmentations, seed: int, version: int | str) -> dict[str, Any] | None:
+def augmentation_key(augmentations: Augmentations, seed: int, version: int | str) -> dict[str, Any] | None:
     """A JSON-able description of the augmentations an entry was encoded with, for its cache
     key: the settings, the seed, the version and the algorithm. None when augmentations are
     disabled, so keys of un-augmented latents stay what they were."""
@@ -169,10 +169,10 @@ def augmentation_key(augmentations, seed: int, version: int | str) -> dict[str, 
     }
 
 
-def static_augmentation_key(config) -> dict[str, Any] | None:
-    """The ``augment`` part of latent keys the ``static`` cache of ``config`` (a TrainingConfig)
-    holds, or None when it holds un-augmented latents (augmentations off, or a mode that does not
-    keep augmented latents in the shared cache)."""
+def static_augmentation_key(config: TrainingConfig) -> dict[str, Any] | None:
+    """The ``augment`` part of latent keys the ``static`` cache of ``config`` holds, or None when it
+    holds un-augmented latents (augmentations off, or a mode that does not keep augmented latents in
+    the shared cache)."""
     if config.augmentations_cache_mode != "static":
         return None
     return augmentation_key(config.augmentations, config.seed, 0)

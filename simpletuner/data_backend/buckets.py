@@ -29,15 +29,10 @@ def _multiples_around(value: float, alignment: int) -> list[int]:
 def bucket_for(width: int, height: int, resolution: int, alignment: int) -> tuple[int, int]:
     """The bucket ``(bucket_w, bucket_h)`` for an image of ``width`` x ``height`` pixels.
 
-    Both sides are multiples of ``alignment`` (and at least ``alignment``); the area is about
-    ``resolution**2`` (within ``AREA_TOLERANCE`` where the alignment allows); the aspect ratio
-    is the closest such a size can get to the image's. A square image gets
-    ``(resolution, resolution)`` when ``resolution`` is a multiple of ``alignment``.
-
-    Aspect ratios beyond ``MAX_ASPECT_RATIO`` (4:1 or 1:4) are clamped to it: the image is
-    bucketed as 4:1 and the crop removes the rest of its long side.
-
-    The result is symmetric: ``bucket_for(h, w, ...)`` is ``bucket_for(w, h, ...)`` reversed.
+    Both sides are multiples of ``alignment`` (at least ``alignment``), the area about ``resolution**2``
+    (within ``AREA_TOLERANCE`` where the alignment allows), the aspect the closest such a size gets to the
+    image's, clamped to ``MAX_ASPECT_RATIO`` (4:1). A square image gets ``(resolution, resolution)`` when
+    ``resolution`` is a multiple of ``alignment``; ``bucket_for(h, w, ...)`` is ``bucket_for(w, h, ...)`` reversed.
 
     Raises:
         ValueError: a non-positive size, resolution or alignment.

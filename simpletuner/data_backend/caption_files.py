@@ -18,10 +18,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from simpletuner.configuration.sections import metadata_file_format
 from simpletuner.data_backend.base import ENCODED_MEDIA_EXTENSIONS
+
+if TYPE_CHECKING:
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig, MetadataFileOptions
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +224,14 @@ class CaptionTable:
             )
 
 
-def load_caption_table(dataset_cfg: Any, dataset_id: str | None = None) -> CaptionTable:
+def metadata_options(dataset_cfg: FolderDatasetConfig) -> MetadataFileOptions | None:
+    """The ``parquet`` / ``csv`` / ``jsonl`` section the dataset's ``caption_strategy`` reads; None for
+    another strategy (or the section unset)."""
+    tables = {"parquet": dataset_cfg.parquet, "csv": dataset_cfg.csv, "jsonl": dataset_cfg.jsonl}
+    return tables.get(dataset_cfg.caption_strategy)
+
+
+def load_caption_table(dataset_cfg: FolderDatasetConfig, dataset_id: str | None = None) -> CaptionTable:  # noqa: C901, PLR0915
     """Read the metadata file of ``dataset_cfg``'s ``parquet`` / ``csv`` / ``jsonl`` caption strategy.
 
     Raises:
@@ -230,7 +240,8 @@ def load_caption_table(dataset_cfg: Any, dataset_id: str | None = None) -> Capti
         ImportError: a Parquet file and no pyarrow.
     """
     strategy = dataset_cfg.caption_strategy
-    options = getattr(dataset_cfg, strategy)
+    options = metadata_options(dataset_cfg)
+    assert options is not None, f"caption_strategy {strategy!r} reads no metadata file"  # the config's rules
     dataset_id = dataset_id or dataset_cfg.id
     path = Path(options.path).expanduser()
     where = f"dataset {dataset_id!r}: {strategy}.path {path}"
@@ -242,7 +253,7 @@ def load_caption_table(dataset_cfg: Any, dataset_id: str | None = None) -> Capti
         "fallback_caption_column": options.fallback_caption_column,
         "width_column": options.width_column,
         "height_column": options.height_column,
-        "conditioning_column": getattr(options, "conditioning_column", None),
+        "conditioning_column": options.conditioning_column,
     }
     named = {key: column for key, column in wanted.items() if column is not None}
     if (options.width_column is None) != (options.height_column is None):
@@ -277,13 +288,13 @@ def load_caption_table(dataset_cfg: Any, dataset_id: str | None = None) -> Capti
         if key in seen:
             table.duplicates.append(key)
         seen.add(key)
-        if named.get("conditioning_column") is not None:
+        if options.conditioning_column is not None:
             source = _identifier_text(row.get(options.conditioning_column))
             if source is not None:
                 table.sources[key] = source
             else:
                 table.sources.pop(key, None)  # the last row wins, as for captions
-        if options.width_column is not None:
+        if options.width_column is not None and options.height_column is not None:  # both or neither (above)
             size = _size(row.get(options.width_column), row.get(options.height_column))
             if size is not None:
                 table.sizes[key] = size

@@ -1,21 +1,11 @@
 """Captions: where each image's caption comes from (``caption_strategy``), a caption file's lines, and
 which line a multi-line caption trains with at each draw.
 
-SimpleTuner's meanings, read at its source (``simpletuner/helpers/prompts.py`` at bc8e6ab7):
-
-- ``filename`` (``prompts.py:389-391``): the file's stem with ``_`` as a space, nothing else changed
-  (:func:`caption_from_filename`). This trainer's earlier cleaning (``-`` as a space, a trailing number
-  dropped, spaces collapsed) is the strategy ``filename_cleaned`` (:func:`caption_from_filename_cleaned`).
-- a caption .txt file with several lines (``prompts.py:418-422``, and its caption cache's
-  ``_normalize_caption_payload``, ``prompts.py:274-283``): unless the dataset sets
-  ``disable_multiline_split``, the file is split at ``\\n`` and each line, stripped, is one caption (empty
-  lines dropped); its sampler picks one of them each time the image is drawn (``multiaspect/sampler.py:738-739``).
-  Here the pick is a pure function of the run's seed, the draw's place in the data order and the sample
-  (:func:`caption_line_index`), so a resumed run picks the lines the uninterrupted one would. The lines are
-  the ones SimpleTuner's caption cache holds; its sampler draws from the lines before they are stripped, so
-  there a line of spaces alone can be drawn (and, with ``prepend_instance_prompt``, a line's leading spaces
-  follow the instance prompt): here such a line is dropped and every line stripped before the prompt goes
-  in front.
+Meanings are SimpleTuner's (``simpletuner/helpers/prompts.py`` at bc8e6ab7): ``filename`` is the stem with
+``_`` as a space (:func:`caption_from_filename`; the older cleaning is ``filename_cleaned``); a caption file
+of several lines is one caption per stripped, non-empty line unless ``disable_multiline_split``, and
+:func:`caption_line_index` picks one per draw as a pure function of seed, draw and sample. Source lines and
+where this differs: documentation/DATA_SOURCES.md, "Captions: SimpleTuner's meanings".
 """
 
 from __future__ import annotations
@@ -26,11 +16,14 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING
 
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
 from simpletuner.data_backend.base import DataBackend
 from simpletuner.data_backend.caption_files import CaptionTable, load_caption_table
+
+if TYPE_CHECKING:
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig
 
 logger = logging.getLogger("simpletuner.data_backend.metadata")  # the scan's messages, under the scan's name
 
@@ -117,35 +110,28 @@ def caption_file(path: str, *, is_folder: bool = False) -> str:
 def captions_for(
     backend: DataBackend,
     path: str,
-    dataset_cfg: Any,
+    dataset_cfg: FolderDatasetConfig,
     *,
     is_folder: bool = False,
     table: CaptionTable | None = None,
 ) -> tuple[tuple[str, ...], str]:
-    """The captions of the image (or clip, or frame folder when ``is_folder``) at ``path`` and where they
-    came from: one caption, or a caption file's lines (:func:`caption_lines`) when it has several and the
-    dataset does not set ``disable_multiline_split``.
+    """The captions of the image (or clip, or frame folder when ``is_folder``) at ``path`` and where they came
+    from: one caption, or a caption file's lines (:func:`caption_lines`) unless ``disable_multiline_split``.
 
-    Strategies (``dataset_cfg.caption_strategy``):
-
-    - ``textfile``: the stripped text of :func:`caption_file`; when that is missing or empty,
-      ``instance_prompt``, and without one :func:`caption_from_filename_cleaned` (source ``filename_cleaned``).
-    - ``filename``: :func:`caption_from_filename`; ``filename_cleaned``: :func:`caption_from_filename_cleaned`.
-    - ``instance_prompt``: ``dataset_cfg.instance_prompt`` for every image.
-    - ``parquet`` / ``csv`` / ``jsonl``: the row of ``path`` in the metadata file (``table``, read
-      here when not given; :mod:`simpletuner.data_backend.caption_files`).
-
-    With ``prepend_instance_prompt``, ``instance_prompt`` and a space go before every caption (each line)
-    that did not come from ``instance_prompt`` itself.
+    ``caption_strategy``: ``textfile`` (:func:`caption_file`, falling back to ``instance_prompt``, then
+    :func:`caption_from_filename_cleaned`); ``filename`` / ``filename_cleaned``; ``instance_prompt``;
+    ``parquet`` / ``csv`` / ``jsonl`` (the row of ``path`` in ``table``, read here when not given). With
+    ``prepend_instance_prompt``, ``instance_prompt`` and a space go before every caption (each line) that did
+    not come from ``instance_prompt`` itself.
 
     Raises:
         ValueError: a metadata strategy has no caption for ``path``.
     """
     caption, source = _own_caption(backend, path, dataset_cfg, is_folder, table)
-    captions = (caption,)
-    if source == "textfile" and not getattr(dataset_cfg, "disable_multiline_split", False) and "\n" in caption:
+    captions: tuple[str, ...] = (caption,)
+    if source == "textfile" and not dataset_cfg.disable_multiline_split and "\n" in caption:
         captions = tuple(caption_lines(caption))
-    if getattr(dataset_cfg, "prepend_instance_prompt", False) and source != "instance_prompt":
+    if dataset_cfg.prepend_instance_prompt and source != "instance_prompt":
         captions = tuple(f"{dataset_cfg.instance_prompt} {c}" for c in captions)
     return captions, source
 
@@ -153,7 +139,7 @@ def captions_for(
 def caption_for(
     backend: DataBackend,
     path: str,
-    dataset_cfg: Any,
+    dataset_cfg: FolderDatasetConfig,
     *,
     is_folder: bool = False,
     table: CaptionTable | None = None,
@@ -164,7 +150,7 @@ def caption_for(
 
 
 def _own_caption(
-    backend: DataBackend, path: str, dataset_cfg: Any, is_folder: bool, table: CaptionTable | None
+    backend: DataBackend, path: str, dataset_cfg: FolderDatasetConfig, is_folder: bool, table: CaptionTable | None
 ) -> tuple[str, str]:
     """:func:`captions_for` before splitting and ``prepend_instance_prompt``."""
     strategy = dataset_cfg.caption_strategy

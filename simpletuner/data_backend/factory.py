@@ -1,4 +1,4 @@
-"""Build the run's datasets from the config: backend + metadata, registered in the StateTracker."""
+"""Build the run's datasets from the config: each a storage backend and its scanned metadata."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from simpletuner.data_backend.video import load_clip_pixels
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
-    from simpletuner.state import StateTracker
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +48,10 @@ def build_local_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBacke
 def build_in_memory_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
     """A ``GH200InMemoryBackend`` staging ``dataset_cfg.instance_data_dir`` in RAM.
 
-    Imported on use: ``simpletuner.gh200.in_memory_backend`` imports this package, so a
+    Imported on use: ``simpletuner.data_backend.in_memory`` imports this package, so a
     module-level import here would be circular whenever that module is imported first.
     """
-    from simpletuner.gh200.in_memory_backend import build_in_memory_backend as build
+    from simpletuner.data_backend.in_memory import build_in_memory_backend as build
 
     return build(dataset_cfg, config)
 
@@ -81,7 +80,7 @@ def build_parquet_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBac
 
 #: Storage backend builders by the dataset entry's ``type``. A new backend is one line here, plus
 #: its config class as a member of the ``DatasetConfig`` union (``simpletuner.configuration.schema``;
-#: config error paths derive the tags from it) and its section in ``configuration/docs.py``.
+#: config error paths derive the tags from it) and its section in ``configuration/templates/CONFIG.md``.
 BUILDERS: dict[str, Callable[[Any, "TrainingConfig"], DataBackend]] = {
     "local": build_local_backend,
     "in_memory": build_in_memory_backend,
@@ -97,19 +96,19 @@ def builder_for(dataset_cfg: Any) -> Callable[[Any, "TrainingConfig"], DataBacke
     Raises:
         ValueError: the type has no builder; the message names the dataset and the known types.
     """
-    kind = getattr(dataset_cfg, "type", None)
+    kind = dataset_cfg.type
     try:
         return BUILDERS[kind]
     except KeyError:
-        dataset_id = getattr(dataset_cfg, "id", "?")
         raise ValueError(
-            f"dataset {dataset_id!r}: unknown type {kind!r}; known types: {', '.join(sorted(BUILDERS))}. "
+            f"dataset {dataset_cfg.id!r}: unknown type {kind!r}; known types: {', '.join(sorted(BUILDERS))}. "
             "Set `type` to one of them"
         ) from None
 
 
-def build_datasets(state: "StateTracker", spec: Any = None) -> list[RegisteredDataset]:
-    """Build, scan and register every dataset of ``state.config``; returns them in config order.
+def build_datasets(config: "TrainingConfig", spec: Any = None) -> list[RegisteredDataset]:
+    """Build and scan every dataset of ``config``; returns them in config order (the caller records
+    them: ``StateTracker.register_dataset``).
 
     Entries with ``disabled: true`` or ``probability: 0`` are left out (logged once each). With the run's
     model ``spec``, the data is first checked to fit what the model takes (edit pairs, ``validation_image``:
@@ -119,7 +118,6 @@ def build_datasets(state: "StateTracker", spec: Any = None) -> list[RegisteredDa
         ValueError: no dataset entries, every one left out, an unknown type, data that does not fit ``spec``'s
             model, or a dataset the scan rejects (empty folder, too many unreadable images, unpaired edit images).
     """
-    config = state.config
     if not config.datasets:
         raise ValueError(
             "the config has no `datasets`: add dataset entries, or load the config with "
@@ -135,7 +133,6 @@ def build_datasets(state: "StateTracker", spec: Any = None) -> list[RegisteredDa
         backend = builder_for(dataset_cfg)(dataset_cfg, config)
         metadata = build_metadata(backend, dataset_cfg, config, seed=config.seed, unreadable=staging_failures(backend))
         dataset = RegisteredDataset(id=dataset_cfg.id, config=dataset_cfg, backend=backend, metadata=metadata)
-        state.register_dataset(dataset)
         built.append(dataset)
         _log_summary(dataset)
     if not built:
@@ -149,7 +146,7 @@ def build_source_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBack
     """The backend that reads ``dataset_cfg``'s files where they are, staging nothing: an ``in_memory`` entry's
     folder (or object store URL) read in place, every other type through its builder. Its file identities are
     those training keys the caches by, so ``simpletuner cache`` scans and hashes sources through it."""
-    if getattr(dataset_cfg, "type", None) != "in_memory":
+    if dataset_cfg.type != "in_memory":
         return builder_for(dataset_cfg)(dataset_cfg, config)
     if url_protocol(dataset_cfg.instance_data_dir) is not None:
         from simpletuner.data_backend.object_store import backend_from_options
@@ -192,9 +189,7 @@ def load_sample_pixels(dataset: RegisteredDataset, sample: Sample) -> tuple[torc
     if sample.is_video:
         return load_clip_pixels(dataset.backend, sample)
     image = load_rgb(dataset.backend.read(sample.path))
-    pixels, info = prepare_image(
-        image, sample.bucket, sample.crop_style, sample.crop_seed, getattr(sample, "canvas", None)
-    )
-    if getattr(sample, "source", None) is not None:
+    pixels, info = prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed, sample.canvas)
+    if sample.source is not None:
         pixels = torch.cat([pixels, source_pixels(sample)], dim=0)
     return pixels, info

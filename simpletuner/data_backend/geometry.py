@@ -1,35 +1,11 @@
 """Dataset geometry: which bucket an image trains at, how large it is before the crop, and which
 images a dataset's size and aspect rules leave out.
 
-Two ways of choosing buckets, picked per dataset entry:
-
-- **native** (``crop`` and ``resolution_type`` both unset, the default): :func:`~simpletuner.data_backend.
-  buckets.bucket_for`: the area is about ``resolution**2``, the aspect the closest a bucket of
-  ``aspect_bucket_alignment``-multiples can get to the image's (within 4:1).
-- **SimpleTuner's** (``crop`` or ``resolution_type`` set): its formulas, so a dataset brought from
-  SimpleTuner trains at the sizes it trained at there. The image's aspect ratio is rounded to 2
-  decimals (SimpleTuner's ``aspect_bucket_rounding`` default) and each side is rounded on its own
-  to the nearest multiple of ``aspect_bucket_alignment`` (Python's ``round``: halves go to the even
-  multiple):
-
-  - ``pixel``: the side that is shorter in the image becomes ``resolution``; the other is
-    ``resolution`` x the aspect (truncated), then both are rounded to the alignment.
-  - ``area`` (``resolution`` in megapixels) and ``pixel_area`` (a side in pixels: ``R`` means
-    ``R**2 / 1e6`` megapixels): a square side ``E`` = ``sqrt(megapixels * 1e6)`` (truncated, then
-    rounded to the alignment); the bucket is ``E * sqrt(aspect)`` x ``E / sqrt(aspect)``, each
-    side rounded to the alignment.
-  - A bucket whose own aspect rounds to 1.00 is the square of the square side: ``resolution``
-    (``pixel``), else ``sqrt(area)`` rounded to the alignment, where an area within 0.05
-    megapixels of 0.25 / 0.5 / 1 / 2 / 4 is taken as 512² / 768² / 1024² / 1536² / 2048².
-  - ``crop: true`` with ``crop_aspect``: ``square`` trains every image at that square;
-    ``preserve`` keeps the image's aspect (the bucket as above); ``closest`` / ``random`` compute
-    the bucket from an aspect taken from ``crop_aspect_buckets`` (the nearest to the image's, or
-    one drawn per image from the crop seed, by weight when weights are given).
-
-In both ways the image is then resized (aspect kept) just enough to cover its bucket and cropped
-to it at ``crop_style`` (``center``, ``random`` from the crop seed, ``corner``: top left), except
-that with ``crop: true`` an image larger than ``maximum_image_size`` is first resized to about
-``target_downsample_size`` (its :attr:`CropPlan.canvas`), so the crop takes a window of that.
+Per dataset entry, **native** buckets (``crop`` and ``resolution_type`` unset:
+:func:`~simpletuner.data_backend.buckets.bucket_for`) or **SimpleTuner's** formulas (either set), so a
+dataset brought from SimpleTuner trains at the sizes it trained at there; then the image is resized to
+cover its bucket (after a downsample to :attr:`CropPlan.canvas` when it exceeds ``maximum_image_size``)
+and cropped at ``crop_style``. The formulas: documentation/DATA_SOURCES.md, "Buckets".
 """
 
 from __future__ import annotations
@@ -38,9 +14,13 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from simpletuner.data_backend.buckets import bucket_for
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig
 
 RESOLUTION_TYPES = ("pixel", "area", "pixel_area")
 CROP_ASPECTS = ("square", "preserve", "closest", "random")
@@ -185,8 +165,8 @@ class Geometry:
             return min(aspects, key=lambda a: abs(a - aspect))
         digest = hashlib.sha256(f"crop_aspect\x00{crop_seed}".encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "big"))
-        weights = [w for _, w in self.aspect_buckets]
-        if all(w is not None for w in weights):
+        weights = [w for _, w in self.aspect_buckets if w is not None]
+        if len(weights) == len(aspects):
             return rng.choices(aspects, weights)[0]
         return rng.choice(aspects)
 
@@ -204,9 +184,9 @@ class Geometry:
         return value * 1e6 if self.unit == "area" else value**2
 
     def _canvas(self, width: int, height: int, bucket: tuple[int, int]) -> tuple[int, int] | None:
-        if not self.is_too_large(width, height):
+        target = self.target_downsample_size
+        if target is None or not self.is_too_large(width, height):
             return None
-        target = float(self.target_downsample_size)
         if self.unit == "pixel":
             scale = target / min(width, height)
         else:
@@ -264,8 +244,10 @@ class Geometry:
         return f"{width}x{height}, area {width * height} px (a {math.sqrt(width * height):.0f}² square)"
 
     def describe_minimum(self) -> str:
-        """What ``minimum_image_size`` requires, for messages."""
+        """What ``minimum_image_size`` requires, for messages ("" when it is unset)."""
         minimum = self.minimum_image_size
+        if minimum is None:
+            return ""
         if self.unit == "pixel":
             return f"with a shorter side below minimum_image_size {_number(minimum)} px"
         if self.unit == "area":
@@ -284,15 +266,15 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def geometry_for(dataset_cfg: Any, config: Any) -> Geometry:
+def geometry_for(dataset_cfg: FolderDatasetConfig, config: TrainingConfig) -> Geometry:
     """The :class:`Geometry` of a dataset entry: its own ``resolution`` or the config's, the config's
     ``aspect_bucket_alignment``, and the entry's crop, unit and size keys (absent ones: unset)."""
-    crop = getattr(dataset_cfg, "crop", None)
-    resolution_type = getattr(dataset_cfg, "resolution_type", None)
+    crop = dataset_cfg.crop
+    resolution_type: str | None = dataset_cfg.resolution_type
     if resolution_type is None and crop is not None:
         resolution_type = DEFAULT_RESOLUTION_TYPE
-    buckets = []
-    for bucket in getattr(dataset_cfg, "crop_aspect_buckets", None) or ():
+    buckets: list[tuple[float, float | None]] = []
+    for bucket in dataset_cfg.crop_aspect_buckets or ():
         if isinstance(bucket, (int, float)):
             buckets.append((float(bucket), None))
         else:
@@ -302,11 +284,11 @@ def geometry_for(dataset_cfg: Any, config: Any) -> Geometry:
         alignment=config.aspect_bucket_alignment,
         resolution_type=resolution_type,
         crop=crop,
-        crop_aspect=getattr(dataset_cfg, "crop_aspect", None) or DEFAULT_CROP_ASPECT,
+        crop_aspect=dataset_cfg.crop_aspect or DEFAULT_CROP_ASPECT,
         aspect_buckets=tuple(buckets),
-        minimum_image_size=getattr(dataset_cfg, "minimum_image_size", None),
-        maximum_image_size=getattr(dataset_cfg, "maximum_image_size", None),
-        target_downsample_size=getattr(dataset_cfg, "target_downsample_size", None),
-        minimum_aspect_ratio=getattr(dataset_cfg, "minimum_aspect_ratio", None),
-        maximum_aspect_ratio=getattr(dataset_cfg, "maximum_aspect_ratio", None),
+        minimum_image_size=dataset_cfg.minimum_image_size,
+        maximum_image_size=dataset_cfg.maximum_image_size,
+        target_downsample_size=dataset_cfg.target_downsample_size,
+        minimum_aspect_ratio=dataset_cfg.minimum_aspect_ratio,
+        maximum_aspect_ratio=dataset_cfg.maximum_aspect_ratio,
     )

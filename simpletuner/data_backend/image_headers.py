@@ -1,15 +1,10 @@
 """A fast path for image sizes: PNG and JPEG headers parsed without opening the file with Pillow.
 
-:func:`fast_image_size` answers only when it can tell that ``PIL.Image.open`` would open the same
-bytes without an error or a warning and report the same size and EXIF block; for anything else
-(another format, WebP, a damaged or unusual header, APNG chunks, an MPO, a decompression-bomb
-size, ``ImageFile.LOAD_TRUNCATED_IMAGES`` set) it returns None and the caller asks Pillow, so sizes,
-orientations and the error messages of bad files stay exactly Pillow's. WebP always goes to Pillow:
-Pillow opens it with libwebp's demuxer over the whole file, whose acceptance rules a header parser
-cannot reproduce.
-
-:func:`looks_cut_off` tells from a file's first and last bytes whether it may have been cut off (a download
-or copy that did not finish), so the scan decodes only those files to find the broken ones early.
+:func:`fast_image_size` answers only when ``PIL.Image.open`` would open the same bytes without an error or
+warning and report the same size and EXIF block; otherwise (WebP always, other formats, unusual headers)
+it returns None and the caller asks Pillow, so sizes and error messages stay exactly Pillow's.
+:func:`looks_cut_off` tells from a file's first and last bytes whether it may have been cut off.
+See documentation/PERFORMANCE.md, "Issue 17: the metadata scan".
 """
 
 from __future__ import annotations
@@ -97,7 +92,7 @@ def looks_cut_off(head: bytes, tail: bytes, size: int | None = None) -> bool:
     return False
 
 
-def _png(data: bytes) -> tuple[int, int, int]:
+def _png(data: bytes) -> tuple[int, int, int]:  # noqa: C901, PLR0915
     """Pillow's ``PngImageFile._open``: chunks up to the first IDAT, each CRC checked."""
     size = mode = exif = None
     text_memory = 0
@@ -142,7 +137,7 @@ def _png(data: bytes) -> tuple[int, int, int]:
     return size[0], size[1], _orientation(exif)
 
 
-def _jpeg(data: bytes) -> tuple[int, int, int]:
+def _jpeg(data: bytes) -> tuple[int, int, int]:  # noqa: C901, PLR0915
     """Pillow's ``JpegImageFile._open`` up to the first SOS, for files without MPO or Photoshop
     segments; an EXIF block is read the way Pillow's ``_read_dpi_from_exif`` reads it."""
     size = exif = None

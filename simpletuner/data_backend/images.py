@@ -108,8 +108,8 @@ def image_size_reader(backend: DataBackend) -> Callable[[str], tuple[int, int]]:
     that looks cut off is decoded, and a ValueError says why it does not decode. A file that does not end
     like a whole one but decodes (data after its end) is fine.
     """
-    read_head = getattr(backend, "read_head", None) if isinstance(backend, SupportsReadHead) else None
-    read_tail = getattr(backend, "read_tail", None) if isinstance(backend, SupportsReadTail) else None
+    read_head = backend.read_head if isinstance(backend, SupportsReadHead) else None
+    read_tail = backend.read_tail if isinstance(backend, SupportsReadTail) else None
 
     def size_of(path: str) -> tuple[int, int]:
         if read_head is not None and _suffix(path).lower() in _PREFIX_PARSABLE:
@@ -205,23 +205,13 @@ def prepare_image(
 ) -> tuple[torch.Tensor, dict]:
     """Resize ``image`` to cover ``bucket`` (keeping its aspect), crop to it, make a tensor.
 
-    ``crop_style`` is ``"center"``, ``"random"`` or ``"corner"`` (the top-left window); a random
-    crop takes its offset from ``random.Random(crop_seed)``, so the same seed always gives the same
-    pixels (which keeps cached latents valid).
-
-    ``canvas`` ``(w, h)``: resize to this size instead (a large image downsampled before its crop,
-    :attr:`~simpletuner.data_backend.geometry.CropPlan.canvas`); a side smaller than the bucket's
-    is raised to it. None: just cover the bucket.
-
-    Returns:
-        ``(pixels, info)``: a float32 tensor ``[3, H, W]`` in ``[-1, 1]`` with
-        ``(W, H) == bucket``, and ``{"crop_top", "crop_left", "original_size": (w, h),
-        "resized_size": (rw, rh), "target_size": (W, H)}``: ``original_size`` is ``image``'s (for
-        :func:`load_rgb`'s, the file's after its EXIF orientation), ``resized_size`` the image's after the
-        resize that covers the bucket (or the canvas), and the crop offsets are in its pixels.
-
-    Raises:
-        ValueError: an unknown ``crop_style`` or a non-positive bucket side.
+    ``crop_style``: ``"center"``, ``"random"`` (offset from ``random.Random(crop_seed)``: same seed, same pixels)
+    or ``"corner"`` (top left). ``canvas`` ``(w, h)``: resize to this instead (a large image's downsample,
+    :attr:`~simpletuner.data_backend.geometry.CropPlan.canvas`; a side below the bucket's is raised).
+    Returns ``(pixels, info)``: float32 ``[3, H, W]`` in ``[-1, 1]`` with ``(W, H) == bucket``; ``info`` holds
+    ``crop_top`` / ``crop_left`` (in the resized image's pixels), ``original_size`` (after EXIF orientation for
+    :func:`load_rgb`'s), ``resized_size`` and ``target_size``.
+    Raises ValueError for an unknown ``crop_style`` or a non-positive bucket side.
     """
     if crop_style not in CROP_STYLES:
         raise ValueError(f"crop_style {crop_style!r} is not one of {', '.join(CROP_STYLES)}")

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tqdm.auto import tqdm
 
@@ -29,7 +29,7 @@ from simpletuner.data_backend.captions import CaptionNotes, caption_file, captio
 from simpletuner.data_backend.captions import caption_for as caption_for
 from simpletuner.data_backend.captions import caption_from_filename as caption_from_filename
 from simpletuner.data_backend.captions import caption_from_filename_cleaned as caption_from_filename_cleaned
-from simpletuner.data_backend.geometry import geometry_for
+from simpletuner.data_backend.geometry import CropPlan, Geometry, geometry_for
 from simpletuner.data_backend.images import image_size_reader
 from simpletuner.data_backend.pairs import aspect_problem, find_sources, has_sources
 from simpletuner.data_backend.size_rules import SizeRules as _SizeRules
@@ -50,6 +50,7 @@ from simpletuner.faults import fault_point
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,11 @@ def _is_utf8_name(path: str) -> bool:
 
 
 def _caption_problem(
-    backend: DataBackend, path: str, dataset_cfg: Any, unreadable: Mapping[str, str], is_folder: bool = False
+    backend: DataBackend,
+    path: str,
+    dataset_cfg: FolderDatasetConfig,
+    unreadable: Mapping[str, str],
+    is_folder: bool = False,
 ) -> str | None:
     """Why the caption file of ``path`` cannot be used, or None when it is fine or absent.
 
@@ -169,192 +174,271 @@ def _caption_problem(
     return None
 
 
-def _describe_root(backend: DataBackend, dataset_cfg: Any) -> str:
-    root = getattr(backend, "root", None) or getattr(dataset_cfg, "instance_data_dir", None)
+def _describe_root(backend: DataBackend, dataset_cfg: FolderDatasetConfig) -> str:
+    root = getattr(backend, "root", None) or dataset_cfg.instance_data_dir  # not every backend has a root folder
     return str(root) if root is not None else f"dataset {backend.id!r}"
 
 
 def build_metadata(
     backend: DataBackend,
-    dataset_cfg: Any,
+    dataset_cfg: FolderDatasetConfig,
     config: "TrainingConfig",
     seed: int,
     unreadable: Mapping[str, str] | None = None,
 ) -> DatasetMetadata:
-    """Scan ``backend`` for images (clips for ``dataset_type: video``) and give each a caption,
-    size, bucket and crop seed.
+    """Scan ``backend`` for images (clips for ``dataset_type: video``) and give each a caption, size,
+    bucket and crop seed, at ``dataset_cfg.resolution`` or ``config.resolution``.
 
-    Resolution is ``dataset_cfg.resolution`` or ``config.resolution``; buckets are aligned to
-    ``config.aspect_bucket_alignment``. Images that cannot be used are skipped, listed in
-    ``bad_files`` with the reason, and named in one warning: empty, cut-off header, cut off at the
-    end (:func:`~simpletuner.data_backend.images.image_size_reader`), not an image, no permission, a
-    file name that is not valid UTF-8, or a caption file that exists but cannot be read. Clips are
-    bucketed by their first frame's size and skipped on the same grounds (a corrupt clip counts as a
-    bad file).
-
-    ``unreadable`` maps the paths a backend found but could not read before the scan (a
-    staging backend's failures; they are not in its ``list_files``) to the reason; images
-    among them count as bad files, caption files among them skip their image.
-
-    Raises:
-        ValueError: no image files (clips) under the root; no readable one; a larger fraction
-            ``config.max_bad_image_fraction`` of the files or more unreadable; for video, clips with
-            fewer frames than ``num_frames`` at ``frame_stride`` take (all named at once) or still
-            images directly under the root.
-        ImportError: a video dataset holds video files and PyAV is not installed.
+    Unusable files (empty, cut off, not an image, unreadable caption, corrupt clip, ...) are skipped, listed in
+    ``bad_files`` and named in one warning; ``unreadable`` maps paths the backend could not read before the scan
+    to the reason (images among them are bad files, caption files skip their image). Raises ValueError when
+    nothing is readable, ``max_bad_image_fraction`` or more is unreadable, or (video) clips are too short for
+    ``num_frames`` at ``frame_stride`` or still images stray in; ImportError for video files without PyAV.
     """
     unreadable = unreadable or {}
     root = _describe_root(backend, dataset_cfg)
-    resolution = dataset_cfg.resolution or config.resolution
     geometry = geometry_for(dataset_cfg, config)
-    is_video = getattr(dataset_cfg, "dataset_type", "image") == "video"
-    if is_video:
+    listing = _list_media(backend, dataset_cfg, root, unreadable)
+    scan = _Scan(backend, dataset_cfg, config, seed, unreadable, listing, geometry, root)
+    scanning = tqdm(listing.paths, desc=f"scanning {backend.id}", unit=scan.unit, disable=None)
+    for path, clip in zip(scanning, listing.clips):
+        fault_point("dataset:scan")  # tests: a signal in the middle of the scan
+        scan.add(path, clip)
+    return scan.finish()
+
+
+@dataclass
+class _Listing:
+    """What a scan walks: the paths, each one's clip (video), the files known bad before it, frames a clip needs."""
+
+    paths: list[str]
+    clips: Iterable[Clip | None]
+    failed: list[tuple[str, str]]
+    is_video: bool
+    num_frames: int = 1  # a clip's frames per sample (video)
+    needed: int = 1  # the source frames that takes at `frame_stride`
+
+
+def _list_media(
+    backend: DataBackend, dataset_cfg: FolderDatasetConfig, root: str, unreadable: Mapping[str, str]
+) -> _Listing:
+    """The images (or clips) under ``backend``'s root; stops the run when there is nothing to scan."""
+    if dataset_cfg.dataset_type == "video":
         clips, failed, stray = find_clips(backend, unreadable)
         if stray:
             raise stray_images_error(backend.id, root, stray)
         if any(clip.media == VIDEO_FILE for clip in clips):
             require_av()  # before scanning: a missing extra is not a bad file
-        paths, clip_of = [clip.path for clip in clips], clips
-        needed = frames_needed(dataset_cfg.num_frames, dataset_cfg.frame_stride)
+        num_frames = dataset_cfg.num_frames
+        assert num_frames is not None  # the config's rules require it for video
+        needed = frames_needed(num_frames, dataset_cfg.frame_stride)
+        listing = _Listing([clip.path for clip in clips], clips, failed, True, num_frames, needed)
     else:
-        paths, clip_of = backend.list_files(IMAGE_EXTENSIONS), repeat(None)  # no (path, None) pair per image
         failed = sorted(
             (display_path(p), f"cannot read file: {reason}")
             for p, reason in unreadable.items()
             if PurePosixPath(p).suffix.lower() in IMAGE_EXTENSIONS
         )
-    if not paths and not failed:
-        if is_video:
+        # repeat(None): no (path, None) pair per image
+        listing = _Listing(backend.list_files(IMAGE_EXTENSIONS), repeat(None), failed, is_video=False)
+    if not listing.paths and not listing.failed:
+        if listing.is_video:
             raise ValueError(f"no clips found under {root} (looked for {CLIP_KINDS}, recursively)")
         raise ValueError(f"no images found under {root} (looked for .jpg, .jpeg, .png, .webp recursively)")
+    return listing
 
-    noun = "clips" if is_video else "image files"
-    result = DatasetMetadata(num_files=len(paths) + len(failed), bad_files=list(failed), noun=noun)
-    caption_sources: Counter[str] = Counter()
-    notes = CaptionNotes(backend.id)
-    unique: list[Sample] = []
-    too_short: list[tuple[str, int]] = []
-    sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction, geometry)
-    is_table = dataset_cfg.caption_strategy in METADATA_CAPTION_STRATEGIES
-    table = load_caption_table(dataset_cfg, backend.id) if is_table else None  # before any image is read
-    sources: dict[str, str] | None = None
-    if has_sources(dataset_cfg):  # edit pairs: every image's source found (or refused) before any is read
-        if is_video:
+
+class _Scan:
+    """One pass over a dataset's files: :meth:`add` turns each into a :class:`Sample` or records why it
+    was left out; :meth:`finish` applies the dataset-wide checks and returns the metadata."""
+
+    def __init__(
+        self,
+        backend: DataBackend,
+        dataset_cfg: FolderDatasetConfig,
+        config: "TrainingConfig",
+        seed: int,
+        unreadable: Mapping[str, str],
+        listing: _Listing,
+        geometry: Geometry,
+        root: str,
+    ):
+        self.backend, self.dataset_cfg, self.config, self.seed = backend, dataset_cfg, config, seed
+        self.unreadable, self.listing, self.geometry, self.root = unreadable, listing, geometry, root
+        self.noun = "clips" if listing.is_video else "image files"
+        self.unit = "clip" if listing.is_video else "img"
+        self.result = DatasetMetadata(
+            num_files=len(listing.paths) + len(listing.failed), bad_files=list(listing.failed), noun=self.noun
+        )
+        self.caption_sources: Counter[str] = Counter()
+        self.notes = CaptionNotes(backend.id)
+        self.unique: list[Sample] = []
+        self.too_short: list[tuple[str, int]] = []
+        self.bad_pairs: list[tuple[str, str]] = []
+        resolution = dataset_cfg.resolution or config.resolution
+        self.sizes = _SizeRules(dataset_cfg, resolution, config.max_bad_image_fraction, geometry)
+        is_table = dataset_cfg.caption_strategy in METADATA_CAPTION_STRATEGIES
+        self.table = load_caption_table(dataset_cfg, backend.id) if is_table else None  # before any image is read
+        self.sources = self._find_sources()
+        self.size_of = image_size_reader(backend)
+        self.shared: dict[Any, Any] = {}  # one object for each distinct caption, size, bucket and canvas
+        self.plans: dict[tuple[int, int], CropPlan] = {}
+        # images of one size share a plan unless the seed draws their aspect
+        self.seedless = not (geometry.crop is True and geometry.crop_aspect == "random")
+
+    def _find_sources(self) -> dict[str, str] | None:
+        """Edit pairs: every image's source found (or refused) before any is read; None without pairs."""
+        if not has_sources(self.dataset_cfg):
+            return None
+        if self.listing.is_video:
             raise ValueError(
-                f"dataset {backend.id!r}: source images (conditioning_data_dir / conditioning_column) pair with still "
-                "images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
+                f"dataset {self.backend.id!r}: source images (conditioning_data_dir / conditioning_column) pair with "
+                "still images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
             )
-        sources = find_sources(dataset_cfg, paths, table)
-    bad_pairs: list[tuple[str, str]] = []
-    size_of = image_size_reader(backend)
-    shared: dict[Any, Any] = {}  # one object for each distinct caption, size, bucket and canvas
-    plans: dict[tuple[int, int], Any] = {}
-    seedless = not (geometry.crop is True and geometry.crop_aspect == "random")
-    scanning = tqdm(paths, desc=f"scanning {backend.id}", unit="clip" if is_video else "img", disable=None)
-    for path, clip in zip(scanning, clip_of):
-        fault_point("dataset:scan")  # tests: a signal in the middle of the scan
+        return find_sources(self.dataset_cfg, self.listing.paths, self.table)
+
+    def add(self, path: str, clip: Clip | None) -> None:
+        """Scan one file: its name, caption row, size, frame count, size rules, caption and pair, in that order."""
         shown, is_folder = (clip.display, clip.media == FRAME_FOLDER) if clip else (path, False)
         if not _is_utf8_name(path):
             # Sample keys, cache keys and file-name captions are UTF-8 text.
-            result.bad_files.append((display_path(shown), "file name is not valid UTF-8; rename the file"))
-            continue
-        if table is not None and table.caption(path, is_folder=is_folder) is None:
-            table.missing.append(shown)  # skipped, as SimpleTuner does; counted in table.report
-            continue
+            self.result.bad_files.append((display_path(shown), "file name is not valid UTF-8; rename the file"))
+            return
+        if self.table is not None and self.table.caption(path, is_folder=is_folder) is None:
+            self.table.missing.append(shown)  # skipped, as SimpleTuner does; counted in table.report
+            return
+        probed = self._probe(path, clip, shown)
+        if probed is None:
+            return
+        width, height = probed
+        if self.table is not None:
+            self.table.check_size(path, width, height, is_folder=is_folder)
+        key = f"{self.backend.id}/{path}"
+        crop_seed = crop_seed_for(self.seed, key)
+        plan = self._plan(width, height, crop_seed)
+        if not self.sizes.keep(shown, width, height, plan.bucket):
+            return
+        found = self._captions(path, shown, is_folder)
+        if found is None:
+            return
+        captions, caption_source = found
+        if self.sources is not None:
+            pair_problem = aspect_problem((width, height), self.sources[path])
+            if pair_problem is not None:
+                self.bad_pairs.append((shown, pair_problem))
+                return
+        self.caption_sources[caption_source] += 1
+        self.notes.add(path, shown, captions, caption_source, is_folder)
+        self.unique.append(self._sample(key, path, clip, (width, height), plan, crop_seed, captions))
+
+    def _probe(self, path: str, clip: Clip | None, shown: str) -> tuple[int, int] | None:
+        """``(width, height)`` of a usable file; None when it is a bad file or a clip too short."""
         try:
-            width, height, num_source = probe_clip(backend, clip) if clip else (*size_of(path), 1)
+            width, height, num_source = probe_clip(self.backend, clip) if clip else (*self.size_of(path), 1)
         except ValueError as exc:
-            result.bad_files.append((shown, str(exc)))
-            continue
+            self.result.bad_files.append((shown, str(exc)))
+            return None
         except OSError as exc:
-            result.bad_files.append((shown, f"cannot read file: {exc.strerror or exc}"))
-            continue
-        if clip is not None and num_source < needed:
-            too_short.append((shown, num_source))
-            continue
-        if table is not None:
-            table.check_size(path, width, height, is_folder=is_folder)
-        key = f"{backend.id}/{path}"
-        crop_seed = crop_seed_for(seed, key)
-        plan = plans.get((width, height)) if seedless else None
+            self.result.bad_files.append((shown, f"cannot read file: {exc.strerror or exc}"))
+            return None
+        if clip is not None and num_source < self.listing.needed:
+            self.too_short.append((shown, num_source))
+            return None
+        return width, height
+
+    def _plan(self, width: int, height: int, crop_seed: int) -> CropPlan:
+        plan = self.plans.get((width, height)) if self.seedless else None
         if plan is None:
-            plan = geometry.plan(width, height, crop_seed)
-            if seedless:  # images of one size share a plan unless the seed draws their aspect
-                plans[(width, height)] = plan
-        if not sizes.keep(shown, width, height, plan.bucket):
-            continue
-        problem = _caption_problem(backend, path, dataset_cfg, unreadable, is_folder)
+            plan = self.geometry.plan(width, height, crop_seed)
+            if self.seedless:
+                self.plans[(width, height)] = plan
+        return plan
+
+    def _captions(self, path: str, shown: str, is_folder: bool) -> tuple[tuple[str, ...], str] | None:
+        """The file's captions and their source; None (recorded as a bad file) when its caption file is unreadable."""
+        problem = _caption_problem(self.backend, path, self.dataset_cfg, self.unreadable, is_folder)
         if problem is None:
             try:
-                captions, source = captions_for(backend, path, dataset_cfg, is_folder=is_folder, table=table)
+                return captions_for(self.backend, path, self.dataset_cfg, is_folder=is_folder, table=self.table)
             except OSError as exc:
                 text_path = caption_file(path, is_folder=is_folder)
                 problem = f"caption file {text_path} cannot be read: {exc.strerror or exc}"
-        if problem is not None:
-            result.bad_files.append((shown, problem))
-            continue
-        if sources is not None:
-            pair_problem = aspect_problem((width, height), sources[path])
-            if pair_problem is not None:
-                bad_pairs.append((shown, pair_problem))
-                continue
-        caption_sources[source] += 1
-        notes.add(path, shown, captions, source, is_folder)
-        unique.append(
-            Sample(
-                key=key,
-                dataset_id=backend.id,
-                path=path,
-                caption=shared.setdefault(captions[0], captions[0]),
-                original_size=shared.setdefault((width, height), (width, height)),
-                bucket=shared.setdefault(plan.bucket, plan.bucket),
-                crop_style=dataset_cfg.crop_style,
-                crop_seed=crop_seed,
-                canvas=plan.canvas if plan.canvas is None else shared.setdefault(plan.canvas, plan.canvas),
-                is_regularisation_data=dataset_cfg.is_regularisation_data,
-                source=sources[path] if sources is not None else None,
-                caption_lines=shared.setdefault(captions, captions) if len(captions) > 1 else (),
-                **(_clip_fields(clip, dataset_cfg) if clip else {}),
+        self.result.bad_files.append((shown, problem))
+        return None
+
+    def _sample(
+        self,
+        key: str,
+        path: str,
+        clip: Clip | None,
+        size: tuple[int, int],
+        plan: CropPlan,
+        crop_seed: int,
+        captions: tuple[str, ...],
+    ) -> Sample:
+        shared, dataset_cfg = self.shared, self.dataset_cfg
+        return Sample(
+            key=key,
+            dataset_id=self.backend.id,
+            path=path,
+            caption=shared.setdefault(captions[0], captions[0]),
+            original_size=shared.setdefault(size, size),
+            bucket=shared.setdefault(plan.bucket, plan.bucket),
+            crop_style=dataset_cfg.crop_style,
+            crop_seed=crop_seed,
+            canvas=plan.canvas if plan.canvas is None else shared.setdefault(plan.canvas, plan.canvas),
+            is_regularisation_data=dataset_cfg.is_regularisation_data,
+            source=self.sources[path] if self.sources is not None else None,
+            caption_lines=shared.setdefault(captions, captions) if len(captions) > 1 else (),
+            **(_clip_fields(clip, self.listing.num_frames, dataset_cfg.frame_stride) if clip else {}),
+        )
+
+    def finish(self) -> DatasetMetadata:
+        """Report and check what the scan found, in order: caption table, edit pairs, short clips, bad
+        files, size rules, captions; the samples repeated ``1 + repeats`` times."""
+        backend_id, root, result, noun, unique = self.backend.id, self.root, self.result, self.noun, self.unique
+        dataset_cfg = self.dataset_cfg
+        if self.table is not None:
+            self.table.report(backend_id, root, result.num_files)
+        if self.bad_pairs:
+            raise ValueError(
+                f"dataset {backend_id!r}: {len(self.bad_pairs)} edit pair(s) cannot be used:\n"
+                f"{format_bad(self.bad_pairs)}"
             )
-        )
+        if self.too_short:
+            raise too_short_error(
+                backend_id, root, self.too_short, result.num_files, self.listing.num_frames, dataset_cfg.frame_stride
+            )
+        check_bad_files(backend_id, root, result.num_files, result.bad_files, self.config.max_bad_image_fraction, noun)
+        self.sizes.report(backend_id, root, result.num_files, noun, has_kept=bool(unique))
+        result.num_skipped_small = self.sizes.num_skipped
+        if not unique:
+            raise ValueError(
+                f"dataset {backend_id!r}: none of the {result.num_files} {noun} under {root} could be read:\n"
+                f"{format_bad(result.bad_files)}\nfix or replace these files"
+            )
+        self._warn_missing_textfiles()
+        warn_skipped(backend_id, result.num_files, result.bad_files, "while scanning", noun)
+        self.notes.report()
+        repeats = dataset_cfg.repeats
+        result.samples = unique * (1 + repeats) if repeats else unique
+        result.caption_sources = dict(self.caption_sources)
+        return result
 
-    if table is not None:
-        table.report(backend.id, root, result.num_files)
-    if bad_pairs:
-        raise ValueError(
-            f"dataset {backend.id!r}: {len(bad_pairs)} edit pair(s) cannot be used:\n{format_bad(bad_pairs)}"
-        )
-    if too_short:
-        raise too_short_error(
-            backend.id, root, too_short, result.num_files, dataset_cfg.num_frames, dataset_cfg.frame_stride
-        )
-    check_bad_files(backend.id, root, result.num_files, result.bad_files, config.max_bad_image_fraction, noun)
-    sizes.report(backend.id, root, result.num_files, noun, has_kept=bool(unique))
-    result.num_skipped_small = sizes.num_skipped
-    if not unique:
-        raise ValueError(
-            f"dataset {backend.id!r}: none of the {result.num_files} {noun} under {root} could be read:\n"
-            f"{format_bad(result.bad_files)}\nfix or replace these files"
-        )
-    if dataset_cfg.caption_strategy == "textfile" and caption_sources["textfile"] < len(unique):
-        logger.warning(
-            "dataset %r: %d of %d %s have no (or an empty) caption .txt file; captioned from %s",
-            backend.id,
-            len(unique) - caption_sources["textfile"],
-            len(unique),
-            "clips" if is_video else "images",
-            "instance_prompt" if dataset_cfg.instance_prompt else "the file name",
-        )
-    warn_skipped(backend.id, result.num_files, result.bad_files, "while scanning", noun)
-    notes.report()
-    repeats = getattr(dataset_cfg, "repeats", 0)
-    result.samples = unique * (1 + repeats) if repeats else unique
-    result.caption_sources = dict(caption_sources)
-    return result
+    def _warn_missing_textfiles(self) -> None:
+        textfiles, num_unique = self.caption_sources["textfile"], len(self.unique)
+        if self.dataset_cfg.caption_strategy == "textfile" and textfiles < num_unique:
+            logger.warning(
+                "dataset %r: %d of %d %s have no (or an empty) caption .txt file; captioned from %s",
+                self.backend.id,
+                num_unique - textfiles,
+                num_unique,
+                "clips" if self.listing.is_video else "images",
+                "instance_prompt" if self.dataset_cfg.instance_prompt else "the file name",
+            )
 
 
-def _clip_fields(clip: Clip, dataset_cfg: Any) -> dict[str, Any]:
+def _clip_fields(clip: Clip, num_frames: int, stride: int) -> dict[str, Any]:
     """The ``Sample`` fields of a clip: its kind, frame count and stride, and a frame folder's frames."""
-    num_frames, stride = dataset_cfg.num_frames, dataset_cfg.frame_stride
     frames = tuple(clip.frames[i] for i in frame_indices(num_frames, stride)) if clip.media == FRAME_FOLDER else ()
     return {"num_frames": num_frames, "frame_stride": stride, "media": clip.media, "frame_paths": frames}

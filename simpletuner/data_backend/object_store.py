@@ -1,24 +1,12 @@
 """A dataset in an object store (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ...) read through fsspec.
 
-``ObjectStoreBackend`` lists the URL once when it is built (one recursive listing with details) and keeps each
-object's size and ETag, so ``size``, ``identity`` and ``exists`` never ask the store again; ``read`` and
-``read_head`` (a ranged GET) fetch bytes when needed. Every request goes through one retry loop: transient
-failures (connection reset / refused / dropped, timeouts, HTTP 5xx, throttling) are retried with exponential
-backoff up to ``max_retries`` times; permanent ones (refused credentials, no permission, no bucket, no object)
-are raised at once with what to fix (:mod:`.store_failures` tells them apart). A listing that still fails is a
-ValueError naming the URL, the endpoint and the retries. A read returns the whole object or raises: never part
-of it.
-
-A read returns the *listed version* or nothing: the listing's ETag keys the object's cache entries, so bytes of
-another version must never be encoded under it. S3 reads ask for that version (``If-Match: <listed ETag>``, and
-``VersionId`` when listed) and check the ETag that comes back; other stores compare the object's tag after the
-read with the listed one. An object rewritten since the listing raises :class:`ObjectChangedError`, which the
-scan and the cache fill count as an unreadable file (``max_bad_image_fraction``); the next run lists it anew.
-
-fsspec's protocol packages are optional (``s3fs``: the ``s3`` extra). Credentials come from where the
-protocol's own library looks (for S3, botocore: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
-``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``~/.aws``, ``AWS_ENDPOINT_URL``, instance roles), or from the
-dataset's ``storage_options``; they are never logged.
+The URL is listed once (sizes and ETags); reads fetch bytes when needed, through one retry loop: transient
+failures back off and retry up to ``max_retries``, permanent ones raise at once with what to fix
+(:mod:`.store_failures`). A read returns the whole *listed version* of an object or raises (an object
+rewritten since the listing: :class:`ObjectChangedError`, counted as an unreadable file), so no bytes of
+another version are encoded under its cache key. Protocol packages are optional (``s3fs``: the ``s3``
+extra); credentials come from the protocol's library or ``storage_options`` and are never logged.
+See documentation/DATA_SOURCES.md, "Datasets in an object store".
 """
 
 from __future__ import annotations
@@ -46,6 +34,7 @@ from simpletuner.data_backend.store_failures import (
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.dataset_sections import InMemoryDatasetConfig, ObjectStoreDatasetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -132,26 +121,16 @@ def _identity(info: Mapping[str, Any], size: int) -> str:
 
 
 class ObjectStoreBackend:
-    """The objects under ``url`` (``s3://bucket/prefix``), addressed by POSIX path relative to it.
+    """The objects under ``url`` (``s3://bucket/prefix``, the prefix may be empty), by POSIX path relative to it.
 
-    Listed once when built: ``list_files`` / ``exists`` / ``size`` / ``identity`` answer from that listing
-    (``identity`` is ``"{size}:{etag}"``, so a rewritten object gets a new one at the next run's listing), and
-    ``read`` / ``read_head`` return that listed version or raise :class:`ObjectChangedError`.
+    ``list_files`` / ``exists`` / ``size`` / ``identity`` (``"{size}:{etag}"``) answer from the listing made when
+    built; ``read`` / ``read_head`` return the listed version or raise :class:`ObjectChangedError`.
+    ``storage_options`` go to the fsspec filesystem (or pass ``filesystem``, tests); ``max_retries`` further
+    attempts after a transient failure, the first after ``retry_backoff_seconds``, doubling with jitter up to
+    :data:`MAX_BACKOFF_SECONDS`; ``id`` names the dataset in messages.
 
-    Args:
-        url: an fsspec URL with its protocol (``s3://bucket/prefix``; the prefix may be empty).
-        id: the dataset id (in messages).
-        storage_options: keyword arguments of the fsspec filesystem (``endpoint_url``, ``key``, ``secret``,
-            ``profile``, ``anon``, ``client_kwargs``, ``config_kwargs`` ... for s3fs).
-        max_retries: further attempts after a transient failure (0: one attempt only).
-        retry_backoff_seconds: wait before the first retry; doubled each time (with jitter, at most
-            :data:`MAX_BACKOFF_SECONDS`).
-        filesystem: an fsspec filesystem to use instead of one built from ``storage_options`` (tests).
-
-    Raises:
-        ValueError: not a URL, refused credentials, no bucket, no files under the URL, or a listing that failed
-            on every attempt (the store down or unreachable, a wrong endpoint, 5xx).
-        ImportError: the protocol's package is missing.
+    Raises ValueError (not a URL, refused credentials, no bucket, no files, a listing that failed every
+    attempt) or ImportError (the protocol's package is missing).
     """
 
     def __init__(
@@ -431,18 +410,20 @@ class ObjectStoreBackend:
         return self._object(path).identity
 
 
-def backend_from_options(url: str, dataset_id: str, options: Any) -> ObjectStoreBackend:
+def backend_from_options(
+    url: str, dataset_id: str, options: ObjectStoreDatasetConfig | InMemoryDatasetConfig
+) -> ObjectStoreBackend:
     """An :class:`ObjectStoreBackend` from a dataset entry carrying ``storage_options``, ``max_retries`` and
     ``retry_backoff_seconds`` (``object_store``, or ``in_memory`` staging a URL)."""
     return ObjectStoreBackend(
         url,
         dataset_id,
-        storage_options=getattr(options, "storage_options", None) or {},
-        max_retries=getattr(options, "max_retries", 5),
-        retry_backoff_seconds=getattr(options, "retry_backoff_seconds", 0.5),
+        storage_options=options.storage_options,
+        max_retries=options.max_retries,
+        retry_backoff_seconds=options.retry_backoff_seconds,
     )
 
 
-def build_object_store_backend(dataset_cfg: Any, config: "TrainingConfig") -> ObjectStoreBackend:
+def build_object_store_backend(dataset_cfg: ObjectStoreDatasetConfig, config: TrainingConfig) -> ObjectStoreBackend:
     """The ``object_store`` entry of ``data_backend.factory.BUILDERS``: ``dataset_cfg.instance_data_dir`` listed."""
     return backend_from_options(dataset_cfg.instance_data_dir, dataset_cfg.id, dataset_cfg)

@@ -1,30 +1,28 @@
 """Edit pairs: each training image with the source (conditioning) image its caption edits.
 
-A dataset of an edit model (Qwen-Image-Edit) names its sources one of two ways:
-
-* ``conditioning_data_dir``: a folder holding, for every image of ``instance_data_dir``, a source at the
-  same relative path and file name (the extension may differ: ``a/cat.png`` pairs with ``a/cat.jpg``);
-* ``conditioning_column`` in the ``parquet`` / ``csv`` / ``jsonl`` caption table: each row's source, a
-  path relative to ``conditioning_data_dir`` (``instance_data_dir`` when that is unset) or absolute.
-
-Every image needs a source and, in a folder, every source an image: :func:`find_sources` stops on a
-missing, extra or ambiguous one before anything is cached, naming them. The scan then checks each kept
-pair's shapes (:func:`aspect_problem`). At load time the source gets the image's own geometry
-(:func:`source_pixels`): resized to the image's size, then the image's canvas, bucket and crop, so both
-halves of a pair show the same region.
+Sources are named by ``conditioning_data_dir`` (same relative path and name, any extension) or a caption
+table's ``conditioning_column``. :func:`find_sources` stops on a missing, extra or ambiguous source before
+anything is cached, :func:`aspect_problem` checks each pair's shapes, and :func:`source_pixels` gives the
+source the image's own geometry, so both halves show the same region.
+See documentation/MODEL_FAMILIES.md, "Qwen-Image-Edit" (edit pairs).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import torch
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS
-from simpletuner.data_backend.caption_files import strip_media_extension
+from simpletuner.data_backend.caption_files import CaptionTable, metadata_options, strip_media_extension
 from simpletuner.data_backend.images import load_rgb, prepare_image, read_image_size
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig
+    from simpletuner.data_backend.metadata import Sample
 
 #: Pairs (or files) named in an error message.
 NUM_SHOWN = 10
@@ -37,19 +35,18 @@ def _listed(items: list[str]) -> str:
     return shown + (f", ... ({len(items) - NUM_SHOWN} more)" if len(items) > NUM_SHOWN else "")
 
 
-def has_sources(dataset_cfg: Any) -> bool:
+def has_sources(dataset_cfg: FolderDatasetConfig) -> bool:
     """Whether ``dataset_cfg`` names source images (``conditioning_data_dir`` or a ``conditioning_column``)."""
-    return getattr(dataset_cfg, "conditioning_data_dir", None) is not None or _table_column(dataset_cfg) is not None
+    return dataset_cfg.conditioning_data_dir is not None or _table_column(dataset_cfg) is not None
 
 
-def _table_column(dataset_cfg: Any) -> str | None:
-    strategy = getattr(dataset_cfg, "caption_strategy", None)
-    table = getattr(dataset_cfg, strategy, None) if isinstance(strategy, str) else None
-    return getattr(table, "conditioning_column", None)
+def _table_column(dataset_cfg: FolderDatasetConfig) -> str | None:
+    options = metadata_options(dataset_cfg)
+    return options.conditioning_column if options is not None else None
 
 
-def _source_root(dataset_cfg: Any) -> Path:
-    folder = getattr(dataset_cfg, "conditioning_data_dir", None)
+def _source_root(dataset_cfg: FolderDatasetConfig) -> Path:
+    folder = dataset_cfg.conditioning_data_dir
     return Path(folder if folder is not None else dataset_cfg.instance_data_dir).expanduser()
 
 
@@ -64,19 +61,18 @@ def _list_images(root: Path) -> list[str]:
     return sorted(found)
 
 
-def find_sources(dataset_cfg: Any, image_paths: Iterable[str], table=None) -> dict[str, str]:
+def find_sources(
+    dataset_cfg: FolderDatasetConfig, image_paths: Iterable[str], table: CaptionTable | None = None
+) -> dict[str, str]:
     """``{image path: absolute path of its source}`` for every image of the dataset.
 
-    Args:
-        dataset_cfg: the dataset's config entry.
-        image_paths: the dataset's image files, relative to ``instance_data_dir``.
-        table: the dataset's :class:`~simpletuner.data_backend.caption_files.CaptionTable` (with
-            ``conditioning_column``), or None for a ``conditioning_data_dir`` paired by file name.
+    ``image_paths`` are relative to ``instance_data_dir``; ``table`` is the dataset's
+    :class:`~simpletuner.data_backend.caption_files.CaptionTable` with ``conditioning_column``, or None to pair
+    by file name in ``conditioning_data_dir``.
 
     Raises:
-        ValueError: images without a source, sources without an image (folder pairing), two sources for
-            one image name (``cat.png`` and ``cat.jpg``), or sources named by the table that are not
-            files: each named, with how to fix it.
+        ValueError: images without a source, sources without an image (folder pairing), two sources for one
+            image name, or table sources that are not files: each named, with how to fix it.
     """
     images = list(image_paths)
     root = _source_root(dataset_cfg)
@@ -111,7 +107,9 @@ def find_sources(dataset_cfg: Any, image_paths: Iterable[str], table=None) -> di
     return {path: str(root / by_name[name][0]) for name, path in names.items()}
 
 
-def _table_sources(dataset_cfg: Any, images: list[str], table, root: Path, where: str) -> dict[str, str]:
+def _table_sources(
+    dataset_cfg: FolderDatasetConfig, images: list[str], table: CaptionTable, root: Path, where: str
+) -> dict[str, str]:
     column = _table_column(dataset_cfg)
     sources: dict[str, str] = {}
     missing: list[str] = []
@@ -168,7 +166,7 @@ def aspect_problem(image_size: tuple[int, int], source: str) -> str | None:
     return None
 
 
-def source_pixels(sample) -> torch.Tensor:
+def source_pixels(sample: Sample) -> torch.Tensor:
     """The source image of ``sample`` as VAE input ``[3, H, W]`` in [-1, 1]: resized to the image's own
     size, then given the image's canvas, bucket and crop (:func:`prepare_image` with the sample's
     values), so it covers exactly the region the image's pixels do.
@@ -176,11 +174,13 @@ def source_pixels(sample) -> torch.Tensor:
     Raises:
         ValueError: the file cannot be decoded; OSError: it cannot be read.
     """
+    assert sample.source is not None, "only an edit pair's sample has a source"
     with open(sample.source, "rb") as handle:
         image = load_rgb(handle.read())
-    if image.size != tuple(sample.original_size):
-        image = image.resize(tuple(sample.original_size), resample=_resample(image.size, sample.original_size))
-    return prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed, getattr(sample, "canvas", None))[0]
+    width, height = sample.original_size
+    if image.size != (width, height):
+        image = image.resize((width, height), resample=_resample(image.size, (width, height)))
+    return prepare_image(image, sample.bucket, sample.crop_style, sample.crop_seed, sample.canvas)[0]
 
 
 def _resample(size: tuple[int, int], target: tuple[int, int]):
@@ -199,16 +199,27 @@ def pixels_to_image(pixels: torch.Tensor):
     return Image.fromarray(array, mode="RGB")
 
 
-def source_identity(sample) -> dict[str, Any] | None:
+def source_identity(sample: Sample) -> dict[str, Any] | None:
     """What a cache entry made from ``sample``'s source depends on (its path, size and mtime), or None
     for a sample without one."""
-    if getattr(sample, "source", None) is None:
+    if sample.source is None:
         return None
     stat = os.stat(sample.source)
     return {"path": sample.source, "file": f"{stat.st_size}:{stat.st_mtime_ns}"}
 
 
-def check_model_inputs(spec, config) -> None:
+class _ModelInputs(Protocol):
+    """What :func:`check_model_inputs` reads of a model spec (data_backend sits below models)."""
+
+    @property
+    def family(self) -> str: ...
+    @property
+    def conditions_on_image(self) -> bool: ...
+    @property
+    def takes_validation_image(self) -> bool: ...
+
+
+def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
     """Refuse, before any dataset is scanned, a config whose data does not fit what ``spec``'s model takes:
     an edit model (``spec.conditions_on_image``) needs every trained dataset to name source images and cannot
     augment them (the source enters the cached prompt embedding); any other model refuses source images; a

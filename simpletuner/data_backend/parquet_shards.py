@@ -18,6 +18,7 @@ from simpletuner.data_backend.shards import ROW_GROUP_CACHE_SIZE, _Entry, _Shard
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.dataset_sections import ParquetDatasetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +57,11 @@ class _ParquetLayout:
 class ParquetBackend(_ShardBackend):
     """Parquet files under ``root`` holding encoded images and captions, read in place.
 
-    ``image_column`` holds the image bytes: plain binary, or the Hugging Face ``datasets`` Image struct
-    ``{bytes, path}``. Each row is a file named by ``filename_column`` when given, else by the struct's
-    ``path``, else by its zero-padded row number; the extension comes from the name when it is an image
-    extension, else from the bytes. Only a name's last component is used, and a name whose stem another
-    row of the file already has gets the row number in front (every image keeps its own caption file).
-    ``caption_column`` (None: no captions) is exposed as ``<stem>.txt`` per row.
-
-    A read loads the row's whole row group (only the image and caption columns) and keeps the last
-    ``row_group_cache_size`` of them, so reading in ``list_files`` order reads each row group once; reading
-    in random order reads a row group per file.
+    ``image_column``: plain binary or the Hugging Face ``datasets`` Image struct; rows are named by
+    ``filename_column``, else the struct's ``path``, else the row number (DATA_SOURCES.md, "Parquet");
+    ``caption_column`` (None: no captions) appears as ``<stem>.txt`` per row. A read loads its row's whole row
+    group (image and caption columns only) and keeps the last ``row_group_cache_size``, so reading in
+    ``list_files`` order reads each row group once.
     """
 
     suffix = ".parquet"
@@ -291,7 +287,7 @@ def _caption_text(cell: Any) -> str:
     return cell or ""
 
 
-def build_parquet_backend(dataset_cfg: Any, config: "TrainingConfig") -> ParquetBackend:
+def build_parquet_backend(dataset_cfg: ParquetDatasetConfig, config: TrainingConfig) -> ParquetBackend:
     """A :class:`ParquetBackend` over the ``.parquet`` files under ``dataset_cfg.instance_data_dir``; the
     caption column is read (and must exist) only with ``caption_strategy: textfile``."""
     is_textfile = dataset_cfg.caption_strategy == "textfile"

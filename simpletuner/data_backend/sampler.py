@@ -1,19 +1,10 @@
 """BucketSampler: batches that hold one bucket of one dataset, split across processes.
 
-Per epoch, samples are grouped by ``(dataset_id, bucket)``, shuffled within each group,
-cut into *global* batches of ``batch_size * num_replicas`` samples (the remainder of a
-group waits for a later epoch's shuffle), and the global batches are shuffled. Process
-``rank`` takes its slice of every global batch, so the processes of one step see distinct
-samples of the same shape, and the whole order is a pure function of ``(seed, epoch)``:
-resuming from ``state_dict()`` replays exactly the batches an uninterrupted run would see.
-
-Dataset weights (``datasets[].probability``): when they differ, each position of an epoch draws
-its dataset with chance proportional to ``weight x the dataset's global batches per epoch``, and
-takes that dataset's next batch; a dataset's batches are shuffled per pass as above and a dataset
-that runs out starts another pass, reshuffled. The epoch keeps its length (every dataset's batches)
-and the order is still a pure function of ``(seed, epoch)``. Equal weights (the default) take the
-unweighted path, so their order is exactly the one without weights. A weight of 0 drops the
-dataset's samples.
+Each global batch (``batch_size * num_replicas`` samples of one ``(dataset_id, bucket)`` group) is split
+across the processes, so one step sees distinct samples of one shape; dataset ``probability`` weights pick
+which dataset's batch comes next. The whole order is a pure function of ``(seed, epoch)``: resuming from
+``state_dict()`` replays exactly the batches an uninterrupted run would see.
+See documentation/DATA_SOURCES.md, "Data order".
 """
 
 from __future__ import annotations
@@ -50,18 +41,13 @@ def _describe(key: GroupKey) -> str:
 class BucketSampler:
     """Yields this process's micro-batches (``list[Sample]``), one epoch per ``__iter__``.
 
-    Args:
-        samples: every sample of every dataset (repeats included).
-        batch_size: micro-batch size per process (``train_batch_size``).
-        num_replicas: number of processes; each step consumes ``batch_size * num_replicas``.
-        rank: this process's index in ``[0, num_replicas)``.
-        seed: base seed of the data order.
-        weights: dataset id -> sampling weight (``probability``, >= 0); a dataset not named weighs 1.
-            None, or every weight equal: batches in proportion to dataset size (the unweighted order).
+    ``samples``: every sample of every dataset (repeats included); ``batch_size`` per process; ``rank`` in
+    ``[0, num_replicas)``; ``seed`` of the data order; ``weights``: dataset id -> ``probability`` (>= 0, a dataset
+    not named weighs 1; None or all equal: the unweighted order).
 
     Raises:
-        ValueError: bad arguments, every dataset weighted 0, or no ``(dataset, bucket)`` group holds a
-            full global batch.
+        ValueError: bad arguments, every dataset weighted 0, or no ``(dataset, bucket)`` group holds a full
+            global batch.
     """
 
     def __init__(
@@ -104,7 +90,7 @@ class BucketSampler:
     def _group(samples: list[Sample]) -> dict[GroupKey, list[Sample]]:
         groups: dict[GroupKey, list[Sample]] = {}
         for sample in samples:
-            groups.setdefault((sample.dataset_id, tuple(sample.bucket)), []).append(sample)
+            groups.setdefault((sample.dataset_id, sample.bucket), []).append(sample)
         # Sorted groups and members: the order depends only on (seed, epoch), not on input order.
         return {key: sorted(groups[key], key=lambda s: s.key) for key in sorted(groups)}
 

@@ -1,24 +1,11 @@
 """Datasets stored in shard files, read in place: webdataset tar shards here, Parquet files in
 :mod:`.parquet_shards` (on the shared base :class:`_ShardBackend`).
 
-Nothing is extracted: each shard is indexed once when the backend is built (a tar's member headers;
-a Parquet file's footer and its name columns) and every read goes to the bytes inside the shard.
-A file of such a dataset has a *virtual path*, ``"<shard>/<name>"`` (the shard's path relative to the
-dataset root, then the file's name inside it): ``shard-000.tar/0001.jpg``, ``part-0.parquet/000123.png``.
-
-Captions are exposed as files too, ``<stem>.txt`` beside each image, so ``caption_strategy: textfile``
-(:func:`simpletuner.data_backend.captions.caption_file`) finds them as it finds a caption file on disk.
-
-``list_files`` is *shard-major*: shards in sorted order, then the files of one shard in the order the
-shard stores them, so a pass in that order reads each shard front to back
-(:class:`~simpletuner.data_backend.base.SupportsShards`: ``shard_of`` names a file's shard). With
-zero-padded names (what webdataset writers and this module's Parquet row names use) that order is also
-sorted.
-
-A shard rewritten after it was indexed is not read with stale offsets: ``identity`` changes with the
-shard's size and mtime, and a read raises an OSError naming the shard. One deleted after it was indexed
-keeps its indexed identity, and a read raises FileNotFoundError naming the shard and the dataset: the scan
-and the cache fill count its files as unreadable (``max_bad_image_fraction``), as they do a broken image.
+Each shard is indexed once (tar member headers; a Parquet footer and name columns) and every read goes to
+the bytes inside it. A file has a *virtual path* ``"<shard>/<name>"`` and its caption appears as
+``<stem>.txt`` beside it. ``list_files`` is shard-major (shards sorted, then each shard's own order), so a
+pass reads each shard front to back (``shard_of``). A shard rewritten or deleted after indexing is never
+read stale: the read raises, naming it. See documentation/DATA_SOURCES.md, "Shard datasets".
 """
 
 from __future__ import annotations
@@ -29,13 +16,14 @@ import tarfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, normalize_extensions
 from simpletuner.data_backend.captions import caption_file
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.configuration.dataset_sections import WebDatasetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +338,6 @@ class WebDatasetBackend(_ShardBackend):
 
 # --- Parquet -------------------------------------------------------------------------------------------------------
 # --- builders (simpletuner.data_backend.factory.BUILDERS) -----------------------------------------------------------
-def build_webdataset_backend(dataset_cfg: Any, config: "TrainingConfig") -> WebDatasetBackend:
+def build_webdataset_backend(dataset_cfg: WebDatasetConfig, config: TrainingConfig) -> WebDatasetBackend:
     """A :class:`WebDatasetBackend` over the ``.tar`` shards under ``dataset_cfg.instance_data_dir``."""
     return WebDatasetBackend(dataset_cfg.instance_data_dir, dataset_cfg.id)

@@ -4,11 +4,14 @@ ratio limits, ``allow_upscale``), and the warnings and errors they give."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from simpletuner.data_backend.bad_files import is_too_many
 from simpletuner.data_backend.buckets import MAX_UPSCALE_FACTOR, bucket_name, upscale_factor
 from simpletuner.data_backend.geometry import Geometry
+
+if TYPE_CHECKING:
+    from simpletuner.configuration.dataset_sections import FolderDatasetConfig
 
 logger = logging.getLogger("simpletuner.data_backend.metadata")  # the scan's messages, under the scan's name
 
@@ -26,10 +29,10 @@ class SizeRules:
     on them upscaled, with a warning. Skips are counted and reported in one warning per rule.
     """
 
-    def __init__(self, dataset_cfg: Any, resolution: float, tolerance: float, geometry: Geometry):
+    def __init__(self, dataset_cfg: FolderDatasetConfig, resolution: float, tolerance: float, geometry: Geometry):
         self.tolerance = tolerance
         self.geometry = geometry
-        self.allow_upscale = getattr(dataset_cfg, "allow_upscale", None)
+        self.allow_upscale = dataset_cfg.allow_upscale
         self.resolution = resolution
         rules = ("minimum_image_size", "minimum_aspect_ratio", "maximum_aspect_ratio", "allow_upscale")
         self.skipped: dict[str, list[tuple[str, int, int]]] = {rule: [] for rule in rules}
@@ -58,7 +61,7 @@ class SizeRules:
         rules left nothing to train on."""
         geometry = self.geometry
         shown = {
-            "minimum_image_size": geometry.describe_minimum() if geometry.minimum_image_size is not None else "",
+            "minimum_image_size": geometry.describe_minimum(),
             "minimum_aspect_ratio": f"with an aspect ratio (width / height) below minimum_aspect_ratio "
             f"{geometry.minimum_aspect_ratio}",
             "maximum_aspect_ratio": f"with an aspect ratio (width / height) above maximum_aspect_ratio "

@@ -141,7 +141,7 @@ def _code_and_status(exc: BaseException) -> tuple[str | None, int | None]:
     return None, status if isinstance(status, int) else None
 
 
-def classify(exc: BaseException) -> Failure:
+def classify(exc: BaseException) -> Failure:  # noqa: C901
     """Whether ``exc`` (and what caused it) is worth another attempt, and which permanent failure it is if not."""
     chain = _chain(exc)
     detail = str(exc) or type(exc).__name__

@@ -1,18 +1,11 @@
 """Video clips: finding them in a dataset folder, reading their size and frame count cheaply, and
 decoding the frames a sample trains on.
 
-A video dataset holds clips of three kinds, anywhere under its root:
-
-- video files ``.mp4 .webm .mov .mkv``, read with PyAV (``pip install -e ".[video]"`` in the checkout);
-- animated ``.gif`` and animated ``.webp``, read with Pillow;
-- frame folders: a sub-folder of still ``.jpg/.jpeg/.png/.webp`` frames, ordered by the numbers in
-  their names (``f2.png`` before ``f10.png``); one folder is one clip, its caption file is
-  ``<folder>.txt`` next to the folder.
-
-A sample trains on ``num_frames`` frames, every ``frame_stride``-th from the clip's first, so a
-clip needs :func:`frames_needed` source frames. Each frame is resized and cropped exactly as
-:func:`~simpletuner.data_backend.images.prepare_image` does an image, with the sample's bucket and
-crop seed: one crop for the whole clip.
+Clips are video files (``.mp4 .webm .mov .mkv``, PyAV), animated ``.gif`` / ``.webp`` (Pillow) or frame
+folders (stills ordered by the numbers in their names; the caption is ``<folder>.txt`` beside it). A sample
+takes ``num_frames`` frames, every ``frame_stride``-th (:func:`frames_needed`), each resized and cropped as
+:func:`~simpletuner.data_backend.images.prepare_image` does, one crop for the whole clip.
+See documentation/QUICKSTART.md, "Video datasets".
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ import io
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from PIL import Image
@@ -35,6 +28,9 @@ from simpletuner.data_backend.base import (
     SupportsReadHead,
 )
 from simpletuner.data_backend.images import _DECODE_ERRORS, image_size_of, load_rgb, prepare_image, to_rgb
+
+if TYPE_CHECKING:
+    from simpletuner.data_backend.metadata import Sample
 
 #: ``Sample.media`` of the clip kinds: a PyAV video file, a Pillow animation, a folder of frames.
 VIDEO_FILE, ANIMATED, FRAME_FOLDER = "video", "animated", "frames"
@@ -216,7 +212,7 @@ def _video_stream(container: Any) -> Any:
     return container.streams.video[0]
 
 
-def read_clip_frames(backend: DataBackend, sample: Any) -> list[Image.Image]:
+def read_clip_frames(backend: DataBackend, sample: Sample) -> list[Image.Image]:
     """The RGB frames ``sample`` trains on (:func:`frame_indices` of its clip), in order.
 
     Raises:
@@ -307,20 +303,19 @@ def prepare_clip(
     return torch.stack([pixels for pixels, _ in prepared], dim=1).contiguous(), dict(prepared[0][1])
 
 
-def load_clip_pixels(backend: DataBackend, sample: Any) -> tuple[torch.Tensor, dict]:
+def load_clip_pixels(backend: DataBackend, sample: Sample) -> tuple[torch.Tensor, dict]:
     """Decode, resize and crop a video ``sample``: ``([3, num_frames, H, W] in [-1, 1], crop info)``;
     the info adds ``num_frames`` and ``frame_stride`` to what ``prepare_image`` reports."""
     frames = read_clip_frames(backend, sample)
-    canvas = getattr(sample, "canvas", None)
-    pixels, info = prepare_clip(frames, sample.bucket, sample.crop_style, sample.crop_seed, canvas)
+    pixels, info = prepare_clip(frames, sample.bucket, sample.crop_style, sample.crop_seed, sample.canvas)
     info.update(num_frames=sample.num_frames, frame_stride=sample.frame_stride)
     return pixels, info
 
 
-def sample_identity(backend: DataBackend, sample: Any) -> str:
+def sample_identity(backend: DataBackend, sample: Sample) -> str:
     """What changes when the files of ``sample`` do (a cache-key part): ``backend.identity`` of its
     file, or for a frame folder a hash of the path and identity of every frame it takes."""
-    if getattr(sample, "media", "image") != FRAME_FOLDER:
+    if sample.media != FRAME_FOLDER:
         return backend.identity(sample.path)
     digest = hashlib.sha256()
     for path in sample.frame_paths:

@@ -1,12 +1,11 @@
-"""GH200 / GB10 layer: unified-memory hints, in-memory datasets, the accumulation ramp.
+"""GH200 / GB10 layer: unified-memory hints, managed memory, the accumulation ramp.
 
 - :mod:`.uvm`: ``gh200_uvm_enabled``, ``prefer_cpu_residency``, ``prefer_gpu_residency``,
   ``prefetch_to_device``, ``optimize_batch_for_gh200`` (called once per prepared batch by the
   trainer's data path), ``stack_unified``, ``set_uvm_hint_override``, ``to_unified``.
-- :mod:`.runtime`: the CUDA runtime behind them (managed pool via cuda-bindings), injectable.
-- :mod:`.in_memory_backend`: ``GH200InMemoryBackend`` (dataset ``type: "in_memory"``); :mod:`.codecs`.
-- :mod:`.ramp`: ``GH200GradientRamp``; :mod:`.wiring`: ``Trainer._configure_gh200_runtime``'s logic.
-- :mod:`.diagnostic`: what ``gh200_diagnostic.py`` runs.
+- :mod:`simpletuner.hardware.runtime`: the CUDA runtime behind them (managed pool via cuda-bindings), injectable.
+- :mod:`.ramp`: ``GH200GradientRamp``; :mod:`.wiring`: ``configure_runtime`` -> ``RuntimeDecisions``.
+- :mod:`.diagnostic`: the GH200 checks of ``simpletuner diagnose`` (``gh200_diagnostic.py``).
 
 Names are imported lazily (``from simpletuner.gh200 import GH200GradientRamp`` works) so that
 importing one submodule does not pull in the others.
@@ -27,7 +26,6 @@ _EXPORTS = {
     "to_unified": "uvm",
     "unified_memory_status": "uvm",
     "GH200GradientRamp": "ramp",
-    "GH200InMemoryBackend": "in_memory_backend",
 }
 
 __all__ = sorted(_EXPORTS)

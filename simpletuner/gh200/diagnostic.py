@@ -1,34 +1,29 @@
-"""``simpletuner diagnose`` (or ``python gh200_diagnostic.py`` in a checkout): what this machine offers for
-unified-memory training, and what is missing.
+"""What ``simpletuner diagnose`` checks on a GH200 / GB10 (or any) machine, beyond the facts of
+:mod:`simpletuner.hardware`: versions and what is missing, the environment, the managed pool, one
+verdict per capability, and the oversubscription test.
 
-Every CUDA fact comes from :func:`simpletuner.gh200.runtime.get_runtime`, so the whole report
-(and the oversubscription test) runs on CPU against a fake runtime. The helpers return plain
-dicts; :func:`main` prints them as a readable report or, with ``--json``, as one JSON object.
-Exit codes: 0 report written and no verdict failed (verdicts that do not apply here, such as the
-GPU ones on a machine without an NVIDIA GPU, do not fail), 1 the oversubscription test failed,
-2 the oversubscription test was refused (discrete GPU, or more than the machine holds) or a flag
-was wrong, 3 the report was written and at least one verdict failed (its ``[--]`` line names the fix).
+Every CUDA fact comes from the runtime passed in (:func:`simpletuner.hardware.runtime.get_runtime`),
+so every check runs on CPU against a fake runtime. The checks return plain dicts; the command
+(:mod:`simpletuner.cli.diagnose`) prints them.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import sys
 import time
+from typing import Any
 
 import torch
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, FORK_ONLY_KEYS, check_alloc_conf
-from simpletuner.gh200.cuda_versions import install_hint
+from simpletuner.diskspace import GIB, format_gib
 from simpletuner.gh200.managed_memory import backable_bytes
-from simpletuner.gh200.runtime import DeviceMemoryInfo, get_runtime
 from simpletuner.gh200.uvm import ENV_ALIAS, ENV_VAR, env_hint_request
-from simpletuner.host import collect_host, hbm_in_host_memory
+from simpletuner.hardware.cuda_versions import install_hint
+from simpletuner.hardware.host import hbm_in_host_memory
+from simpletuner.hardware.runtime import DeviceMemoryInfo, Location, UnifiedMemoryRuntime
 
-GIB = 1024**3
 ENV_VARS = (
     ENV_VAR,
     ENV_ALIAS,  # the ai-toolkit GH200 fork's name for the same switch
@@ -52,11 +47,7 @@ FORK_UVM_STATS = (
 )
 
 
-def _gib(nbytes: int | None) -> str:
-    return "unknown" if nbytes is None else f"{nbytes / GIB:.1f} GiB"
-
-
-def collect_versions(runtime) -> dict:
+def collect_versions(runtime: UnifiedMemoryRuntime) -> dict[str, Any]:
     """torch / CUDA build / driver / cuda-bindings versions, and each missing piece with its fix."""
     versions = dict(runtime.versions())
     missing: list[dict] = []
@@ -69,15 +60,6 @@ def collect_versions(runtime) -> dict:
     if versions.get("cuda_bindings") is None:
         missing.append({"what": "cuda-bindings not installed (managed memory needs it)", "fix": install_hint()})
     return {**versions, "missing": missing}
-
-
-def collect_device(runtime) -> dict | None:
-    """The current device's memory attributes and free memory; None without a device."""
-    info = runtime.device_info()
-    if info is None:
-        return None
-    free, _total = runtime.mem_get_info()
-    return {**info.as_dict(), "free_bytes": int(free)}
 
 
 def alloc_conf_problems(value: str | None) -> list[str]:
@@ -121,7 +103,7 @@ def collect_environment(environ=None) -> dict:
     }
 
 
-def collect_pool(runtime) -> dict:
+def collect_pool(runtime: UnifiedMemoryRuntime) -> dict[str, Any]:
     """Whether the managed-memory pool can be used, and what it holds."""
     reason = runtime.unavailable_reason()
     return {
@@ -195,20 +177,6 @@ def verdicts(summary: dict) -> list[dict]:
     return out
 
 
-def collect_summary(runtime=None, environ=None) -> dict:
-    """Everything the report shows, as one JSON-serialisable dict."""
-    runtime = runtime or get_runtime()
-    summary = {
-        "versions": collect_versions(runtime),
-        "device": collect_device(runtime),
-        "host": collect_host(),
-        "environment": collect_environment(environ),
-        "managed_pool": collect_pool(runtime),
-    }
-    summary["verdicts"] = verdicts(summary)
-    return summary
-
-
 def oversubscription_limit(info: DeviceMemoryInfo, free_bytes: int, host: dict) -> int | None:
     """The most managed memory the machine can back: host RAM available (plus free device memory
     where the OS does not count it already); None when /proc/meminfo could not be read."""
@@ -216,7 +184,9 @@ def oversubscription_limit(info: DeviceMemoryInfo, free_bytes: int, host: dict) 
     return backable_bytes(info, free_bytes, host.get("ram_available_bytes"), hbm_in_host)
 
 
-def check_oversubscription(runtime, scale: float, force: bool, host: dict) -> tuple[dict | None, list[str]]:
+def check_oversubscription(
+    runtime: UnifiedMemoryRuntime, scale: float, force: bool, host: dict
+) -> tuple[dict | None, list[str]]:
     """Whether the test may run: (a skipped/refused result, or None to go ahead; warnings to print first)."""
     info = runtime.device_info()
     if info is None or runtime.unavailable_reason() is not None:
@@ -228,19 +198,22 @@ def check_oversubscription(runtime, scale: float, force: bool, host: dict) -> tu
     if not info.unified:
         refusal = (
             f"refusing to oversubscribe managed memory on {info.name}: it is a {info.kind}, where managed memory "
-            f"beyond the card's {_gib(info.total_bytes)} thrashes over PCIe and can hang the GPU. Run this test on "
-            "a GH200 or GB10, or pass --force to run it anyway at your own risk"
+            f"beyond the card's {format_gib(info.total_bytes)} thrashes over PCIe and can hang the GPU. "
+            "Run this test on a GH200 or GB10, or pass --force to run it anyway at your own risk"
         )
         if not force:
             return {"status": "refused", "reason": refusal}, []
         warnings.append(f"WARNING: --force: {refusal}")
         if requested > free:
-            warnings.append(f"WARNING: {_gib(requested)} requested but only {_gib(free)} of device memory is free")
+            warnings.append(
+                f"WARNING: {format_gib(requested)} requested but only {format_gib(free)} of device memory is free"
+            )
     limit = oversubscription_limit(info, free, host)
     if limit is not None and requested > limit:
         refusal = (
-            f"refusing to allocate {_gib(requested)} of managed memory: this machine can back about {_gib(limit)} "
-            f"(available host RAM{'' if info.integrated else ' + free device memory'}); lower --oversubscription-scale"
+            f"refusing to allocate {format_gib(requested)} of managed memory: this machine can back about "
+            f"{format_gib(limit)} (available host RAM{'' if info.integrated else ' + free device memory'}); "
+            "lower --oversubscription-scale"
         )
         if not force:
             return {"status": "refused", "reason": refusal}, warnings
@@ -248,10 +221,11 @@ def check_oversubscription(runtime, scale: float, force: bool, host: dict) -> tu
     return None, warnings
 
 
-def run_oversubscription(runtime, scale: float, chunk_bytes: int = GIB) -> dict:
+def run_oversubscription(runtime: UnifiedMemoryRuntime, scale: float, chunk_bytes: int = GIB) -> dict[str, Any]:
     """Allocate ``scale`` x device memory as managed memory in chunks, touch it, prefetch it to the
     GPU and back to the CPU (timing each direction), then free it, also on error or Ctrl-C."""
     info = runtime.device_info()
+    assert info is not None, "check_oversubscription lets the test run only on a device"
     requested = int(scale * info.total_bytes)
     sizes = [chunk_bytes] * (requested // chunk_bytes) + ([requested % chunk_bytes] if requested % chunk_bytes else [])
     chunks: list[torch.Tensor] = []
@@ -264,7 +238,8 @@ def run_oversubscription(runtime, scale: float, chunk_bytes: int = GIB) -> dict:
             chunks.append(chunk)
         runtime.synchronize()
         seconds = {"allocate_and_touch": time.perf_counter() - start}
-        for direction, location in (("to_gpu", info.index), ("to_cpu", "cpu")):
+        targets: tuple[tuple[str, Location], ...] = (("to_gpu", info.index), ("to_cpu", "cpu"))
+        for direction, location in targets:
             start = time.perf_counter()
             for chunk in chunks:
                 runtime.prefetch(chunk, location)
@@ -284,116 +259,3 @@ def run_oversubscription(runtime, scale: float, chunk_bytes: int = GIB) -> dict:
         gc.collect()
         if runtime.cuda_available() and torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def format_report(summary: dict) -> str:
-    """The summary as readable text."""
-    v, d, h, env = summary["versions"], summary["device"], summary["host"], summary["environment"]
-    lines = [
-        "== versions ==",
-        f"torch {v.get('torch')}  CUDA build {v.get('cuda_build') or 'none'}  driver {v.get('driver') or 'none'}  "
-        f"cuda-bindings {v.get('cuda_bindings') or 'not installed'}",
-    ]
-    lines += [f"missing: {m['what']} -> {m['fix']}" for m in v["missing"]]
-    lines.append("== device ==")
-    if d is None:
-        lines.append("no CUDA device")
-    else:
-        lines += [
-            f"{d['name']}  sm_{d['compute_capability'][0]}{d['compute_capability'][1]}  "
-            f"total {_gib(d['total_bytes'])}  free {_gib(d['free_bytes'])}",
-            f"managed memory {d['managed_memory']}  concurrent managed access {d['concurrent_managed_access']}  "
-            f"pageable memory access {d['pageable_memory_access']}  uses host page tables "
-            f"{d['pageable_uses_host_page_tables']}  integrated {d['integrated']}",
-            f"kind: {d['kind']}  (unified: {d['unified']})",
-        ]
-    lines += [
-        "== host ==",
-        f"CPUs {h['cpu_count']} (usable {h['cpu_affinity'] if h['cpu_affinity'] is not None else 'unknown'})  "
-        f"RAM total {_gib(h['ram_total_bytes'])}  available {_gib(h['ram_available_bytes'])}",
-        "== environment ==",
-    ]
-    lines += [f"{name}={value if value is not None else '(unset)'}" for name, value in env["variables"].items()]
-    lines += [f"warning: {w}" for w in env["warnings"]]
-    pool = summary["managed_pool"]
-    lines += ["== managed pool ==", pool["status"] + (f"  {pool['stats']}" if pool["stats"] else "")]
-    lines.append(f"note: {FORK_UVM_STATS}")
-    over = summary.get("oversubscription")
-    if over is not None:
-        lines.append("== oversubscription ==")
-        if over["status"] == "ok":
-            lines.append(
-                f"{_gib(over['requested_bytes'])} in {over['num_chunks']} chunk(s) ({over['scale']} x device memory): "
-                f"prefetch to GPU {over['gb_per_s']['to_gpu']:.1f} GB/s, to CPU {over['gb_per_s']['to_cpu']:.1f} GB/s"
-            )
-        else:
-            lines.append(f"{over['status']}: {over['reason']}")
-    lines.append("== verdict ==")
-    for item in summary["verdicts"]:
-        mark = {"ok": "ok", "failed": "--", "advice": "tip"}.get(item.get("status"), "n/a")
-        lines.append(f"[{mark}] {item['what']}" + ("" if item["ready"] else f" -> {item['fix']}"))
-    return "\n".join(lines)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (a multiple of device memory, e.g. 1.5), not {text}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The diagnostic's options (``simpletuner diagnose``, ``python gh200_diagnostic.py``)."""
-    parser.description = "What this machine offers for GH200 / GB10 unified-memory training, and what is missing."
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object only")
-    parser.add_argument(
-        "--oversubscription-scale",
-        type=_positive_float,
-        metavar="S",
-        help="allocate S x device memory as managed memory, prefetch it both ways and report GB/s "
-        "(unified memory only)",
-    )
-    parser.add_argument(
-        "--force", action="store_true", help="run the oversubscription test on a discrete GPU too (can hang it)"
-    )
-
-
-def build_parser(prog: str = "gh200_diagnostic.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog)
-    add_arguments(parser)
-    return parser
-
-
-def main(argv: list[str] | None = None, prog: str = "gh200_diagnostic.py") -> int:
-    """``python gh200_diagnostic.py ARGV`` (``prog`` names it); returns the exit code."""
-    return run(build_parser(prog).parse_args(argv))
-
-
-def run(args: argparse.Namespace) -> int:
-    """The diagnostic behind both ``python gh200_diagnostic.py`` and ``simpletuner diagnose``; returns the exit code."""
-    runtime = get_runtime()
-    code = 0
-    over = None
-    if args.oversubscription_scale is not None:
-        over, warnings = check_oversubscription(runtime, args.oversubscription_scale, args.force, collect_host())
-        for warning in warnings:
-            print(warning, file=sys.stderr)
-        if over is None:
-            print(f"oversubscription test: {args.oversubscription_scale} x device memory ...", file=sys.stderr)
-            try:
-                over = run_oversubscription(runtime, args.oversubscription_scale)
-            except RuntimeError as exc:  # CUDA / out-of-memory errors: report them, the memory is already freed
-                over, code = {"status": "failed", "reason": str(exc)}, 1
-        elif over["status"] == "refused":
-            print(over["reason"], file=sys.stderr)
-            code = 2
-    summary = collect_summary(runtime)
-    if over is not None:
-        summary["oversubscription"] = over
-    print(json.dumps(summary, indent=2) if args.json else format_report(summary))
-    if code == 0 and any(item["status"] == "failed" for item in summary["verdicts"]):
-        code = 3  # scripts can tell "this machine is not ready" from "report written"
-    return code

@@ -1,32 +1,27 @@
 """``gh200_optimizations.managed_memory``: which memory a run takes from the managed pool, checked
 before anything loads.
 
-Three modes, each a superset of the one before:
-
-- ``caches`` (default): only ``unified_memory`` caches are managed (:mod:`.uvm`).
-- ``frozen_weights``: also the frozen weights (:mod:`.managed_weights` places them in CPU memory
-  with the GPU mapped to them and prefetches them a few blocks ahead of use).
-- ``all``: every CUDA allocation of the process, on every thread, comes from the managed pool,
-  bounded at ``oversubscription_ratio`` x the GPU's memory: the stock-PyTorch form of the
-  patched allocator's ``use_uvm`` in the ai-toolkit GH200 fork.
-
-:func:`check_managed_memory` refuses, with every reason at once, what cannot work here: no
-managed memory, a discrete GPU without ``force_managed_memory``, a bound the machine cannot back,
-allocator settings the pool cannot honour, settings that place the same weights another way.
-:func:`start_managed_memory` then routes allocations for ``all`` (the weights of
-``frozen_weights`` are placed when the model is built).
+``caches`` (default): only ``unified_memory`` caches (:mod:`.uvm`); ``frozen_weights``: also the frozen
+weights (:mod:`.managed_weights`); ``all``: every CUDA allocation of the process, bounded at
+``oversubscription_ratio`` x the GPU's memory (the stock-PyTorch form of the ai-toolkit GH200 fork's
+``use_uvm``). :func:`check_managed_memory` refuses, with every reason at once, what cannot work here;
+:func:`start_managed_memory` then routes allocations for ``all``. The checks: documentation/GH200_OPTIMIZATION.md,
+"What is checked at start".
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR
-from simpletuner.gh200.runtime import DeviceMemoryInfo, get_runtime
 from simpletuner.gh200.uvm import set_batch_advice
-from simpletuner.host import hbm_in_host_memory
+from simpletuner.hardware.host import hbm_in_host_memory
+from simpletuner.hardware.runtime import UnifiedMemoryRuntime, get_runtime
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +44,16 @@ def _gib(nbytes: int | float) -> str:
     return f"{nbytes / GiB:.1f} GiB"
 
 
+class _Device(Protocol):
+    """What :func:`backable_bytes` reads of a device: a :class:`~simpletuner.hardware.runtime.DeviceMemoryInfo`, or
+    a machine being planned for."""
+
+    @property
+    def integrated(self) -> bool: ...
+
+
 def backable_bytes(
-    info: DeviceMemoryInfo, free_device_bytes: int, available_host_bytes: int | None, hbm_in_host: bool = False
+    info: _Device, free_device_bytes: int, available_host_bytes: int | None, hbm_in_host: bool = False
 ) -> int | None:
     """The most managed memory this machine can back: available CPU memory, plus the free GPU memory
     where that is separate from it (a discrete GPU; GH200 in CDMM mode), counted once where the OS already
@@ -91,6 +94,7 @@ class ManagedMemoryPlan:
                 else "read in place (no prefetch)"
             )
             return f"managed_memory frozen_weights: frozen weights live in CPU memory, {ahead}, on a {self.device}"
+        assert self.pool_limit_bytes is not None and self.backable_bytes is not None  # a checked "all" plan
         return (
             f"managed_memory all: every CUDA allocation comes from the managed pool, bounded at "
             f"{_gib(self.pool_limit_bytes)} ({self.oversubscription_ratio:.2f} x the GPU's memory; the machine backs "
@@ -98,7 +102,7 @@ class ManagedMemoryPlan:
         )
 
 
-def _alloc_settings(config, environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+def _alloc_settings(config: TrainingConfig, environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Allocator key -> (value, where it came from): the environment, overridden by ``cuda_allocator``."""
     found: dict[str, tuple[str, str]] = {}
     for item in filter(None, (environ.get(ALLOC_CONF_VAR) or "").split(",")):
@@ -109,7 +113,7 @@ def _alloc_settings(config, environ: Mapping[str, str]) -> dict[str, tuple[str, 
     return found
 
 
-def _allocator_problems(config, environ: Mapping[str, str]) -> list[str]:
+def _allocator_problems(config: TrainingConfig, environ: Mapping[str, str]) -> list[str]:
     settings = _alloc_settings(config, environ)
     problems = []
     value, source = settings.get("expandable_segments", ("false", ""))
@@ -130,7 +134,9 @@ def _allocator_problems(config, environ: Mapping[str, str]) -> list[str]:
     return problems
 
 
-def allocator_settings(config, environ: Mapping[str, str]) -> tuple[dict[str, bool | int | float], list[str]]:
+def allocator_settings(
+    config: TrainingConfig, environ: Mapping[str, str]
+) -> tuple[dict[str, bool | int | float], list[str]]:
     """The ``cuda_allocator`` settings to apply at start, and what ``all`` added to them (one line each).
 
     ``config.cuda_allocator`` as it is, plus, in ``managed_memory: all``, each key of
@@ -154,8 +160,9 @@ def allocator_settings(config, environ: Mapping[str, str]) -> tuple[dict[str, bo
     return {**settings, **added}, notes
 
 
-def frozen_weight_problems(config, mode: str) -> list[str]:
-    opts, problems = config.gh200_optimizations, []
+def frozen_weight_problems(config: TrainingConfig, mode: str) -> list[str]:
+    opts = config.gh200_optimizations
+    problems: list[str] = []
     if mode != "frozen_weights":
         return problems
     if config.base_model_precision != "no_change":
@@ -180,8 +187,8 @@ def frozen_weight_problems(config, mode: str) -> list[str]:
 
 
 def managed_memory_problems(
-    config,
-    runtime=None,
+    config: TrainingConfig,
+    runtime: UnifiedMemoryRuntime | None = None,
     available_host_bytes: int | None = None,
     environ: Mapping[str, str] | None = None,
     memory_only_numa_bytes: int = 0,
@@ -255,8 +262,8 @@ def managed_memory_problems(
 
 
 def check_managed_memory(
-    config,
-    runtime=None,
+    config: TrainingConfig,
+    runtime: UnifiedMemoryRuntime | None = None,
     available_host_bytes: int | None = None,
     environ: Mapping[str, str] | None = None,
     memory_only_numa_bytes: int = 0,
@@ -272,7 +279,7 @@ def check_managed_memory(
     return plan
 
 
-def start_managed_memory(plan: ManagedMemoryPlan, runtime=None) -> None:
+def start_managed_memory(plan: ManagedMemoryPlan, runtime: UnifiedMemoryRuntime | None = None) -> None:
     """Say what the plan does; for ``all``, route every allocation to the bounded pool from now on
     (call before anything is allocated on the GPU: earlier allocations stay outside the pool)."""
     if plan.mode == "caches":
@@ -290,7 +297,7 @@ def start_managed_memory(plan: ManagedMemoryPlan, runtime=None) -> None:
     logger.info("%s", plan.describe())
 
 
-def stop_managed_memory(plan: ManagedMemoryPlan, runtime=None) -> None:
+def stop_managed_memory(plan: ManagedMemoryPlan, runtime: UnifiedMemoryRuntime | None = None) -> None:
     """When training ends: for ``all``, end the routing (later allocations come from PyTorch's own pools;
     what the pool holds stays valid until it is freed) and say what the pool held at its peak."""
     if plan.mode != "all":

@@ -1,75 +1,34 @@
 """managed_memory ``frozen_weights``: frozen weights in CPU memory, read in place by the GPU and
 prefetched a few blocks ahead of use.
 
-:func:`place_frozen_weights` moves every frozen parameter and buffer of a model into managed
-memory advised to live in CPU memory (Grace on a GH200, the shared memory on a GB10) and to be
-mapped for the GPU, so HBM keeps trainable weights, optimizer state and activations while the GPU
-reads the frozen base through the coherent link. :class:`WeightPrefetcher` then migrates the
-blocks a few steps ahead of the one running, so a block's kernels find its pages already in HBM.
-
-Stream semantics of the prefetcher
-----------------------------------
-* Compute stream: whatever stream is current when a unit's hook runs (the training stream in
-  forward; in backward, the stream the autograd engine runs that unit's nodes on, which is the
-  stream its forward ran on). Queued there: a wait for a unit's migration event, and the gate
-  event (below).
-* Side stream: one stream, made once by ``runtime.new_stream()`` on the first prefetch. Every
-  ``runtime.prefetch(tensor, gpu, side_stream)`` is queued there, followed by one
-  ``runtime.record_event(side_stream)`` per unit, which completes when that unit's migrations do.
-* When unit ``i`` starts (its forward pre-hook; in backward, the gradient hook on its outputs,
-  see below) the host first makes the compute stream wait for ``i``'s event if one is pending, then queues the
-  prefetches of the next ``blocks_ahead`` units on the side stream. So the kernels of ``i`` are
-  queued after ``i``'s migration completed, while the migration of ``i+1`` runs beside them.
-* Why no prefetch races a kernel that reads the unit: the weights are frozen (nobody writes them),
-  a prefetch only moves pages and never changes a value, and managed memory is coherent (a kernel
-  touching a page in flight faults and waits for it, it never reads a torn page). The event wait
-  is what makes the overlap useful, not what makes it correct, so a dropped event (a unit
-  prefetched but not run in that pass) is harmless.
-* The host runs ahead of the GPU, so a hook may run while the GPU is still a few units behind.
-  Before queuing unit ``i``'s prefetches the hook records an event on the compute stream and makes
-  the side stream wait for it (the gate): the migrations of ``i+1 .. i+blocks_ahead`` start only
-  when the GPU reaches unit ``i``, so about ``blocks_ahead + 1`` units are in HBM at once, as the
-  estimator's prefetch window assumes. Pages of units already run stay in HBM until the driver
-  needs the room; their preferred location (CPU) is where it then moves them.
-
-Passes and order
-----------------
-The order is learned, not assumed: each unit's position is recorded the first time it runs in a
-forward, per model that runs it (each Wan 2.2 expert's blocks are a sequence of their own, so one
-expert's last block never prefetches the other's first). The first forward therefore prefetches nothing (its
-pages are read in place); its backward, and every pass after, prefetch. A forward pass ends when a
-unit starts again or a backward starts; a backward pass ends at the next forward. Backward is told
-apart by ``torch._C._current_graph_task_id() != -1``.
-
-A unit's backward is seen by a hook on each of its top-level output tensors (registered by a
-forward hook when autograd records the forward): it fires when the gradient reaching that output
-is ready, just before the unit's own backward nodes run. This is what
-``register_full_backward_pre_hook`` does, without its cost: that wraps every block's inputs and
-outputs in identity autograd nodes, warns on every backward where no input needs a gradient (the
-first LoRA block's input comes from a frozen embedding) and makes an in-place edit of a block's
-output an error. Under gradient checkpointing (non-reentrant, the diffusers default) the output
-hook fires first and the recompute's forward pre-hook, which also runs in backward, finds nothing
-left to do (the unit's event was already waited on and its neighbours issued in this pass); under
-reentrant checkpointing the forward ran without grad, so the recompute's forward pre-hook is what
-marks the unit's backward. Either way the order is the same with and without checkpointing.
-
-Training code must call :func:`place_frozen_weights` after any dtype cast and before
-:class:`WeightPrefetcher` (the prefetcher lists the managed tensors once, when it is made).
+:func:`place_frozen_weights` moves a model's frozen parameters and buffers into managed memory that
+prefers CPU memory and is mapped for the GPU; call it after any dtype cast and before making a
+:class:`WeightPrefetcher`, which migrates the next blocks to HBM on a side stream while one computes.
+Streams, passes and why the hooks are where they are: the ``frozen_weights`` sections of
+documentation/GH200_OPTIMIZATION.md.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from simpletuner.gh200.runtime import UnifiedMemoryRuntime, get_runtime
+from simpletuner.hardware.runtime import UnifiedMemoryRuntime, get_runtime
 
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
+
+
+@runtime_checkable
+class SideStream(Protocol):
+    """What the prefetcher needs of ``runtime.new_stream()``: the raw stream handle it queues prefetches on."""
+
+    cuda_stream: int
 
 
 @dataclass(frozen=True)
@@ -180,27 +139,19 @@ def place_frozen_weights(
 ) -> PlacedWeights:
     """Move every frozen parameter (``requires_grad`` False) and every buffer of ``model`` into
     managed memory that prefers CPU memory and is mapped for GPU ``device`` (default: the runtime's
-    current device, which is also where the managed pool allocates).
+    current device), advised before the copy so the pages are populated in CPU memory.
 
-    Each storage is allocated with ``runtime.managed_empty``, advised (preferred location CPU, then
-    accessed by the GPU) before the values are copied so its pages are populated in CPU memory,
-    then prefetched to the CPU so none of it stays in HBM. Tensors are swapped in place
-    (``tensor.data = managed``), so the optimizer, hooks, adapters and any attribute aliasing a
-    buffer keep their references. Trainable parameters are never touched, nor is a frozen tensor
-    sharing storage with one; storages shared by several tensors (tied weights) are placed once
-    and stay shared; tensors already managed are left as they are (calling this twice places
-    nothing the second time).
-
-    With the real runtime managed tensors are CUDA tensors, so a later ``model.to("cuda")`` leaves
-    them where they are and moves only the rest; a later dtype cast would copy them out of managed
-    memory, so cast first. With the test fake they are CPU tensors.
+    Tensors are swapped in place (``tensor.data = managed``), so every reference stays valid. Trainable
+    parameters, and frozen tensors sharing storage with one, are never touched; tied storages are placed
+    once and stay shared; tensors already managed are left alone (a second call places nothing). A later
+    dtype cast would copy them out of managed memory: cast first.
 
     Raises ValueError naming the parameter for a tensor subclass (quantised weights) or a meta tensor.
     """
     runtime = runtime or get_runtime()
     gpu = runtime.current_device() if device is None else device
-    named = [(f"parameter {n}", p) for n, p in model.named_parameters(remove_duplicate=True)]
-    named += [(f"buffer {n}", b) for n, b in model.named_buffers(remove_duplicate=True)]
+    named: list[tuple[str, torch.Tensor]] = [(f"parameter {n}", p) for n, p in model.named_parameters()]
+    named += [(f"buffer {n}", b) for n, b in model.named_buffers()]
 
     groups: dict[tuple[str, int], list[torch.Tensor]] = {}
     trainable_storages: dict[tuple[str, int], int] = {}
@@ -270,7 +221,8 @@ class WeightPrefetcher:
     """Prefetches the managed frozen weights of the next ``blocks_ahead`` units (see
     :func:`weight_units`) to the GPU on a side stream while the current one computes; in backward,
     the previous ones. Only units holding managed frozen tensors get hooks; ``blocks_ahead`` 0
-    registers none. The module docstring states the stream semantics and how passes are told apart.
+    registers none. documentation/GH200_OPTIMIZATION.md states the stream semantics and how passes are
+    told apart.
 
     Use as a context manager, or call :meth:`remove` to take every hook off.
     """
@@ -294,7 +246,7 @@ class WeightPrefetcher:
         self._tensors: list[list[torch.Tensor]] = []
         self._owners: list[str] = []
         self._handles: list = []
-        self._stream = None
+        self._stream: SideStream | None = None
         # the learned order: owner -> unit indices in execution order, and index -> (that list, position)
         self._order: dict[str, list[int]] = {}
         self._position: dict[int, tuple[list[int], int]] = {}
@@ -372,13 +324,12 @@ class WeightPrefetcher:
         todo = [other for other in ahead if other not in self._issued and other not in self._started]
         if not todo:
             return
-        if self._stream is None:
-            self._stream = self.runtime.new_stream()
+        stream = self._side_stream()
         # The gate: the side stream starts these migrations only once the GPU reaches this unit, so the
         # host running ahead never has more than blocks_ahead units migrating beyond the one computing.
-        self.runtime.wait_event(self.runtime.record_event(None), self._stream)
+        self.runtime.wait_event(self.runtime.record_event(None), stream)
         for other in todo:
-            self._prefetch(other)
+            self._prefetch(other, stream)
 
     def _new_pass(self, backward: bool) -> None:
         self._backward = backward
@@ -386,11 +337,18 @@ class WeightPrefetcher:
         self._issued.clear()
         self._pending.clear()
 
-    def _prefetch(self, index: int) -> None:
-        handle = self._stream.cuda_stream
+    def _side_stream(self) -> SideStream:
+        """The one side stream every prefetch is queued on, made on first use."""
+        if self._stream is None:
+            stream = self.runtime.new_stream()
+            assert isinstance(stream, SideStream), f"runtime.new_stream() gave a {type(stream).__name__}"
+            self._stream = stream
+        return self._stream
+
+    def _prefetch(self, index: int, stream: SideStream) -> None:
         for tensor in self._tensors[index]:
-            self.runtime.prefetch(tensor, self.device, handle)
-        self._pending[index] = self.runtime.record_event(self._stream)
+            self.runtime.prefetch(tensor, self.device, stream.cuda_stream)
+        self._pending[index] = self.runtime.record_event(stream)
         self._issued.add(index)
 
     # --- lifetime ---

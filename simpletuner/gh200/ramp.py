@@ -1,16 +1,10 @@
 """GH200GradientRamp: grow the effective batch from a small start to a large target.
 
-Early in a run small effective batches make fast progress; later, large ones make stable
-progress and use a big machine fully. The ramp changes how many micro-batches each optimizer
-step accumulates — never the micro-batch itself, so memory use stays flat.
-
-The window length is a pure function of micro-batches seen, decided by the trainer *before*
-each accumulation window starts (the loss is normalised by the samples actually in the
-window), so no window is ever mis-scaled and a resumed run continues the same sequence.
-
-A pure policy that imports nothing from simpletuner: the training layer
-(:mod:`simpletuner.training.accumulation`) decides whether a run uses it or fixed windows, and
-counts the optimizer steps it makes.
+The ramp changes how many micro-batches each optimizer step accumulates, never the micro-batch, so
+memory stays flat. The window length is a pure function of micro-batches seen, decided before each
+window starts, so no window is mis-scaled and a resumed run continues the same sequence. A pure policy
+that imports nothing from simpletuner: :mod:`simpletuner.training.accumulation` uses it.
+See documentation/GH200_OPTIMIZATION.md, "The accumulation ramp".
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Unified-memory placement hints for GH200 / GB10, safe everywhere else.
 
-On a GH200 the GPU reaches the Grace CPU's RAM over a 900 GB/s coherent link; on a GB10 CPU
-and GPU share one memory. Tensors in CUDA managed memory can live in either place, and two
-hints make that cheap: where a tensor should *reside* (latents: CPU RAM, which is large;
-text embeddings and masks: GPU memory, which is fast and they are small and reused) and a
-*prefetch* that migrates a tensor in bulk before a kernel needs it instead of page by page.
-
-Every function here returns its input unchanged, and does nothing, when hints are off, when
-there is no CUDA or no managed-memory support, or when the tensor is not in managed memory
-(advice is only legal on managed pointers). Why hints are off is said once, at INFO (at DEBUG
-when nothing asked for them).
-
-Whether hints are on: :func:`set_uvm_hint_override` (from the config) beats the environment
-variable ``SIMPLETUNER_GH200_UVM_HINTS`` (1/0; ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``, the name
-the ai-toolkit GH200 fork exports, is read as an alias: both set to values that disagree is an
-error), which beats the default (off). Hints *forced* off, by the config or the environment,
-also turn ``unified_memory`` caches into CPU-backed ``memory`` caches
-(:func:`unified_caches_fall_back_to_cpu`).
+Tensors in CUDA managed memory can live in CPU RAM or GPU memory; these functions advise where a tensor
+should reside (latents: CPU RAM; text embeddings and masks: GPU memory) and prefetch it before a kernel
+needs it. Every one returns its input unchanged, and does nothing, when hints are off, without CUDA or
+managed-memory support, or for a tensor not in managed memory; why hints are off is said once.
+Whether hints are on: :func:`set_uvm_hint_override` (from the config) beats ``SIMPLETUNER_GH200_UVM_HINTS``
+(alias ``SIMPLETUNER_GH200_ENABLE_UVM_HINTS``), which beats the default (off); hints forced off turn
+``unified_memory`` caches into CPU-backed ``memory`` caches. documentation/GH200_OPTIMIZATION.md
+("Unified-memory hints", "Each batch: what runs") has the details.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import torch
 
-from simpletuner.gh200.runtime import Location, get_runtime
+from simpletuner.hardware.runtime import Location, get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -269,22 +260,14 @@ def set_batch_advice(enabled: bool, why: str = "") -> None:
 
 
 def optimize_batch_for_gh200(batch: Any, device: torch.device | int | str | None = None, stream=None) -> Any:
-    """Place and prefetch the managed tensors of one prepared batch; returns ``batch`` itself.
+    """Place and prefetch the managed tensors of one prepared batch; returns ``batch`` itself (nothing copied).
 
-    The trainer's data path (``CachedData`` in :mod:`simpletuner.training.batches`) calls this
-    once per micro-batch, on the stacked fields. Dicts (and other mappings), lists and tuples
-    are walked; a tensor's role comes from the nearest key naming it: ``*latent*`` -> advised to
-    reside in CPU RAM with ``device`` keeping a mapping; ``*embed*``, ``*hidden_states*``,
-    ``*mask*`` -> advised to reside on ``device``; others get no advice. Each managed
-    allocation is then prefetched to ``device`` (default: the current GPU) on ``stream``
-    (default: the current stream), once even when several tensors view it.
-
-    With per-batch advice off (:func:`set_batch_advice`, ``managed_memory: all``) only the prefetch runs.
-
-    Hints change where memory lives, never the tensors, so nothing is copied or rebuilt. With
-    hints off, without CUDA or managed memory, this returns at once, before looking at a tensor;
-    ordinary tensors (disk or ``memory`` caches, latents encoded while training) are skipped.
-    Nothing here waits for the GPU.
+    Mappings, lists and tuples are walked; a tensor's role comes from the nearest key naming it:
+    ``*latent*`` -> advised to reside in CPU RAM with ``device`` keeping a mapping; ``*embed*``,
+    ``*hidden_states*``, ``*mask*`` -> advised to reside on ``device``; others get no advice. Each managed
+    allocation is then prefetched to ``device`` (default: the current GPU) on ``stream`` (default: the
+    current stream), once. With per-batch advice off (:func:`set_batch_advice`) only the prefetch runs.
+    With hints off, without CUDA or managed memory, it returns at once; ordinary tensors are skipped.
     """
     if not gh200_uvm_enabled():
         return batch

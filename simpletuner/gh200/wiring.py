@@ -1,23 +1,24 @@
-"""Turn ``cache_config`` and ``gh200_optimizations`` into runtime decisions for one run.
+"""Turn ``cache_config`` and ``gh200_optimizations`` into one run's :class:`RuntimeDecisions`.
 
-Called by ``Trainer._configure_gh200_runtime()``, after the trainer has built its accumulation
-policy (:mod:`simpletuner.training.accumulation`: the ramp or a fixed window): applies the
-unified-memory hint override and records what was decided, the policy's ``state_dict`` included,
-in the StateTracker and, on the main process of a run that configures the GH200 layer
-(:func:`gh200_layer_requests`), in ``<output_dir>/gh200_runtime.json``. An ordinary run writes
-no file and logs one DEBUG line ("GH200 unified-memory hints are off: off by default").
+:func:`configure_runtime` runs once at the start of a run, after the trainer built its accumulation policy
+(:mod:`simpletuner.training.accumulation`). It applies the unified-memory hint override (the process setting
+``gh200/uvm.py`` reads), starts managed memory where ``gh200_optimizations.managed_memory`` asks for it, and, on
+the main process of a run that configures the GH200 layer (:func:`gh200_layer_requests`), writes the decisions
+to ``<output_dir>/gh200_runtime.json``. An ordinary run writes no file and logs one DEBUG line ("GH200
+unified-memory hints are off: off by default").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 import orjson
 
-from simpletuner.gh200.managed_memory import check_managed_memory, start_managed_memory
+from simpletuner.gh200.managed_memory import ManagedMemoryPlan, check_managed_memory, start_managed_memory
 from simpletuner.gh200.uvm import (
     ENV_ALIAS,
     ENV_VAR,
@@ -27,8 +28,7 @@ from simpletuner.gh200.uvm import (
     set_uvm_hint_override,
     unified_memory_status,
 )
-from simpletuner.host import collect_host
-from simpletuner.state import StateTracker
+from simpletuner.hardware.host import collect_host
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +54,8 @@ def uvm_hint_decision(config, environ: Mapping[str, str] | None = None) -> tuple
         return opts.enable_uvm_hints, setting
     if from_env is not None:
         return None, env_source
-    unified = [
-        f"{name}_cache_type" for name in ("vae", "text") if getattr(cache, f"{name}_cache_type") == "unified_memory"
-    ]
+    kinds = {"vae": cache.vae_cache_type, "text": cache.text_cache_type}
+    unified = [f"{name}_cache_type" for name, kind in kinds.items() if kind == "unified_memory"]
     if unified:
         return True, f"cache_config.{' and '.join(unified)} = unified_memory"
     return None, "nothing asks for them"
@@ -74,15 +73,14 @@ def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> li
     """
     environ = os.environ if environ is None else environ
     cache, opts = config.cache_config, config.gh200_optimizations
+    kinds = {"vae": cache.vae_cache_type, "text": cache.text_cache_type}
     found = [
-        f"cache_config.{name}_cache_type={getattr(cache, f'{name}_cache_type')}"
-        for name in ("vae", "text")
-        if getattr(cache, f"{name}_cache_type") in ("memory", "unified_memory")
+        f"cache_config.{name}_cache_type={kind}" for name, kind in kinds.items() if kind in ("memory", "unified_memory")
     ]
     found += [
         f"datasets[{i}].type=in_memory"
         for i, dataset in enumerate(config.datasets or [])
-        if getattr(dataset, "type", None) == "in_memory"
+        if dataset.type == "in_memory"
     ]
     if opts.enable_uvm_hints is not None:
         found.append(f"gh200_optimizations.enable_uvm_hints={str(opts.enable_uvm_hints).lower()}")
@@ -94,28 +92,47 @@ def gh200_layer_requests(config, environ: Mapping[str, str] | None = None) -> li
     return found
 
 
+@dataclass(frozen=True)
+class RuntimeDecisions:
+    """What ``cache_config`` and ``gh200_optimizations`` come to in one run; the fields are
+    ``gh200_runtime.json``'s keys (:meth:`as_record`)."""
+
+    uvm_hint_override: bool | None  # hints forced on or off by a setting; None: nothing forces them
+    uvm_hints_active: bool
+    uvm_hints_setting: str  # the setting behind the hints' state, in words
+    unified_memory: dict[str, Any]  # uvm.unified_memory_status()
+    vae_cache_type: str  # what the config asks for
+    text_cache_type: str
+    vae_cache_type_in_use: str  # what holds the entries
+    text_cache_type_in_use: str
+    persistent_cache: bool
+    cache_dir: str
+    managed_memory: ManagedMemoryPlan
+    accumulation: dict[str, Any]  # the accumulation policy's state_dict
+    num_processes: int
+
+    def as_record(self) -> dict[str, Any]:
+        """The decisions by name, as ``gh200_runtime.json`` and the StateTracker keep them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def configure_runtime(
-    state: StateTracker,
+    config,
     num_processes: int,
     is_main_process: bool,
     output_dir: Path,
     *,
     accumulation: Mapping[str, Any],
-) -> dict[str, Any]:
-    """Apply hints and record the decisions; returns what was recorded.
-
-    ``accumulation``: the ``state_dict`` of the accumulation policy the trainer built for this
-    run, recorded as it is.
-
-    ``decided["managed_memory"]`` is the run's
-    :class:`~simpletuner.gh200.managed_memory.ManagedMemoryPlan` (``all`` starts routing every CUDA
-    allocation to the managed pool here, before the caches and the model are built).
+) -> RuntimeDecisions:
+    """Apply hints and start managed memory; returns the decisions (written to ``gh200_runtime.json`` when
+    the run configures the GH200 layer). ``accumulation``: the ``state_dict`` of the run's accumulation policy.
+    ``managed_memory: all`` routes every CUDA allocation to the managed pool from here on (before the caches
+    and the model are built): the caller ends it with :func:`~simpletuner.gh200.managed_memory.stop_managed_memory`.
 
     Raises:
         ValueError: the hint environment variables disagree, or ``gh200_optimizations.managed_memory``
             cannot run here (every reason at once); before anything is decided or written.
     """
-    config = state.config
     override, setting = uvm_hint_decision(config, os.environ)  # before anything loads: a conflict stops here
     host = collect_host() if config.gh200_optimizations.managed_memory == "all" else {}
     managed = check_managed_memory(
@@ -134,26 +151,23 @@ def configure_runtime(
     if problem:  # CUDA works but cuda-bindings cannot talk to the driver: the run goes on without the layer
         logger.warning("the GH200 unified-memory layer is off for this run: %s", problem)
     cache = config.cache_config
-    decided: dict[str, Any] = {
-        "uvm_hint_override": override,
-        "uvm_hints_active": active,
-        "uvm_hints_setting": setting,
-        "unified_memory": unified,
-        "vae_cache_type": cache.vae_cache_type,
-        "text_cache_type": cache.text_cache_type,
-        "vae_cache_type_in_use": cache_type_used(cache.vae_cache_type),  # what holds the entries, not the ask
-        "text_cache_type_in_use": cache_type_used(cache.text_cache_type),
-        "persistent_cache": cache.persistent_cache,
-        "cache_dir": cache.cache_dir,
-        "managed_memory": managed,
-        "accumulation": dict(accumulation),
-        "num_processes": num_processes,
-    }
-    state.set_gh200_runtime_config(decided)
-    requests = gh200_layer_requests(config, os.environ)
-    if not requests:  # an ordinary run: uvm's one DEBUG line ("hints are off: off by default") says it all
-        return decided
-    if is_main_process:
+    decisions = RuntimeDecisions(
+        uvm_hint_override=override,
+        uvm_hints_active=active,
+        uvm_hints_setting=setting,
+        unified_memory=unified,
+        vae_cache_type=cache.vae_cache_type,
+        text_cache_type=cache.text_cache_type,
+        vae_cache_type_in_use=cache_type_used(cache.vae_cache_type),
+        text_cache_type_in_use=cache_type_used(cache.text_cache_type),
+        persistent_cache=cache.persistent_cache,
+        cache_dir=cache.cache_dir,
+        managed_memory=managed,
+        accumulation=dict(accumulation),
+        num_processes=num_processes,
+    )
+    if is_main_process and gh200_layer_requests(config, os.environ):  # an ordinary run: uvm's one DEBUG line says it
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / RUNTIME_FILE).write_bytes(orjson.dumps(decided, option=orjson.OPT_INDENT_2, default=str))
-    return decided
+        record = orjson.dumps(decisions.as_record(), option=orjson.OPT_INDENT_2, default=str)
+        (output_dir / RUNTIME_FILE).write_bytes(record)
+    return decisions

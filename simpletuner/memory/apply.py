@@ -1,18 +1,11 @@
 """Write top-level keys back into a JSON config: minimal edit, backup first, atomic replace.
 
-``simpletuner estimate --apply`` uses :func:`apply_updates`:
-
-1. The file must be writable by its own permissions (a read-only file is refused even where the
-   process could replace it, e.g. as root: replacing through a rename would not need the file's
-   write bit, only the folder's).
-2. The new text changes only the values of the keys given, in place; keys the file lacks are
-   inserted after a related key (or last), with the file's own indentation. Everything else —
-   key order, formatting, other keys — stays byte for byte. The result is parsed back and
-   checked against the intended JSON; if that ever differs the file is re-serialised instead.
-3. The original is copied to ``<file>.backup`` (``.backup.1``, ``.backup.2``, ... when taken:
-   an existing backup is never overwritten), then the new text goes to a temporary file in the
-   same folder, which replaces the original with ``os.replace`` (atomic). A failure at any step
-   leaves the original untouched and removes what this call created.
+:func:`apply_updates` (``simpletuner estimate --apply``) refuses a file without its own write bit (even as
+root), edits only the given keys' values in place (a missing key goes after a related one, with the file's
+indentation; the result is parsed back and re-serialised if it ever differs), copies the original to
+``<file>.backup`` (``.backup.1``, ... : never overwritten) and replaces the file with ``os.replace``. A
+failure at any step leaves the original untouched and removes what the call created.
+See documentation/MEMORY.md, "--apply".
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     """
     from accelerate.utils import convert_to_fp32
 
-    had_own_forward = "forward" in vars(model)
-    own_forward = vars(model).get("forward")
+    own_forward = vars(model).get("forward")  # None: the class's forward
     inner = model.forward
 
     def forward(*args, **kwargs):
@@ -38,7 +37,7 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     try:
         yield model
     finally:
-        if had_own_forward:
+        if own_forward is not None:
             model.forward = own_forward
         else:
             del model.forward

@@ -1,30 +1,9 @@
 """Auto-config: the largest micro-batch that fits, the accumulation that keeps the effective batch.
 
-:func:`plan_batch` searches the micro-batch sizes that split the target effective batch exactly
-(the divisors of the per-process share, so ``micro-batch x accumulation x processes`` is always
-the target: no rounding, no "nearest" batch), each with and without gradient checkpointing.
-Memory grows with the micro-batch, so each setting is a binary search (the largest candidate is
-tried first: on a big GPU one estimate settles it), and every estimate is cached per
-``(micro-batch, checkpointing)`` in an :class:`EstimateCache`, which a caller may share between
-plans for several memory sizes.
-
-The choice: the largest micro-batch that fits under ``safety_margin x usable`` memory, with
-checkpointing off when that micro-batch fits without it. More memory therefore never gives a
-smaller micro-batch, and never turns checkpointing on at the same micro-batch. When
-checkpointing is needed, the plan also names the largest micro-batch that fits without it,
-since recomputation costs about a third more compute per sample and a bigger micro-batch does
-not always win that back: the user can measure both.
-
-Besides the denoiser's own breakdown, the total counts what the run keeps on the GPU next to it
-(:func:`extra_bytes`): the VAE and text encoder when validation images are made, and DDP's
-gradient buckets with several processes. When nothing fits, :class:`DoesNotFit` names the
-dominant component and the switches that would help (:mod:`simpletuner.memory.advice`).
-
-The data caps the micro-batch too: ``train`` needs at least one aspect bucket of one dataset to
-hold ``micro-batch x processes`` samples (:class:`~simpletuner.data_backend.BucketSampler`), so
-the search only looks at micro-batches the largest bucket fills (:func:`scan_data_cap` reads the
-image headers of the config's datasets; when they are not on this machine the cap is unknown,
-and the plan says so).
+:func:`plan_batch` searches the micro-batches that split the target effective batch exactly, with and
+without gradient checkpointing, each estimate made once (:class:`EstimateCache`); the micro-batch is also
+capped by the largest aspect bucket (:func:`scan_data_cap`). The rules and their reasons:
+documentation/MEMORY.md, "Auto-config".
 """
 
 from __future__ import annotations
@@ -73,9 +52,10 @@ def _module_bytes(model_root: Path, component: str, dtype) -> int | None:
 
     try:
         library, class_name = (read_model_index(model_root) or {})[component]
-        cls = resolve_component_class(library, class_name, "model")
+        resolved = resolve_component_class(library, class_name, "model")
     except (OSError, KeyError, ValueError, TypeError):
         return None
+    cls: Any = resolved  # a ModelMixin / PreTrainedModel subclass, checked by resolve_component_class
     with torch.device("meta"):
         if library == "diffusers":
             model = cls.from_config(cls.load_config(str(model_root), subfolder=component))
@@ -228,7 +208,7 @@ def scan_data_cap(config: "TrainingConfig") -> DataCap:
             metadata = build_metadata(LocalDataBackend(root, dataset_cfg.id), dataset_cfg, config, seed=config.seed)
         except (ValueError, ImportError) as exc:
             return DataCap(None, reason=f"the dataset scan failed, and train would stop on it too: {exc}")
-        groups.update((s.dataset_id, tuple(s.bucket)) for s in metadata.samples)
+        groups.update((s.dataset_id, s.bucket) for s in metadata.samples)
     (dataset_id, bucket), largest = max(groups.items(), key=lambda kv: (kv[1], kv[0]))
     return DataCap(largest, f"dataset {dataset_id!r}, {bucket_name(bucket)}", group_sizes=tuple(groups.values()))
 
@@ -269,12 +249,19 @@ class RampTarget:
     initial: int
     target: int
 
+    def windows(self, per_micro_batch: int) -> tuple[int, int]:
+        """Accumulation at the ramp's start and end with ``per_micro_batch`` samples per micro-step (all processes)."""
+        return self.initial // per_micro_batch, self.target // per_micro_batch
+
 
 def config_ramp(config: "TrainingConfig") -> RampTarget | None:
+    """The config's accumulation ramp, or None when it does not ramp."""
     opts = config.gh200_optimizations
     if not opts.enable_batch_size_rampup:
         return None
-    return RampTarget(opts.initial_effective_batch_size, opts.target_effective_batch_size)
+    initial, target = opts.initial_effective_batch_size, opts.target_effective_batch_size
+    assert initial is not None and target is not None  # the config's rules require both with the ramp on
+    return RampTarget(initial, target)
 
 
 def current_effective_batch(config: "TrainingConfig", num_processes: int = 1) -> int:
@@ -335,10 +322,7 @@ class Plan:
     @property
     def ramp_windows(self) -> tuple[int, int] | None:
         """Accumulation at the ramp's start and end, with this micro-batch."""
-        if self.ramp is None:
-            return None
-        per_micro = self.micro_batch_size * self.num_processes
-        return self.ramp.initial // per_micro, self.ramp.target // per_micro
+        return None if self.ramp is None else self.ramp.windows(self.micro_batch_size * self.num_processes)
 
     def config_updates(self) -> dict[str, Any]:
         """Top-level config keys this plan sets (accumulation is the ramp's business when it ramps)."""
@@ -375,9 +359,7 @@ class Plan:
             "without_checkpointing": None
             if alt is None
             else {"micro_batch_size": alt.micro_batch_size, "total_bytes": alt.total},
-            "ramp": None
-            if self.ramp is None
-            else {"initial": self.ramp.initial, "target": self.ramp.target, "windows": list(self.ramp_windows)},
+            "ramp": None if self.ramp is None else self._ramp_dict(self.ramp),
             "config_updates": self.config_updates(),
             "notes": list(self.notes),
             "data_cap": None
@@ -389,6 +371,10 @@ class Plan:
                 "limited": self.is_capped_by_data,
             },
         }
+
+    def _ramp_dict(self, ramp: RampTarget) -> dict[str, Any]:
+        windows = ramp.windows(self.micro_batch_size * self.num_processes)
+        return {"initial": ramp.initial, "target": ramp.target, "windows": list(windows)}
 
     @property
     def is_capped_by_data(self) -> bool:
@@ -435,60 +421,24 @@ def plan_batch(
     ``fits`` replaces the rule "the total within the budget" (a managed_memory mode's HBM and CPU
     budgets: :func:`simpletuner.memory.managed_plan.mode_fits`).
     """
-    if not 0 < safety_margin <= 1:
-        raise ValueError(f"--safety-margin must be in (0, 1], got {safety_margin}")
-    if usable_bytes <= 0:
-        raise ValueError(f"usable memory must be positive, got {usable_bytes} bytes")
+    budget = _budget_bytes(safety_margin, usable_bytes)
     estimates = estimates or EstimateCache(config, num_processes)
     if estimates.num_processes != num_processes:
         raise ValueError("the estimate cache was made for another process count")
     target = resolve_target(config, target_effective_batch, num_processes)
     ramp = config_ramp(config)
-    candidates = micro_batch_candidates(target, num_processes, ramp)
-    if not candidates:
-        raise ValueError(
-            f"no micro-batch splits both ends of the ramp ({ramp.initial} -> {ramp.target}) over {num_processes} "
-            "process(es); make initial_effective_batch_size a multiple of the process count"
-        )
-    capped: list[int] = []
-    limit = None if data is None else data.micro_batch_limit(num_processes)
-    if limit is not None:
-        capped = [m for m in candidates if m > limit]
-        candidates = [m for m in candidates if m <= limit]
-        if not candidates:
-            raise DataTooSmall(
-                f"no micro-batch fits the data: {data.describe()}, and train needs one bucket to hold micro-batch x "
-                f"{num_processes} process(es) = at least {num_processes} samples; add images of that shape (or "
-                "`repeats`), or train on fewer processes"
-            )
-    budget = int(safety_margin * usable_bytes)
-    consulted: dict[tuple[int, bool], Estimate] = {}
-
-    def lookup(micro_batch_size: int, checkpointing: bool) -> Estimate:
-        estimate = estimates(micro_batch_size, checkpointing)
-        consulted.setdefault((micro_batch_size, checkpointing), estimate)
-        return estimate
-
-    def fits_with(checkpointing: bool) -> Callable[[int], bool]:
-        if fits is not None:
-            return lambda m: fits(lookup(m, checkpointing))
-        return lambda m: lookup(m, checkpointing).total <= budget
-
-    best_off = largest_fitting(candidates, fits_with(False))
-    best_on = None
-    if best_off != candidates[-1]:  # checkpointing can only help with what does not fit without it
-        above = [m for m in candidates if best_off is None or m > best_off]
-        best_on = largest_fitting(above, fits_with(True))
-    if best_off is None and best_on is None:
-        smallest = lookup(candidates[0], True)
+    candidates, capped = _search_candidates(target, num_processes, ramp, data)
+    search = _Search(estimates, fits if fits is not None else lambda estimate: estimate.total <= budget)
+    choice = search.choose(candidates)
+    if choice is None:
+        smallest = search.lookup(candidates[0], True)
         raise DoesNotFit(
             does_not_fit_message(config, smallest, budget, usable_bytes, safety_margin, even=True),
             smallest.breakdown,
             smallest.total,
             budget,
         )
-    use_checkpointing = best_on is not None and (best_off is None or best_on > best_off)
-    micro = best_on if use_checkpointing else best_off
+    micro, use_checkpointing, best_off = choice
     plan = Plan(
         micro_batch_size=micro,
         gradient_accumulation_steps=target // (micro * num_processes),
@@ -497,10 +447,10 @@ def plan_batch(
         num_processes=num_processes,
         usable_bytes=usable_bytes,
         safety_margin=safety_margin,
-        estimate=lookup(micro, use_checkpointing),
+        estimate=search.lookup(micro, use_checkpointing),
         candidates=candidates,
-        tried=list(consulted.values()),
-        without_checkpointing=lookup(best_off, False) if use_checkpointing and best_off else None,
+        tried=list(search.consulted.values()),
+        without_checkpointing=search.lookup(best_off, False) if use_checkpointing and best_off else None,
         ramp=ramp,
         data=data,
         capped_by_data=capped,
@@ -508,6 +458,68 @@ def plan_batch(
     )
     plan.notes = _plan_notes(plan)
     return plan
+
+
+def _budget_bytes(safety_margin: float, usable_bytes: int) -> int:
+    if not 0 < safety_margin <= 1:
+        raise ValueError(f"--safety-margin must be in (0, 1], got {safety_margin}")
+    if usable_bytes <= 0:
+        raise ValueError(f"usable memory must be positive, got {usable_bytes} bytes")
+    return int(safety_margin * usable_bytes)
+
+
+def _search_candidates(
+    target: int, num_processes: int, ramp: RampTarget | None, data: DataCap | None
+) -> tuple[list[int], list[int]]:
+    """The micro-batches to search, and those left out because the largest bucket cannot fill them."""
+    candidates = micro_batch_candidates(target, num_processes, ramp)
+    if not candidates:
+        assert ramp is not None  # without a ramp, micro-batch 1 always splits the target
+        raise ValueError(
+            f"no micro-batch splits both ends of the ramp ({ramp.initial} -> {ramp.target}) over {num_processes} "
+            "process(es); make initial_effective_batch_size a multiple of the process count"
+        )
+    limit = None if data is None else data.micro_batch_limit(num_processes)
+    if data is None or limit is None:
+        return candidates, []
+    capped = [m for m in candidates if m > limit]
+    candidates = [m for m in candidates if m <= limit]
+    if not candidates:
+        raise DataTooSmall(
+            f"no micro-batch fits the data: {data.describe()}, and train needs one bucket to hold micro-batch x "
+            f"{num_processes} process(es) = at least {num_processes} samples; add images of that shape (or "
+            "`repeats`), or train on fewer processes"
+        )
+    return candidates, capped
+
+
+class _Search:
+    """The binary searches of one plan: estimates come from the shared cache, and the ones this plan
+    looked at are kept in order (:attr:`Plan.tried`)."""
+
+    def __init__(self, estimates: EstimateCache, fits: Callable[[Estimate], bool]):
+        self.estimates, self.fits = estimates, fits
+        self.consulted: dict[tuple[int, bool], Estimate] = {}
+
+    def lookup(self, micro_batch_size: int, checkpointing: bool) -> Estimate:
+        estimate = self.estimates(micro_batch_size, checkpointing)
+        self.consulted.setdefault((micro_batch_size, checkpointing), estimate)
+        return estimate
+
+    def largest(self, candidates: list[int], checkpointing: bool) -> int | None:
+        """The largest of ``candidates`` that fits with ``checkpointing``; None when none does."""
+        return largest_fitting(candidates, lambda m: self.fits(self.lookup(m, checkpointing)))
+
+    def choose(self, candidates: list[int]) -> tuple[int, bool, int | None] | None:
+        """``(micro-batch, checkpointing, largest micro-batch without checkpointing)``: the largest that fits,
+        with checkpointing only when that one needs it; None when nothing fits."""
+        best_off = self.largest(candidates, checkpointing=False)
+        best_on = None
+        if best_off != candidates[-1]:  # checkpointing can only help with what does not fit without it
+            best_on = self.largest([m for m in candidates if best_off is None or m > best_off], checkpointing=True)
+        if best_on is not None and (best_off is None or best_on > best_off):
+            return best_on, True, best_off
+        return None if best_off is None else (best_off, False, best_off)
 
 
 def _plan_notes(plan: Plan) -> list[str]:

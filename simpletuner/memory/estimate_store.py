@@ -1,22 +1,11 @@
 """Estimates kept on disk, so the next ``simpletuner estimate`` of the same thing is read, not remade.
 
-An estimate builds the denoiser on ``meta`` and traces a fake step: most of its time is importing
-diffusers, peft and transformers and tracing, seconds of CPU each time (minutes on a busy machine).
-Users run it again and again on one config: another ``--gpu``, ``--target-effective-batch``,
-``--apply``, a plan's binary search that revisits micro-batches. Each ``(micro-batch, gradient
-checkpointing)`` estimate is stored here under a key of everything that can change it, and anything
-not known to be irrelevant is in the key (a miss is only slower, a wrong hit would be wrong):
-
-- every ``*.json`` / ``*.txt`` file of the model folder (configs, model index, tokenizer files; the
-  estimate reads no weights), by content;
-- the validated config, except the keys an estimate is told separately or never reads
-  (:data:`NOT_IN_KEY`: the micro-batch and checkpointing are part of the key themselves);
-- simpletuner's own source (every ``.py`` file of the package) and the versions of torch,
-  diffusers, peft, transformers, accelerate, optimum-quanto and lycoris-lora.
-
+Each ``(micro-batch, gradient checkpointing)`` estimate is stored under a key of everything that can change
+it (the model folder's ``*.json`` / ``*.txt`` files by content, the config less :data:`NOT_IN_KEY`,
+simpletuner's own source and the libraries' versions): a miss is only slower, a wrong hit would be wrong.
 The folder is ``$SIMPLETUNER_ESTIMATE_CACHE`` (``off`` disables it), else
-``$XDG_CACHE_HOME/simpletuner/estimates`` (``~/.cache/...``). An entry that cannot be read is a miss;
-one that cannot be written is skipped (a read-only home still estimates).
+``$XDG_CACHE_HOME/simpletuner/estimates``. An unreadable entry is a miss; an unwritable one is skipped.
+See documentation/MEMORY.md (the estimate cache) and PERFORMANCE.md, "Issue 29: simpletuner estimate".
 """
 
 from __future__ import annotations

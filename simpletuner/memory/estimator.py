@@ -1,34 +1,11 @@
 """Training-memory estimate for a config, with no GPU and no weights read.
 
-How the numbers are made:
-
-* The denoiser is built from its config on the ``meta`` device and set up as the trainer sets
-  it up (base weights in the autocast dtype for LoRA, fp32 for full fine-tunes, fp32 adapters,
-  gradient checkpointing when configured). Weights, trainable weights, gradients and optimizer
-  state are exact byte counts over its parameters.
-* Activations come from one training step (``spec.training_loss`` + backward) run on fake CPU
-  tensors under ``FakeTensorMode``, with :class:`~simpletuner.memory.step_memory.StepMemory`
-  recording every storage the step creates (it counts as torch's ``MemTracker`` does, without
-  its per-module snapshots, which cost more than the fake step itself). Fake tensors carry shape
-  and dtype but no data and do no compute, so an SD1.5-size UNet traces in seconds. After every
-  op the tracker's live bytes are split by category, and
-  ``activations`` is the most ever live of ``total - parameters - buffers - inputs -
-  gradients``: parameters, the batch and gradients have rows of their own, so nothing is
-  counted twice. Autograd's temporaries in the backward pass are part of ``activations``.
-  The step's own peak (``backward_peak``: activations plus the gradients made so far, at the
-  moment their sum is largest) is what the total uses; the two differ when gradients are big
-  (full fine-tunes), since activations are freed as gradients appear.
-* The total adds what a CUDA process holds besides tensors: the context, library workspaces
-  and allocator fragmentation (stated constants below, not measured here).
-
-The step is traced on CPU. CUDA differs by allocator rounding (512 B blocks), convolution
-workspaces (the ``CUDNN_WORKSPACE_BYTES`` allowance) and kernel choice. Attention is a fused
-kernel on both (SDPA flash on CPU, flash / memory-efficient on CUDA): neither keeps the
-attention matrix.
-
-``simpletuner.models`` (diffusers: seconds to import) is imported inside the functions that build
-a model, so that ``import simpletuner.memory`` (presets and hardware detection, read at start-up
-before any model loads) stays light.
+The denoiser is built on ``meta`` and set up as the trainer sets it up (exact byte counts for weights,
+gradients and optimizer state); one training step runs on fake CPU tensors under ``FakeTensorMode``, with
+:class:`~simpletuner.memory.step_memory.StepMemory` counting live bytes by kind (``activations``, and the
+step's ``backward_peak``, which the total uses); stated constants below add what a CUDA process holds
+besides tensors. ``simpletuner.models`` is imported inside the functions that build a model, so
+``import simpletuner.memory`` stays light. Method and limits: documentation/MEMORY.md, "How the estimate is made".
 """
 
 from __future__ import annotations
@@ -42,7 +19,7 @@ import torch
 from torch import nn
 
 from simpletuner.memory.autocast import autocast_forward
-from simpletuner.precision import PRECISION_DTYPES
+from simpletuner.precision import run_dtype
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -71,8 +48,6 @@ FRAGMENTATION_FRACTION = 0.10
 #: Prodigy's state depends on ``slice_p``: see :func:`prodigy_state_bytes`.
 OPTIMIZER_STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1, "adamw_bf16": 2}
 
-# mixed_precision -> dtype, as the Trainer maps it.
-_DTYPES = PRECISION_DTYPES
 _DEVICE_KINDS = ("cuda", "cpu")
 
 
@@ -182,7 +157,7 @@ def build_meta_denoiser(config: "TrainingConfig") -> nn.Module:
     from simpletuner.models import get_model_spec
 
     spec = get_model_spec(config)
-    weight_dtype = _DTYPES[config.mixed_precision]
+    weight_dtype = run_dtype(config)
     path = str(Path(config.pretrained_model_name_or_path).expanduser())
     if spec.model_index is None:  # a clear error when the folder is not there
         raise ValueError(
@@ -206,7 +181,7 @@ def _materialize_fake(model: nn.Module, device: torch.device) -> None:
     Called inside a FakeTensorMode, so the replacements are fake (no memory). Not
     ``Module.to_empty``: it swaps tensors in place, which fake parameters refuse.
     """
-    done: dict[int, torch.Tensor] = {}  # shared (tied) parameters stay shared
+    done: dict[int, nn.Parameter] = {}  # shared (tied) parameters stay shared
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
@@ -250,7 +225,7 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
         latents, conditioning = get_model_spec(config).batch_shapes(batch_size)
     except NotImplementedError:
         raise ValueError(f"no batch shapes for model_family {config.model_family!r}") from None
-    text_dtype = _DTYPES[config.mixed_precision]
+    text_dtype = run_dtype(config)
     return TensorShape(tuple(latents), torch.float32), {
         k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()
     }
@@ -277,7 +252,7 @@ def run_fake_step(
         conditioning = {k: torch.empty(s.shape, dtype=s.dtype, device=device) for k, s in cond_shapes.items()}
         mode = make_mode(model, [latents, *conditioning.values()])
         precision = (
-            autocast_forward(model, device.type, _DTYPES[config.mixed_precision])
+            autocast_forward(model, device.type, run_dtype(config))
             if config.mixed_precision != "no"
             else nullcontext(model)
         )
@@ -357,7 +332,8 @@ def optimizer_bytes(
         return sum(automagic_state_bytes(p) for p in trainable), 4 * 4 * largest
     if config.optimizer == "prodigy":
         # Per parameter: sqrt(exp_avg_sq) + eps, p0 - p and |s|: about three copies of the largest.
-        slice_p = int(config.optimizer_config.get("slice_p", 1))
+        slice_p = config.optimizer_config.get("slice_p", 1)
+        assert isinstance(slice_p, int)  # checked with the config: a whole number >= 1
         largest = max((p.nbytes for p in trainable), default=0)
         return sum(prodigy_state_bytes(p, slice_p) for p in trainable), 3 * largest
     if config.optimizer == "adamw_bf16":
@@ -422,7 +398,7 @@ def estimate_memory(
     latents, conditioning = batch_shapes(config, batch_size)
     batch_data = latents.nbytes + sum(s.nbytes for s in conditioning.values())
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    base_dtype = _DTYPES[config.mixed_precision] if config.training_type == "lora" else torch.float32
+    base_dtype = run_dtype(config) if config.training_type == "lora" else torch.float32
     num_parameters, num_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
     trainable_dtype = trainable[0].dtype
     activations, backward_peak = trace_activations(config, batch_size, model)  # makes `model` fake

@@ -1,21 +1,11 @@
 """The estimator's two budgets: GPU memory (HBM) and CPU memory (Grace) per ``managed_memory`` mode.
 
-On a unified-memory machine (GH200, GB10) ``gh200_optimizations.managed_memory`` moves memory out
-of HBM (:mod:`simpletuner.gh200.managed_memory`). For one :class:`~simpletuner.memory.autoconfig.Estimate`
-:func:`mode_table` says what each mode keeps where:
-
-- ``caches``: everything in HBM (the estimate's total); nothing in CPU memory.
-- ``frozen_weights``: the frozen weights (the base under an adapter; for Wan 2.2 with one stage the
-  idle expert too) and the validation models live in CPU memory; HBM holds the rest plus the
-  prefetch window, ``(prefetch_blocks_ahead + 1) x`` the largest block's frozen bytes.
-- ``all``: the managed pool holds everything; HBM holds what fits of it, CPU memory the rest. It
-  fits when the total is within the pool's bound (``oversubscription_ratio x`` HBM when set, else
-  what the machine can back less :data:`~simpletuner.gh200.managed_memory.RESERVE_FRACTION`).
-
-A mode fits when its HBM is within ``safety_margin x`` usable HBM (``all``: the pool bound instead;
-HBM is filled and the rest spills) and its CPU memory within the CPU budget (host RAM less the
-reserve). On GB10 both are one memory: their sum must fit the one budget. The cheapest mode is
-the first that fits in the order of their speed cost: caches, frozen_weights, all.
+For one :class:`~simpletuner.memory.autoconfig.Estimate`, :func:`mode_table` says what each mode of
+``gh200_optimizations.managed_memory`` (:mod:`simpletuner.gh200.managed_memory`) keeps in HBM and in CPU
+memory, whether it fits (``safety_margin x`` usable HBM, or the pool bound for ``all``; the CPU budget is
+host RAM less :data:`~simpletuner.gh200.managed_memory.RESERVE_FRACTION`; on GB10 both share one budget)
+and which is the cheapest that fits: caches, frozen_weights, all, in that order.
+See documentation/MEMORY.md, "Managed-memory modes: two budgets, HBM and CPU memory".
 """
 
 from __future__ import annotations
@@ -77,7 +67,7 @@ class Budgets:
 
 
 def machine_budgets(hw, usable_bytes: int, safety_margin: float, ratio: float | None = None) -> Budgets:
-    """The :class:`Budgets` of a unified machine ``hw`` (:class:`~simpletuner.memory.hardware.HardwareInfo`)
+    """The :class:`Budgets` of a unified machine ``hw`` (:class:`~simpletuner.hardware.machine.HardwareInfo`)
     for a config whose ``oversubscription_ratio`` is ``ratio``."""
     integrated = hw.memory_kind.startswith("integrated")
     if hw.host_ram_available_bytes is not None:
@@ -96,6 +86,7 @@ def machine_budgets(hw, usable_bytes: int, safety_margin: float, ratio: float | 
     most = None if backable is None else int(backable * keep)
     side = "" if integrated else " (the GPU's NUMA node included)" if hw.hbm_in_host_memory else " + free HBM"
     problem = None
+    bound: int | None
     if ratio is not None:
         bound, pool_source = int(ratio * hbm), f"oversubscription_ratio {ratio:g} x {_g(hbm)} of GPU memory"
         if most is not None and bound > most:
@@ -344,12 +335,12 @@ class ModePlanner:
                 return plan_for(self.fits(mode)), mode
             except DoesNotFit as exc:
                 failures[mode] = exc
-        exc = failures["caches"]
+        caches = failures["caches"]
         note = (
             "\nno managed_memory mode fits either (frozen_weights: frozen weights in CPU memory; all: everything in "
             "the managed pool): run the estimate without --apply / --target-effective-batch for the per-mode table"
         )
-        raise DoesNotFit(str(exc) + note, exc.breakdown, exc.total, exc.budget) from None
+        raise DoesNotFit(str(caches) + note, caches.breakdown, caches.total, caches.budget) from None
 
 
 def discrete_note(hw) -> str:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.autoconfig import DoesNotFit, plan_batch
 from simpletuner.memory.estimator import estimate_memory
-from simpletuner.memory.hardware import detect_hardware
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig

@@ -1,26 +1,12 @@
-"""Pre-flight memory check: before the cache fill, the run's estimated host and device memory
-against what the machine has, so a run that cannot fit stops with the figures and what to change
-instead of being killed by the kernel (exit 137, no message) an hour into the cache fill.
+"""Pre-flight memory check: before the cache fill, the run's estimated host and device memory against what
+the machine has, so a run that cannot fit stops with the figures and what to change instead of being
+killed by the kernel (exit 137, no message) an hour into the cache fill.
 
-Host (CPU RAM, ``MemAvailable``, read after the datasets are scanned, so an ``in_memory``
-dataset's staged bytes are already taken out of it):
-
-- ``memory`` / ``unified_memory`` caches hold every latent and text embedding in RAM: the
-  latent of each distinct image (the family's latent shape scaled to its bucket's area, float32)
-  plus one embedding per distinct caption (the family's embedding shapes, training dtype);
-- the models in RAM: on a CPU run the VAE, text encoder(s) and the denoiser's weights (the
-  estimator's full training figure is not run here: it costs seconds per start; only weights and
-  caches are counted on CPU, so activations and optimizer state are on top, and the message says
-  so); on a GPU run nothing beyond the caches (models are loaded to the GPU).
-
-Device (CUDA only): :func:`simpletuner.memory.estimator.estimate_memory` for the config's
-micro-batch, with the validation models and DDP buckets (:mod:`.autoconfig`), against the GPU's
-free memory. On CPU there is no device check.
-
-Stops (:class:`NotEnoughMemory`, a ValueError: exit 2) when an estimate exceeds what is there;
-warns when it is above :data:`WARN_FRACTION` of it. The machine is a
-:class:`~simpletuner.memory.hardware.HardwareInfo`, so a test (or ``Trainer(hardware=...)``) can
-check a run against a small machine without allocating anything.
+Host: RAM caches and, on a CPU run, the models' weights against ``MemAvailable`` read after the scan.
+Device (CUDA only): :func:`simpletuner.memory.estimator.estimate_memory` with the extras against the GPU's
+free memory. Raises :class:`NotEnoughMemory` (a ValueError: exit 2) when over; warns above
+:data:`WARN_FRACTION`. The machine is a :class:`~simpletuner.hardware.machine.HardwareInfo`, so a test can
+check a small one. What is counted: documentation/MEMORY.md, "Pre-flight check".
 """
 
 from __future__ import annotations
@@ -32,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.advice import VALIDATION_MODELS, format_bytes
 from simpletuner.memory.autoconfig import EstimateCache, _module_bytes
-from simpletuner.memory.hardware import detect_hardware
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.data_backend.metadata import Sample
+    from simpletuner.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +59,9 @@ def _numel(shape) -> int:
     return math.prod(int(d) for d in shape)
 
 
-def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype") -> dict[str, int]:
+def cache_bytes(
+    config: TrainingConfig, spec: ModelSpec, samples: list[Sample], text_dtype: torch.dtype
+) -> dict[str, int]:
     """RAM of the ``memory`` / ``unified_memory`` caches for ``samples`` (zero rows left out);
     raises NotImplementedError when the family does not describe its batch shapes."""
     latent, conds = spec.batch_shapes(1)
@@ -87,14 +77,14 @@ def cache_bytes(config: "TrainingConfig", spec: Any, samples: list, text_dtype: 
     if cache.text_cache_type in _IN_RAM:
         # an edit pair's caption is embedded with its source: one entry per pair (``caching.keys.text_id``)
         # every line of a multi-line caption file is encoded (data_backend/captions.py)
-        captions = {c if getattr(s, "source", None) is None else (c, s.key) for s in unique for c in s.captions}
+        captions = {c if s.source is None else (c, s.key) for s in unique for c in s.captions}
         per_caption = sum(_numel(shape[1:]) for shape in conds.values()) * text_dtype.itemsize
         out[f"text-embedding cache ({cache.text_cache_type}, {len(captions)} captions)"] = per_caption * len(captions)
     return out
 
 
 def host_estimate(
-    config: "TrainingConfig", spec: Any, samples: list, text_dtype: "torch.dtype", on_gpu: bool
+    config: TrainingConfig, spec: ModelSpec, samples: list[Sample], text_dtype: torch.dtype, on_gpu: bool
 ) -> PreflightEstimate:
     """What the run holds in host RAM from the cache fill on (see the module docstring)."""
     est = PreflightEstimate()
@@ -175,10 +165,10 @@ def _advice(config: "TrainingConfig", side: str) -> str:
 
 
 def check_run_memory(
-    config: "TrainingConfig",
-    spec: Any,
+    config: TrainingConfig,
+    spec: ModelSpec,
     datasets: list,
-    text_dtype: "torch.dtype",
+    text_dtype: torch.dtype,
     hardware: Any = None,
     num_processes: int = 1,
 ) -> PreflightEstimate:
@@ -204,7 +194,13 @@ def check_run_memory(
 
 
 def _compare(
-    config, side: str, noun: str, parts: dict[str, int], have: int | None, have_word: str, notes: list[str]
+    config: TrainingConfig,
+    side: str,
+    noun: str,
+    parts: dict[str, int],
+    have: int | None,
+    have_word: str,
+    notes: list[str],
 ) -> None:
     total = sum(parts.values())
     if not parts or have is None:

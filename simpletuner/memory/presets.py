@@ -1,20 +1,11 @@
 """Hardware presets: named sets of config keys, each with the reason it is chosen.
 
-A preset is one JSON file in ``config/presets/``::
-
-    {"name": "gb10_conservative", "hardware": "GB10 / DGX Spark (128 GB shared LPDDR5X)",
-     "model_family": "wan", "workload": "Wan 2.2 T2V A14B LoRA (...)",
-     "gpu": "gb10", "gpu_memory_gb": null, "description": "...",
-     "settings": {"train_batch_size": 1, "cache_config": {"vae_cache_type": "disk"}, ...},
-     "why": {"train_batch_size": "...", "cache_config.vae_cache_type": "...", ...}}
-
-``settings`` holds real ``TrainingConfig`` keys (nested sections such as ``cache_config`` as
-objects); ``why`` gives one reason per setting, keyed by its dotted path. ``model_family`` and
-``workload`` say what the values were chosen for: a preset tuned for one model does not carry
-over to another, so :func:`apply_preset` refuses a config of another family. ``gpu`` (a name
-:func:`~simpletuner.memory.hardware.resolve_gpu_name` knows) and ``gpu_memory_gb`` say which
-machine ``simpletuner estimate`` plans for with the preset. :func:`load_preset` checks the
-file's shape; a test merges every preset into a minimal config and validates it.
+A preset is one JSON file in ``config/presets/`` with ``name``, ``hardware``, ``model_family``,
+``workload``, ``gpu`` / ``gpu_memory_gb`` (what ``simpletuner estimate`` plans for), ``description``,
+``settings`` (real ``TrainingConfig`` keys, sections as objects) and ``why`` (one reason per setting, by
+dotted path). :func:`load_preset` checks the file's shape; :func:`apply_preset` refuses a config of
+another ``model_family``, since a preset tuned for one model does not carry over.
+See documentation/MEMORY.md, "Presets".
 """
 
 from __future__ import annotations
@@ -191,8 +182,8 @@ def _machine_flags(preset: Preset) -> str:
     return " ".join(flags)
 
 
-def _lookup(config: Any, dotted: str) -> Any:
-    value = config
+def _lookup(config: TrainingConfig, dotted: str) -> Any:
+    value: Any = config
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
@@ -221,7 +212,7 @@ class SettingDifference:
         return self.config_value == self.preset_value
 
 
-def compare_with_preset(preset: Preset, config: Any, raw: dict[str, Any]) -> list[SettingDifference]:
+def compare_with_preset(preset: Preset, config: TrainingConfig, raw: dict[str, Any]) -> list[SettingDifference]:
     """Each of the preset's settings against a validated ``config`` (``raw``: its JSON, to tell defaults)."""
     out = []
     for key, value in preset.flat_settings().items():
@@ -307,22 +298,16 @@ def check_preset_fits(preset: Preset, raw: dict[str, Any]) -> None:
 def apply_preset(
     raw: dict[str, Any], preset: Preset | str, directory: Path | None = None
 ) -> tuple[dict[str, Any], list[str]]:
-    """Merge a preset into a raw config (its JSON object, before validation); what the config sets wins.
+    """Merge a preset (a :class:`Preset` or a name in ``directory``) into ``raw``, a config's JSON object
+    before validation, which is not changed; what the config sets wins.
 
-    Args:
-        raw: the config's JSON object (not changed).
-        preset: a :class:`Preset`, or a preset name looked up in ``directory`` (default :data:`PRESETS_DIR`).
-
-    Returns:
-        ``(merged, lines)``: a deep copy of ``raw`` with every preset setting the config does not set
-        (nested sections such as ``cache_config`` merged key by key; other values, ``cuda_allocator``'s
-        object too, taken whole), and one human line per preset setting saying its effective value and
-        whether it came from the preset or the config, after a heading line.
+    Returns ``(merged, lines)``: a deep copy with every preset setting the config leaves unset (sections such
+    as ``cache_config`` merged key by key; other values taken whole), and a heading line plus one line per
+    preset setting with its effective value and where it came from.
 
     Raises:
-        ValueError: an unknown preset name (the message lists the known presets), a preset file that
-            is malformed, or a preset made for another ``model_family`` than the config's (the message
-            names both and the presets that would fit).
+        ValueError: an unknown preset name (listing the known ones), a malformed preset file, or a preset
+            made for another ``model_family`` (naming both and the presets that would fit).
     """
     if not isinstance(preset, Preset):
         preset = load_preset(preset, PRESETS_DIR if directory is None else directory)

@@ -2,7 +2,7 @@
 
 :func:`compute_estimate` does the work (resolves the machine, estimates the config or plans its
 batch split, writes the plan with ``--apply``) into an :class:`EstimateReport` (``--profile``'s
-measurement is added by the command, which runs the trainer: :mod:`simpletuner.memory.estimate_command`);
+:class:`ProfileResult` is added by the command, which runs the trainer: :mod:`simpletuner.cli.profile`);
 :meth:`EstimateReport.lines` and :meth:`EstimateReport.as_dict` render it. :func:`resolve_machine`
 says which machine an estimate is judged against.
 """
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from simpletuner.configuration import load_config, validate_config
 from simpletuner.configuration.launcher import resolve_launcher_settings
 from simpletuner.configuration.loader import read_raw_config
-from simpletuner.memory import hardware, managed_plan
+from simpletuner.hardware import machine as hardware
+from simpletuner.memory import managed_plan
 from simpletuner.memory.advice import does_not_fit_advice, format_bytes
 from simpletuner.memory.apply import ApplyResult, apply_updates, describe_changes
 from simpletuner.memory.autoconfig import (
@@ -32,7 +33,6 @@ from simpletuner.memory.estimator import GiB
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
-    from simpletuner.memory.profile import ProfileResult
 
 
 def _gib(nbytes: int | None) -> str:
@@ -87,7 +87,8 @@ def resolve_machine(gpu: str | None, gpu_memory_gb: float | None, detect=None) -
                 ],
             )
         lines = hw.describe()
-        if hw.gpu_free_bytes is not None and hw.usable_memory_bytes and hw.gpu_free_bytes < 0.9 * hw.gpu_memory_bytes:
+        free, total = hw.gpu_free_bytes, hw.gpu_memory_bytes
+        if free is not None and total and hw.usable_memory_bytes and free < 0.9 * total:
             lines.append(
                 f"note: {_gib(hw.gpu_free_bytes)} free now; something else holds GPU memory, and the estimate "
                 "is judged against the whole"
@@ -201,6 +202,50 @@ def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, li
     ), launch.overrides
 
 
+@dataclass(frozen=True)
+class ProfileResult:
+    """Measured peaks of the training steps (bytes) beside the estimate's matching figures."""
+
+    steps: int
+    measured_allocated: int  # torch.cuda.max_memory_allocated over the steps
+    measured_reserved: int  # torch.cuda.max_memory_reserved over the steps
+    measured_outside_allocator: int | None  # device used minus reserved after the steps: context, libraries
+    estimated_allocated: int  # total - CUDA context - fragmentation
+    estimated_reserved: int  # total - CUDA context
+    estimated_outside_allocator: int  # the CUDA context constant
+    estimated_total: int
+    device_name: str
+
+    @property
+    def measured_total(self) -> int | None:
+        if self.measured_outside_allocator is None:
+            return None
+        return self.measured_reserved + self.measured_outside_allocator
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "measured_total": self.measured_total}
+
+    def table(self) -> str:
+        rows = [
+            ("allocated peak (tensors, workspaces)", self.estimated_allocated, self.measured_allocated),
+            ("reserved peak (+ fragmentation)", self.estimated_reserved, self.measured_reserved),
+            ("outside the allocator (CUDA context)", self.estimated_outside_allocator, self.measured_outside_allocator),
+            ("process total", self.estimated_total, self.measured_total),
+        ]
+        lines = [
+            f"profile: {self.steps} real training steps on {self.device_name}",
+            f"{'':<40}{'estimate':>10}{'measured':>10}{'error':>10}",
+        ]
+        for name, est, meas in rows:
+            if meas is None:
+                lines.append(f"{name:<40}{est / GiB:>10.2f}{'n/a':>10}")
+                continue
+            error = f"{100 * (est - meas) / meas:+.1f}%" if meas else "n/a"
+            lines.append(f"{name:<40}{est / GiB:>10.2f}{meas / GiB:>10.2f}{error:>10}")
+        lines.append("(GiB; error = (estimate - measured) / measured: positive means the estimate is on the safe side)")
+        return "\n".join(lines)
+
+
 @dataclass
 class EstimateReport:
     """What ``simpletuner estimate --config`` found: the config's estimate and verdict, or (auto-config)
@@ -215,9 +260,9 @@ class EstimateReport:
     seconds: float = 0.0
     #: Against a GPU's memory: whether it fits, the line that says how well, what would help if not.
     fits: bool | None = None
-    verdict: str | None = None
-    advice: str | None = None
-    profile: "ProfileResult | None" = None  # --profile: filled in by the command (it runs the trainer)
+    verdict: str = ""
+    advice: str = ""
+    profile: ProfileResult | None = None  # --profile: filled in by the command (it runs the trainer)
     #: Auto-config: the plan, the config keys it changes, and what ``--apply`` wrote.
     plan: Plan | None = None
     updates: dict[str, Any] = field(default_factory=dict)
@@ -254,10 +299,12 @@ class EstimateReport:
                 }
             return out
         estimate = self.estimate
+        assert estimate is not None, "a report holds a plan or an estimate"
         out.update(estimate=estimate.breakdown.as_dict(), extras=estimate.extras, total_bytes=estimate.total)
         out["from_estimate_cache"] = estimate.cached
-        if self.fits is not None:
-            out.update(fits=self.fits, headroom_bytes=self.machine.usable_bytes - estimate.total)
+        usable = self.machine.usable_bytes
+        if self.fits is not None and usable is not None:  # fits is judged only against a known memory size
+            out.update(fits=self.fits, headroom_bytes=usable - estimate.total)
             if not self.fits:
                 out["advice"] = self.advice
         if self.profile is not None:
@@ -269,8 +316,9 @@ class EstimateReport:
         usable = self.machine.usable_bytes
         text = [*self.machine.lines, ""]
         if self.plan is not None:
-            return text + self._plan_text(usable)
+            return text + self._plan_text(self.plan, usable)
         estimate = self.estimate
+        assert estimate is not None, "a report holds a plan or an estimate"
         text += [estimate.breakdown.table(usable), *_extras_lines(estimate, usable)]
         made = (
             "read from the estimate cache: an earlier run estimated the same model folder, config and code "
@@ -298,8 +346,7 @@ class EstimateReport:
             )
         return lines
 
-    def _plan_text(self, usable: int | None) -> list[str]:
-        plan = self.plan
+    def _plan_text(self, plan: Plan, usable: int | None) -> list[str]:
         text = _plan_lines(plan, self.config, self.picked_mode if self.managed is not None else None) + [
             "",
             plan.estimate.breakdown.table(usable),
@@ -359,32 +406,33 @@ def compute_estimate(args, margin: float) -> EstimateReport:
     config = loaded.config
     machine = resolve_machine(args.gpu, args.gpu_memory)
     machine.lines.append(precision_line)
-    if auto and machine.usable_bytes is None:
-        raise ValueError(
-            "auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
-            "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB"
-        )
+    usable = machine.usable_bytes
     report = EstimateReport(str(args.config), config, machine, margin)
     estimates = EstimateCache(config, args.num_processes)
-    modes = managed_plan.ModePlanner.for_machine(config, machine.hardware, machine.usable_bytes, margin)
-    if modes is None and machine.usable_bytes is not None:
+    modes = managed_plan.ModePlanner.for_machine(config, machine.hardware, usable, margin)
+    if modes is None and usable is not None:
         report.managed_note = managed_plan.discrete_note(machine.hardware)
     if not auto:
         start = time.perf_counter()
         report.estimate = estimates(config.train_batch_size, config.gradient_checkpointing)
         report.seconds = time.perf_counter() - start
-        if machine.usable_bytes is not None:
-            report.fits, report.verdict = _verdict(report.estimate, machine.usable_bytes, margin)
+        if usable is not None:
+            report.fits, report.verdict = _verdict(report.estimate, usable, margin)
             if not report.fits:
-                report.advice = does_not_fit_advice(config, report.estimate, machine.usable_bytes)
+                report.advice = does_not_fit_advice(config, report.estimate, usable)
             if modes is not None:
                 _judge_modes(report, modes.table(report.estimate))
         return report
+    if usable is None:
+        raise ValueError(
+            "auto-config needs a GPU's memory to plan for, and this machine has no CUDA device: "
+            "pass --gpu NAME (e.g. --gpu h100, --gpu gb10) or --gpu-memory GB"
+        )
 
     def plan_for(fits=None) -> Plan:
         return plan_batch(
             config,
-            machine.usable_bytes,
+            usable,
             args.target_effective_batch,
             safety_margin=margin,
             num_processes=args.num_processes,

@@ -1,18 +1,10 @@
 """Live bytes during one fake training step, by kind: what the estimator reads from the step.
 
-:class:`StepMemory` is a dispatch mode that sees every op of the step (forward, backward,
-recomputation under gradient checkpointing) and keeps, per tensor storage, its kind and size, so
-that it knows at every op how many bytes are live: parameters, buffers, the batch (``OTHER``),
-parameter gradients, and everything else the step made (activations and backward temporaries).
-
-It counts as ``torch.distributed._tools.mem_tracker.MemTracker`` counts (storages seen by the
-dispatch mode, freed when their storage is collected, gradients re-classified by parameter hooks,
-``UntypedStorage.resize_`` followed), without its per-module bookkeeping: MemTracker wraps every
-module call in forward and backward hooks and copies a snapshot at each, which took more than half
-of an estimate's trace. Only the global peaks are kept here. For LoRA the two figures are the ones
-MemTracker gave, byte for byte; for a full fine-tune its hooks kept some tensors alive that a real
-step has freed (~100 KB at the tiny UNet's peak), and this peak is the real step's
-(tests/test_step_memory.py).
+:class:`StepMemory` is a dispatch mode that sees every op of the step (forward, backward, recomputation)
+and keeps, per tensor storage, its kind and size: parameters, buffers, the batch (``OTHER``), parameter
+gradients, and everything else. It counts as torch's ``MemTracker`` does, without its per-module
+snapshots (more than half of an estimate's trace); only the global peaks are kept. How it compares with
+MemTracker: documentation/MEMORY.md, "How the estimate is made".
 """
 
 from __future__ import annotations
@@ -63,8 +55,8 @@ class StepMemory(TorchDispatchMode):
     # --- storages ---
     def _add(self, storage, kind: str) -> None:
         nbytes = storage.nbytes()
-        entry = [kind, nbytes, None]
-        entry[2] = weakref.ref(storage, lambda _ref, e=entry: self._free(e))
+        entry: list[Any] = [kind, nbytes, None]
+        entry[2] = weakref.ref(storage, lambda _ref: self._free(entry))
         self._info[storage] = entry
         self.live[kind] += nbytes
         self.total += nbytes

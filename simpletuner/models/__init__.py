@@ -1,4 +1,4 @@
-"""Model families behind the ModelSpec contract, and the tiny model zoo."""
+"""Model families behind the ModelSpec contract (tiny random-weight ones to test with: simpletuner.testing.zoo)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,11 @@ from simpletuner.models.wan22_ti2v import Wan22TI2VSpec, expands_timesteps  # no
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
-#: Family name (the config's ``model_family``; the families are listed in
-#: ``simpletuner.configuration.families``) -> its ModelSpec class (the base of a family with variants).
+#: Family name (the config's ``model_family``, keyed by each spec's own ``family``; a test keeps it equal to
+#: ``simpletuner.configuration.families.FAMILIES``) -> its ModelSpec class (the base of a family with variants).
 MODEL_FAMILIES: dict[str, type[ModelSpec]] = {
-    "sd": StableDiffusionSpec,
-    "sdxl": StableDiffusionXLSpec,
-    "sd3": StableDiffusion3Spec,
-    "flux": FluxSpec,
-    "wan": WanSpec,
-    "qwen_image": QwenImageSpec,
+    spec.family: spec
+    for spec in (StableDiffusionSpec, StableDiffusionXLSpec, StableDiffusion3Spec, FluxSpec, WanSpec, QwenImageSpec)
 }
 
 

@@ -1,35 +1,10 @@
-"""Flux.1 (dev / schnell): a FluxTransformer2DModel (MMDiT + single-stream blocks, rotary ids,
-optional guidance embedding), a 16-channel AutoencoderKL, a CLIP-L text encoder (pooled output
-only) and a T5 encoder.
+"""Flux.1 (dev / schnell): FluxTransformer2DModel, a 16-channel AutoencoderKL, CLIP-L (pooled output only) and T5.
 
-Conditioning, as ``FluxPipeline.encode_prompt`` makes it, cached per caption:
-
-* ``prompt_embeds``: T5 last hidden states, padded to ``T5_MAX_LENGTH`` (512, the pipeline's
-  default ``max_sequence_length``) - ``[512, d_model]``.
-* ``pooled_prompt_embeds``: the CLIPTextModel's ``pooler_output`` (``[hidden_size]``).
-
-The text ids (zeros ``[seq, 3]``) and the latent image ids (``FluxPipeline._prepare_latent_image_ids``
-at half the latent resolution) are rebuilt at train time, they depend only on the shapes.
-
-Latents are ``(mode - shift_factor) * scaling_factor`` of the VAE, cached unpacked
-``[16, h, w]``; ``training_loss`` packs them into 2x2 patches ``[B, (h/2)(w/2), 64]`` with
-``FluxPipeline._pack_latents`` and computes the loss **in packed space** (packing is a
-permutation, so the per-sample mean squared error equals the unpacked one).
-
-Training is rectified flow matching, as sd3: ``sigma`` is drawn by ``timestep_sampling`` and then
-shifted. When ``flow_shift`` is set it is the static shift ``shift * s / (1 + (shift - 1) * s)``;
-otherwise, when the scheduler config has ``use_dynamic_shifting`` (Flux dev), the shift depends on
-the image sequence length as in the pipeline: ``mu = calculate_shift(seq_len, base_image_seq_len,
-max_image_seq_len, base_shift, max_shift)``, ``sigma' = e^mu / (e^mu + (1 / sigma - 1))``; otherwise
-the scheduler's static ``shift``. ``noisy = (1 - sigma) * x + sigma * noise``, the target is
-``noise - x`` and the transformer sees ``timestep = sigma`` (the pipeline passes ``t / 1000``).
-
-Guidance: a guidance-distilled transformer (``guidance_embeds``, Flux dev) gets the embedded
-guidance SimpleTuner's keys say (:meth:`FluxSpec.training_guidance`): ``flux_guidance_mode``
-``constant`` gives every sample ``flux_guidance_value`` (default 1.0, SimpleTuner's default; diffusers'
-train_dreambooth_lora_flux.py defaults to ``--guidance_scale`` 3.5), ``random-range`` one uniform draw
-per sample in [``flux_guidance_min``, ``flux_guidance_max``). Schnell (no guidance embedding) gets
-``guidance=None`` and refuses those keys at any value but their default.
+Conditioning is ``FluxPipeline.encode_prompt``'s, cached per caption (T5 states padded to ``T5_MAX_LENGTH``,
+the CLIP pooled output); latents are cached unpacked ``[16, h, w]`` and packed 2x2 by ``training_loss``, which
+takes the loss in packed space. Rectified flow with the pipeline's dynamic shift unless ``flow_shift`` is set;
+embedded guidance: :meth:`FluxSpec.training_guidance`. The math next to diffusers' script and SimpleTuner:
+documentation/MODEL_FAMILIES.md, "SD3 and Flux".
 """
 
 from __future__ import annotations
@@ -39,6 +14,7 @@ from typing import Any
 
 import torch
 
+from simpletuner.configuration import TrainingConfig
 from simpletuner.configuration.families import family_keys_changed
 from simpletuner.models.packed import PackedFlowSpec
 from simpletuner.models.spec import save_transformer_lora
@@ -97,7 +73,7 @@ class FluxSpec(PackedFlowSpec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         transformer = self._component_config(self.denoiser_name)
         if transformer is not None:  # a hub id: checked when the transformer loads

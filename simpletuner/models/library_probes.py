@@ -1,31 +1,11 @@
 """Quiet model libraries: no torchao unless a run uses it, no torchvision fallback notices.
 
-:func:`quiet_model_libraries` (called when :mod:`simpletuner.models` is imported, before any
-model library loads) does both things below.
-
-**torchao.**
-Those libraries ask "is torchao installed?" (``importlib.util.find_spec``) and, when it is,
-import it on their own: transformers and diffusers when a model class is first imported (to
-load torchao-serialised checkpoints, which simpletuner never does: ours quantises through
-:mod:`simpletuner.models.adapters.quantize`), peft when it wraps a layer in a LoRA. With torchao
-installed (the ``torchao`` extra, or the test extras) that costs ~0.5 s per process and prints
-``Failed to load .../torchao/_C_mxfp8...`` and ``Unable to import `torchao` Tensor objects``.
-
-None of the three has a setting to turn the probe off, so :func:`hide_torchao_from_library_probes`
-answers it for them, once: ``torchao`` is briefly marked as not importable (``sys.modules``
-entry ``None``, the standard way to block an import) while their cached answers are computed,
-then unmarked, so ``import torchao`` itself works as before. :func:`torchao_in_use` gives peft
-the true answer again when a config quantises with torchao (``base_model_precision``
-``int8_torchao`` / ``fp8_torchao``), so its torchao-aware LoRA layers are used there.
-optimum-quanto and lycoris are not probed by those libraries: simpletuner imports them itself,
-only when the config asks for them.
-
-**torchvision.** transformers 5 names its torchvision-backed image processors by the plain
-class name and, without torchvision (simpletuner does not depend on it), falls back to the PIL
-one, warning ``[transformers] `CLIPImageProcessor` requires torchvision (not installed);
-falling back to `CLIPImageProcessorPil`...`` once per class whenever a pipeline module is
-imported. The PIL processor is what we want; :class:`TorchvisionFallbackFilter` drops exactly
-that message from the one logger that emits it, and nothing else.
+:func:`quiet_model_libraries` (called when :mod:`simpletuner.models` is imported, before any model library
+loads) makes transformers', diffusers' and peft's "is torchao installed?" probes answer no
+(:func:`hide_torchao_from_library_probes`; ``import torchao`` itself still works), until
+:func:`torchao_in_use` gives peft the true answer for a config that quantises with torchao; and installs
+:class:`TorchvisionFallbackFilter`, which drops transformers' "falling back to the PIL image processor"
+warning and nothing else. Why and what it saves: documentation/MODEL_FAMILIES.md, "Quiet model libraries".
 """
 
 from __future__ import annotations
@@ -69,7 +49,8 @@ def hide_torchao_from_library_probes() -> bool:
     """
     if _TORCHAO in sys.modules or importlib.util.find_spec(_TORCHAO) is None:
         return False
-    sys.modules[_TORCHAO] = None  # find_spec() -> None, `import torchao` -> ModuleNotFoundError, for now
+    # find_spec() -> None, `import torchao` -> ModuleNotFoundError, for now (typeshed types the values as modules only)
+    sys.modules[_TORCHAO] = None  # type: ignore[assignment]
     try:
         import diffusers.utils.import_utils  # noqa: F401  computes diffusers' _torchao_available on import
         import peft.import_utils

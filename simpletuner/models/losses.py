@@ -1,28 +1,23 @@
 """The per-sample loss every family takes (``loss_type``), its Huber threshold schedule, and the
 regularisation ("parent-student") target: the frozen base model's own prediction.
 
-``loss_type``:
-  ``l2``         mean squared error (the default; the same arithmetic as before it existed).
-  ``huber``      pseudo-Huber scaled by ``c``: ``2 c (sqrt(d^2 + c^2) - c)``, ~``d^2`` for ``|d| << c``,
-                 ~``2 c |d|`` for ``|d| >> c``.
-  ``smooth_l1``  the same curve without the factor ``c``: ``2 (sqrt(d^2 + c^2) - c)``, ~``d^2 / c`` near 0,
-                 ~``2 |d|`` far out. (SimpleTuner's formula, not ``torch.nn.functional.smooth_l1_loss``.)
-Each is taken element-wise and averaged over every dimension but the batch, so the result is [B].
-
-The threshold ``c`` follows ``huber_schedule`` over the noise level: ``constant`` (``huber_c``),
-``exponential`` (1 at the cleanest step, ``huber_c`` at the noisiest) or ``snr`` (near 1 where the
-signal dominates, falling to ``huber_c`` as the noise grows).
+``l2`` is the mean squared error; ``huber`` the pseudo-Huber ``2 c (sqrt(d^2 + c^2) - c)``; ``smooth_l1``
+the same curve without the factor ``c`` (SimpleTuner's formula, not ``torch.nn.functional.smooth_l1_loss``).
+Each is taken element-wise and averaged over every dimension but the batch: the result is [B]. ``c`` follows
+``huber_schedule`` over the noise level. See documentation/MODEL_FAMILIES.md, "Timesteps and loss types".
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from simpletuner.configuration import TrainingConfig
 
 LOSS_TYPES = ("l2", "huber", "smooth_l1")
 HUBER_SCHEDULES = ("snr", "exponential", "constant")
@@ -80,11 +75,21 @@ def flow_huber_c(sigmas: torch.Tensor, schedule: str, huber_c: float) -> float |
     raise ValueError(f"huber_schedule {schedule!r} is not one of {', '.join(HUBER_SCHEDULES)}")
 
 
-def uses_parent_target(config, is_regularisation_data: bool) -> bool:
+def uses_parent_target(config: TrainingConfig, is_regularisation_data: bool) -> bool:
     """Whether a batch trains towards the base model's prediction: regularisation data in an adapter
     run (``training_type: lora``). A full fine-tune has no base model left to ask: it trains such
     batches on the usual target, as SimpleTuner does."""
     return is_regularisation_data and config.training_type == "lora"
+
+
+@runtime_checkable
+class _Network(Protocol):
+    """A LyCORIS network (duck-typed: lycoris is an optional dependency)."""
+
+    loras: list[nn.Module]
+    multiplier: float
+
+    def set_multiplier(self, multiplier: float) -> None: ...
 
 
 @contextlib.contextmanager
@@ -101,7 +106,7 @@ def adapters_disabled(denoiser: nn.Module) -> Iterator[None]:
 
     modules = list(denoiser.modules())
     peft_layers = [m for m in modules if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
-    networks = [m for m in modules if hasattr(m, "loras") and hasattr(m, "set_multiplier")]
+    networks = [m for m in modules if isinstance(m, _Network)]
     if not peft_layers and not networks:
         raise ValueError(
             f"{type(denoiser).__name__} has no active LoRA/LyCORIS adapter: regularisation data needs the base "

@@ -1,18 +1,10 @@
 """Timestep sampling and loss weighting, shared by every family.
 
-Two schedule kinds exist: DDPM-style (integer timesteps, ``alphas_cumprod``; sd, sdxl) and flow
-matching (a noise level ``sigma`` in (0, 1); sd3, flux, wan). The sampling distributions are the
-same for both — ``uniform``, ``logit_normal`` (``sigmoid(N(-logit_mean, logit_std))``, more weight
-mid-schedule) and ``mode`` (SD3's mode sampling with ``mode_scale``) — drawn as ``u`` in (0, 1), the
-noise level: flow matching then applies the resolution ``shift``, DDPM scales ``u`` to a timestep index.
-
-The sign of ``logit_mean`` is diffusers' scripts': they draw ``u = sigmoid(N(logit_mean, logit_std))``
-(``training_utils.compute_density_for_timestep_sampling``) and look it up in the flow scheduler's
-descending timestep table (``timesteps[(u * 1000).long()]``), so their sigma is about ``1 - u``:
-positive means less noise. Drawing ``N * logit_std - logit_mean`` gives that distribution and keeps
-mean 0 drawing exactly the values it always drew.
-DDPM families may also shift their noise per sample and channel (:func:`offset_noise`).
+The same distributions (``uniform``, ``logit_normal``, ``mode``) draw ``u`` in (0, 1), the noise level, for
+DDPM families (scaled to a timestep index) and flow matching ones (then shifted); ``logit_mean`` has the sign
+of diffusers' scripts. DDPM families may also shift their noise per sample and channel (:func:`offset_noise`).
 All draws come from the caller's CPU generator, so a resumed run draws the same values.
+See documentation/MODEL_FAMILIES.md, "Timesteps and loss types" and "logit_mean".
 """
 
 from __future__ import annotations

@@ -65,11 +65,11 @@ class PackedFlowSpec(FlowMatchingSpec):
             self.load_noise_scheduler().config.get("use_dynamic_shifting", False)
         )
 
-    def sample_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
+    def sample_packed_sigmas(self, batch_size: int, generator: torch.Generator, image_seq_len: int) -> torch.Tensor:
         """[B] noise levels in (0, 1), drawn from ``generator``: with the dynamic shift at
-        ``image_seq_len`` packed tokens, else with the static one (:class:`FlowMatchingSpec`)."""
+        ``image_seq_len`` packed tokens, else with the static one (:meth:`sample_sigmas`)."""
         if not self.dynamic_shift:
-            return super().sample_sigmas(batch_size, generator)
+            return self.sample_sigmas(batch_size, generator)
         cfg = self.config
         u = noise_lib.sample_u(
             batch_size, generator, cfg.timestep_sampling, cfg.logit_mean, cfg.logit_std, cfg.mode_scale
@@ -99,7 +99,7 @@ class PackedFlowSpec(FlowMatchingSpec):
             latents,
             generator,
             predict,
-            sample_sigmas=lambda size, gen: self.sample_sigmas(size, gen, (h // 2) * (w // 2)),
+            sample_sigmas=lambda size, gen: self.sample_packed_sigmas(size, gen, (h // 2) * (w // 2)),
             layout=pack_latents,
             denoiser=denoiser,
             is_regularisation_data=is_regularisation_data,

@@ -1,41 +1,11 @@
-"""Qwen-Image (text-to-image): a QwenImageTransformer2DModel (MMDiT, 60 blocks at release), the
-video-style AutoencoderKLQwenImage (a frame axis, /8 spatially, 16 channels), a
-Qwen2_5_VLForConditionalGeneration used as text encoder with a Qwen2 tokenizer, and a
-FlowMatchEulerDiscreteScheduler with the resolution-dependent (dynamic) shift.
+"""Qwen-Image (text-to-image): QwenImageTransformer2DModel (MMDiT), the video-style AutoencoderKLQwenImage,
+Qwen2.5-VL as text encoder and a FlowMatchEulerDiscreteScheduler with the dynamic shift.
 
-Conditioning, as ``QwenImagePipeline.encode_prompt`` makes it, cached per caption in a fixed
-shape (the text cache stacks a batch, so every caption has the same length):
-
-* ``prompt_embeds`` ``[QWEN_MAX_LENGTH, hidden]``: the caption is put in the pipeline's chat
-  template (:data:`PROMPT_TEMPLATE`), tokenized (at most ``1024 + 34`` tokens), run through the
-  text encoder; the last hidden states of the real (unmasked) tokens are kept, the template's
-  first :data:`TEMPLATE_DROP` tokens (its system prompt) are dropped, the rest is cut to
-  :data:`QWEN_MAX_LENGTH` (512, the pipeline's ``__call__`` default ``max_sequence_length``) and
-  zero-padded to it.
-* ``prompt_embeds_mask`` ``[QWEN_MAX_LENGTH]`` (int64): 1 for the caption's tokens, 0 for the padding.
-
-At train time the batch is cut back to its longest caption (``mask.sum(1).max()`` tokens) before
-the transformer sees it, and the mask is dropped when no caption in the batch is padded, as the
-pipeline does: the transformer's joint attention never attends to padding, and the text rotary
-positions of the kept tokens do not depend on the padded length, so the prediction is the one
-the pipeline's unpadded embeddings give. (The memory estimate runs at the full 512 tokens, the
-largest a caption can take.)
-
-Latents: the VAE takes ``[B, 3, F, H, W]``; an image is one frame. ``encode_images`` gives
-``(mode - latents_mean) / latents_std`` per channel (the inverse of the pipeline's decode,
-``latents * latents_std + latents_mean``) and drops the frame axis: cached **4-D per batch,
-``[C, h, w]`` per sample**. ``training_loss`` packs them into 2x2 patches
-``[B, (h/2)(w/2), 4C]`` (``QwenImagePipeline._pack_latents``) and computes the loss in packed
-space; the transformer gets ``img_shapes = [[(1, h/2, w/2)]] * B``.
-
-Training is rectified flow matching as every flow family: ``noisy = (1 - sigma) * x + sigma * noise``,
-target ``noise - x``, and the transformer sees ``timestep = sigma`` (the pipeline passes
-``t / 1000``). ``sigma`` is drawn by ``timestep_sampling`` and shifted: with ``flow_shift`` set,
-the static shift; otherwise, when the scheduler config has ``use_dynamic_shifting`` (Qwen-Image
-does), the pipeline's shift at the packed sequence length: ``mu = calculate_shift(seq_len,
-base_image_seq_len, max_image_seq_len, base_shift, max_shift)`` and ``e^mu / (e^mu + (1/sigma - 1))``
-(``time_shift_type: exponential``) or ``mu / (mu + (1/sigma - 1))`` (``linear``). The scheduler's
-``shift_terminal`` only stretches the inference schedule and plays no part in training.
+Conditioning is ``QwenImagePipeline.encode_prompt``'s in the chat template (:data:`PROMPT_TEMPLATE`, the
+first :data:`TEMPLATE_DROP` tokens dropped), cached at a fixed :data:`QWEN_MAX_LENGTH` with
+``prompt_embeds_mask`` and cut back to the batch's longest caption at train time. Latents are cached 4-D
+(``[C, h, w]`` per sample) and packed 2x2 for the loss. Step by step, with the pipeline's lines:
+documentation/MODEL_FAMILIES.md, "Qwen-Image".
 """
 
 from __future__ import annotations
@@ -126,15 +96,15 @@ class QwenImageSpec(PackedFlowSpec):
         """Also the text encoder's own ``config.json``: a folder whose ``model_index.json`` says
         Qwen2.5-VL but whose ``text_encoder`` holds another model is refused before anything loads."""
         super().check_model_folder()
-        text = self._component_config("text_encoder")
-        if not text:
+        root, text = self.local_root, self._component_config("text_encoder")
+        if root is None or not text:
             return
         found = text.get("architectures") or []
         model_type = text.get("model_type")
         if (found and TEXT_ENCODER_CLASS not in found) or (model_type and model_type != TEXT_ENCODER_MODEL_TYPE):
             named = ", ".join(found) if found else f"model_type {model_type!r}"
             raise ValueError(
-                f"{self.local_root / 'text_encoder' / 'config.json'} describes {named}; model family 'qwen_image' "
+                f"{root / 'text_encoder' / 'config.json'} describes {named}; model family 'qwen_image' "
                 f"needs the text encoder {TEXT_ENCODER_CLASS} (model_type {TEXT_ENCODER_MODEL_TYPE!r}), the Qwen2.5-VL "
                 "model Qwen-Image was trained with. Put that model's text_encoder folder in place, or point "
                 "`pretrained_model_name_or_path` at a Qwen-Image pipeline folder"

@@ -1,35 +1,10 @@
-"""Qwen-Image-Edit: Qwen-Image (:mod:`simpletuner.models.qwen_image`) edited from a source image,
-as ``QwenImageEditPipeline`` does it. A variant of the ``qwen_image`` family, chosen when the
-folder's ``model_index.json`` says ``QwenImageEditPipeline``; its folder adds a ``processor``
-(``Qwen2VLProcessor``: the Qwen2.5-VL image processor and the tokenizer).
+"""Qwen-Image-Edit: Qwen-Image (:mod:`simpletuner.models.qwen_image`) edited from a source image, as
+``QwenImageEditPipeline`` does it; the ``qwen_image`` variant for a ``QwenImageEditPipeline`` folder.
 
-The source image enters twice, as in the pipeline:
-
-* **In the prompt.** The instruction is put in the edit template (:data:`EDIT_PROMPT_TEMPLATE`), whose
-  user turn starts with ``<|vision_start|><|image_pad|><|vision_end|>``; the processor resizes the
-  source to a multiple of ``patch_size * merge_size`` pixels within ``min_pixels`` / ``max_pixels``
-  (``smart_resize``) and widens ``<|image_pad|>`` to one token per ``merge_size x merge_size`` patches;
-  the text encoder (Qwen2.5-VL, its vision tower included) sees the pixels and the tokens. The last
-  hidden states of the real tokens are kept without the template's first :data:`EDIT_TEMPLATE_DROP`
-  (64, its system prompt): the image tokens, the two vision markers, the caption and the template's
-  end. Cached per sample at a fixed length for its image size, :func:`edit_prompt_length` (image
-  tokens + :data:`EDIT_TEMPLATE_KEPT` + ``QWEN_MAX_LENGTH`` caption tokens), zero-padded, with
-  ``prompt_embeds_mask``; longer captions are cut to that length (the edit pipeline does not cut;
-  this cuts the end as ``QwenImagePipeline`` does at ``max_sequence_length``). A batch is one bucket,
-  so one length: it stacks, and :meth:`QwenImageSpec.text_inputs` cuts it to its longest entry.
-* **As latents.** The source is VAE-encoded as the target (mode, ``(x - mean) / std``); the cached
-  latents are ``cat([target latents, source latents])`` on the channel axis (``2 * z_dim``).
-
-Training: the target latents are noised and packed as Qwen-Image's, the source latents packed and never
-noised; the transformer sees ``cat([noisy, source])`` on the sequence axis with
-``img_shapes = [[(1, h/2, w/2), (1, h/2, w/2)]] * B``, and its prediction is cut back to the target's
-tokens; the loss is the flow-matching one on the target alone. The dynamic sigma shift is taken at the
-target's packed length (the pipeline's ``mu`` comes from ``latents.shape[1]`` before the cat).
-
-Processor loading: transformers 5 builds ``Qwen2VLProcessor`` only with a video processor, and its
-video processors need torchvision, which simpletuner does not depend on. :func:`load_edit_processor`
-builds the same processor class from the folder's ``processor`` tokenizer and the PIL
-``Qwen2VLImageProcessor``, without a video processor (never used for images).
+The source enters the prompt (the edit template, :data:`EDIT_PROMPT_TEMPLATE`, with the image's tokens;
+cached at :func:`edit_prompt_length` per image size) and the latents (``cat([target, source])`` on the
+channel axis, the source never noised; the loss is on the target's tokens). :func:`load_edit_processor`
+builds the processor without torchvision. Details: documentation/MODEL_FAMILIES.md, "Qwen-Image-Edit".
 """
 
 from __future__ import annotations
@@ -40,6 +15,7 @@ from collections import defaultdict
 import torch
 
 from simpletuner.caching.fingerprint import fingerprint
+from simpletuner.configuration import TrainingConfig
 from simpletuner.models.packed import pack_latents
 from simpletuner.models.qwen_image import QWEN_MAX_LENGTH, QwenImageSpec, _validation_pipeline_class
 from simpletuner.models.spec import save_transformer_lora
@@ -79,7 +55,8 @@ def processor_settings(preprocessor_config: dict | None) -> dict[str, int]:
     (``min_pixels`` / ``max_pixels`` keys first, then ``size.shortest_edge`` / ``longest_edge``, as
     transformers reads them; :data:`PROCESSOR_DEFAULTS` for what it leaves out)."""
     cfg = preprocessor_config or {}
-    size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+    size = cfg.get("size")
+    size = size if isinstance(size, dict) else {}
     return {
         "patch_size": int(cfg.get("patch_size") or PROCESSOR_DEFAULTS["patch_size"]),
         "merge_size": int(cfg.get("merge_size") or PROCESSOR_DEFAULTS["merge_size"]),
@@ -153,7 +130,7 @@ class QwenImageEditSpec(QwenImageSpec):
         "processor": ("processor", "transformers", frozenset({PROCESSOR_CLASS})),
     }
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         self.z_dim = int((self._component_config("vae") or {}).get("z_dim", 16))
 

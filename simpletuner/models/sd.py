@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from simpletuner.caching.fingerprint import fingerprint, folder_identity
+from simpletuner.configuration import TrainingConfig
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models import losses
 from simpletuner.models import noise as noise_lib
@@ -32,7 +33,7 @@ class StableDiffusionSpec(ModelSpec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         self._scheduler = None
 

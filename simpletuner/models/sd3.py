@@ -1,19 +1,9 @@
-"""Stable Diffusion 3: an SD3Transformer2DModel (MMDiT), a 16-channel AutoencoderKL, two CLIP
-text encoders with projection (CLIP-L, CLIP-G) and a T5 encoder where the folder has one.
+"""Stable Diffusion 3: SD3Transformer2DModel (MMDiT), a 16-channel AutoencoderKL, CLIP-L and CLIP-G with
+projection, and a T5 encoder where the folder has one.
 
-Conditioning, as ``StableDiffusion3Pipeline.encode_prompt`` makes it (no clip skip), cached per caption:
-
-* ``prompt_embeds``: the penultimate hidden states of both CLIP encoders concatenated on the
-  feature axis, zero-padded to the T5 width, then concatenated along the sequence with the T5
-  last hidden states ([77 + 256, width]). A folder without T5 (``model_index.json`` names
-  ``text_encoder_3`` null) gets zeros of ``[256, joint_attention_dim]`` there, as the pipeline does.
-* ``pooled_prompt_embeds``: both CLIP projections (``text_embeds``) concatenated.
-
-Training is rectified flow matching: ``sigma`` is drawn by ``timestep_sampling`` (uniform,
-logit_normal, mode) and shifted by ``flow_shift`` (default: the scheduler config's ``shift``);
-``noisy = (1 - sigma) * latents + sigma * noise``, the transformer sees ``timestep = sigma *
-num_train_timesteps`` (the [0, 1000] scale the pipeline passes) and predicts ``noise - latents``.
-Latents are ``(mode - shift_factor) * scaling_factor`` of the VAE (``StableDiffusionSpec.encode_images``).
+Conditioning is ``StableDiffusion3Pipeline.encode_prompt``'s (no clip skip), cached per caption; training is
+rectified flow matching with the timestep on the pipeline's [0, 1000] scale. Shapes, the T5-less folder and
+the loss next to diffusers' script: documentation/MODEL_FAMILIES.md, "SD3 and Flux".
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Stable Diffusion XL: a ``text_time`` UNet2DConditionModel, AutoencoderKL, and two CLIP text
-encoders (CLIPTextModel + CLIPTextModelWithProjection).
+"""Stable Diffusion XL: a ``text_time`` UNet2DConditionModel, AutoencoderKL, and two CLIP text encoders
+(CLIPTextModel + CLIPTextModelWithProjection).
 
-Conditioning, as ``StableDiffusionXLPipeline.encode_prompt`` makes it (no clip skip):
-
-* ``prompt_embeds``: the penultimate hidden states of both encoders, concatenated on the
-  feature axis ([seq, hidden_1 + hidden_2] per caption);
-* ``pooled_prompt_embeds``: the second encoder's projected pooled output (``text_embeds``).
-
-Both are cached per caption. The UNet's third input, the six micro-conditioning time ids
-``(original_h, original_w, crop_top, crop_left, target_h, target_w)``, depends on the image, not the
-caption, and is made at training time as diffusers' ``train_text_to_image_lora_sdxl.py`` makes it
-(``compute_time_ids``, from ``preprocess_train``'s ``original_sizes`` and ``crop_top_lefts``):
-
-* ``original_h, original_w``: the image's size before it was resized (as decoded, after its EXIF
-  orientation), and ``crop_top, crop_left``: where its bucket-sized window starts in the resized image's
-  pixels. Both are per-image facts, stored with its latent in the VAE cache
-  (:mod:`simpletuner.caching.size_crop`, the ``size_crop`` entry; a cache written without them is
-  encoded again once) and passed in the conditioning;
-* ``target_h, target_w``: the bucket, the latents' size times the VAE factor (the script's
-  ``resolution`` square).
-
-A sample trained with the empty caption (caption dropout) keeps its ids, as the pipeline passes the same
-ids to both guidance branches. Validation images are sampled with the pipeline's own default ids
-(``original = target`` = the image size, crop ``(0, 0)``), which is also what :meth:`time_ids` gives a
-batch that carries no size and crop (the memory estimate's). Where SimpleTuner differs (it passes the
-resized size as the original, and zeros for a dropped caption): documentation/MODEL_FAMILIES.md, "SDXL".
+Conditioning is ``StableDiffusionXLPipeline.encode_prompt``'s (no clip skip), cached per caption. The six
+micro-conditioning time ids are made per image at training time, as diffusers'
+``train_text_to_image_lora_sdxl.py`` makes them, from the size and crop cached with each latent
+(:mod:`simpletuner.caching.size_crop`); :meth:`time_ids` gives the pipeline's defaults to a batch without
+them. Sources and where SimpleTuner differs: documentation/MODEL_FAMILIES.md, "SDXL".
 """
 
 from __future__ import annotations
@@ -35,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from simpletuner.caching.size_crop import SIZE_CROP
+from simpletuner.configuration import TrainingConfig
 from simpletuner.models.sd import StableDiffusionSpec
 
 
@@ -57,7 +39,7 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         self._vae_scale_factor: int | None = None
 

@@ -87,16 +87,14 @@ def _base_classes(kind: ComponentKind) -> tuple[type, ...]:
     return (SchedulerMixin,)
 
 
-def resolve_component_class(library: Any, class_name: Any, kind: ComponentKind) -> type:
-    """The class a model folder names as ``[library, class_name]`` (``model_index.json``),
-    only when it is a diffusers/transformers class of the right kind.
+def resolve_component_class(library: Any, class_name: Any, kind: ComponentKind) -> type[Any]:
+    """The class a model folder names as ``[library, class_name]`` (``model_index.json``), only when it is a
+    diffusers / transformers class of the right kind.
 
-    ``library`` must be ``"diffusers"`` or ``"transformers"`` and ``class_name`` a plain
-    identifier exported by it whose value is a class deriving from ``ModelMixin`` /
-    ``PreTrainedModel`` (``kind="model"``), ``PreTrainedTokenizerBase`` (``"tokenizer"``),
-    ``ProcessorMixin`` (``"processor"``) or ``SchedulerMixin`` (``"scheduler"``). Nothing else is
-    imported or called, so a folder naming ``["os", "system"]`` or ``["transformers", "pipeline"]``
-    can never reach a callable.
+    ``library`` is ``"diffusers"`` or ``"transformers"``; ``class_name`` a plain identifier it exports whose
+    value derives from ``ModelMixin`` / ``PreTrainedModel`` (``kind="model"``), ``PreTrainedTokenizerBase``,
+    ``ProcessorMixin`` or ``SchedulerMixin``. Nothing else is imported or called, so a folder naming
+    ``["os", "system"]`` or ``["transformers", "pipeline"]`` can never reach a callable.
 
     Raises:
         ValueError: any other library or name; the message names what was refused.
@@ -248,7 +246,7 @@ class ModelSpec(abc.ABC):
             return
         most, key = limit
         step = (self.vae_scale_from_folder() or FAMILY_GRID_DEFAULT) * self.latent_patch_from_folder()
-        sizes = {"resolution": self.config.resolution}
+        sizes: dict[str, float] = {"resolution": self.config.resolution}
         sizes.update(
             {
                 f"datasets[{i}].resolution": d.resolution
@@ -444,7 +442,8 @@ class ModelSpec(abc.ABC):
             raise ValueError(
                 f"{self.denoiser_name} is {entry[0]}.{entry[1]}; only diffusers denoisers are built from configs"
             )
-        cls = resolve_component_class(*entry, "model")
+        library, class_name = entry
+        cls = resolve_component_class(library, class_name, "model")
         return cls.from_config(cls.load_config(str(root), subfolder=self.denoiser_name))
 
     def prepare_denoiser(self, denoiser: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
@@ -473,7 +472,7 @@ class ModelSpec(abc.ABC):
     def save_adapter(self, output_dir: Path, denoiser: nn.Module) -> Path:
         """Write the trained adapter: diffusers format for ``lora_type: standard``
         (:meth:`save_lora`), LyCORIS' own format for ``lycoris``."""
-        if getattr(self.config, "lora_type", "standard") == "lycoris":
+        if self.config.lora_type == "lycoris":
             return save_lycoris(denoiser, Path(output_dir) / "pytorch_lora_weights.safetensors", self.config)
         return self.save_lora(output_dir, denoiser)
 

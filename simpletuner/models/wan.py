@@ -1,24 +1,11 @@
-"""Wan 2.1 text-to-video: one WanTransformer3DModel, the causal 3-D AutoencoderKLWan and a UMT5
-text encoder. Image datasets train as 1-frame video.
+"""Wan 2.1 text-to-video: one WanTransformer3DModel, the causal 3-D AutoencoderKLWan and a UMT5 text encoder.
+Image datasets train as 1-frame video.
 
-Latents are video latents ``[C, F, h, w]`` per sample (``F = (frames - 1) // 4 + 1``; an image is
-one frame, so ``F = 1``), ``(mode - latents_mean) / latents_std`` per channel: the inverse of
-what ``WanPipeline`` applies before decoding. The trainer stacks them to ``[B, C, F, h, w]``.
-
-Conditioning, as ``WanPipeline.encode_prompt`` makes it, cached per caption: ``prompt_embeds``,
-the UMT5 last hidden states of the cleaned caption (``prompt_clean``) padded to
-``max_sequence_length`` (512, the pipeline's ``__call__`` default), with every position past
-the attention mask set to zero ([512, d_model]).
-
-Training is rectified flow matching as every flow family (``FlowMatchingSpec.flow_loss``):
-``noisy = (1 - sigma) * latents + sigma * noise``, target ``noise - latents``, timestep
-``sigma * 1000``. The shift is ``flow_shift`` when set, else the folder scheduler's own
-(``flow_shift`` of a UniPCMultistepScheduler as Wan ships, or ``shift`` of a
-FlowMatchEulerDiscreteScheduler), else 1.0.
-
-Wan 2.2 (a folder whose ``model_index.json`` names a ``transformer_2`` and a ``boundary_ratio``,
-see :func:`read_boundary_ratio`) gets :class:`simpletuner.models.wan22.Wan22Spec`, which
-subclasses this one; the family registry (``simpletuner.models``) makes that choice.
+Latents are cached ``[C, F, h, w]`` per sample, normalised per channel as ``WanPipeline`` inverts before
+decoding; conditioning is ``WanPipeline.encode_prompt``'s, cached per caption. Rectified flow
+(``FlowMatchingSpec.flow_loss``). A Wan 2.2 folder (:func:`read_boundary_ratio`) gets
+:class:`simpletuner.models.wan22.Wan22Spec`, chosen by the family registry. Shapes and the shift:
+documentation/MODEL_FAMILIES.md, "Wan 2.1".
 """
 
 from __future__ import annotations
@@ -30,6 +17,7 @@ from typing import Any
 
 import torch
 
+from simpletuner.configuration import TrainingConfig
 from simpletuner.models.flow import FlowMatchingSpec
 from simpletuner.models.spec import read_model_index, resolve_component_class, save_transformer_lora
 
@@ -89,7 +77,7 @@ class WanSpec(FlowMatchingSpec):
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         if config.train_stages != "both" and not self.has_experts:
             raise ValueError(

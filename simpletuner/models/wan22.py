@@ -1,36 +1,30 @@
 """Wan 2.2 two-expert training: a high-noise and a low-noise transformer, one adapter each.
 
-A Wan 2.2 A14B pipeline folder holds ``transformer`` (the high-noise expert) and
-``transformer_2`` (the low-noise expert) and a ``boundary_ratio`` in ``model_index.json``;
-``WanPipeline`` denoises with ``transformer`` while ``t >= boundary_ratio * 1000`` and with
-``transformer_2`` below. Training follows the same rule per sample: every sample's timestep
-is drawn as for Wan 2.1 and the sample goes to the expert that owns it, so one run trains both
-experts on exactly the split they serve at inference (``train_stages: both``). ``high`` / ``low``
-train one expert and draw timesteps on its side of the boundary only (the same distribution,
-conditioned on the side).
-
-The two experts live in one :class:`WanExperts` module so the trainer, Accelerate/DDP,
-checkpoints and the optimizer see one model; each expert has its own adapter, its own optimizer
-parameter group (``high_noise`` / ``low_noise``, with ``high_noise_*`` / ``low_noise_*`` rates
-and Automagic bounds) and its own saved file, loadable with
-``WanPipeline.load_lora_weights(folder, weight_name=...)`` (``load_into_transformer_2=True``
-for the low-noise file).
+Each sample goes to the expert that owns its timestep (``t >= boundary_ratio * 1000``: ``transformer``,
+as ``WanPipeline`` denoises); ``train_stages`` ``high`` / ``low`` train one expert and draw timesteps on its
+side only. Both experts live in one :class:`WanExperts` module, so the trainer, DDP, checkpoints and the
+optimizer see one model, with a parameter group and a saved file per expert.
+See documentation/MODEL_FAMILIES.md, "Wan 2.2: both experts in one run".
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from simpletuner.configuration import TrainingConfig
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models.adapters import prepare_for_training, quantize_base, save_lycoris
 from simpletuner.models.spec import save_transformer_lora
 from simpletuner.models.wan import WanImageSampler, WanSpec, boundary_ratio_of
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +48,14 @@ class WanExperts(nn.Module):
     DDP untouched. Without it the mask is read from ``timestep`` (one sync).
     """
 
-    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_timestep: float):
+    def __init__(self, transformer: ModelMixin, transformer_2: ModelMixin, boundary_timestep: float):
         super().__init__()
         self.transformer = transformer
         self.transformer_2 = transformer_2
         self.boundary_timestep = float(boundary_timestep)
         #: Experts taken out of the module tree by :meth:`park` (plain dict: not registered, so
         #: ``.to()``, DDP and ``parameters()`` leave them where they are).
-        self.parked: dict[str, nn.Module] = {}
+        self.parked: dict[str, ModelMixin] = {}
 
     @property
     def config(self) -> dict[str, Any]:
@@ -74,25 +68,29 @@ class WanExperts(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.expert("high").dtype
 
-    def expert(self, stage: str) -> nn.Module:
+    def expert(self, stage: str) -> ModelMixin:
+        from diffusers.models.modeling_utils import ModelMixin
+
         name = EXPERTS[stage]
-        return self.parked[name] if name in self.parked else self._modules[name]
+        expert = self.parked[name] if name in self.parked else self.get_submodule(name)
+        assert isinstance(expert, ModelMixin)  # what __init__ took (adapters are added in place)
+        return expert
 
     def compile_parts(self) -> None:
         """``torch.compile`` each expert on the module tree in place. Compiling this module instead
         would guard on the route (a new graph for every pattern of experts in a batch)."""
-        for expert in self._modules.values():
+        for expert in self.children():
             expert.compile()
 
-    def park(self, stage: str) -> nn.Module:
+    def park(self, stage: str) -> ModelMixin:
         """Move a frozen expert to CPU RAM, outside the module tree; returns it."""
         name = EXPERTS[stage]
-        expert = self._modules.pop(name)
+        expert = self.expert(stage)
         if any(p.requires_grad for p in expert.parameters()):
-            self._modules[name] = expert
             raise ValueError(f"the {stage}-noise expert is being trained; only an idle expert can be parked")
+        del self._modules[name]
         if not any(p.is_meta for p in expert.parameters()):  # the estimator's meta model stays where it is
-            expert.to("cpu")
+            expert.to("cpu")  # type: ignore[arg-type]  # diffusers' @wraps(Module.to) drops `self` from its type
         self.parked[name] = expert
         return expert
 
@@ -154,7 +152,7 @@ class Wan22Spec(WanSpec):
 
     has_experts = True
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         ratio = boundary_ratio_of(self.model_index, Path(self.model_path).expanduser() / "model_index.json")
         if ratio is None:
@@ -172,26 +170,27 @@ class Wan22Spec(WanSpec):
     def load_denoiser(self, dtype=torch.float32):
         from diffusers import WanTransformer3DModel
 
-        experts = [
+        high, low = (
             WanTransformer3DModel.from_pretrained(
                 self.model_path, subfolder=name, torch_dtype=dtype, use_safetensors=True, **self._kwargs()
             )
             for name in EXPERTS.values()
-        ]
-        return WanExperts(*experts, self.boundary_timestep)
+        )
+        return WanExperts(high, low, self.boundary_timestep)
 
     def denoiser_from_config(self) -> nn.Module:
         from diffusers import WanTransformer3DModel
 
-        experts = [
+        high, low = (
             WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(self.model_path, subfolder=name))
             for name in EXPERTS.values()
-        ]
-        return WanExperts(*experts, self.boundary_timestep)
+        )
+        return WanExperts(high, low, self.boundary_timestep)
 
-    def prepare_denoiser(self, denoiser: WanExperts, weight_dtype: torch.dtype) -> nn.Module:
+    def prepare_denoiser(self, denoiser: nn.Module, weight_dtype: torch.dtype) -> nn.Module:
         """An adapter (or full training) on each expert in ``train_stages``; the other one frozen in
         ``weight_dtype``."""
+        assert isinstance(denoiser, WanExperts)  # what load_denoiser / denoiser_from_config make
         for stage in EXPERTS:
             expert = denoiser.expert(stage)
             if stage in self.stages:
@@ -199,19 +198,21 @@ class Wan22Spec(WanSpec):
                     denoiser, EXPERTS[stage], prepare_for_training(expert, self.lora_targets, self.config, weight_dtype)
                 )
             else:  # frozen, stored as the trained expert's base is
-                expert.requires_grad_(False).to(dtype=weight_dtype).eval()
+                expert.requires_grad_(False).to(dtype=weight_dtype).eval()  # type: ignore[call-arg]  # as in park()
                 if self.config.training_type == "lora":
                     quantize_base(expert, self.config.base_model_precision)
         return denoiser
 
-    def named_parameter_groups(self, denoiser: WanExperts) -> dict[str, list[nn.Parameter]]:
+    def named_parameter_groups(self, denoiser: nn.Module) -> dict[str, list[nn.Parameter]]:
+        assert isinstance(denoiser, WanExperts)
         return {
             GROUP_NAMES[stage]: [p for p in denoiser.expert(stage).parameters() if p.requires_grad]
             for stage in self.stages
         }
 
-    def apply_low_vram(self, denoiser: WanExperts) -> None:
+    def apply_low_vram(self, denoiser: nn.Module) -> None:
         """With one ``train_stages`` expert, the frozen other one waits in CPU RAM (validation only)."""
+        assert isinstance(denoiser, WanExperts)
         for stage in EXPERTS:
             if stage not in self.stages:
                 denoiser.park(stage)
@@ -222,7 +223,8 @@ class Wan22Spec(WanSpec):
                 "memory train them in two runs (train_stages 'high', then 'low')"
             )
 
-    def idle_modules(self, denoiser: WanExperts) -> list[nn.Module]:
+    def idle_modules(self, denoiser: nn.Module) -> list[nn.Module]:
+        assert isinstance(denoiser, WanExperts)
         return list(denoiser.parked.values())
 
     @property

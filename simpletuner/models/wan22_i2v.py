@@ -1,34 +1,22 @@
 """Wan 2.2 image-to-video A14B: two experts, the first frame of each clip as the condition.
 
-A ``WanImageToVideoPipeline`` folder (``transformer`` + ``transformer_2`` + ``boundary_ratio``,
-no image encoder in 2.2: the transformers have no ``image_dim``) conditions generation on an
-image the way :meth:`WanImageToVideoPipeline.prepare_latents` builds it:
-
-- the *condition latents*: the VAE encoding (its ``argmax`` / mode, normalised with
-  ``latents_mean`` / ``latents_std``) of a clip made of the image followed by ``num_frames - 1``
-  black (zero) frames. This is not a slice of the clip's own latents: the zero frames pass
-  through the same causal VAE, so every latent frame of the condition differs from the clip's;
-- the *mask*: ``scale_factor_temporal`` channels, ones on latent frame 0 and zeros elsewhere;
-- the transformer input: ``cat([noisy latents, mask, condition latents])`` on the channel axis
-  (16 + 4 + 16 = 36 channels for A14B), the output the usual 16-channel flow prediction.
-
-Training does exactly that with the first frame of each training clip (an image of an image
-dataset is a one-frame clip: its condition is its own latent). The condition latents are
-encoded with the clip when latents are cached and stored with them: one cached tensor per
-sample holding ``cat([clip latents, condition latents])`` (``2 * z_dim`` channels), split again
-by :meth:`Wan22I2VSpec.training_loss`. The mask is computed, not stored. Routing between the
-experts, ``train_stages``, parameter groups and the two adapter files are Wan 2.2 T2V's
-(:class:`simpletuner.models.wan22.Wan22Spec`); the adapters load with
-``WanImageToVideoPipeline.load_lora_weights``.
+Training builds the condition as :meth:`WanImageToVideoPipeline.prepare_latents` does (the VAE encoding of
+the frame followed by black frames, a first-frame mask, 36 input channels). The condition latents are
+cached with the clip's, ``cat([clip, condition])`` on the channel axis, and split again by
+:meth:`Wan22I2VSpec.training_loss`; everything else is :class:`simpletuner.models.wan22.Wan22Spec`'s.
+See documentation/MODEL_FAMILIES.md, "I2V A14B".
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import torch
+from torch import nn
 
 from simpletuner.caching.fingerprint import fingerprint
+from simpletuner.configuration import TrainingConfig
 from simpletuner.models.wan import WAN_MAX_LENGTH
 from simpletuner.models.wan22 import Wan22Spec, WanExperts
 
@@ -51,7 +39,7 @@ def first_frame_mask(shape: tuple[int, ...], temporal: int, device=None, dtype=t
 class Wan22I2VSpec(Wan22Spec):
     """Wan 2.2 I2V A14B: both experts, first-frame conditioning (see the module docstring)."""
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         vae = self._component_config("vae") or {}
         self.temporal = int(vae.get("scale_factor_temporal") or 4)
@@ -114,9 +102,13 @@ class Wan22I2VSpec(Wan22Spec):
         return (b, 2 * c, *rest)
 
     # --- output --------------------------------------------------------------------------
-    def build_pipeline(self, denoiser: WanExperts, vae, text_encoders):
+    def build_pipeline(
+        self, denoiser: nn.Module, vae: nn.Module, text_encoders: dict[str, Any]
+    ) -> WanFirstFrameSampler:
         """A ``WanImageToVideoPipeline`` with both experts, rendering from a mid-grey first frame."""
         from diffusers import WanImageToVideoPipeline
+
+        assert isinstance(denoiser, WanExperts)
 
         t2v = super().build_pipeline(denoiser, vae, text_encoders).pipe
         pipe = WanImageToVideoPipeline(

@@ -1,24 +1,16 @@
 """Wan 2.2 TI2V-5B: one transformer, its own VAE (48 latent channels, /16 spatially), per-token timesteps.
 
-The folder is a ``WanPipeline`` with ``expand_timesteps: true`` in ``model_index.json``. Both of
-the diffusers pipelines run it with one timestep per latent token (``expand_timesteps``):
-
-- text-to-video (``WanPipeline``): every token at the step's timestep. Training passes the
-  timestep once per sample, which the transformer turns into the same embedding for every token
-  (the per-token form repeats one value), so the loss is Wan 2.1's (:class:`WanSpec`).
-- image-to-video (``WanImageToVideoPipeline`` with ``expand_timesteps``; ``ti2v_first_frame``):
-  latent frame 0 is the VAE encoding of the image alone, kept clean (timestep 0 on its tokens)
-  and pasted back over the prediction, the other frames denoised at the step's timestep. With
-  the causal Wan VAE the encoding of a clip's first frame alone is the clip's first latent
-  frame, so training takes the condition from the cached clip latents: latent frame 0 enters the
-  transformer clean with timestep 0 on its tokens, the other frames noised at the drawn sigma,
-  and the loss is taken over those other frames only (flow_loss's ``layout`` drops frame 0).
+A ``WanPipeline`` folder with ``expand_timesteps: true``. Text-to-video trains as Wan 2.1 (:class:`WanSpec`);
+with ``ti2v_first_frame``, latent frame 0 of the cached clip enters clean with timestep 0 and the loss skips
+it, which equals the pipeline's image-to-video mode because the causal VAE encodes a first frame alone as
+the clip's first latent frame. See documentation/MODEL_FAMILIES.md, "TI2V-5B".
 """
 
 from __future__ import annotations
 
 import torch
 
+from simpletuner.configuration import TrainingConfig
 from simpletuner.models.wan import WanImageSampler, WanSpec
 from simpletuner.models.wan22_i2v import WanFirstFrameSampler
 
@@ -31,7 +23,7 @@ def expands_timesteps(index: dict | None) -> bool:
 class Wan22TI2VSpec(WanSpec):
     """Wan 2.2 TI2V-5B (see the module docstring)."""
 
-    def __init__(self, config):
+    def __init__(self, config: TrainingConfig):
         super().__init__(config)
         if not expands_timesteps(self.model_index) and self.local_root is not None:
             raise ValueError(

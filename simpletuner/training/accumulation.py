@@ -54,9 +54,11 @@ def build_accumulation(config: "TrainingConfig", num_processes: int) -> Accumula
             "gradient_accumulation_steps=%d is ignored: the GH200 ramp decides the accumulation",
             config.gradient_accumulation_steps,
         )
+    initial, target = opts.initial_effective_batch_size, opts.target_effective_batch_size
+    assert initial is not None and target is not None  # the config rules require both with the ramp
     return GH200GradientRamp(
-        opts.initial_effective_batch_size,
-        opts.target_effective_batch_size,
+        initial,
+        target,
         opts.batch_rampup_steps,
         config.train_batch_size,
         num_processes,

@@ -1,54 +1,11 @@
-"""Resumable checkpoints: written to a temporary folder, completed by a manifest, then renamed.
+"""Resumable checkpoints of a run: found, verified, saved and restored.
 
-Layout of ``checkpoint-<step>/``::
-
-    trainable.safetensors   trained parameters (LoRA weights, or the whole denoiser)
-    pytorch_lora_weights*.safetensors
-                            LoRA runs: the adapter as the final save writes it (the family's
-                            diffusers ``load_lora_weights`` format, or LyCORIS' own), so any
-                            checkpoint can be used as it is; full fine-tunes have none
-    ema.safetensors         use_ema: the EMA of the trained parameters, by the same names
-    optimizer.pt            optimizer state (loaded with weights_only=True)
-    lr_scheduler.pt         schedule state
-    scaler.pt               AMP grad scaler state (fp16 runs only)
-    trainer_state.json      step, samples seen, sampler position, accumulation, run id, run identity
-    rng_state_<rank>.pt     torch / cuda / numpy / python RNGs and the noise generator, per rank
-    shards/                 FSDP runs: the model and optimizer state, one file per rank (trainable.safetensors
-                            and optimizer.pt then only name this folder: see training/sharded_state.py)
-    COMPLETE                the manifest, written last; a folder without it is never resumed from
-
-``COMPLETE`` is a JSON manifest of every other file in the folder::
-
-    {
-      "manifest_version": 1,
-      "step": 4,
-      "files": {
-        "optimizer.pt": {"size": 5123, "sha256": "9f2c..."},
-        "trainable.safetensors": {"size": 40960, "sha256": "04ab..."},
-        ...
-      },
-      "sha256": "<sha256 of {manifest_version, step, files} as sorted-key JSON: the manifest's own check>"
-    }
-
-Before anything is loaded, a resume checks every listed file: present, the listed size, then the
-listed sha256 (sizes first, so a truncated or missing file is found without hashing the rest).
-A checkpoint that fails is never partly loaded. With ``resume_from_checkpoint: "latest"`` the run
-says which file failed and why, and continues from the newest checkpoint that verifies; with an
-explicit checkpoint, or when none verifies, it stops (:class:`CheckpointDamaged`, exit 2) naming
-the file and the fix. Checkpoints written before manifests existed (``COMPLETE`` holding ``ok``)
-are still resumed, with one warning: they carry no checksums, so only their structure is checked
-(files present, safetensors sizes, the CRC-32s inside ``.pt`` zip archives, JSON that parses).
-
-``<output_dir>/latest`` names the newest complete checkpoint: only a plain ``checkpoint-N`` name of
-a folder inside ``output_dir`` is followed; anything else (a path, ``..``, a link leading out) is
-ignored with a warning. Old checkpoints are removed only after the new one is complete.
-
-A save writes into ``.checkpoint-<step>.tmp-<token>``, the token made once per launch by rank 0
-and shared by every rank, so two savers never share a temp folder; temp folders of dead launches
-are removed by :func:`remove_stale_temp_folders` when the next run takes the output_dir. Before a
-save, rank 0 checks the disk has room for it; a full disk before or during the save removes the
-temp folder and every rank raises the same :class:`~simpletuner.diskspace.NoSpace` (exit 5),
-leaving the previous checkpoint and ``latest`` as they were.
+A save (:class:`Checkpointer`, collective) writes ``checkpoint-<step>/`` into a temp folder of this launch,
+completes it with the ``COMPLETE`` manifest (:mod:`~simpletuner.training.checkpoint_verify`) and renames it
+into place; only then do ``latest`` and retention move. A kill or a full disk at any point leaves the previous
+checkpoint complete and named by ``latest``. A resume (:func:`resolve_resume`, :func:`restore_parts`) reads
+only a checkpoint that verifies, and every file before any state changes. The layout and the reasoning:
+documentation/RELIABILITY.md, "Checkpoints verify themselves".
 """
 
 from __future__ import annotations
@@ -70,6 +27,7 @@ from torch import nn
 from simpletuner import diskspace
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models.adapters import trainable_state
+from simpletuner.ranks import from_every_process, from_main_process
 from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefused, Damage: callers import them from here
     _ATOMIC_TEMP,
     MARKER,
@@ -83,7 +41,6 @@ from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefus
     verify_checkpoint,
 )
 from simpletuner.training.ema import EMA_FILE
-from simpletuner.training.launch import from_every_process, from_main_process
 from simpletuner.training.reliability import fault_point
 from simpletuner.training.rng import capture_rng, restore_rng
 from simpletuner.training.run_identity import check_compatible
@@ -131,7 +88,9 @@ def is_complete(path: Path) -> bool:
 
 
 def _step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+    match = _NAME.match(path.name)
+    assert match is not None, path  # _checkpoint_folders keeps checkpoint-N names only
+    return int(match.group(1))
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -264,7 +223,7 @@ def remove_stale_temp_folders(output_dir: Path) -> list[Path]:
         if match is None and not (_ATOMIC_TEMP.match(child.name) and child.is_file()):
             continue
         final = output_dir / f"checkpoint-{match.group(1)}" if match else None
-        if match and match.group(2) == "old" and not final.exists() and is_complete(child):
+        if match and match.group(2) == "old" and final is not None and not final.exists() and is_complete(child):
             os.replace(child, final)
             logger.warning("put %s back as %s: a save was stopped while replacing it", child.name, final.name)
             continue
@@ -288,8 +247,9 @@ def start_launch(accelerator, output_dir: Path) -> tuple[str, str]:
     if accelerator.is_main_process:
         remove_stale_temp_folders(output_dir)
         ids = (uuid.uuid4().hex[:8], uuid.uuid4().hex[:12])
-    run_id, token = from_main_process(accelerator, ids)
-    return run_id, token
+    agreed = from_main_process(accelerator, ids)
+    assert agreed is not None  # rank 0 made them
+    return agreed
 
 
 # --- save ---------------------------------------------------------------------------------
@@ -301,8 +261,7 @@ def checkpoint_bytes(trainable: dict[str, torch.Tensor], optimizer, with_adapter
         return t.numel() * t.element_size() if torch.is_tensor(t) else 0
 
     weights = sum(size(t) for t in trainable.values())
-    states = getattr(optimizer, "state", {}) or {}
-    moments = sum(size(v) for state in states.values() for v in state.values())
+    moments = sum(size(v) for state in optimizer.state.values() for v in state.values())
     return weights * (2 if with_adapter else 1) + moments + SMALL_FILES_BYTES + RNG_FILE_BYTES * num_processes
 
 
@@ -355,105 +314,160 @@ def _move_into_place(tmp: Path, final: Path, token: str) -> None:
     _fsync_dir(final.parent)
 
 
-def save_checkpoint(
-    accelerator,
-    output_dir: Path,
-    step: int,
-    trainable: dict[str, torch.Tensor],
-    optimizer,
-    lr_scheduler,
-    trainer_state: dict[str, Any],
-    generator: torch.Generator,
-    total_limit: int | None,
-    scaler=None,
-    write_adapter: Callable[[Path], Any] | None = None,
-    token: str | None = None,
-    ema: dict[str, torch.Tensor] | None = None,
-    write_shards: Callable[[Path], Any] | None = None,
-) -> Path:
-    """Save collectively (every rank calls it); returns the final checkpoint folder.
+@dataclass
+class CheckpointContents:
+    """What one save writes: the tensors and states of a checkpoint's files (see RELIABILITY.md for the layout)."""
 
-    Everything goes into this launch's temp folder (``token``: see :func:`start_launch`; made here
-    when not given), is fsynced, gets its COMPLETE manifest written last, and is renamed into place;
-    only then does ``latest`` move and retention delete old ones. A kill at any point leaves the
-    previous checkpoint complete and named by ``latest``; so does a full disk, which removes the
-    temp folder and raises NoSpace on every rank. ``write_adapter(folder)`` (rank 0) writes the
-    loadable adapter into the temp folder, so it is fsynced and listed like every other file.
-    ``write_shards(folder)`` (FSDP, every rank, collective) writes the sharded model and optimizer state.
-    """
-    acc = accelerator
-    token = token or from_main_process(acc, uuid.uuid4().hex[:12])
-    final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f".checkpoint-{step}.tmp-{token}"
-    what = f"checkpoint-{step}"
-    needed = checkpoint_bytes(trainable, optimizer, write_adapter is not None, acc.num_processes)
-    needed += sum(t.numel() * t.element_size() for t in (ema or {}).values())
+    trainable: dict[str, torch.Tensor]  # trainable.safetensors
+    optimizer: Any  # optimizer.pt
+    lr_scheduler: Any  # lr_scheduler.pt
+    trainer_state: dict[str, Any]  # trainer_state.json (the format version and world size are added)
+    generator: torch.Generator  # rng_state_<rank>.pt, with the process RNGs
+    scaler: Any = None  # scaler.pt: the AMP grad scaler of fp16 runs
+    ema: dict[str, torch.Tensor] | None = None  # ema.safetensors
+    write_adapter: Callable[[Path], Any] | None = None  # rank 0: the loadable adapter, into the folder given
+    write_shards: Callable[[Path], Any] | None = None  # FSDP, every rank (collective): the sharded state
 
-    def guard():
-        return diskspace.disk_full_guard(output_dir, needed, what, cleanup=[tmp])
+    def num_bytes(self, num_processes: int) -> int:
+        """Bytes the save is about to write (:func:`checkpoint_bytes`, and the EMA's tensors)."""
+        needed = checkpoint_bytes(self.trainable, self.optimizer, self.write_adapter is not None, num_processes)
+        return needed + sum(t.numel() * t.element_size() for t in (self.ema or {}).values())
 
-    def prepare() -> None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        diskspace.require_space(output_dir, needed, what)
-        with guard():
-            if tmp.exists():  # an earlier save of this step in this launch that failed
-                shutil.rmtree(tmp)
-            tmp.mkdir()
 
-    def write_rng() -> None:
-        with guard():
-            torch.save(capture_rng(generator), tmp / f"rng_state_{acc.process_index}.pt")
-            if write_shards is not None:
-                write_shards(tmp)
+@dataclass
+class Checkpointer:
+    """Saves a run's checkpoints into ``output_dir``: built once per launch with what every save needs
+    (``token``: this launch's temp-folder token, see :func:`start_launch`)."""
 
-    def write_main() -> None:
-        with guard():
-            if write_shards is None:
-                weights = {k: v.detach().cpu().contiguous() for k, v in trainable.items()}
+    accelerator: Any
+    output_dir: Path
+    total_limit: int | None  # checkpoints_total_limit: retention after each save
+    token: str
+
+    def save(
+        self,
+        step: int,
+        parts: CheckpointParts,
+        *,
+        run_id: str,
+        identity: dict[str, Any],
+        write_adapter: Callable[[Path], Any] | None = None,
+    ) -> Path:
+        """:meth:`write` ``parts`` at ``step`` (collective), the run's id and identity in its state."""
+        trainer_state = {
+            **parts.progress.state_dict(),
+            "sampler": parts.sampler.state_dict(),
+            "accumulation": parts.accumulation.state_dict(),
+            "run_id": run_id,
+            "identity": identity,
+        }
+        sharded = is_sharded(self.accelerator)
+        contents = CheckpointContents(
+            trainable_state(parts.model),
+            parts.optimizer,
+            parts.lr_scheduler,
+            trainer_state,
+            parts.generator,
+            scaler=parts.scaler,
+            ema=parts.ema.state_dict() if parts.ema is not None else None,
+            write_adapter=write_adapter,
+            write_shards=(lambda d: save_shards(d, parts.model, parts.optimizer)) if sharded else None,
+        )
+        return self.write(step, contents)
+
+    def write(self, step: int, contents: CheckpointContents) -> Path:
+        """Write ``contents`` as ``checkpoint-<step>`` (every rank calls it); returns the final folder.
+
+        Each step of the save is agreed by every rank before the next (:func:`_settle`): rank 0 makes the
+        temp folder, every rank writes its files, rank 0 completes and renames it. A rank that fails makes
+        every rank raise, after rank 0 removed the temp folder; a full disk is the same NoSpace everywhere.
+        """
+        save = _Save(self, step, contents)
+        acc = self.accelerator
+        main = acc.is_main_process
+        _settle(acc, _attempt(save.prepare) if main else None, save.tmp, main_only=True)
+        outcome = _attempt(save.write_rank_files)
+        if main and outcome is None:
+            outcome = _attempt(save.write_main_files)
+        _settle(acc, outcome, save.tmp)
+        fault_point("checkpoint:files_written")
+        _settle(acc, _attempt(save.complete) if main else None, save.tmp, main_only=True)
+        if main:
+            logger.info("saved checkpoint %s", save.final)
+        return save.final
+
+
+class _Save:
+    """One save's named steps, each run under the full-disk guard that removes the temp folder."""
+
+    def __init__(self, checkpointer: Checkpointer, step: int, contents: CheckpointContents):
+        self.checkpointer, self.step, self.contents = checkpointer, step, contents
+        self.accelerator, self.output_dir = checkpointer.accelerator, checkpointer.output_dir
+        self.final = self.output_dir / f"checkpoint-{step}"
+        self.tmp = self.output_dir / f".checkpoint-{step}.tmp-{checkpointer.token}"
+        self.needed = contents.num_bytes(self.accelerator.num_processes)
+
+    def guard(self):
+        return diskspace.disk_full_guard(self.output_dir, self.needed, self.final.name, cleanup=[self.tmp])
+
+    def prepare(self) -> None:
+        """Rank 0: check the free space, then make the temp folder afresh."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        diskspace.require_space(self.output_dir, self.needed, self.final.name)
+        with self.guard():
+            if self.tmp.exists():  # an earlier save of this step in this launch that failed
+                shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+
+    def write_rank_files(self) -> None:
+        """Every rank: its RNG file and, FSDP, its shards."""
+        contents, tmp = self.contents, self.tmp
+        with self.guard():
+            torch.save(capture_rng(contents.generator), tmp / f"rng_state_{self.accelerator.process_index}.pt")
+            if contents.write_shards is not None:
+                contents.write_shards(tmp)
+
+    def write_main_files(self) -> None:
+        """Rank 0: the weights, optimizer, schedule, scaler, EMA, adapter and trainer state."""
+        contents, tmp = self.contents, self.tmp
+        with self.guard():
+            if contents.write_shards is None:
+                weights = {k: v.detach().cpu().contiguous() for k, v in contents.trainable.items()}
                 save_file(weights, tmp / "trainable.safetensors")
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                torch.save(contents.optimizer.state_dict(), tmp / "optimizer.pt")
             else:  # the state is in shards/
                 write_placeholders(tmp)
             diskspace.inject_fault("checkpoint")  # tests: the disk fills once the first file is written
             ordinary_permissions(tmp / "trainable.safetensors")  # safetensors writes 0600
-            if ema is not None:  # rank 0's EMA (training/ema.py)
-                save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / EMA_FILE)
+            if contents.ema is not None:  # rank 0's EMA (training/ema.py)
+                save_file({k: v.detach().cpu().contiguous() for k, v in contents.ema.items()}, tmp / EMA_FILE)
                 ordinary_permissions(tmp / EMA_FILE)
-            torch.save(lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
-            if scaler is not None:
-                torch.save(scaler.state_dict(), tmp / "scaler.pt")
-            if write_adapter is not None:
-                write_adapter(tmp)
-            state = dict(trainer_state, format_version=CHECKPOINT_FORMAT_VERSION, world_size=acc.num_processes)
+            torch.save(contents.lr_scheduler.state_dict(), tmp / "lr_scheduler.pt")
+            if contents.scaler is not None:
+                torch.save(contents.scaler.state_dict(), tmp / "scaler.pt")
+            if contents.write_adapter is not None:
+                contents.write_adapter(tmp)
+            world_size = self.accelerator.num_processes
+            state = dict(contents.trainer_state, format_version=CHECKPOINT_FORMAT_VERSION, world_size=world_size)
             (tmp / STATE_FILE).write_bytes(orjson.dumps(state, option=orjson.OPT_INDENT_2))
 
-    def complete() -> None:
-        with guard():
+    def complete(self) -> None:
+        """Rank 0: fsync, write the manifest, rename into place, move ``latest``, apply retention."""
+        tmp, final = self.tmp, self.final
+        with self.guard():
             for f in tmp.rglob("*"):
                 if f.is_file():
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
-            _write_atomic(tmp / MARKER, build_manifest(tmp, step))
+            _write_atomic(tmp / MARKER, build_manifest(tmp, self.step))
             _fsync_dir(tmp)
         fault_point("checkpoint:marker_written")
-        _move_into_place(tmp, final, token)
+        _move_into_place(tmp, final, self.checkpointer.token)
         fault_point("checkpoint:renamed")
-        with diskspace.disk_full_guard(output_dir, needed, what):  # the new checkpoint is complete: kept
-            _write_atomic(output_dir / LATEST, final.name.encode())
+        with diskspace.disk_full_guard(self.output_dir, self.needed, final.name):  # the new checkpoint is complete
+            _write_atomic(self.output_dir / LATEST, final.name.encode())
         fault_point("checkpoint:latest_written")
-        apply_retention(output_dir, total_limit)
-
-    main = acc.is_main_process
-    _settle(acc, _attempt(prepare) if main else None, tmp, main_only=True)
-    outcome = _attempt(write_rng)
-    if main and outcome is None:
-        outcome = _attempt(write_main)
-    _settle(acc, outcome, tmp)
-    fault_point("checkpoint:files_written")
-    _settle(acc, _attempt(complete) if main else None, tmp, main_only=True)
-    if main:
-        logger.info("saved checkpoint %s", final)
-    return final
+        apply_retention(self.output_dir, self.checkpointer.total_limit)
 
 
 def apply_retention(output_dir: Path, total_limit: int | None) -> list[Path]:
@@ -532,7 +546,7 @@ def load_tensors(path: Path, process_index: int, with_ema: bool = False) -> dict
 # --- the run's parts: saved and restored in the same places --------------------------------
 @dataclass
 class CheckpointParts:
-    """The live objects a checkpoint holds: :func:`save_parts` writes them and :func:`restore_parts`
+    """The live objects a checkpoint holds: :meth:`Checkpointer.save` writes them and :func:`restore_parts`
     puts them back, in place. ``model``'s trained parameters (``trainable_state``) and the noise
     ``generator`` (with the process RNGs, per rank) aside, each has ``state_dict`` / ``load_state_dict``."""
 
@@ -545,44 +559,6 @@ class CheckpointParts:
     accumulation: Any  # recorded, not restored: a resume under another schedule is warned about
     scaler: Any = None  # the AMP grad scaler of fp16 runs
     ema: Any = None  # use_ema, rank 0: training.ema.EMA (state_dict / load_state_dict / reset)
-
-
-def save_parts(
-    accelerator,
-    output_dir: Path,
-    step: int,
-    parts: CheckpointParts,
-    *,
-    run_id: str,
-    identity: dict[str, Any],
-    total_limit: int | None,
-    write_adapter: Callable[[Path], Any] | None = None,
-    token: str | None = None,
-) -> Path:
-    """:func:`save_checkpoint` of ``parts`` at ``step`` (collective), the run's id and identity in its state."""
-    trainer_state = {
-        **parts.progress.state_dict(),
-        "sampler": parts.sampler.state_dict(),
-        "accumulation": parts.accumulation.state_dict(),
-        "run_id": run_id,
-        "identity": identity,
-    }
-    return save_checkpoint(
-        accelerator,
-        output_dir,
-        step,
-        trainable_state(parts.model),
-        parts.optimizer,
-        parts.lr_scheduler,
-        trainer_state,
-        parts.generator,
-        total_limit,
-        scaler=parts.scaler,
-        write_adapter=write_adapter,
-        token=token,
-        ema=parts.ema.state_dict() if parts.ema is not None else None,
-        write_shards=(lambda d: save_shards(d, parts.model, parts.optimizer)) if is_sharded(accelerator) else None,
-    )
 
 
 def restore_parts(path: Path, accelerator, parts: CheckpointParts, identity: dict[str, Any]) -> dict[str, Any]:

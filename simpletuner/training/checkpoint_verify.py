@@ -4,9 +4,7 @@ runs before it reads anything.
 The manifest lists every other file of the checkpoint folder with its size and sha256, plus a
 sha256 of the manifest itself (see :mod:`simpletuner.training.checkpoint` for the layout).
 :func:`verify_checkpoint` checks sizes first (a missing or truncated file is found without
-hashing the rest), then hashes. Checkpoints from before manifests (``COMPLETE`` holding ``ok``)
-get the checks that need no checksum: files present, safetensors sizes against their headers,
-the CRC-32 of every member of the ``.pt`` zip archives, JSON that parses.
+hashing the rest), then hashes.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,6 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
 MARKER = "COMPLETE"
-LEGACY_MARKER = b"ok\n"  # what COMPLETE held before it became a manifest
 STATE_FILE = "trainer_state.json"
 #: Files every checkpoint has (the RNG file of each rank is checked when that rank loads).
 REQUIRED_FILES = ("trainable.safetensors", "optimizer.pt", "lr_scheduler.pt", STATE_FILE)
@@ -154,42 +150,6 @@ def _check_manifest(path: Path, raw: bytes) -> Damage | None:
     return None
 
 
-def _check_legacy(path: Path) -> Damage | None:
-    """A checkpoint from before manifests: what can be checked without checksums."""
-    for name in REQUIRED_FILES:
-        file = path / name
-        if not file.is_file():
-            return Damage(path, name, "is missing")
-        try:
-            if name.endswith(".pt"):
-                with zipfile.ZipFile(file) as archive:
-                    bad = archive.testzip()  # the CRC-32 of every member
-                if bad is not None:
-                    return Damage(path, name, f"is damaged: {bad} inside it fails its CRC-32")
-            elif name.endswith(".safetensors"):
-                _check_safetensors_size(file)
-            else:
-                orjson.loads(file.read_bytes())
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            return Damage(path, name, f"is damaged ({_plain_reason(exc)})")
-    return None
-
-
-def _check_safetensors_size(file: Path) -> None:
-    """ValueError unless the file is as long as its header says (finds truncation)."""
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        length = int.from_bytes(head, "little")
-        header = orjson.loads(fh.read(length)) if length < 100 * 2**20 else None
-    if not isinstance(header, dict):
-        raise ValueError("no safetensors header")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if file.stat().st_size != 8 + length + end:
-        raise ValueError(f"{file.stat().st_size} bytes, its header describes {8 + length + end}")
-
-
 #: verify_checkpoint's answers, per folder, valid while no file in it changes (a resume asks
 #: several times: the output_dir check, the finished-run check, the load).
 _verified: dict[Path, tuple[tuple, Damage | None]] = {}
@@ -225,6 +185,7 @@ def verify_checkpoint(path: Path) -> Damage | None:
     cached = _verified.get(key)
     if cached is not None and cached[0] == signature:
         return cached[1]
+    damage: Damage | None
     try:
         raw = (path / MARKER).read_bytes()
     except FileNotFoundError:
@@ -232,15 +193,6 @@ def verify_checkpoint(path: Path) -> Damage | None:
     except OSError as exc:
         damage = Damage(path, MARKER, f"cannot be read ({exc.strerror})")
     else:
-        if raw.strip() == LEGACY_MARKER.strip():
-            damage = _check_legacy(path)
-            if damage is None:
-                _warn_once(
-                    "%s was written by an older version: its COMPLETE marker carries no checksums, so only its "
-                    "structure was checked (files present, sizes, the CRC-32s inside .pt files)",
-                    path,
-                )
-        else:
-            damage = _check_manifest(path, raw)
+        damage = _check_manifest(path, raw)
     _verified[key] = (signature, damage)
     return damage

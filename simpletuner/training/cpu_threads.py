@@ -1,19 +1,10 @@
 """How many threads torch uses for CPU work, chosen so that a CPU run does not oversubscribe its machine.
 
-torch starts one intra-op thread per core, whatever else runs there. On a busy machine those threads
-wait for each other at the end of every parallel region, and a step slows down many times over: on a
-2-core host under load a demo step took 31-45 s with torch's two threads and 2.2 s with one
-(documentation/PERFORMANCE.md, "CPU threads"). So a CPU run takes as many threads as there are idle
-cores it may use, shared among the run's processes on this machine, and at least one.
-
-Who decides, the first that applies:
-
-1. ``num_cpu_threads`` in the config (or ``--set num_cpu_threads=N``), on any device;
-2. ``OMP_NUM_THREADS`` as the user set it: exported, or ``accelerate launch --num_cpu_threads_per_process``
-   (the value ``accelerate launch`` writes when it was told nothing is not a request);
-3. on a CPU run, :func:`choose_num_threads`; a CUDA run keeps torch's default.
-
-The probes (cores, load, the launcher's environment) are arguments, so tests pass their own.
+torch starts one intra-op thread per core; on a busy machine they wait for each other at every parallel
+region and a step slows down many times over. So a CPU run takes the idle cores it may use, shared among
+its processes on this machine, at least one (:func:`choose_num_threads`), unless ``num_cpu_threads`` or an
+``OMP_NUM_THREADS`` the user set says otherwise; a CUDA run keeps torch's default. The probes are arguments,
+so tests pass their own. Order and figures: documentation/PERFORMANCE.md, "Issue 29: CPU threads".
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Literal, Mapping
 
 from simpletuner.configuration.launcher import find_launcher
 
@@ -113,7 +104,7 @@ def _read_environ(pid: int) -> dict[str, str] | None:
 
 def user_thread_request(
     environ: Mapping[str, str],
-    launcher: tuple[int, list[str]] | None | str = "auto",
+    launcher: tuple[int, list[str]] | None | Literal["auto"] = "auto",
     read_environ: Callable[[int], Mapping[str, str] | None] = _read_environ,
 ) -> tuple[str, str] | None:
     """``(OMP_NUM_THREADS, where it came from)`` when the user set it; None when it is unset or is the
@@ -124,7 +115,7 @@ def user_thread_request(
     value = environ.get(THREADS_VAR)
     if not value:
         return None
-    found = find_launcher() if launcher == "auto" else launcher
+    found = find_launcher() if isinstance(launcher, str) else launcher
     if found is None:
         return value, f"{THREADS_VAR}={value} in the environment"
     pid, args = found

@@ -1,25 +1,23 @@
 """An exponential moving average (EMA) of the trained parameters (``use_ema``).
 
-The average covers exactly what the run trains (the LoRA / LyCORIS adapter weights, or every
-denoiser weight in a full fine-tune), keyed by parameter name as ``trainable.safetensors`` is. It is
-updated after a real optimizer step (never after a skipped, non-finite window) whose step number
-is a multiple of ``ema_update_interval``, with SimpleTuner's decay schedule (:func:`decay_at`):
-
-    shadow <- decay * shadow + (1 - decay) * param
-
-It lives on rank 0 only (every rank holds the same weights after a step; validation and the final
-save happen on rank 0), on the CPU or the training device (``ema_device``). Checkpoints carry it as
-``ema.safetensors``; the final save writes it as a second set of weights under ``output_dir/ema``.
+It covers exactly what the run trains, keyed by parameter name as ``trainable.safetensors`` is, and is
+updated after a real optimizer step (never a skipped, non-finite window) whose number is a multiple of
+``ema_update_interval``, with SimpleTuner's decay schedule (:func:`decay_at`):
+``shadow <- decay * shadow + (1 - decay) * param``. It lives on rank 0 only, on ``ema_device``; checkpoints
+carry it as ``ema.safetensors`` and the final save writes it under ``output_dir/ema``.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +64,7 @@ class EMA:
         self.last_decay: float | None = None  # of the latest update; None before the first
 
     @classmethod
-    def for_model(cls, model: nn.Module, config, accelerator_device: torch.device) -> "EMA":
+    def for_model(cls, model: nn.Module, config: TrainingConfig, accelerator_device: torch.device) -> EMA:
         """The EMA a config asks for, over ``model``'s (unwrapped) trained parameters."""
         device = accelerator_device if config.ema_device == "accelerator" else torch.device("cpu")
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}

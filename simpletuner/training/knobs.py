@@ -37,12 +37,12 @@ def apply_cuda_allocator(
     for part in filter(None, (environ.get(ALLOC_CONF_VAR) or "").split(",")):
         key, _, value = part.partition(":")
         merged[key.strip()] = value.strip()
-    for key, value in settings.items():
-        if key in merged and merged[key] != format_alloc_value(value):
+    for key, setting in settings.items():
+        if key in merged and merged[key] != format_alloc_value(setting):
             logger.info(
-                "cuda_allocator.%s=%s overrides %s from the environment", key, format_alloc_value(value), merged[key]
+                "cuda_allocator.%s=%s overrides %s from the environment", key, format_alloc_value(setting), merged[key]
             )
-        merged[key] = format_alloc_value(value)
+        merged[key] = format_alloc_value(setting)
     value = ",".join(f"{k}:{v}" for k, v in merged.items())
     environ[ALLOC_CONF_VAR] = value
     if cuda.is_initialized():
@@ -60,8 +60,9 @@ def maybe_compile(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     if not enabled:
         return model
     logger.info("compiling the denoiser with torch.compile: the first steps (and each new bucket shape) are slow")
-    compile_parts = getattr(model, "compile_parts", None)
+    compile_parts = getattr(model, "compile_parts", None)  # only some models have it
     if compile_parts is not None:  # a container that routes in Python (Wan 2.2's experts): compile each part
         compile_parts()
         return model
-    return torch.compile(model)
+    # The stub types torch.compile as returning a plain callable; for a Module it returns an OptimizedModule.
+    return torch.compile(model)  # type: ignore[return-value]

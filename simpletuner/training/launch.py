@@ -1,7 +1,7 @@
 """Launch checks and start-up helpers of a run: the process count Accelerate joined against what
-the launcher promised, every rank holding the same config, the Accelerator's construction, values
-shared between ranks, and a clock for the start-up phases. (Accelerate's process-wide precision state is reset by
-:func:`simpletuner.precision.reset_accelerate_state`.)"""
+the launcher promised, every rank holding the same config and seeing one output_dir, the Accelerator's
+construction, and a clock for the start-up phases. (Values shared between ranks: :mod:`simpletuner.ranks`;
+Accelerate's process-wide precision state is reset by :func:`simpletuner.precision.reset_accelerate_state`.)"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 
 from simpletuner.configuration.errors import ConfigError
+from simpletuner.ranks import from_every_process, probe_shared_folder
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def launch_request(launch_args, env) -> tuple[int, int]:
     def asked(name: str) -> int:
         value = getattr(parsed, name, None)
         value = values.get(name) if value is None else value
+        if value is None:
+            return 1
         try:
             return max(int(value), 1)
         except (TypeError, ValueError):
@@ -93,7 +96,7 @@ def check_launch_matches(num_processes: int, env, launch_args="auto") -> None:
 class PhaseClock:
     """Seconds spent in each named phase of start-up."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.phases: dict[str, float] = {}
         self._last = time.perf_counter()
 
@@ -101,28 +104,6 @@ class PhaseClock:
         now = time.perf_counter()
         self.phases[name] = now - self._last
         self._last = now
-
-
-def from_main_process(accelerator, value):
-    """``value`` as rank 0 has it, on every rank (one object collective when there are several).
-
-    How every process of a launch comes to the same decision about something only rank 0 checked
-    (a lock, a full disk): each then acts on it the same way, and none is left waiting in a
-    collective for a rank that gave up."""
-    if accelerator.num_processes <= 1:
-        return value
-    from accelerate.utils import broadcast_object_list
-
-    return broadcast_object_list([value], from_process=0)[0]
-
-
-def from_every_process(accelerator, value) -> list:
-    """Every rank's ``value``, in rank order, on every rank."""
-    if accelerator.num_processes <= 1:
-        return [value]
-    from accelerate.utils import gather_object
-
-    return gather_object([value])
 
 
 class ConfigMismatch(ConfigError):
@@ -236,37 +217,6 @@ class OutputDirNotShared(ConfigError):
         ValueError.__init__(self, message)
         self.problems = [message]
         self.source = None
-
-
-#: The probe :func:`probe_shared_folder` writes and removes (a dead run may leave one: harmless).
-SHARED_PROBE_PREFIX = ".simpletuner-shared-check-"
-
-
-def probe_shared_folder(accelerator, folder: Path) -> tuple[str | None, list[tuple[bool, str]]]:
-    """Whether every rank sees ``folder`` as rank 0 does (one folder on a shared filesystem, not a
-    node-local one at the same path): ``(why rank 0 could not write there, or None; [(sees it, host)
-    per rank])``. Collective: every rank calls it. Rank 0 writes a probe file holding a token, every
-    rank reads it back, rank 0 removes it; ``folder`` must exist on rank 0."""
-    import socket
-    import uuid
-
-    token = from_main_process(accelerator, uuid.uuid4().hex)
-    probe = folder / f"{SHARED_PROBE_PREFIX}{token}"
-    failed = None
-    if accelerator.is_main_process:
-        try:
-            probe.write_text(token)
-        except OSError as exc:
-            failed = f"{type(exc).__name__}: {exc}"
-    failed = from_main_process(accelerator, failed)  # also the barrier: the probe is written before anyone reads
-    try:
-        seen = failed is None and probe.read_text() == token
-    except OSError:
-        seen = False
-    results = from_every_process(accelerator, (seen, socket.gethostname()))
-    if accelerator.is_main_process:
-        probe.unlink(missing_ok=True)
-    return failed, results
 
 
 def check_shared_output_dir(accelerator, output_dir: Path) -> None:

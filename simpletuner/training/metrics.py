@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from simpletuner.gh200.runtime import get_runtime
+from simpletuner.hardware.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def peak_tflops_for_run(hardware: Any, mixed_precision: str, tf32: bool, overrid
     """The dense peak MFU is measured against, said once in the log; None leaves MFU out.
 
     ``override`` (``--peak-tflops``) wins. Otherwise the GPU table's peak for the run's precision
-    (``hardware`` is a :class:`simpletuner.memory.hardware.HardwareInfo`; None means no GPU):
+    (``hardware`` is a :class:`simpletuner.hardware.machine.HardwareInfo`; None means no GPU):
     bf16 / fp16 tensor-core peaks, and for "no" the TF32 tensor-core peak when ``tf32``
     (``enable_tf32``) is on and the card has TF32, else the plain FP32 peak. A GPU without a
     table entry is said once: "peak unknown: pass --peak-tflops".
@@ -203,4 +203,5 @@ def flops_per_sample(loss_fn, model: torch.nn.Module, num_samples: int, accelera
     with torch.random.fork_rng(devices=devices), accelerator.autocast(), count_flops(count):
         loss_fn(model, torch.Generator().manual_seed(0)).mean().backward()
     model.zero_grad(set_to_none=True)
+    assert count.total is not None  # set as count_flops' block ends
     return count.total / num_samples

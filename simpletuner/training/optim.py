@@ -27,13 +27,15 @@ def stage_bounds(config: TrainingConfig) -> dict[str, Any]:
     return bounds
 
 
-def _param_groups(config: TrainingConfig, named: Mapping[str, Iterable[torch.nn.Parameter]]):
+def _param_groups(
+    config: TrainingConfig, named: Mapping[str, Iterable[torch.nn.Parameter]]
+) -> list[torch.nn.Parameter] | list[dict[str, Any]]:
     """Plain parameters for one ``default`` group; else one named group per entry with its own ``lr``
     (and Automagic bounds) from the per-stage keys."""
-    named = {name: [p for p in params if p.requires_grad] for name, params in named.items()}
-    if list(named) == ["default"]:
-        return named["default"]
-    groups = automagic_param_groups(named, stage_bounds(config))
+    trainable = {name: [p for p in params if p.requires_grad] for name, params in named.items()}
+    if list(trainable) == ["default"]:
+        return trainable["default"]
+    groups = automagic_param_groups(trainable, stage_bounds(config))
     if config.optimizer != "automagic":  # only the learning rate applies to other optimizers
         groups = [{k: v for k, v in g.items() if k not in ("lr_bump", "min_lr", "max_lr")} for g in groups]
     return [g for g in groups if g["params"]]
@@ -45,12 +47,13 @@ def build_optimizer(
     """The optimizer named by ``config.optimizer`` over ``params``: an iterable of parameters, or
     named groups (``ModelSpec.named_parameter_groups``), each group with its own learning rate
     (``high_noise_learning_rate`` ...) and Automagic bounds."""
+    groups: list[torch.nn.Parameter] | list[dict[str, Any]]
     if isinstance(params, Mapping):
-        params = _param_groups(config, params)
-        num_params = sum(len(g["params"]) if isinstance(g, dict) else 1 for g in params)
+        groups = _param_groups(config, params)
+        num_params = sum(len(g["params"]) if isinstance(g, dict) else 1 for g in groups)
     else:
-        params = [p for p in params if p.requires_grad]
-        num_params = len(params)
+        groups = [p for p in params if p.requires_grad]
+        num_params = len(groups)
     if not num_params:
         raise ValueError(
             "nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)"
@@ -58,7 +61,7 @@ def build_optimizer(
     adam = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(config.optimizer)
     if adam is not None:
         return adam(
-            params,
+            groups,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_epsilon,
@@ -67,7 +70,7 @@ def build_optimizer(
     if config.optimizer == "adamw_bf16":
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
         return AdamWBF16(
-            params,
+            groups,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_epsilon,
@@ -78,7 +81,7 @@ def build_optimizer(
         # learning_rate multiplies Prodigy's estimated step size (about 1.0; a config rule checks it).
         # optimizer_config holds prodigyopt's other settings, checked at config time.
         return prodigy_class()(
-            params,
+            groups,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_epsilon,
@@ -88,11 +91,13 @@ def build_optimizer(
         )
     if config.optimizer == "sgd":
         momentum = config.optimizer_config.get("momentum", SGD_DEFAULT_MOMENTUM)
-        return torch.optim.SGD(params, lr=config.learning_rate, momentum=momentum, weight_decay=config.weight_decay)
+        # A number, checked with the config; null passes that check but torch's SGD refuses it as well.
+        assert isinstance(momentum, (int, float)), f"optimizer_config.momentum {momentum!r}"
+        return torch.optim.SGD(groups, lr=config.learning_rate, momentum=momentum, weight_decay=config.weight_decay)
     if config.optimizer == "automagic":
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
         return Automagic(
-            params,
+            groups,
             lr=config.learning_rate,
             min_lr=config.min_lr,
             max_lr=config.max_lr,

@@ -1,13 +1,14 @@
 """Where a run is and what its steps did: the counters a checkpoint saves (:class:`Progress`), one
 optimizer step's outcome (:class:`StepOutcome`), the ``nonfinite_policy`` for a window that was
-not finite (:class:`NonFinitePolicy`) and what a finished ``train()`` returns."""
+not finite (:class:`NonFinitePolicy`, whose verdict the trainer acts on) and what a finished
+``train()`` returns."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,18 +30,37 @@ class Progress:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """From a checkpoint's trainer state (older ones have no ``skipped_steps``)."""
+        """From a checkpoint's trainer state."""
         self.global_step, self.micro_batches_seen = state["global_step"], state["micro_batches_seen"]
-        self.samples_seen, self.skipped_steps = state["samples_seen"], state.get("skipped_steps", 0)
+        self.samples_seen, self.skipped_steps = state["samples_seen"], state["skipped_steps"]
+
+
+@dataclass(frozen=True)
+class NonFiniteStop:
+    """The policy's verdict on a window that was not finite: save the last good state, then raise :meth:`error`."""
+
+    where: str  # the window (describe_window)
+    why: str  # the setting that stops the run
+
+    def error(self, saved: Path) -> NonFiniteLoss:
+        """The error that stops the run, naming ``saved``, the checkpoint of the last good state."""
+        return NonFiniteLoss(
+            f"non-finite loss or gradient in {self.where}; {self.why}. The last good state is saved as {saved} (those "
+            "weights never saw the bad window). Try a lower learning_rate, max_grad_norm (gradient clipping), bf16 "
+            "instead of fp16, or nonfinite_policy 'skip' to step over rare bad batches; then resume_from_checkpoint "
+            "'latest'"
+        )
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What :meth:`Trainer.train_step` did with one window of micro-batches."""
+    """What :meth:`Trainer.train_step` did with one window of micro-batches, and what the loop must do next."""
 
     loss: torch.Tensor  # the window loss, on the device (reading it is a host sync)
     skipped: bool  # loss or gradient not finite: nothing was applied, nothing advanced
     num_samples: int  # this rank's samples in the window
+    preempt_signum: int | None = None  # a stop signal every rank agreed on at this step: save and stop
+    nonfinite_stop: NonFiniteStop | None = None  # a skipped window the nonfinite_policy stops on
 
 
 @dataclass
@@ -65,7 +85,7 @@ def describe_window(step: int, loss: torch.Tensor, norm: torch.Tensor, micro_bat
 class NonFinitePolicy:
     """``nonfinite_policy`` for a window whose loss or gradient was not finite (its gradients are
     dropped): skip it, up to ``max_consecutive_nonfinite`` in a row, or stop the run with the last
-    good state saved (:class:`NonFiniteLoss`, exit 3)."""
+    good state saved (:class:`NonFiniteStop`; :class:`NonFiniteLoss`, exit 3)."""
 
     def __init__(self, config):
         self.config = config
@@ -75,22 +95,17 @@ class NonFinitePolicy:
         """A finite window: the count of bad ones in a row starts again."""
         self.consecutive = 0
 
-    def failed(self, where: str, skipped_steps: int, save: Callable[[], Path]) -> None:
-        """Log the skip of the window ``where`` describes, or ``save()`` the last good state and raise."""
+    def failed(self, where: str, skipped_steps: int) -> NonFiniteStop | None:
+        """Count the window ``where`` describes: None when it is skipped (logged), else the verdict to stop."""
         cfg = self.config
         self.consecutive += 1
         if cfg.nonfinite_policy == "skip" and self.consecutive < cfg.max_consecutive_nonfinite:
             logger.warning("skipped %s: not finite (%d in a row, %d this run)", where, self.consecutive, skipped_steps)
-            return
-        path = save()
+            return None
         why = (
             f"{self.consecutive} windows in a row were not finite (max_consecutive_nonfinite="
             f"{cfg.max_consecutive_nonfinite})"
             if cfg.nonfinite_policy == "skip"
             else "nonfinite_policy is 'stop'"
         )
-        raise NonFiniteLoss(
-            f"non-finite loss or gradient in {where}; {why}. The last good state is saved as {path} (those weights "
-            "never saw the bad window). Try a lower learning_rate, max_grad_norm (gradient clipping), bf16 instead "
-            "of fp16, or nonfinite_policy 'skip' to step over rare bad batches; then resume_from_checkpoint 'latest'"
-        )
+        return NonFiniteStop(where, why)

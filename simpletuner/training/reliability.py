@@ -1,29 +1,12 @@
 """Stopping a run without losing it: signals in every phase, non-finite steps, out-of-memory.
 
-A run stops for one of these reasons by raising a :class:`RunStopped` subclass; ``train.main``
-turns it into its exit code (SIGTERM 143, SIGINT 130, non-finite 3, out of memory 4).
-
-SIGTERM / SIGINT are handled for the whole run (:class:`RunSignals`, installed by ``train.main``
-and by ``Trainer.train``), and what a signal does depends on the phase the run is in
-(:func:`run_phase` marks them):
-
-- outside the step loop (start-up, dataset scan and staging, cache fill, model load, the first
-  and the final validation) it interrupts at once: :class:`Interrupted` is raised where the main
-  thread is, ``finally`` blocks run (a cache fill writes what it has encoded), and the one-line
-  message says the phase and what is kept;
-- inside the step loop (in-loop validations and checkpoints included) it sets a flag that the
-  trainer reads at the next step boundary, where every rank saves a checkpoint
-  (:class:`Preempted`);
-- during the final save it is held back: the save completes, then the run stops and says the
-  final weights were saved (the final validation is skipped).
-
-A second Ctrl-C (SIGINT) while a signal is pending or being handled ends the process at once
-(``os._exit(130)``) after one line, ``second SIGINT: stopping now without saving``. A repeated
-SIGTERM does not: schedulers and launchers often deliver it twice (slurm signals every task and
-torchrun forwards its own), and their SIGKILL after a grace period is the "at once".
-
-The fault points the tests use (``SIMPLETUNER_FAULT``) live in :mod:`simpletuner.faults` and are
-re-exported here; every phase start is one (``phase:<name>``).
+A run stops for one of these reasons by raising a :class:`RunStopped` subclass; ``train.main`` turns it
+into its exit code (SIGTERM 143, SIGINT 130, non-finite 3, out of memory 4). :class:`RunSignals` handles
+SIGTERM / SIGINT for the whole run, and what a signal does depends on the phase (:func:`run_phase`):
+outside the step loop it interrupts at once (:class:`Interrupted`), inside it the trainer saves at the
+next step boundary (:class:`Preempted`), during the final save it waits for the save. The phases, the
+second Ctrl-C and the launchers: documentation/RELIABILITY.md, "Signals". The fault points the tests use
+(``SIMPLETUNER_FAULT``) live in :mod:`simpletuner.faults` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -36,7 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from simpletuner.faults import FAULT_ENV, fault_point  # noqa: F401  (re-exported: checkpoint.py and the tests use them)
 
@@ -145,7 +128,7 @@ class RunSignals:
         self.words, self.mode, self.kept = PHASES["startup"]
         self.received_in: str | None = None  # the phase words when the signal came
         self.is_stopping = False  # an exception is on its way out: a (first) signal changes nothing
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}  # signal.signal's
         self._depth = 0
         self._owner: RunSignals = self
 

@@ -10,9 +10,15 @@ import numpy as np
 import torch
 
 
+def noise_generator(seed: int, process_index: int) -> torch.Generator:
+    """The CPU generator rank ``process_index`` draws noise and timesteps from (one per rank)."""
+    return torch.Generator().manual_seed(seed + 7919 * process_index)
+
+
 def capture_rng(generator: torch.Generator) -> dict[str, Any]:
     """Every RNG the run draws from, in a form torch.load(weights_only=True) accepts."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # legacy=True: numpy's MT19937 tuple
     py_state = random.getstate()
     state = {
         "torch": torch.get_rng_state(),

@@ -1,18 +1,10 @@
 """One output_dir, one run: find what an earlier run left there, refuse to write over it unless
 asked, and remove it when asked (``--overwrite``).
 
-A run writes, at the top of ``output_dir``: ``checkpoint-N/`` folders (and the temp folders of
-saves, ``.checkpoint-N.tmp-<token>``, when one is interrupted) and ``latest``, its final
-weights (``*.safetensors`` adapters, or model folders such as ``unet/`` after a full fine-tune),
-``validation/``, ``logs/``, ``ema/`` (the EMA's final weights, with ``use_ema``), ``config.json``,
-``training.log``, ``metrics.jsonl``, ``gh200_runtime.json`` and ``final_weights.json`` (the step
-the final weights are of), and while a final save runs, ``.final-save.*`` temp folders.
-``--overwrite`` removes exactly those; any other file in the folder (and the caches, which live in
-``cache_config.cache_dir``) is kept.
-
-The trainer takes the folder with :func:`lock_output_dir` then :func:`take_output_dir`, and ends
-with :func:`save_final_weights`; each gives every rank the same outcome, so no rank waits in a
-collective for one that stopped.
+``--overwrite`` removes exactly what runs write at the top of ``output_dir`` (documentation/RELIABILITY.md,
+"One output_dir, one run") and keeps every other file and the caches. The trainer takes the folder with
+:func:`lock_output_dir` then :func:`take_output_dir`, and ends with :func:`save_final_weights`; each gives
+every rank the same outcome, so no rank waits in a collective for one that stopped.
 """
 
 from __future__ import annotations
@@ -30,9 +22,9 @@ import orjson
 from simpletuner import locks
 from simpletuner.diskspace import NoSpace
 from simpletuner.models.spec import FINAL_RECORD, FINAL_SAVE_PREFIX, final_weights_step
+from simpletuner.ranks import from_main_process
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training.ema import EMA_FOLDER
-from simpletuner.training.launch import from_main_process
 from simpletuner.training.run_identity import describe_run, identity_differences
 from simpletuner.training.sharded_state import is_sharded, unsharded_copy
 
@@ -315,6 +307,9 @@ def save_final_weights(accelerator, spec, model, output_dir: Path, full: bool, s
     )  # picklable: NoSpace(message) is not
     fields = from_main_process(accelerator, fields)
     if fields is not None:
-        raise failure if failure is not None else NoSpace(*fields, agreed=True)
+        if failure is not None:
+            raise failure
+        what, folder, needed, free, during_write = fields
+        raise NoSpace(what, Path(folder), needed, free, during_write, agreed=True)
     accelerator.wait_for_everyone()
     return path

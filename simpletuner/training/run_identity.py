@@ -1,10 +1,7 @@
 """A run's identity: the settings a checkpoint records and a resume compares, so a checkpoint of
 another model, adapter, batch size or seed is refused (naming every difference and the fix)
-instead of continued with weights or optimizer state that do not fit.
-
-``trainer_state.json`` keeps it under ``identity``; keys that older checkpoints lack are read as
-the value those versions trained with (``_IDENTITY_DEFAULTS``), or not compared when that value
-cannot be known (``_UNRECORDED_BEFORE``).
+instead of continued with weights or optimizer state that do not fit. ``trainer_state.json`` keeps
+it under ``identity``.
 """
 
 from __future__ import annotations
@@ -17,11 +14,6 @@ import orjson
 import torch
 
 from simpletuner.training.checkpoint_verify import ResumeRefused
-
-#: What a checkpoint written before these identity keys existed trained with.
-_IDENTITY_DEFAULTS = {"lycoris_algo": None, "base_model_precision": "no_change", "train_stages": "both"}
-#: Keys older checkpoints did not record and whose value cannot be inferred: not compared then.
-_UNRECORDED_BEFORE = {"seed"}
 
 
 def run_identity(config, spec, denoiser_config: str | None) -> dict[str, Any]:
@@ -51,7 +43,7 @@ def denoiser_fingerprint(model: torch.nn.Module) -> str:
 
 
 def describe_run(state: dict[str, Any]) -> str:
-    """``run 3f2a9c1b, seed 123`` for a checkpoint's state; what an older checkpoint lacks is left out."""
+    """``run 3f2a9c1b, seed 123`` for a checkpoint's state (what it does not hold is left out)."""
     identity = state.get("identity") or {}
     parts = [f"run {state['run_id']}"] if state.get("run_id") else []
     if identity.get("seed") is not None:
@@ -59,25 +51,14 @@ def describe_run(state: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _saved_identity_value(saved_identity: dict[str, Any], key: str) -> Any:
-    if key in saved_identity:
-        return saved_identity[key]
-    if key == "lora_type":  # the only adapter there was, for LoRA runs
-        return "standard" if saved_identity.get("training_type") == "lora" else None
-    return _IDENTITY_DEFAULTS.get(key)
-
-
 def identity_differences(state: dict[str, Any], identity: dict[str, Any]) -> list[str]:
     """How the run identity a checkpoint stores differs from ``identity`` (only its keys are compared)."""
-    saved_identity = state.get("identity", {})
-    problems = []
-    for key, value in identity.items():
-        if key in _UNRECORDED_BEFORE and key not in saved_identity:
-            continue
-        saved = _saved_identity_value(saved_identity, key)
-        if saved != value:
-            problems.append(f"{key}: checkpoint has {saved!r}, config has {value!r}")
-    return problems
+    saved = state.get("identity", {})
+    return [
+        f"{key}: checkpoint has {saved.get(key)!r}, config has {value!r}"
+        for key, value in identity.items()
+        if saved.get(key) != value
+    ]
 
 
 def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size: int, path: Path) -> None:

@@ -1,16 +1,10 @@
 """A run you can follow: console logging, ``output_dir/training.log`` and ``output_dir/metrics.jsonl``.
 
-:func:`configure_logging` sets up the console for the entry points: our ``simpletuner.*``
-loggers at the level asked for, third-party loggers no lower than INFO, so ``--log-level DEBUG``
-shows our debug lines and not PIL's PNG chunk dumps (nor urllib3, filelock, fsspec, httpx...).
-
-:class:`RunLog` is one training run's files, written on rank 0 only and appended to across
-resumes: ``training.log`` gets the records the console gets (formatted the same way), and
-``metrics.jsonl`` one JSON object per logging window, flushed per line so ``tail -f`` works.
-The trainer enters it before setup; the lines logged before the output folder and the rank
-are known are held and written first once :meth:`RunLog.open` knows them. Its handlers are
-removed when the run ends (tests run several runs in one process), and a handler left behind
-by a trainer that was set up but never trained is removed by the next run's :meth:`RunLog.open`.
+:func:`configure_logging`: our ``simpletuner.*`` loggers at the level asked for, third-party ones no lower
+than INFO. :class:`RunLog`: one run's files, rank 0 only, appended to across resumes (``training.log`` as
+the console formats it; ``metrics.jsonl`` one object per logging window, flushed per line). Lines logged
+before the folder and rank are known are held until :meth:`RunLog.open`; its handlers are removed when the
+run ends, or by the next run's :meth:`RunLog.open`. See documentation/QUICKSTART.md, "Follow the run".
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """FSDP2 through Accelerate: what a sharded run may be, its checkpoint shards, and the whole
 weights for the final save.
 
-``accelerate launch --config_file config/accelerate_config_gh200_fsdp.yaml`` sets
-``ACCELERATE_USE_FSDP=true`` and the ``FSDP_*`` variables; Accelerate then wraps the denoiser
-with ``torch.distributed.fsdp.fully_shard`` (parameters, gradients and optimizer state become
-DTensors, each rank holding a slice).
-
-Accelerate 1.15 turns FSDP on only for accelerator back-ends: on CPU (gloo) its state stays
-``MULTI_CPU`` and ``prepare`` wraps the model in DDP without a word. torch's FSDP2 itself runs on
-gloo (all-gather and reduce-scatter of CPU tensors), so :func:`enable_fsdp` switches such a state
-to FSDP with the launcher's plugin: that is how the CPU tests run the same code path a GPU node runs.
-
-A sharded checkpoint keeps the model and optimizer state in ``shards/`` (``torch.distributed
-.checkpoint``: one ``__<rank>_0.distcp`` file per rank and a ``.metadata`` index); its
-``trainable.safetensors`` and ``optimizer.pt`` are placeholders that name that folder (the
-checkpoint manifest requires both files). Everything else (schedule, trainer state, RNG files,
-manifest) is as in any checkpoint. A resume needs the same number of processes.
+:func:`enable_fsdp` makes an FSDP launch train with FSDP2, also on CPU (gloo), where Accelerate would fall
+back to DDP. A sharded checkpoint keeps the model and optimizer state in ``shards/``
+(``torch.distributed.checkpoint``, one file per rank); its ``trainable.safetensors`` and ``optimizer.pt``
+are placeholders naming that folder. A resume needs the same number of processes. The reasoning:
+documentation/DISTRIBUTED.md, "Sharding a full fine-tune: FSDP2".
 """
 
 from __future__ import annotations
@@ -24,6 +14,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -164,12 +155,12 @@ def load_shards(folder: Path, model: nn.Module, optimizer) -> None:
 
     inner = _inner(optimizer)
     model_state, optim_state = get_state_dict(model, inner)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(folder / SHARDS))
     set_state_dict(model, inner, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state(model: nn.Module) -> dict[str, Any]:
     """The whole state dict of a sharded ``model`` on CPU, on rank 0 (empty elsewhere). Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -184,7 +175,8 @@ def unsharded_copy(model: nn.Module) -> nn.Module | None:
     state = full_state(model)
     if not state:
         return None
-    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # fully_shard made a subclass
+    # fully_shard made a subclass; the class below it is the model's own (a diffusers model: from_config)
+    cls: Any = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
         copy = cls.from_config(model.config)
     copy.load_state_dict(state, assign=True, strict=True)

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from simpletuner.caching.fill import fill_caches
+from simpletuner.caching.share import launch_share
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.data_backend import BucketSampler, build_datasets
 from simpletuner.gh200.managed_memory import allocator_settings, place_weights, stop_managed_memory
 from simpletuner.gh200.wiring import configure_runtime
-from simpletuner.memory.hardware import detect_hardware
+from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.oom import explain_out_of_memory
 from simpletuner.memory.preflight import check_run_memory
 from simpletuner.models import get_model_spec
@@ -24,7 +26,7 @@ from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import knobs, metrics, run_folder, runlog, sharded_state
 from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
-from simpletuner.training.batches import Batch, free_memory, launch_share, prepare_caches
+from simpletuner.training.batches import Batch, CachedData, CaptionDropout, free_memory
 from simpletuner.training.cpu_threads import CpuThreads, settle_cpu_threads
 from simpletuner.training.ema import EMA
 from simpletuner.training.launch import PhaseClock, check_launch, check_shared_output_dir, make_accelerator
@@ -36,7 +38,9 @@ from simpletuner.training.reliability import (
     RunSignals,
     cache_entries_kept,
     run_phase,
+    run_step,
 )
+from simpletuner.training.rng import noise_generator
 from simpletuner.training.run_identity import denoiser_fingerprint, run_identity
 from simpletuner.training.validation import EvalLoss, Validator
 
@@ -45,66 +49,69 @@ if TYPE_CHECKING:
     from torch import nn
 
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.data_backend.factory import RegisteredDataset
     from simpletuner.data_backend.metadata import Sample
+    from simpletuner.gh200.managed_memory import ManagedMemoryPlan
+    from simpletuner.gh200.wiring import RuntimeDecisions
     from simpletuner.models.spec import ModelSpec
-    from simpletuner.training.batches import CachedData
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    """One training run: the components declared below, built by ``setup()`` in the order listed,
-    and the loop that trains them.
+    """One training run: the components declared below, built by ``setup()``, and the loop that trains them.
 
-    ``__init__`` builds nothing: it keeps the run's StateTracker, counters (``progress``) and
-    records. ``setup()`` calls the builder named above each group, which assigns that group only,
-    in the order their side effects need (the builders' comments say why); with
-    ``resume_from_checkpoint``, ``_resume`` puts the checkpoint back last (a resumed run that is
-    already finished stops after ``_setup_runtime``).
-    ``train()`` is ``setup()``, then ``_loop()``: ``run_window()`` (fetch a window, ``train_step()``
-    over it) and what the cadence predicates (``_should_log`` ...) call for; then the final save.
+    ``__init__`` builds nothing: it keeps the run's StateTracker (the run's record), counters (``progress``)
+    and records. ``setup()`` calls the builders in order: each takes what an earlier one built as arguments,
+    returns what a later one needs and assigns the components listed under its name below. A resumed run
+    that is already finished stops after ``_claim_run``. ``train()`` is ``setup()``, then ``_loop()``:
+    ``run_window()`` (fetch a window, ``train_step()`` over it), what the step's outcome asks for (a stop)
+    and what the cadence predicates (``_should_log`` ...) call for; then the final save.
     """
 
-    # _setup_runtime (and the output_dir lock, held in _locks until train() ends)
+    # _setup_process
     mixed_precision: str  # in force: "no", "fp16" or "bf16" (fp16 where the GPU has no bf16)
+    weight_dtype: torch.dtype
     spec: ModelSpec
     accelerator: Accelerator
-    run_id: str  # made per launch; a resume adopts the checkpoint's
-    _save_token: str  # this launch's checkpoint temp-folder token
     cpu_threads: CpuThreads  # torch's CPU thread count and why (training/cpu_threads.py)
-    finished_at: int | None  # the step of a resumed run that is already finished: nothing else is built
-    accumulation: AccumulationPolicy
     generator: torch.Generator  # noise and timesteps: one per rank, saved and restored with checkpoints
-    weight_dtype: torch.dtype
-    # _setup_data: the datasets, registered in state.datasets; _setup_caches:
+    # _claim_run (the output_dir lock is held on the run's lock stack until train() ends)
+    run_id: str  # made per launch; a resume adopts the checkpoint's
+    checkpointer: ckpt.Checkpointer  # this launch's saves
+    # _start_run
+    accumulation: AccumulationPolicy
+    runtime: RuntimeDecisions  # cache_config / gh200_optimizations as decided (recorded in the StateTracker)
+    # _setup_data returns the datasets (recorded in the StateTracker); _setup_caches:
     data: CachedData
     validator: Validator | None  # rank 0, with validation prompts
     # _setup_model
     _denoiser_fingerprint: str | None = None  # in the run identity once the model is loaded
     weight_prefetcher: object | None = None  # managed_memory frozen_weights: hooks prefetching frozen blocks
-    # _setup_optimization
-    eval_samples: list[Sample]
+    # _setup_sampling
     sampler: BucketSampler
     evaluator: EvalLoss | None  # with eval_steps
-    total_steps: int
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     flops_per_sample: float | None
+    # _setup_optimizer
     model: nn.Module  # prepared by Accelerate (DDP with several processes)
     optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     trainable_params: list[nn.Parameter]
     ema: EMA | None = None  # use_ema, on rank 0: the average of the trained weights
     # setup(), save_checkpoint()
+    total_steps: int
     startup_seconds: dict[str, float]
     _last_saved_step: int | None = None
     _last_saved_path: Path | None = None
+    _setup_locks: ExitStack | None = None  # setup() without train(): its locks, released with the trainer
 
     def __init__(
         self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None, overwrite: bool = False
     ):
-        """``hardware`` (a ``simpletuner.memory.hardware.HardwareInfo``) replaces the detected GPU for
+        """``hardware`` (a ``simpletuner.hardware.machine.HardwareInfo``) replaces the detected GPU for
         MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak; ``overwrite``
         (``--overwrite``) removes an earlier run's results from ``output_dir`` instead of refusing."""
-        self.state = state  # the run's registry: config, datasets, cache folders, locks
+        self.state = state  # the run's record: config, datasets, runtime decisions, cache folders, locks
         self.config: TrainingConfig = state.config
         self.output_dir = Path(self.config.output_dir).expanduser()
         self.overwrite, self.hardware, self.peak_tflops = overwrite, hardware, peak_tflops
@@ -114,49 +121,51 @@ class Trainer:
         self.losses: list[float] = []  # the window loss of every optimizer step this run
         self.last_logs: dict[str, float] = {}  # figures of the latest logging window
         self.validation_images: list[Path] = []
-        self.preempt_signum: int | None = None  # a stop signal every rank agreed on
         self._preempt: RunSignals | None = None  # while the step loop runs: its signal is read at each step
         self._pending: list[torch.Tensor] = []  # window losses since the last log line
 
     # --- setup: the builders, in order ---------------------------------------------------
-    def setup(self) -> None:
-        """Everything before the first step; each builder says what it assigns (see the class doc)."""
+    def setup(self, locks: ExitStack | None = None) -> int | None:
+        """Everything before the first step (see the class doc). ``locks`` holds the output_dir and cache
+        locks until the run ends (``train()`` passes its own; without one the trainer keeps them until it is
+        freed). Returns the step of a resumed run that is already finished (nothing else is built), else None."""
+        if locks is None:
+            locks = self._setup_locks = ExitStack()
         clock = PhaseClock()
-        self._setup_runtime()
-        if self.finished_at is not None:  # resumed a run already at its last step: nothing to build
-            return
+        self._setup_process()
+        finished = self._claim_run(locks)
+        if finished is not None:  # resumed a run already at its last step: nothing to build
+            return finished
+        self.accumulation, self.runtime = self._start_run(locks)
         clock.mark("accelerator")
-        self._setup_data()
+        datasets = self._setup_data()
         clock.mark("datasets")
-        self._setup_caches()
+        self._setup_caches(datasets, locks)
         clock.mark("caches")
-        denoiser = self._setup_model()
+        denoiser = self._setup_model(self.runtime.managed_memory)
         clock.mark("model")
-        self._setup_optimization(denoiser)
+        self.total_steps = self._setup_sampling(datasets, denoiser)
+        self._setup_optimizer(denoiser, self.total_steps)
         clock.mark("optimizer")
         if self.config.resume_from_checkpoint:
             self._resume()
             clock.mark("resume")
             # num_train_epochs: the length is known only now
-            self.finished_at = run_folder.finished_step(
-                self.output_dir, self.config.resume_from_checkpoint, self.total_steps
-            )
+            finished = run_folder.finished_step(self.output_dir, self.config.resume_from_checkpoint, self.total_steps)
         self.startup_seconds = clock.phases
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
+        return finished
 
-    def _setup_runtime(self) -> None:
-        """Process settings, ``spec``, ``accelerator``, the claim on ``output_dir`` (``run_id``), and,
-        unless the resumed run is finished (``finished_at``), ``accumulation``, ``generator`` and the
-        run's files. The allocator is set before anything touches CUDA, and output_dir is locked
-        before anything loads or is written."""
-        from accelerate.utils import set_seed
-
+    def _setup_process(self) -> None:
+        """Process settings, ``mixed_precision`` / ``weight_dtype``, ``spec``, ``accelerator``, ``cpu_threads``
+        and this rank's noise ``generator``. The allocator is set before anything touches CUDA."""
         cfg = self.config
         allocator, notes = allocator_settings(cfg, os.environ)  # managed_memory "all" adds what it needs
         knobs.apply_cuda_allocator(allocator)  # before anything touches CUDA
         for note in notes:
             logger.info("%s", note)
         self.mixed_precision = resolve_mixed_precision(cfg.mixed_precision)
+        self.weight_dtype = PRECISION_DTYPES[self.mixed_precision]
         knobs.apply_tf32(cfg.enable_tf32)
         reset_accelerate_state()
         self.spec = get_model_spec(cfg)  # reads the folder's JSON only
@@ -167,78 +176,121 @@ class Trainer:
             find_unused_parameters=self.spec.needs_unused_parameter_detection,
         )
         self.cpu_threads = settle_cpu_threads(cfg.num_cpu_threads, is_cuda=acc.device.type == "cuda")  # before the work
-        check_launch(acc, cfg)  # processes, FSDP, one config on every node: before anything loads or is written
-        self._claim_output_dir()  # one output_dir, one run: before anything loads or is written
+        self.generator = noise_generator(cfg.seed, acc.process_index)
+
+    def _claim_run(self, locks: ExitStack) -> int | None:
+        """Check the launch, take ``output_dir`` (its lock goes on ``locks``), make ``run_id`` and the
+        ``checkpointer``: before anything loads or is written. Returns the step of a resumed run that is
+        already finished, else None."""
+        cfg, acc = self.config, self.accelerator
+        check_launch(acc, cfg)  # processes, FSDP, one config on every node
+        self._claim_output_dir(locks)  # one output_dir, one run
         check_shared_output_dir(acc, self.output_dir)  # every node sees the folder rank 0 holds
-        self.run_id, self._save_token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves
-        self.finished_at = run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
-        if self.finished_at is not None:
-            return
+        self.run_id, token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves
+        self.checkpointer = ckpt.Checkpointer(acc, self.output_dir, cfg.checkpoints_total_limit, token)
+        return run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
+
+    def _start_run(self, locks: ExitStack) -> tuple[AccumulationPolicy, RuntimeDecisions]:
+        """Log the settings in force, seed, decide accumulation and the GH200 runtime, and open the run's files."""
+        from accelerate.utils import set_seed
+
+        acc = self.accelerator
         self._log_settings_in_force()
-        set_seed(cfg.seed)
-        self.accumulation = self._configure_gh200_runtime()
-        self.generator = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)  # a CPU one per rank
+        set_seed(self.config.seed)
+        policy, decisions = self._configure_gh200_runtime(locks)
         if acc.is_main_process:
             run_folder.write_run_config(self.output_dir, self.state.raw_config)
         self.run_log.open(self.output_dir, acc.is_main_process)  # before the long work: the cache fill
-        self.weight_dtype = PRECISION_DTYPES[self.mixed_precision]
+        return policy, decisions
 
-    def _setup_data(self) -> None:
-        """Build, scan and register the datasets (``state.datasets``, which the later builders read).
-        A stop signal here ends the run at once."""
-        staging = any(d.type == "in_memory" for d in self.config.datasets)
+    def _configure_gh200_runtime(self, locks: ExitStack) -> tuple[AccumulationPolicy, RuntimeDecisions]:
+        """Apply ``cache_config`` / ``gh200_optimizations``: the accumulation policy (every run, GH200 or not) and
+        the runtime decisions, recorded in the StateTracker and ``<output_dir>/gh200_runtime.json``; managed
+        memory ends with ``locks``."""
+        acc = self.accelerator
+        policy = build_accumulation(self.config, acc.num_processes)
+        decisions = configure_runtime(
+            self.config, acc.num_processes, acc.is_main_process, self.output_dir, accumulation=policy.state_dict()
+        )
+        self.state.set_gh200_runtime_config(decisions.as_record())
+        # managed_memory "all" routes every allocation to the pool from here until train() ends
+        locks.callback(stop_managed_memory, decisions.managed_memory)
+        return policy, decisions
+
+    def _setup_data(self) -> list[RegisteredDataset]:
+        """Build and scan the datasets, recorded in the StateTracker. A stop signal here ends the run at once."""
+        staging = any(d.type == "in_memory" for d in self.config.datasets or [])
         run_phase("staging" if staging else "datasets")  # SIGTERM/SIGINT: stop at once
-        build_datasets(self.state, self.spec)  # the data is checked to fit the model before any scan
+        datasets = build_datasets(self.config, self.spec)  # the data is checked to fit the model before any scan
+        for dataset in datasets:
+            self.state.register_dataset(dataset)
+        return datasets
 
-    def _setup_caches(self) -> None:
+    def _setup_caches(self, datasets: list[RegisteredDataset], locks: ExitStack) -> None:
         """``data`` (every latent and text embedding cached) and ``validator``. Stops first when RAM or
-        GPU cannot hold the run; then every rank encodes its part of what is missing and reads the others'."""
-        cfg, acc, spec, datasets = self.config, self.accelerator, self.spec, self.state.datasets
+        GPU cannot hold the run; then every rank encodes its part of what is missing and reads the others'.
+        The cache folders' locks go on ``locks``."""
+        cfg, acc, spec = self.config, self.accelerator, self.spec
         run_phase("memory_check")
         check_run_memory(cfg, spec, datasets, self.weight_dtype, self.hardware, acc.num_processes)
         run_phase("cache_fill", kept=cache_entries_kept(lambda: self.state.cache_dirs))  # a stop keeps what is written
         cache_dir = Path(cfg.cache_config.cache_dir).expanduser()
-        self.data, encoders = prepare_caches(
-            spec, datasets, cache_dir, acc.device, self.weight_dtype, self.state, launch_share(acc)
+        filled, encoders = fill_caches(
+            spec,
+            datasets,
+            cache_dir,
+            acc.device,
+            self.weight_dtype,
+            locks=locks,
+            record_cache_dir=self.state.register_cache_dir,
+            share=launch_share(acc),
+            step=run_step,
         )
+        self.data = CachedData.of(filled, CaptionDropout(cfg.seed, cfg.caption_dropout_probability))
         self.validator = None
         if cfg.validation_prompt_list and acc.is_main_process:
             self.validator = Validator(spec, cfg, encoders, self.output_dir, datasets)
         del encoders
         free_memory()  # the encoders the validator does not keep
 
-    def _setup_model(self) -> torch.nn.Module:
-        """The denoiser, ready to train (adapters, low_vram, compile): handed to ``_setup_optimization``."""
+    def _setup_model(self, managed: ManagedMemoryPlan) -> torch.nn.Module:
+        """The denoiser, ready to train (adapters, low_vram, compile), its weights placed as ``managed`` plans."""
         cfg, spec = self.config, self.spec
         run_phase("model_load")
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         denoiser = spec.prepare_denoiser(denoiser, self.weight_dtype)
         # managed_memory frozen_weights: the frozen base lives in CPU memory, prefetched block by block.
-        self.weight_prefetcher = place_weights(denoiser, self.state.gh200_runtime_config["managed_memory"])
+        self.weight_prefetcher = place_weights(denoiser, managed)
         if cfg.low_vram:
             spec.apply_low_vram(denoiser)
         denoiser = knobs.maybe_compile(denoiser, cfg.enable_compile)
         self._denoiser_fingerprint = denoiser_fingerprint(denoiser)
         return denoiser
 
-    def _setup_optimization(self, denoiser: torch.nn.Module) -> None:
-        """``sampler`` (its length sets ``total_steps`` for epoch runs), the eval batches, ``lr_scheduler``,
-        ``flops_per_sample``, then ``model`` / ``optimizer`` prepared by Accelerate, and the trackers."""
+    def _setup_sampling(self, datasets: list[RegisteredDataset], denoiser: torch.nn.Module) -> int:
+        """``sampler`` over every training sample, the eval batches (``evaluator``) and ``flops_per_sample``;
+        returns the run's optimizer steps (for epoch runs the sampler's length sets them)."""
         cfg, acc = self.config, self.accelerator
-        optimizer = build_optimizer(cfg, self.spec.named_parameter_groups(denoiser))
-        samples = [s for ds in self.state.datasets for s in ds.samples]
-        weights = {ds.id: ds.config.probability for ds in self.state.datasets}  # datasets[].probability
+        samples = [s for ds in datasets for s in ds.samples]
+        weights = {ds.id: ds.config.probability for ds in datasets}  # datasets[].probability
         self.sampler = BucketSampler(
             samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed, weights=weights
         )
-        self.eval_samples = samples
         self.evaluator = EvalLoss(self.spec, self.data, samples, cfg, acc) if cfg.eval_steps else None
-        steps, epochs = cfg.max_train_steps, cfg.num_train_epochs  # epochs: count the windows the ramp makes
-        self.total_steps = steps if steps is not None else count_steps(self.accumulation, epochs * len(self.sampler))
-        self.lr_scheduler = build_lr_scheduler(cfg, optimizer, self.total_steps, acc.num_processes)
+        self.flops_per_sample = self._flops_per_sample(denoiser, samples)  # before DDP wraps it (see there)
+        if cfg.max_train_steps is not None:
+            return cfg.max_train_steps
+        assert cfg.num_train_epochs is not None  # the config rules require one of the two
+        return count_steps(self.accumulation, cfg.num_train_epochs * len(self.sampler))  # the windows the ramp makes
+
+    def _setup_optimizer(self, denoiser: torch.nn.Module, total_steps: int) -> None:
+        """``optimizer`` and ``lr_scheduler`` over ``total_steps``, ``model`` / ``optimizer`` prepared by
+        Accelerate, ``trainable_params``, ``ema`` and the trackers."""
+        cfg, acc = self.config, self.accelerator
+        optimizer = build_optimizer(cfg, self.spec.named_parameter_groups(denoiser))
+        self.lr_scheduler = build_lr_scheduler(cfg, optimizer, total_steps, acc.num_processes)
         # The schedule is not prepared: Accelerate would step it once per process per step.
-        self.flops_per_sample = self._flops_per_sample(denoiser)  # before DDP wraps it (see there)
         self.model, self.optimizer = acc.prepare(denoiser, optimizer)
         # Walking every module for requires_grad each step cost up to ~1 ms (3-10% of a tiny-model step).
         self.trainable_params = [p for p in self.model.parameters() if p.requires_grad]
@@ -261,27 +313,16 @@ class Trainer:
         for warning in check_alloc_conf(os.environ.get(ALLOC_CONF_VAR)).warnings():  # its errors stopped the run
             logger.warning(warning)
 
-    def _configure_gh200_runtime(self) -> AccumulationPolicy:
-        """Apply ``cache_config`` / ``gh200_optimizations``: hint override, accumulation policy,
-        decisions recorded in the StateTracker and ``<output_dir>/gh200_runtime.json``."""
-        acc = self.accelerator
-        policy = build_accumulation(self.config, acc.num_processes)
-        decided = configure_runtime(
-            self.state, acc.num_processes, acc.is_main_process, self.output_dir, accumulation=policy.state_dict()
-        )
-        # managed_memory "all" routes every allocation to the pool from here until train() ends
-        self.__dict__.setdefault("_locks", ExitStack()).callback(stop_managed_memory, decided["managed_memory"])
-        return policy
-
     def eval_loss(self) -> float:
-        """Mean loss over the fixed eval batches with the same noise and timesteps every time."""
+        """Mean loss over the fixed eval batches with the same noise and timesteps every time (eval_steps)."""
+        assert self.evaluator is not None, "eval_loss() needs eval_steps"
         return self.evaluator(self.model)
 
     @property
     def eval_batches(self) -> list[Batch]:
         return self.evaluator.batches if self.evaluator is not None else []
 
-    def _flops_per_sample(self, model: torch.nn.Module) -> float | None:
+    def _flops_per_sample(self, model: torch.nn.Module, samples: list[Sample]) -> float | None:
         """Forward + backward FLOPs per sample, counted once on a throwaway micro-batch (counting a
         real step would perturb it: see metrics.flops_per_sample). It runs before DDP wraps the
         model: a backward DDP sees (even under no_sync) marks the parameters it reached as used
@@ -289,11 +330,9 @@ class Trainer:
         expert that step does not reach. Skipped under torch.compile, which the counter would disturb.
         """
         cfg, acc = self.config, self.accelerator
-        if cfg.enable_compile or not self.eval_samples:
+        if cfg.enable_compile or not samples:
             return None
-        sampler = BucketSampler(
-            self.eval_samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2
-        )
+        sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2)
         batch = self.data.batch(next(iter(sampler)), acc.device)
         per_sample = metrics.flops_per_sample(
             lambda m, gen: self.spec.training_loss(m, batch.latents, batch.conditioning, gen),
@@ -321,21 +360,17 @@ class Trainer:
         return ckpt.CheckpointParts(model, *parts, scaler=acc.scaler, ema=self.ema)
 
     def save_checkpoint(self) -> Path:
-        """A resumable checkpoint of this step; LoRA runs also get the adapter the final save writes
-        (``spec.save_adapter``), loadable as it is. Full fine-tunes get none: ``trainable.safetensors``
+        """A resumable checkpoint of this step (collective); LoRA runs also get the adapter the final save
+        writes (``spec.save_adapter``), loadable as it is. Full fine-tunes get none: ``trainable.safetensors``
         already holds the whole denoiser, and a second copy would double the checkpoint."""
         parts = self._checkpoint_parts()
         is_lora = self.config.training_type == "lora"
-        self._last_saved_path = ckpt.save_parts(
-            self.accelerator,
-            self.output_dir,
+        self._last_saved_path = self.checkpointer.save(
             self.progress.global_step,
             parts,
             run_id=self.run_id,
             identity=self._identity(),
-            total_limit=self.config.checkpoints_total_limit,
             write_adapter=(lambda folder: self.spec.save_adapter(folder, parts.model)) if is_lora else None,
-            token=self._save_token,
         )
         self._last_saved_step = self.progress.global_step  # once it is complete: a failed save saved nothing
         return self._last_saved_path
@@ -344,6 +379,7 @@ class Trainer:
         """Continue from the checkpoint ``resume_from_checkpoint`` names, verified against its manifest
         first (a damaged ``latest`` falls back to the newest that verifies; see checkpoint.py). Every
         file is read before any state is applied, and the run adopts the checkpoint's run id."""
+        assert self.config.resume_from_checkpoint  # setup() resumes only then
         path = ckpt.resolve_resume(self.output_dir, self.config.resume_from_checkpoint)
         if path is None:
             logger.info(
@@ -351,22 +387,15 @@ class Trainer:
             )
             return
         state = ckpt.restore_parts(path, self.accelerator, self._checkpoint_parts(), self._identity())
-        if state.get("run_id"):
-            self.run_id = state["run_id"]
-        else:
-            logger.info(
-                "%s records no run id (an older version wrote it): this run continues as run %s", path, self.run_id
-            )
+        self.run_id = state["run_id"]
         at = (self.progress.global_step, self.progress.samples_seen)
         logger.info("resumed from %s at step %d (%d samples seen; run %s)", path, *at, self.run_id)
 
-    def _claim_output_dir(self) -> None:
-        """Lock ``output_dir`` for this run (rank 0), held until ``train()`` ends with the cache locks
-        prepare_caches adds (simpletuner/locks.py); then refuse to write over another run's results
-        there, or with ``overwrite`` remove them first (run_folder.take_output_dir)."""
-        held = self.__dict__.setdefault("_locks", ExitStack())  # setup() without train(): freed with the trainer
-        run_folder.lock_output_dir(self.accelerator, self.output_dir, held)
-        self.state.run_locks = held  # prepare_caches adds the cache folder's, once the run starts using it
+    def _claim_output_dir(self, locks: ExitStack) -> None:
+        """Lock ``output_dir`` for this run (rank 0), held on ``locks`` until the run ends with the cache locks
+        the cache fill adds (simpletuner/locks.py); then refuse to write over another run's results there, or
+        with ``overwrite`` remove them first (run_folder.take_output_dir)."""
+        run_folder.lock_output_dir(self.accelerator, self.output_dir, locks)
         identity = {k: v for k, v in self._identity().items() if k != "denoiser_config"}  # no model loaded yet
         run_folder.take_output_dir(
             self.accelerator, self.output_dir, self.config.resume_from_checkpoint, identity, self.overwrite
@@ -394,8 +423,9 @@ class Trainer:
 
         A window whose loss or gradient norm is not finite never reaches the optimizer: its
         gradients are dropped, nothing advances (``progress.skipped_steps`` counts it) and the
-        outcome says ``skipped``. Deciding that costs one host sync per optimizer step (none per
-        micro-batch); the same sync carries the preemption flag so every rank agrees on both.
+        outcome says ``skipped``, with the ``nonfinite_policy``'s verdict. Deciding that costs one host
+        sync per optimizer step (none per micro-batch); the same sync carries the preemption flag so
+        every rank agrees on both. Nothing is written here: the loop acts on the outcome.
         """
         acc = self.accelerator
         window_samples = sum(b.num_samples for b in micro_batches)
@@ -422,12 +452,15 @@ class Trainer:
             if self.config.max_grad_norm:
                 acc.clip_grad_value_(params, self.config.max_grad_norm)
         norm = sharded_state.plain(norm)  # FSDP: a DTensor, reduced to its value
-        if self._agree(total, norm):
+        bad, signum = self._agree(total, norm)
+        if bad:
             self.optimizer.zero_grad(set_to_none=True)
             self.progress.skipped_steps += 1
             where = describe_window(self.progress.global_step, total, norm, micro_batches)
-            self.nonfinite.failed(where, self.progress.skipped_steps, self.save_checkpoint)
-            return StepOutcome(total, skipped=True, num_samples=window_samples)
+            stop = self.nonfinite.failed(where, self.progress.skipped_steps)
+            return StepOutcome(
+                total, skipped=True, num_samples=window_samples, preempt_signum=signum, nonfinite_stop=stop
+            )
         self.nonfinite.passed()
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -437,10 +470,10 @@ class Trainer:
         self.progress.samples_seen += window_samples * acc.num_processes
         if self.ema is not None:  # after a real optimizer step only: a skipped window returned above
             self.ema.step(self.progress.global_step)
-        return StepOutcome(total, skipped=False, num_samples=window_samples)
+        return StepOutcome(total, skipped=False, num_samples=window_samples, preempt_signum=signum)
 
-    def _agree(self, loss: torch.Tensor, norm: torch.Tensor) -> bool:
-        """Whether any rank saw a non-finite loss or gradient; records an agreed preemption signal."""
+    def _agree(self, loss: torch.Tensor, norm: torch.Tensor) -> tuple[bool, int | None]:
+        """Whether any rank saw a non-finite loss or gradient, and the stop signal every rank agreed on."""
         acc = self.accelerator
         bad = ~(torch.isfinite(loss) & torch.isfinite(norm.to(loss.device)))
         signum = float(self._preempt.signum or 0) if self._preempt is not None else 0.0
@@ -448,8 +481,7 @@ class Trainer:
         if acc.num_processes > 1:
             flags = acc.reduce(flags, reduction="max")  # the one collective of the step
         any_bad, agreed_signum = flags.tolist()
-        self.preempt_signum = int(agreed_signum) or None
-        return bool(any_bad)
+        return bool(any_bad), int(agreed_signum) or None
 
     def _out_of_memory(self, exc: BaseException) -> OutOfMemory:
         """Free what the failed step held and explain what would fit (nothing is saved)."""
@@ -465,18 +497,18 @@ class Trainer:
         ``output_dir/metrics.jsonl`` (both appended to across resumes); the lines logged before
         setup knows the output folder are held until it does.
         """
-        with self.run_log, ExitStack() as self._locks:  # output_dir and cache locks (_claim_output_dir)
-            return self._train()
+        with self.run_log, ExitStack() as locks:  # output_dir and cache locks, the end of managed memory
+            return self._train(locks)
 
-    def _train(self) -> TrainResult:
+    def _train(self, locks: ExitStack) -> TrainResult:
         # SIGTERM / SIGINT for the whole run; what one does depends on the phase (reliability.RunSignals):
         # stop at once outside the loop, save at the step boundary inside it, finish the final save first.
         with RunSignals() as signals:
-            self.setup()
+            finished_at = self.setup(locks)
             acc = self.accelerator
-            if self.finished_at is not None:  # resumed a run already at max_train_steps: nothing trained, nothing saved
+            if finished_at is not None:  # resumed a run already at max_train_steps: nothing trained, nothing saved
                 acc.end_training()
-                return TrainResult(self.finished_at)
+                return TrainResult(finished_at)
             if self.progress.global_step == 0 and self.config.validation_prompt_list:
                 run_phase("first_validation")
                 self._validate()
@@ -513,9 +545,11 @@ class Trainer:
     def _loop(self, batches: Iterator[Batch], bar, meter: metrics.ThroughputWindow) -> None:
         while self.progress.global_step < self.total_steps:
             outcome = self.run_window(batches, meter)
+            if outcome.nonfinite_stop is not None:  # nonfinite_policy: save the last good state and stop
+                raise outcome.nonfinite_stop.error(self.save_checkpoint())
             if not outcome.skipped:
                 self._after_step(outcome, bar, meter)
-            self._stop_if_preempted()
+            self._stop_if_preempted(outcome.preempt_signum)
 
     def _after_step(self, outcome: StepOutcome, bar, meter: metrics.ThroughputWindow) -> None:
         """What the cadence asks for after optimizer step ``progress.global_step``."""
@@ -535,11 +569,13 @@ class Trainer:
         return step % self.config.logging_steps == 0 or step == self.total_steps
 
     def _should_checkpoint(self, step: int) -> bool:
-        return bool(self.config.checkpointing_steps) and step % self.config.checkpointing_steps == 0
+        every = self.config.checkpointing_steps
+        return step % every == 0 if every else False
 
     def _should_validate(self, step: int) -> bool:
         """Whether the loop validates after ``step`` (rank 0 renders, when there are prompts)."""
-        return bool(self.config.validation_steps) and step % self.config.validation_steps == 0
+        every = self.config.validation_steps
+        return step % every == 0 if every else False
 
     def _should_validate_at_end(self) -> bool:
         """Validation prompts are set and the loop did not just validate the last step."""
@@ -575,15 +611,15 @@ class Trainer:
             model, self.progress.global_step, self.accelerator, ema=self.ema
         )
 
-    def _stop_if_preempted(self) -> None:
-        """At a step boundary that every rank agreed on: save and stop with the signal's exit code."""
-        if self.preempt_signum is None:
+    def _stop_if_preempted(self, signum: int | None) -> None:
+        """At a step boundary where every rank agreed on a stop signal: save and stop with its exit code."""
+        if signum is None:
             return
         if self._last_saved_step == self.progress.global_step:  # this step is saved already
             path = self._last_saved_path
         else:
             path = self.save_checkpoint()
-        raise Preempted(self.preempt_signum, path, self.state.resume_command)
+        raise Preempted(signum, path, self.state.resume_command)
 
     def _save_final(self) -> Path | None:
         """The final adapter (or model), then, with ``checkpoint_at_end``, a checkpoint of the last

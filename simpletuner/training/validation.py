@@ -7,12 +7,15 @@ import functools
 import io
 import logging
 import os
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 from PIL import Image
 
+from simpletuner.configuration.families import NO_NEGATIVE_PROMPT_FAMILIES
 from simpletuner.data_backend import BucketSampler
 from simpletuner.data_backend.images import load_rgb
 from simpletuner.diskspace import disk_full_guard, inject_fault
@@ -91,7 +94,7 @@ def _log_to_trackers(
     prompts: list[str],
     step: int,
     tag: str = "",
-    videos: list[tuple[list[Image.Image], Path, str]] = (),
+    videos: Sequence[tuple[list[Image.Image], Path, str]] = (),
     fps: int = 16,
 ) -> None:
     """TensorBoard gets the single images (tag ``validation``) and the grid (``validation_grid``);
@@ -122,13 +125,14 @@ def _log_to_trackers(
             caption = " | ".join(f"row {i}: {p}" for i, p in enumerate(prompts))
             logged = {f"validation_grid{tag}": wandb.Image(grid, caption=caption)}
             if videos:
-                clips = [_wandb_video(wandb, path, frames, fps, caption) for frames, path, caption in videos]
-                logged[f"validation_video{tag}"] = clips
+                logged[f"validation_video{tag}"] = [
+                    _wandb_video(wandb, path, frames, fps, caption) for frames, path, caption in videos
+                ]
             tracker.log(logged, step=step)
 
 
 #: Families whose sampling takes no negative prompt (Flux: guidance-distilled, no true CFG here).
-NO_NEGATIVE_PROMPT = frozenset({"flux"})
+NO_NEGATIVE_PROMPT = NO_NEGATIVE_PROMPT_FAMILIES
 
 
 def pipeline_arguments(family: str, config, width: int, height: int) -> dict:
@@ -156,7 +160,7 @@ def pipeline_arguments(family: str, config, width: int, height: int) -> dict:
     return kwargs
 
 
-def _weight_variants(config, ema) -> list[tuple[str, object]]:
+def _weight_variants(config, ema) -> list[tuple[str, Callable[[], AbstractContextManager[Any]]]]:
     """The weights each validation renders, as (file-name suffix, context that puts them in the
     model): the trained weights, the EMA's (``ema_only``), or both (``comparison``: EMA files end in ``_ema``)."""
     if ema is None or config.ema_validation == "none":
@@ -215,7 +219,8 @@ def video_format() -> str:
     except Exception as error:  # no PyAV, or a PyAV build without an H.264 encoder
         why = f"PyAV cannot encode H.264 here ({type(error).__name__}: {error})"
     try:
-        if Image.open(io.BytesIO(encode_video(probe, 16, "webp"))).n_frames == 2:
+        animation = Image.open(io.BytesIO(encode_video(probe, 16, "webp")))
+        if getattr(animation, "n_frames", 1) == 2:  # a still image (no animation support) has no n_frames
             logger.warning(
                 "validation videos are saved as animated .webp: %s; for .mp4 install the video extra "
                 '(`pip install -e ".[video]"`, or `pip install av`)',
@@ -290,44 +295,46 @@ def validation_images(spec, config, datasets=()) -> list[Image.Image] | None:
 
 
 @torch.no_grad()
-def generate_validation_images(
+def generate_validation_images(  # noqa: PLR0913
     spec, denoiser, vae, text_encoders, config, step: int, out_dir: Path, trackers=(), ema=None, images=None
 ) -> list[Path]:
-    """Render ``num_validation_images`` for each validation prompt, at each validation size, and save
-    them as PNGs.
+    """Render ``num_validation_images`` for each validation prompt at each validation size, save them as
+    PNGs (``step_NNNNNN[_WxH]_K[_ema].png``) and one grid per size (a row per prompt), log them to
+    ``trackers``, and return the PNGs' paths. File names, sizes, EMA variants and video clips are as
+    documentation/CONFIG.md describes ``validation_prompts``, ``validation_resolution``, ``ema_validation``
+    and ``validation_num_video_frames``.
 
-    The prompts are ``config.validation_prompt_list`` (``validation_prompt``, then
-    ``validation_prompts``); the sizes ``config.validation_sizes`` (``validation_resolution``, else
-    ``resolution`` square). Image ``i`` of prompt ``p`` is saved as ``step_NNNNNN_K.png`` with
-    ``K = p * num_validation_images + i`` (one prompt: the names of earlier releases), and all of
-    them as one grid, ``step_NNNNNN_grid.png`` (a row per prompt). With several sizes each size has
-    its own images and grid, ``step_NNNNNN_WxH_K.png`` / ``step_NNNNNN_WxH_grid.png``. With ``ema``
-    (an :class:`~simpletuner.training.ema.EMA`) ``config.ema_validation`` picks the weights: the
-    EMA's alone, or both (``comparison``: the EMA's images end in ``_ema`` and follow the trained
-    weights' images in each grid row). Each prompt's generator starts from ``validation_seed``
-    (else ``seed``), so image ``K`` of every validation step starts from the same noise: steps
-    differ only by the training in between. A video (``validation_num_video_frames`` > 1) is saved
-    as its first frame (the PNG) and the whole clip beside it with the PNG's stem (:func:`save_video`:
-    ``.mp4``, else animated ``.webp`` / ``.gif``, at the spec's ``video_fps``), and the clips go to the
-    trackers too. ``images`` (:func:`validation_images`): the image prompt ``p`` renders from (an edit's source,
-    a first frame), passed to the sampler as ``image``. Returns the PNGs' paths.
+    Each prompt's generator starts from ``validation_seed`` (else ``seed``), so every validation step starts
+    from the same noise. ``ema``: the run's :class:`~simpletuner.training.ema.EMA`; ``images``
+    (:func:`validation_images`): the image prompt ``p`` renders from, passed to the sampler as ``image``.
     """
-    prompts = config.validation_prompt_list
-    sizes = config.validation_sizes
-    seed = config.validation_seed if config.validation_seed is not None else config.seed
     variants = _weight_variants(config, ema)
+    rendered = _render(spec, denoiser, vae, text_encoders, config, variants, images)
+    out_dir.mkdir(parents=True, exist_ok=True)
     is_video = config.validation_num_video_frames not in (None, 1)
-    fps = spec.video_fps
+    writer = _StepWriter(out_dir, step, config.validation_prompt_list, trackers, spec.video_fps, is_video)
+    sizes = config.validation_sizes
+    paths = []
+    for size in sizes:
+        tag = f"_{size[0]}x{size[1]}" if len(sizes) > 1 else ""
+        paths += writer.save(tag, [(suffix, rendered[(suffix, size)]) for suffix, _ in variants])
+    return paths
+
+
+def _render(spec, denoiser, vae, text_encoders, config, variants, images) -> dict[tuple[str, tuple[int, int]], list]:
+    """Every prompt's sampler output, by (weights' file-name suffix, size): one list of outputs per prompt.
+    The denoiser samples in eval mode and is put back as it was."""
+    prompts = config.validation_prompt_list
+    seed = config.validation_seed if config.validation_seed is not None else config.seed
     was_training = denoiser.training
     denoiser.eval()
-    # rendered[(suffix, size)] = one list of outputs per prompt
     rendered: dict[tuple[str, tuple[int, int]], list] = {}
     try:
         pipe = spec.build_pipeline(denoiser, vae, text_encoders)
         pipe.set_progress_bar_config(disable=True)
         for suffix, weights in variants:
             with weights():
-                for width, height in sizes:
+                for width, height in config.validation_sizes:
                     kwargs = pipeline_arguments(spec.family, config, width, height)
                     outputs = []
                     for p, prompt in enumerate(prompts):
@@ -339,42 +346,54 @@ def generate_validation_images(
                     rendered[(suffix, (width, height))] = outputs
     finally:
         denoiser.train(was_training)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for width, height in sizes:
-        tag = f"_{width}x{height}" if len(sizes) > 1 else ""
-        rows: list[list[Image.Image]] = [[] for _ in prompts]
-        images = []
+    return rendered
+
+
+@dataclass
+class _StepWriter:
+    """Writes one validation step's renders, size by size: the PNGs, a video's clips, the grid, the trackers."""
+
+    out_dir: Path
+    step: int
+    prompts: list[str]
+    trackers: Any
+    fps: int
+    is_video: bool
+
+    def save(self, tag: str, renders: list[tuple[str, list]]) -> list[Path]:
+        """Save one size's outputs (``renders``: per weights' suffix, one output per prompt); returns the PNGs."""
+        rows: list[list[Image.Image]] = [[] for _ in self.prompts]
+        paths: list[Path] = []
+        images: list[Image.Image] = []
         videos: list[tuple[list[Image.Image], Path, str]] = []  # (frames, file, caption) per clip
-        for suffix, _ in variants:
-            outputs = rendered[(suffix, (width, height))]
+        for suffix, outputs in renders:
             k = 0
             for p, output in enumerate(outputs):
                 rows[p] += output.images
                 for i, image in enumerate(output.images):
-                    path = out_dir / f"step_{step:06d}{tag}_{k}{suffix}.png"
+                    path = self.out_dir / f"step_{self.step:06d}{tag}_{k}{suffix}.png"
                     save_png(image, path)
                     paths.append(path)
                     images.append(image)
-                    clip = getattr(output, "frames", None)
-                    if is_video and clip is not None:
+                    clip = getattr(output, "frames", None)  # only a video pipeline's output has frames
+                    if self.is_video and clip is not None:
                         frames = list(clip[i])
-                        caption = prompts[p] + (" (EMA weights)" if suffix else "")
-                        videos.append((frames, save_video(frames, path, fps), caption))
+                        caption = self.prompts[p] + (" (EMA weights)" if suffix else "")
+                        videos.append((frames, save_video(frames, path, self.fps), caption))
                     k += 1
         grid = make_grid(rows)
-        grid_path = out_dir / f"step_{step:06d}{tag}_grid.png"
+        grid_path = self.out_dir / f"step_{self.step:06d}{tag}_grid.png"
         save_png(grid, grid_path)
-        _log_to_trackers(trackers, images, grid, prompts, step, tag, videos, fps)
+        _log_to_trackers(self.trackers, images, grid, self.prompts, self.step, tag, videos, self.fps)
         logger.info(
             "validation images for step %d%s: %s; grid (a row per prompt): %s%s",
-            step,
-            f" at {width}x{height}" if tag else "",
-            ", ".join(str(p) for p in paths[-len(images) :]),
+            self.step,
+            f" at {tag[1:]}" if tag else "",
+            ", ".join(str(p) for p in paths),
             grid_path,
-            f"; videos ({fps} fps): " + ", ".join(str(v[1]) for v in videos) if videos else "",
+            f"; videos ({self.fps} fps): " + ", ".join(str(v[1]) for v in videos) if videos else "",
         )
-    return paths
+        return paths
 
 
 class Validator:
@@ -388,15 +407,12 @@ class Validator:
         self.images = validation_images(spec, config, datasets)
         self.vae, self.text_encoders = encoders.get_vae(), encoders.get_text()
         self.offloaded: tuple = ()  # low_vram: what waits in CPU RAM between validations
-        if (
-            config.low_vram
-        ):  # in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
+        # low_vram: in CPU RAM until a validation needs them (the VAE too, unless it re-encodes while training)
+        if config.low_vram:
             reencodes = config.augmentations.is_enabled and config.augmentations_cache_mode != "static"
             self.offloaded = (self.text_encoders,) if reencodes else (self.vae, self.text_encoders)
             offload.to_device(self.offloaded, torch.device("cpu"))
-        if (
-            config.gh200_optimizations.managed_memory == "frozen_weights"
-        ):  # frozen: resident in CPU memory, read in place
+        if config.gh200_optimizations.managed_memory == "frozen_weights":  # resident in CPU memory, read in place
             for module in offload.modules_of((self.vae, self.text_encoders)):
                 place_frozen_weights(module)
         if config.validation_negative_prompt is not None and spec.family in NO_NEGATIVE_PROMPT:

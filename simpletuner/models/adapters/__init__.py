@@ -45,6 +45,9 @@ def prepare_for_training(
     this on a meta-device model (quantisation is then skipped and counted by the estimator), so
     estimate and run cannot drift.
     """
+    from diffusers.models.modeling_utils import ModelMixin
+
+    assert isinstance(denoiser, ModelMixin)  # every family's denoiser (Wan 2.2 passes each expert)
     if config.training_type == "lora":
         check_adapter_support(config.base_model_precision, config.lora_type, config.lora_use_dora)
         freeze_base(denoiser, weight_dtype)

@@ -1,18 +1,11 @@
 """LyCORIS adapters (LoCon, LoHa, LoKr) on the frozen denoiser, saved in LyCORIS' own format.
 
-The network is built module by module over the denoiser's layers named by the family's LoRA
-targets (peft's rule: a module whose name is a target or ends with ``.<target>``), or, with
-``lycoris.apply_preset``, by the preset's classes and names read as LyCORIS' ``apply_preset`` reads
-them (:func:`plan_preset`). Not through ``create_lycoris`` / ``LycorisNetwork.apply_preset``
-themselves, which keep the target lists in class attributes shared by every network in the process.
-Each LyCORIS module hooks its layer's forward (``y = layer(x) + adapter(x)``: bypass mode, which never
-materialises a weight-sized delta and runs on quantised layers too; ``lycoris.bypass_mode`` false
-merges the delta into the weight at each forward instead), and the network is registered as the denoiser's submodule
-``lycoris``: the optimizer, Accelerate/DDP, ``trainable_state`` and checkpoint resume see its
-parameters through ``denoiser.parameters()`` like any other.
-
-Files use LyCORIS' key names (``lycoris_<module path with _>.lora_down.weight``, ``.alpha``, ...),
-the format ``create_lycoris_from_weights`` and other LyCORIS-aware tools load.
+The network is built module by module over the layers the family's LoRA targets name (peft's rule: a
+name equal to a target or ending in ``.<target>``), or those ``lycoris.apply_preset`` names
+(:func:`plan_preset`); not through ``create_lycoris`` / ``apply_preset``, whose target lists are class
+attributes shared by every network in the process. Modules run in bypass mode by default
+(``y = layer(x) + adapter(x)``). The network is the denoiser's submodule ``lycoris``, so the optimizer,
+DDP and checkpoints see its parameters; files use LyCORIS' key names (``create_lycoris_from_weights``).
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from simpletuner.file_modes import ordinary_permissions
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
-    from simpletuner.configuration.sections import LycorisPreset
+    from simpletuner.configuration.sections import LycorisModuleOptions, LycorisPreset
 
 #: The network's name as a submodule of the denoiser.
 SUBMODULE = "lycoris"
@@ -89,91 +82,98 @@ def candidate_classes(denoiser: nn.Module) -> list[str]:
 
 
 def plan_preset(denoiser: nn.Module, preset: "LycorisPreset") -> dict[str, PlannedLayer]:
-    """The layers ``preset`` adapts, by module path, with their per-class / per-name settings, as LyCORIS'
-    ``apply_preset`` reads a preset:
-
-    - a module whose class is in ``target_module`` or ``module_algo_map`` (and whose path no
-      ``target_name`` matches): each Linear / Conv layer inside it, with that class's settings; inside it,
-      a module of another ``module_algo_map`` class passes that class's settings to its own layers;
-    - a layer whose path is in ``target_name`` / ``name_algo_map`` (equal, or matched by a pattern): that
-      layer, with its ``name_algo_map`` settings (else its class's);
-    - paths ``exclude_name`` matches are skipped; the first entry to reach a layer decides its settings.
-      Layers neither Linear nor Conv, and Conv layers wider than 1x1 without ``enable_conv`` (unless their
-      settings give a ``dim``), get nothing.
+    """The layers ``preset`` adapts, by module path, with their settings, read as LyCORIS' ``apply_preset``
+    reads a preset: each Linear / Conv inside a ``target_module`` / ``module_algo_map`` class (the innermost
+    mapped class wins) and each layer a ``target_name`` / ``name_algo_map`` entry matches; ``exclude_name``
+    paths are skipped, the first entry to reach a layer decides its settings, and a Conv wider than 1x1
+    needs ``enable_conv`` (or a ``dim`` in its settings).
 
     Raises:
-        ValueError: a class or name of the preset matches nothing in the denoiser (naming each, and the
-            denoiser's attention / feed-forward / block classes), or nothing it matches can be adapted.
+        ValueError: a class or name of the preset matches nothing (each named, with the denoiser's
+            candidate classes), or nothing it matches can be adapted.
     """
+    planner = _PresetPlanner(preset)
+    planner.visit(denoiser)
+    planner.check(denoiser)
+    return planner.plan
 
-    def matches(pattern: str, path: str) -> bool:
-        return fnmatch.fnmatch(path, pattern) if preset.use_fnmatch else re.match(pattern, path) is not None
 
-    def excluded(path: str) -> bool:
-        return bool(path) and any(path == p or matches(p, path) for p in preset.exclude_name)
+class _PresetPlanner:
+    """One preset's walk over a denoiser: the layers it adapts, and the classes and names it reached."""
 
-    def settings_of(entry) -> dict[str, Any]:
-        return {} if entry is None else entry.model_dump(exclude_none=True)
+    def __init__(self, preset: "LycorisPreset"):
+        self.preset = preset
+        self.class_maps = preset.module_algo_map
+        self.target_classes = set(preset.target_module) | set(self.class_maps)
+        self.name_patterns = list(dict.fromkeys([*preset.target_name, *preset.name_algo_map]))
+        self.plan: dict[str, PlannedLayer] = {}
+        self.seen_classes: set[str] = set()
+        self.seen_names: set[str] = set()
 
-    def adaptable(layer: nn.Module, settings: Mapping[str, Any]) -> bool:
-        if not isinstance(layer, _SUPPORTED):
-            return False
-        return not _is_wide_conv(layer) or preset.enable_conv or "dim" in settings
+    def _matches(self, pattern: str, path: str) -> bool:
+        return fnmatch.fnmatch(path, pattern) if self.preset.use_fnmatch else re.match(pattern, path) is not None
 
-    class_maps = preset.module_algo_map
-    target_classes = set(preset.target_module) | set(class_maps)
-    name_patterns = list(dict.fromkeys([*preset.target_name, *preset.name_algo_map]))
-    plan: dict[str, PlannedLayer] = {}
-    seen_classes: set[str] = set()
-    seen_names: set[str] = set()
+    def _excluded(self, path: str) -> bool:
+        return bool(path) and any(path == p or self._matches(p, path) for p in self.preset.exclude_name)
 
-    def walk(root_path: str, root: nn.Module, settings: dict[str, Any]) -> None:
+    def _add(self, path: str, layer: nn.Module, settings: dict[str, Any]) -> None:
+        """Plan ``layer`` unless an earlier entry did, or LyCORIS cannot adapt it with ``settings``."""
+        if path in self.plan or not isinstance(layer, _SUPPORTED):
+            return
+        if not _is_wide_conv(layer) or self.preset.enable_conv or "dim" in settings:
+            self.plan[path] = PlannedLayer(layer, settings)
+
+    def visit(self, denoiser: nn.Module) -> None:
+        for path, module in denoiser.named_modules():
+            if not path or self._excluded(path):
+                continue
+            cls = type(module).__name__
+            hits = [p for p in self.name_patterns if path == p or self._matches(p, path)]
+            if cls in self.target_classes and not hits:
+                self.seen_classes.add(cls)
+                self._walk(path, module, _settings_of(self.class_maps.get(cls)))
+            elif hits:
+                self.seen_names.update(hits)
+                by_name = next((self.preset.name_algo_map[p] for p in hits if p in self.preset.name_algo_map), None)
+                self._add(path, module, _settings_of(by_name if by_name is not None else self.class_maps.get(cls)))
+
+    def _walk(self, root_path: str, root: nn.Module, settings: dict[str, Any]) -> None:
+        """The layers inside a targeted module ``root``; a mapped class inside passes its own settings on."""
         for sub_path, sub in root.named_modules():
             path = f"{root_path}.{sub_path}" if root_path and sub_path else (root_path or sub_path)
-            if excluded(path):
+            if self._excluded(path):
                 continue
             cls = type(sub).__name__
-            if sub is not root and cls in class_maps:
-                walk(path, sub, settings_of(class_maps[cls]))  # its own layers take its own settings
+            if sub is not root and cls in self.class_maps:
+                self._walk(path, sub, _settings_of(self.class_maps[cls]))  # its own layers take its own settings
                 continue
-            if path not in plan and adaptable(sub, settings):
-                plan[path] = PlannedLayer(sub, settings)
+            self._add(path, sub, settings)
 
-    for path, module in denoiser.named_modules():
-        if not path or excluded(path):
-            continue
-        cls = type(module).__name__
-        hits = [p for p in name_patterns if path == p or matches(p, path)]
-        if cls in target_classes and not hits:
-            seen_classes.add(cls)
-            walk(path, module, settings_of(class_maps.get(cls)))
-        elif hits:
-            seen_names.update(hits)
-            by_name = next((preset.name_algo_map[p] for p in hits if p in preset.name_algo_map), None)
-            settings = settings_of(by_name if by_name is not None else class_maps.get(cls))
-            if path not in plan and adaptable(module, settings):
-                plan[path] = PlannedLayer(module, settings)
+    def check(self, denoiser: nn.Module) -> None:
+        """Refuse a preset with a class or name that matched nothing, or one that planned no layer."""
+        unmatched_classes = sorted(self.target_classes - self.seen_classes)
+        unmatched_names = [p for p in self.name_patterns if p not in self.seen_names]
+        model = type(denoiser).__name__
+        if unmatched_classes or unmatched_names:
+            what = []
+            if unmatched_classes:
+                what.append(f"module classes {unmatched_classes}")
+            if unmatched_names:
+                what.append(f"layer names {unmatched_names}")
+            raise ValueError(
+                f"lycoris.apply_preset: {' and '.join(what)} match nothing in the {model}. Its attention, "
+                f"feed-forward and block classes are {candidate_classes(denoiser)}: name those in target_module "
+                "(or module paths from the model in target_name)"
+            )
+        if not self.plan:
+            raise ValueError(
+                f"lycoris.apply_preset matches modules of the {model}, but none of their layers is a Linear or Conv "
+                "layer LyCORIS can adapt: target the classes that hold them (e.g. Attention, FeedForward)"
+            )
 
-    unmatched_classes = sorted(target_classes - seen_classes)
-    unmatched_names = [p for p in name_patterns if p not in seen_names]
-    model = type(denoiser).__name__
-    if unmatched_classes or unmatched_names:
-        what = []
-        if unmatched_classes:
-            what.append(f"module classes {unmatched_classes}")
-        if unmatched_names:
-            what.append(f"layer names {unmatched_names}")
-        raise ValueError(
-            f"lycoris.apply_preset: {' and '.join(what)} match nothing in the {model}. Its attention, "
-            f"feed-forward and block classes are {candidate_classes(denoiser)}: name those in target_module "
-            "(or module paths from the model in target_name)"
-        )
-    if not plan:
-        raise ValueError(
-            f"lycoris.apply_preset matches modules of the {model}, but none of their layers is a Linear or Conv "
-            "layer LyCORIS can adapt: target the classes that hold them (e.g. Attention, FeedForward)"
-        )
-    return plan
+
+def _settings_of(entry: "LycorisModuleOptions | None") -> dict[str, Any]:
+    return {} if entry is None else entry.model_dump(exclude_none=True)
 
 
 def _targets_plan(denoiser: nn.Module, targets: list[str]) -> dict[str, PlannedLayer]:
@@ -318,7 +318,7 @@ def save_lycoris(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in network.state_dict().items()}
-    if hasattr(metadata, "model_family"):  # a TrainingConfig
+    if metadata is not None and not isinstance(metadata, Mapping):  # a TrainingConfig
         metadata = {
             "simpletuner_model_family": metadata.model_family,
             "simpletuner_base_model": metadata.pretrained_model_name_or_path,

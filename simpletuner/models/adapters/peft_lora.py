@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import warnings
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from simpletuner.configuration import TrainingConfig
 
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
 
-def add_peft_lora(denoiser: nn.Module, targets: list[str], config: TrainingConfig) -> nn.Module:
+
+def add_peft_lora(denoiser: ModelMixin, targets: list[str], config: TrainingConfig) -> ModelMixin:
     """Add a trainable fp32 peft LoRA (DoRA with ``lora_use_dora``) on ``targets`` of a frozen denoiser."""
     from peft import LoraConfig  # optional heavy import: only runs that train a peft LoRA pay for it
 
     lora = LoraConfig(
         r=config.lora_rank,
-        lora_alpha=config.effective_lora_alpha,
+        lora_alpha=config.effective_lora_alpha,  # type: ignore[arg-type]  # peft says int; it divides by r (floats work)
         lora_dropout=config.lora_dropout,
         init_lora_weights="gaussian",
         target_modules=targets,

@@ -1,17 +1,10 @@
 """Quantised frozen base weights (``base_model_precision``): 8-bit Linear weights under an fp32 adapter.
 
-Two libraries, both weight-only (activations and the adapter keep their precision):
-
-* optimum-quanto (``qint8``, ``qfloat8``): each frozen ``nn.Linear`` becomes a ``QLinear`` whose weight
-  is a ``WeightQBytesTensor`` (int8 / float8_e4m3fn data, one scale per output row).
-* torchao (``int8_torchao``, ``fp8_torchao``): ``quantize_`` with ``Int8WeightOnlyConfig`` /
-  ``Float8WeightOnlyConfig`` swaps each frozen ``nn.Linear``'s weight for an ``Int8Tensor`` /
-  ``Float8Tensor``; the module stays an ``nn.Linear``.
-
-Only Linear layers are quantised (convolutions, norms and embeddings keep the base dtype), and not
-those under a model's ``_keep_in_fp32_modules``. peft's LoRA wraps both kinds (a ``QLinear`` is an
-``nn.Linear``; torchao weights dispatch to peft's ``TorchaoLoraLinear``) and LyCORIS runs them in
-bypass mode (``y = base(x) + adapter(x)``), so the adapter is added on top, after quantisation.
+Weight-only, through optimum-quanto (``qint8``, ``qfloat8``: each frozen ``nn.Linear`` becomes a ``QLinear``)
+or torchao (``int8_torchao``, ``fp8_torchao``: ``quantize_`` swaps the weight, the module stays an
+``nn.Linear``). Only Linear layers outside the model's ``_keep_in_fp32_modules`` are quantised, before the
+adapter is added: peft's LoRA wraps both kinds and LyCORIS runs them in bypass mode.
+See documentation/MEMORY.md, "LyCORIS and quantised base weights".
 """
 
 from __future__ import annotations
@@ -134,7 +127,7 @@ def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: 
 _INT8_CPU_K_MULTIPLE = 16
 
 
-def _safe_int8_cpu_input(module: nn.Module, args: tuple):
+def _safe_int8_cpu_input(module: nn.Linear, args: tuple):
     """Keep a qint8 layer on CPU off the crashing paths of torch's int8 kernel.
 
     For a bf16 input on CPU optimum-quanto multiplies with ``torch._weight_int8pack_mm``, which in

@@ -1,22 +1,11 @@
 """AdamW for bf16 weights: the update is computed in fp32 and rounded back stochastically.
 
-Per parameter, each step (``t`` counts that parameter's steps, from 1), as torch's AdamW::
-
-    p = p * (1 - lr * weight_decay)                         # decoupled weight decay
-    m = beta1 * m + (1 - beta1) * g                         # (torch writes it m.lerp_(g, 1 - beta1))
-    v = beta2 * v + (1 - beta2) * g**2
-    p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
-
-A bf16 parameter keeps its weights and both moments in bf16 (4 bytes of state per weight instead of
-fp32 AdamW's 8). Storing a bf16 result by rounding to nearest would drop every update smaller
-than half a bf16 ulp (a weight near 1.0 ignores any step below about 0.002, which is most steps
-at usual learning rates), so the step runs in fp32 and the new weight and moments are
-rounded back stochastically (:mod:`simpletuner.training.optimizers.rounding`): each stored value's
-expectation is the fp32 value, and small updates add up over steps.
-
-Any other dtype (the fp32 LoRA / LyCORIS adapters and fp32 full fine-tunes of this trainer) is
-updated in place with torch's own operations in torch's order: bit for bit ``torch.optim.AdamW``
-with ``amsgrad=False``.
+A bf16 parameter keeps its weights and both moments in bf16 (4 bytes of state per weight, not 8). Rounding
+to nearest would drop every update below half a bf16 ulp (near 1.0, any step below about 0.002: most steps
+at usual learning rates), so torch's AdamW step runs in fp32 and the results are rounded back stochastically
+(:mod:`simpletuner.training.optimizers.rounding`): each stored value's expectation is the fp32 value. Any
+other dtype (this trainer's fp32 adapters and full fine-tunes) is updated with torch's own operations in
+torch's order: bit for bit ``torch.optim.AdamW`` with ``amsgrad=False``.
 """
 
 from __future__ import annotations
@@ -85,16 +74,16 @@ class AdamWBF16(torch.optim.Optimizer):
                 # int(): torch's AdamW keeps a tensor here, so an `adamw` checkpoint resumes as `adamw_bf16`.
                 state["step"] = int(state["step"]) + 1
                 if p.dtype == torch.bfloat16:
-                    self._bf16_update(p, state, group)
+                    self._bf16_update(p, p.grad, state, group)
                 else:
                     _adamw_update(p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group)
         return loss
 
-    def _bf16_update(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _bf16_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         param = p.detach()
         work = param.float()
         exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
-        _adamw_update(work, p.grad.float(), exp_avg, exp_avg_sq, state["step"], group)
+        _adamw_update(work, grad.float(), exp_avg, exp_avg_sq, state["step"], group)
         generator = self._rounding.get(param.device)
         stochastic_round_to_bf16(exp_avg, state["exp_avg"], generator)
         stochastic_round_to_bf16(exp_avg_sq, state["exp_avg_sq"], generator)

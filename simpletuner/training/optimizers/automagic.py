@@ -1,49 +1,11 @@
 """Automagic: Adafactor-style steps with a learning rate per element that adapts itself.
 
-Per parameter element, each step (``t`` counts that parameter's steps, from 1)::
-
-    s      = g**2 + eps
-    v      = beta2 * v + (1 - beta2) * s                    # 1-D (and 0-D) parameters
-    v_hat  = v / (1 - beta2**t)                             # Adam-style bias correction
-    # >= 2-D parameters are factored as a (shape[0], numel / shape[0]) matrix:
-    #   R = beta2 * R + (1 - beta2) * mean_j s[i, j]      (one value per row)
-    #   C = beta2 * C + (1 - beta2) * mean_i s[i, j]      (one value per column)
-    #   v_hat[i, j] = (R[i] / mean(R)) * (C[j] / (1 - beta2**t))
-    u      = g / sqrt(v_hat)
-    u      = u / max(1, RMS(u) / clip_threshold)            # RMS over the whole parameter
-    q      = sign(u)                                        # -1, 0 or +1
-    lr     = clamp(lr + lr_bump * q * q_prev, min_lr, max_lr)   # agree: +bump, flip: -bump
-    q_prev = q                                              # 0 on the first step: lr unchanged
-    a      = lr * group["lr"] / group["initial_lr"]        # an LR schedule's factor, 1 without one
-    p      = p * (1 - a * weight_decay) - a * u             # decoupled weight decay
-
-The freshly adjusted ``lr`` is the one applied in the same step. A zero update (a zero
-gradient) neither raises nor lowers the lr, now or on the next step.
-
-Storage per parameter element: ~3 bytes for >= 2-D parameters, 7 bytes for 1-D ones.
-
-- ``lr_index`` (int16, 2 B): the lr on a uniform grid of at most 65,536 points,
-  ``lr = min(min_lr + n * spacing, max_lr)`` with ``spacing = lr_bump / k`` and ``k`` the
-  largest whole number that fits ``[min_lr, max_lr]`` in 65,535 spacings. The additive rule
-  only ever visits ``lr0 + j * lr_bump`` and the two bounds, so what it needs is uniform
-  *absolute* resolution, and floats give relative resolution: in bf16 (7-bit mantissa) the
-  spacing near 1e-3 is 7.6e-6, so a 1e-6 bump rounds away and the lr stalls at ~4.9e-4;
-  fp16 has no normal numbers below 6.1e-5, where ``min_lr`` usually lives. On the grid
-  a bump is exactly ``k`` index steps (integer arithmetic, no drift however many steps)
-  and ``min_lr``/``max_lr`` are hit exactly; only the initial lr and the values stepped down
-  from ``max_lr`` are off, by less than one spacing (at most ``2 * (max_lr - min_lr) / 65535``;
-  1.5e-8 for the defaults). ``lr_bump`` below ``(max_lr - min_lr) / 65535`` is refused.
-- ``sign`` (int8, 1 B): the previous update's sign. Three values make the first step
-  ("no previous sign") and zero updates fall out of the same product ``q * q_prev``;
-  packing bools into bits would save 0.875 B more at the cost of unpacking every step.
-- second moments (fp32): ``row_var`` + ``col_var`` (shape[0] + numel / shape[0] floats,
-  negligible) for >= 2-D parameters, ``var`` (4 B per element) for 1-D ones.
-
-bf16 parameters are updated in fp32 and rounded back stochastically (add 16 random low
-bits to the fp32 pattern, truncate): unbiased, so updates smaller than a bf16 ulp add up
-instead of vanishing. The random bits come from a ``torch.Generator`` per device, seeded by
-``seed`` (the same on every rank, so data-parallel replicas round identically) and saved in
-``state_dict()``. fp16 parameters are rounded to nearest; fp32 ones are updated in place.
+Each element's lr rises by ``lr_bump`` while its normalised update keeps its sign and falls when it
+flips, within ``[min_lr, max_lr]``; the update is ``g / sqrt(v_hat)`` with Adafactor's factored second
+moments (>= 2-D parameters) or Adam's (1-D), RMS-clipped, with decoupled weight decay. State: ~3 bytes
+per element of a >= 2-D parameter (an int16 lr index on a uniform grid, an int8 sign), 7 for 1-D ones.
+bf16 parameters are rounded back stochastically. The exact rule and why the state is stored this way:
+documentation/CONFIG.md, "optimizer: automagic".
 """
 
 from __future__ import annotations
@@ -126,32 +88,18 @@ def _grid(group: Mapping[str, Any]) -> _Grid:
 
 
 class Automagic(torch.optim.Optimizer):
-    """Adafactor-normalised steps with a self-adjusting per-element learning rate.
+    """Adafactor-normalised steps with a self-adjusting per-element learning rate (see the module docstring).
 
-    The update rule and the storage are described in this module's docstring.
-
-    Args:
-        params: parameters or param groups. A group may carry ``name`` (``"high_noise"``),
-            used in error messages, and any option below.
-        lr: initial per-element learning rate, in ``[min_lr, max_lr]``.
-        min_lr, max_lr: bounds of the per-element learning rate (``0 < min_lr <= max_lr``).
-        lr_bump: added to an element's lr when its update keeps its sign, subtracted when
-            it flips.
-        beta2: decay of the second-moment averages.
-        eps: added to the squared gradient before averaging (Adafactor's eps1; there is no
-            eps2 since the step size is the per-element lr, not relative to the parameter).
-        clip_threshold: largest RMS of the normalised update.
-        weight_decay: decoupled: ``p -= lr * weight_decay * p``.
-        stochastic_rounding: round bf16 parameters stochastically (else to nearest).
-        seed: seed of the stochastic-rounding generators.
-
-    A torch LR scheduler scales every element's lr by ``group["lr"] / group["initial_lr"]``
-    (warmup, decay); the bounds apply to the lr before that factor. ``load_state_dict``
-    restores the saved groups' options, like every torch optimizer: the saved lr indices
-    only mean something on the grid of the saved bounds.
+    ``params`` may be groups carrying ``name`` (in error messages) and any option; ``lr`` is the initial
+    per-element lr within ``0 < min_lr <= max_lr``; ``lr_bump`` is added while an element's update keeps its
+    sign, subtracted when it flips; ``eps`` is Adafactor's eps1 (no eps2: the step is the per-element lr);
+    ``clip_threshold`` bounds the update's RMS; ``weight_decay`` is decoupled; ``stochastic_rounding`` (seeded
+    by ``seed``) for bf16 parameters. An LR scheduler scales each lr by ``group["lr"] / group["initial_lr"]``,
+    after the bounds. ``load_state_dict`` restores the saved groups' options: saved lr indices only mean
+    something on the saved bounds' grid.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         lr: float = 1e-6,
@@ -202,7 +150,7 @@ class Automagic(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("Automagic does not support sparse gradients")
-                self._update(p, group, lr_scale)
+                self._update(p, p.grad, group, lr_scale)
         return loss
 
     def _init_state(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
@@ -221,13 +169,13 @@ class Automagic(torch.optim.Optimizer):
             state["var"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         return state
 
-    def _update(self, p: torch.Tensor, group: Mapping[str, Any], lr_scale: float) -> None:
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: Mapping[str, Any], lr_scale: float) -> None:
         state = self.state[p] or self._init_state(p, group)
         state["step"] += 1
         beta2 = group["beta2"]
         bias_correction = 1.0 - beta2 ** state["step"]
 
-        grad = p.grad.detach().to(torch.float32)
+        grad = grad.detach().to(torch.float32)
         sq = grad.square().add_(group["eps"])
         if "row_var" in state:
             row_var, col_var = state["row_var"], state["col_var"]

@@ -1,16 +1,11 @@
-"""Prodigy (the ``prodigyopt`` package): Adam whose step size ``d`` is estimated as it trains.
+"""Prodigy (the ``prodigyopt`` package): Adam whose step size ``d`` is estimated as it trains; ``lr`` multiplies
+``d``, so it is about 1.0.
 
-Prodigy multiplies its estimate ``d`` by each group's ``lr``, so ``lr`` is a multiplier around 1.0,
-not a learning rate in the usual sense. Two things are added around ``prodigyopt.Prodigy``:
-
-- **One ``d`` per param group** (``split_groups``, on by default, as SimpleTuner's Prodigy does):
-  prodigyopt estimates one ``d`` from every group and refuses groups with different ``lr``. Wan 2.2
-  trains two experts with their own learning rates (``high_noise_learning_rate`` ...), so each group
-  is stepped as an optimizer of its own: its ``d``, ``d_max``, ``d_numerator`` and step count ``k``
-  live in the group (and so in the checkpoint) and see only its parameters. A group without
-  gradients this step (the expert a Wan 2.2 step did not route to) is left untouched.
-- **``prodigy_steps``**: after a group's first ``prodigy_steps`` steps its ``d`` is frozen; the Adam
-  steps go on at that size. (The statistics prodigyopt keeps to estimate ``d`` stay allocated.)
+Two additions: **one ``d`` per param group** (``split_groups``, on by default, as SimpleTuner's Prodigy):
+prodigyopt refuses groups with different ``lr``, and Wan 2.2's experts have their own, so each group steps as
+an optimizer of its own, its ``d`` state in the group (and the checkpoint), a group without gradients this
+step left untouched; and **``prodigy_steps``**: after a group's first ``prodigy_steps`` steps its ``d`` is
+frozen (the statistics stay allocated). Keys: documentation/CONFIG.md, ``optimizer_config``.
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ def _prodigy_base() -> type:
 def prodigy_class() -> type:
     """The Prodigy optimizer class (prodigyopt's, split by group); ValueError naming the extra when
     prodigyopt is not installed."""
-    base = _prodigy_base()
+    base: Any = _prodigy_base()  # Any: a base class found at run time
 
     class SplitProdigy(base):
         """``prodigyopt.Prodigy`` with one ``d`` per param group and a freeze after ``prodigy_steps``.

@@ -1,26 +1,6 @@
-"""SimpleTuner's config dialect, read as a native config with the same meaning.
-
-SimpleTuner users bring a ``config/config.json`` (keys often written ``"--key"``, values often
-strings such as ``"true"`` or ``"1e-4"``) and a ``multidatabackend.json``. :func:`translate` turns
-such a config into our native one: every key of the dialect is in :data:`DIALECT`, one table, each
-entry marked
-
-  ``same``          mapped onto our key (``ours``) with the same meaning;
-  ``approximated``  mapped, and a warning says exactly what differs (``note``);
-  ``ignored``       no effect on what is trained here (``note`` says why); listed once;
-  ``unsupported``   stops the run before any model loads, naming the key, why, and what to do.
-
-An ``unsupported`` key set to a value that does nothing (``false``, ``null``, ``0``, ``""``, or
-SimpleTuner's own default) is reported with the ignored ones instead: published examples spell out
-many switches that are off.
-
-Where SimpleTuner's default differs from ours for a key the config leaves out, SimpleTuner's default
-is written into the translation (:data:`SIMPLETUNER_DEFAULTS`), so the run means what it meant
-there. Paths are taken from the working directory, as SimpleTuner does, and made absolute;
-``data_backend_config`` is looked for in the working directory, then beside the config file.
-
-The same report is logged at start (``train``, ``estimate``, ``cache``) and printed by
-``simpletuner convert``. documentation/MIGRATING_FROM_SIMPLETUNER.md is generated from the table.
+"""A SimpleTuner config (``config.json`` + ``multidatabackend.json``) -> a native config with the same
+meaning, and the report of what each key became. :data:`DIALECT` is the one table of its keys; how the
+translation keeps the meaning is documentation/MIGRATING_FROM_SIMPLETUNER.md, generated from the table.
 """
 
 from __future__ import annotations
@@ -30,9 +10,21 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from simpletuner.configuration.dialect_dataset_keys import DATASET_CORE, TOP_DATASET_KEYS
-from simpletuner.configuration.dialect_keys import CORE, hub_advice, resolve_flavour
-from simpletuner.configuration.dialect_read import (
+from simpletuner.configuration.families import FLOW_MATCHING_FAMILIES
+from simpletuner.configuration.simpletuner.facts import (
+    DATASET_DEFAULTS_FROM_TOP,
+    DEFAULT_FLAVOURS,
+    FEATURE_SWITCHES,
+    FLAVOURS,
+    REFERENCE_CONDITIONING,
+    SIMPLETUNER_DATASET_DEFAULTS,
+    SIMPLETUNER_DEFAULTS,
+    UNSUPPORTED_CONDITIONING_TYPES,
+    UNSUPPORTED_DATASET_TYPES,
+)
+from simpletuner.configuration.simpletuner.mapped import CORE, hub_advice, resolve_flavour
+from simpletuner.configuration.simpletuner.mapped_datasets import DATASET_CORE, TOP_DATASET_KEYS
+from simpletuner.configuration.simpletuner.reading import (
     DialectError,
     DialectKey,
     Problem,
@@ -43,37 +35,27 @@ from simpletuner.configuration.dialect_read import (
     as_number,
     fill_placeholders,
     is_inert,
-    plain,
     rename,
 )
-from simpletuner.configuration.dialect_semantics import (
+from simpletuner.configuration.simpletuner.semantics import (
     READ_HERE,
+    flow_sampling,
     flux_guidance_range,
+    flux_lora_target,
     forced_settings,
     lora_targets,
     lr_schedule,
+    noise_offset,
+    optimizer_meaning,
     optimizer_settings,
     prompt_length,
     sdxl_conditioning,
     seed,
     unreadable_files,
     validation_cadence,
+    validation_defaults,
 )
-from simpletuner.configuration.dialect_tail import TAIL, TAIL_DEFAULTS
-from simpletuner.configuration.dialect_values import (
-    DATASET_DEFAULTS_FROM_TOP,
-    DEFAULT_FLAVOURS,
-    FAMILIES,
-    FEATURE_SWITCHES,
-    FLAVOURS,
-    FLOW_FAMILIES,
-    FLUX_LORA_TARGETS,
-    REFERENCE_CONDITIONING,
-    SIMPLETUNER_DATASET_DEFAULTS,
-    SIMPLETUNER_DEFAULTS,
-    UNSUPPORTED_CONDITIONING_TYPES,
-    UNSUPPORTED_DATASET_TYPES,
-)
+from simpletuner.configuration.simpletuner.unmapped import TAIL, TAIL_DEFAULTS
 
 
 def _table() -> tuple[DialectKey, ...]:
@@ -110,32 +92,6 @@ def looks_like_simpletuner(raw: Any, native_keys: frozenset[str]) -> bool:
     return False
 
 
-def _flow_sampling(t: Translation, bare: dict[str, Any]) -> None:
-    """SimpleTuner's sigma draw for flow families: sigmoid(N(0, 1) * flow_sigmoid_scale), unless
-    ``flow_use_uniform_schedule`` (uniform) or ``flow_use_beta_schedule`` (not supported) is on."""
-    if FAMILIES.get(t.family or "") not in FLOW_FAMILIES:
-        return
-    try:
-        uniform = as_bool(bare.get("flow_use_uniform_schedule", False), "flow_use_uniform_schedule")
-        beta = as_bool(bare.get("flow_use_beta_schedule", False), "flow_use_beta_schedule")
-        scale = as_number(bare.get("flow_sigmoid_scale", 1.0), "flow_sigmoid_scale")
-    except Problem as exc:
-        t.problems.append(str(exc))
-        return
-    if beta:
-        t.problems.append("`flow_use_beta_schedule`: the beta sigma schedule is not supported: remove it")
-    elif uniform:
-        t.put("timestep_sampling", "uniform", "flow_use_uniform_schedule")
-    else:
-        t.put("timestep_sampling", "logit_normal", "SimpleTuner's default sigmoid schedule")
-        t.put("logit_mean", 0.0, "SimpleTuner's default sigmoid schedule")
-        t.put("logit_std", float(scale), "flow_sigmoid_scale" if "flow_sigmoid_scale" in bare else "its default 1.0")
-        t.report.defaults.append(
-            "`timestep_sampling: logit_normal`, `logit_std: "
-            f"{float(scale)}` (SimpleTuner's sigmoid sigma schedule for flow models)"
-        )
-
-
 def _is_true(value: Any) -> bool:
     try:
         return value is not None and as_bool(value, "")
@@ -153,90 +109,6 @@ def _switch_of(name: str) -> Optional[str]:
 def _switched_off(bare: Mapping[str, Any], name: str) -> bool:
     switch = _switch_of(name)
     return switch is not None and is_inert(bare.get(switch))
-
-
-def _flux_lora_target(t: Translation, bare: Mapping[str, Any]) -> None:
-    """SimpleTuner's Flux LoRA adapts the layers `flux_lora_target` names (default `all`), not our default."""
-    if FAMILIES.get(t.family or "") != "flux" or t.out.get("training_type") != "lora":
-        if "flux_lora_target" in bare:
-            t.ignore("flux_lora_target", "not a Flux LoRA")
-        return
-    if t.out.get("lora_type", "standard") != "standard" or t.is_set("lora_target_modules"):
-        if "flux_lora_target" in bare:
-            t.ignore("flux_lora_target", "the LyCORIS preset or `peft_lora_target_modules` picks the layers")
-        return
-    name = str(bare.get("flux_lora_target", "all"))
-    if name not in FLUX_LORA_TARGETS:
-        t.problems.append(
-            f"`flux_lora_target` = {name!r} is not supported here (supported: {', '.join(FLUX_LORA_TARGETS)}); "
-            "or list the layers in `peft_lora_target_modules`"
-        )
-        return
-    t.put("lora_target_modules", FLUX_LORA_TARGETS[name], "flux_lora_target")
-    if "flux_lora_target" in bare:
-        t.report.mapped.append(f"`flux_lora_target: {name}` -> `lora_target_modules`")
-    else:
-        t.report.defaults.append("`flux_lora_target: 'all'` (SimpleTuner's default) -> `lora_target_modules`")
-
-
-def _validation_defaults(t: Translation, bare: Mapping[str, Any]) -> None:
-    """SimpleTuner's validation defaults that depend on the family: Wan renders the pipeline's 81 frames;
-    families with a negative prompt get SimpleTuner's default one (flux has none)."""
-    if not t.out.get("validation_prompt"):
-        return
-    family = FAMILIES.get(t.family or "")
-    if family == "wan" and "validation_num_video_frames" not in bare:
-        t.put("validation_num_video_frames", 81, "SimpleTuner's default (the Wan pipeline's 81 frames)")
-        t.report.defaults.append("`validation_num_video_frames: 81` (the Wan pipeline's default, as SimpleTuner)")
-    if family != "flux" and "validation_negative_prompt" not in bare:
-        t.put("validation_negative_prompt", "blurry, cropped, ugly", "SimpleTuner's default negative prompt")
-        t.report.defaults.append("`validation_negative_prompt: 'blurry, cropped, ugly'` (SimpleTuner's default)")
-
-
-def _optimizer_meaning(t: Translation, bare: Mapping[str, Any]) -> None:
-    """What differs for SimpleTuner's optimizers that map here."""
-    optimizer = t.out.get("optimizer")
-    if optimizer == "prodigy":
-        given = t.out.get("learning_rate")
-        t.out["learning_rate"] = 1.0
-        t.sources["learning_rate"] = "optimizer: prodigy"
-        t.approx(
-            "optimizer: prodigy",
-            "SimpleTuner's `prodigy` is prodigy-plus-schedule-free; here it is prodigyopt's Prodigy (no schedule-free "
-            f"averaging), and its learning rate is 1.0 as SimpleTuner passes it (the config's {given!r} is not used)",
-        )
-    elif optimizer == "adamw_bf16":
-        t.approx(
-            "optimizer: adamw_bf16",
-            "the trained weights are fp32 here (adapters, and full fine-tunes), so the update is exact AdamW; "
-            "SimpleTuner keeps bf16 weights and rounds each update stochastically",
-        )
-
-
-def _noise_offset(t: Translation, bare: Mapping[str, Any]) -> None:
-    """SimpleTuner adds `noise_offset` (default 0.1, with `noise_offset_probability`, default 0.25) only
-    when `offset_noise` is on, and never to flow-matching models."""
-    given = [k for k in ("offset_noise", "noise_offset", "noise_offset_probability") if k in bare]
-    if not given:
-        return
-    try:
-        on = as_bool(bare.get("offset_noise", False), "offset_noise")
-    except Problem as exc:
-        t.problems.append(str(exc))
-        return
-    if not on:
-        for key in given:
-            t.ignore(key, "`offset_noise` is off: SimpleTuner adds no noise offset")
-        return
-    if FAMILIES.get(t.family or "") in FLOW_FAMILIES:
-        for key in given:
-            t.ignore(key, "SimpleTuner adds no noise offset to flow-matching models")
-        return
-    t.put("noise_offset", plain(bare.get("noise_offset", 0.1)), "noise_offset")
-    t.put("noise_offset_probability", plain(bare.get("noise_offset_probability", 0.25)), "noise_offset_probability")
-    t.report.mapped.append(
-        "`offset_noise` + `noise_offset` + `noise_offset_probability` -> `noise_offset`, `noise_offset_probability`"
-    )
 
 
 #: Keys read as part of another key's meaning (not mapped on their own).
@@ -464,7 +336,7 @@ def _read_conditioning(t: Translation, entries: list[Any]) -> None:
         )
 
 
-def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any]) -> list[dict[str, Any]]:
+def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any]) -> list[dict[str, Any]]:  # noqa: C901
     out: list[dict[str, Any]] = []
     _read_conditioning(t, entries)
     for i, entry in enumerate(entries):
@@ -511,7 +383,7 @@ def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any])
     return out
 
 
-def translate(
+def translate(  # noqa: C901, PLR0915
     raw: Mapping[str, Any],
     config_path: Optional[Path] = None,
     cwd: Optional[Path] = None,
@@ -543,18 +415,18 @@ def translate(
             continue
         entry = entry_for(name)
         assert entry is not None and entry.ours is not None, name
-        if name == "flow_schedule_shift" and FAMILIES.get(t.family or "") not in FLOW_FAMILIES:
+        if name == "flow_schedule_shift" and t.our_family not in FLOW_MATCHING_FAMILIES:
             continue
         if t.is_set(entry.ours):
             continue
         (entry.apply or rename)(t, default, entry)
         t.report.defaults.append(f"`{name}: {default!r}` (SimpleTuner's default; the config does not set it)")
-    _flow_sampling(t, bare)
-    _noise_offset(t, bare)
-    _flux_lora_target(t, bare)
-    _optimizer_meaning(t, bare)
+    flow_sampling(t, bare)
+    noise_offset(t, bare)
+    flux_lora_target(t, bare)
+    optimizer_meaning(t, bare)
     optimizer_settings(t, bare)
-    _validation_defaults(t, bare)
+    validation_defaults(t, bare)
     validation_cadence(t, bare)
     seed(t, bare)
     prompt_length(t, bare)

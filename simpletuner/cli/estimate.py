@@ -1,7 +1,7 @@
 """``simpletuner estimate``: the memory table, auto-config (``--apply``), presets, ``--profile``.
 
 :func:`add_arguments` declares the options (importing nothing heavy, so ``--help`` is quick) and
-:func:`run` hands the work to :mod:`simpletuner.memory.estimate_command`; the estimate itself is
+:func:`run` hands the work to :mod:`simpletuner.cli.estimate_run`; the estimate itself is
 computed, then rendered, by :mod:`simpletuner.memory.report`. Exit codes
 (:mod:`simpletuner.exit_codes`): 0 done; 1 the config does not fit the GPU (the message says what
 dominates and what would help); 2 bad input (config, GPU name, flags, preset, ``--apply`` on a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from simpletuner.commands import add_config_arguments
+from simpletuner.cli.arguments import add_config_arguments
 from simpletuner.exit_codes import report_internal_error
 
 
@@ -110,7 +110,7 @@ def run(args) -> int:
     """
     try:
         # Imported here: `simpletuner estimate --help` declares the options above without torch.
-        from simpletuner.memory.estimate_command import run_estimate
+        from simpletuner.cli.estimate_run import run_estimate
 
         return run_estimate(args)
     except Exception as exc:  # noqa: BLE001 - the last-resort handler: report, never mistake for a verdict

@@ -1,8 +1,5 @@
-"""The machinery of reading SimpleTuner's dialect: the table's entry type, SimpleTuner's value spellings
-(``"true"``, ``"1e-4"``), the translation being written (with where each value came from) and its report.
-What the keys mean is in ``dialect_keys.py`` / ``dialect_dataset_keys.py`` (and ``dialect_semantics.py`` for
-meanings that span keys), SimpleTuner's facts in ``dialect_values.py``, the whole
-translation in ``dialect.py``.
+"""Reading SimpleTuner's dialect: the table's entry type, its value spellings (``"true"``, ``"1e-4"``), the
+translation being written (with where each value came from) and its report.
 """
 
 from __future__ import annotations
@@ -14,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional
+
+from simpletuner.configuration.simpletuner.facts import SIMPLETUNER_FAMILIES
 
 Kind = Literal["same", "approximated", "ignored", "unsupported"]
 
@@ -38,6 +37,13 @@ class DialectKey:
     note: str = ""
     values: Optional[Mapping[str, Any]] = None  # SimpleTuner's spelling of a value -> ours
     apply: Optional[Apply] = None  # how the value is written, when more than a rename
+
+
+def key_row(
+    key: str, kind: Kind, ours: Optional[str] = None, note: str = "", section: Section = "top", **kw: Any
+) -> DialectKey:
+    """A row of the table, its arguments in the order the tables write them."""
+    return DialectKey(key, section, kind, ours, note, **kw)
 
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -206,6 +212,11 @@ class Translation:
             return
         node[parts[-1]] = value
         self.sources[slot] = source
+
+    @property
+    def our_family(self) -> Optional[str]:
+        """Our ``model_family`` for the config's SimpleTuner family (None: unset or not one we train)."""
+        return SIMPLETUNER_FAMILIES.get(self.family or "")
 
     def is_set(self, ours: str) -> bool:
         scope = f"{self.dataset_label}." if self.dataset is not None else ""

@@ -1,9 +1,9 @@
 """What the host machine has: CPU counts, RAM from ``/proc/meminfo``, the NUMA layout from
 ``/sys/devices/system/node``, whether an NVIDIA GPU is present.
 
-A leaf probe (imports nothing from simpletuner): the memory layer's hardware detection and the
-GH200 diagnostic both read the host through it. Each probe returns plain values and never raises
-for a missing or unreadable file.
+A leaf probe (imports nothing from simpletuner): hardware detection (:mod:`.machine`), the GH200
+managed-memory checks and ``simpletuner diagnose`` read the host through it. Each probe returns
+plain values and never raises for a missing or unreadable file.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""What each top-level SimpleTuner key means here: the mapped part of the dialect table for config.json
-(``CORE``) and how each value is written into the native config. Dataset entries are in
-``dialect_dataset_keys.py``; the long tail of ignored and unsupported keys is ``dialect_tail.py``.
+"""What each top-level SimpleTuner key that has a counterpart here means (``CORE``), and how its value is
+written into the native config.
 """
 
 from __future__ import annotations
@@ -10,42 +9,41 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from simpletuner.configuration.dialect_read import (
-    DialectKey,
-    Kind,
-    Problem,
-    Section,
-    Translation,
-    as_bool,
-    as_number,
-    is_inert,
-    plain,
-    read_json_file,
-    rename,
-    set_spelled,
-)
-from simpletuner.configuration.dialect_values import (
+from simpletuner.configuration.families import FLOW_MATCHING_FAMILIES
+from simpletuner.configuration.optimizer_settings import parse_optimizer_config
+from simpletuner.configuration.simpletuner.facts import (
     APPROXIMATED_PRECISIONS,
-    FAMILIES,
     FLAVOUR_UNSUPPORTED,
     FLAVOURS,
-    FLOW_FAMILIES,
     LIFTED_OPTIMIZER_SETTINGS,
     LYCORIS_KEYS,
     MIXED,
     OPTIMIZERS,
     PRECISIONS,
+    SIMPLETUNER_FAMILIES,
 )
-from simpletuner.configuration.optimizer_settings import parse_optimizer_config
+from simpletuner.configuration.simpletuner.reading import (
+    DialectKey,
+    Problem,
+    Translation,
+    as_bool,
+    as_number,
+    is_inert,
+    key_row,
+    plain,
+    read_json_file,
+    rename,
+    set_spelled,
+)
 
 
 def _model_family(t: Translation, value: Any, entry: DialectKey) -> None:
     text = str(value).strip()
-    ours = FAMILIES.get(text)
+    ours = SIMPLETUNER_FAMILIES.get(text)
     if ours is None:
         t.problems.append(
             f"`model_family`: {text!r} is not a family this trainer trains; the SimpleTuner families that work "
-            f"here are {', '.join(FAMILIES)}"
+            f"here are {', '.join(SIMPLETUNER_FAMILIES)}"
         )
         return
     t.put("model_family", ours, entry.key)
@@ -146,7 +144,7 @@ def _guidance_embedded(t: Translation) -> Optional[bool]:
 
 def _flux_guidance(t: Translation, value: Any, entry: DialectKey) -> None:
     """SimpleTuner passes guidance only to Flux transformers that embed it (flux/model.py:728-731)."""
-    if FAMILIES.get(t.family or "") != "flux":
+    if t.our_family != "flux":
         t.ignore(entry.key, "SimpleTuner reads it for Flux only")
         return
     if _guidance_embedded(t) is False:
@@ -240,7 +238,7 @@ def _inverted_tf32(t: Translation, value: Any, entry: DialectKey) -> None:
 def _snr_gamma(t: Translation, value: Any, entry: DialectKey) -> None:
     if is_inert(value):
         return  # SimpleTuner: no gamma, no Min-SNR weighting
-    if FAMILIES.get(t.family or "") in FLOW_FAMILIES:
+    if t.our_family in FLOW_MATCHING_FAMILIES:
         t.ignore(entry.key, "SimpleTuner applies Min-SNR to DDPM families only (common.py:6360-6398)")
         return
     t.put("snr_gamma", plain(value), entry.key)
@@ -322,12 +320,8 @@ def _data_backend_config(t: Translation, value: Any, entry: DialectKey) -> None:
     t.out["__datasets__"] = entries
 
 
-def _entry(key: str, kind: Kind, ours: Optional[str] = None, note: str = "", section: Section = "top", **kw):
-    return DialectKey(key, section, kind, ours, note, **kw)
-
-
-def _same(key: str, ours: Optional[str] = None, note: str = "", **kw):
-    return _entry(key, "same", ours or key, note, **kw)
+def _same(key: str, ours: Optional[str] = None, note: str = "", **kw: Any) -> DialectKey:
+    return key_row(key, "same", ours or key, note, **kw)
 
 
 def _optimizer_config(t: Translation, value: Any, entry: DialectKey) -> None:
@@ -353,12 +347,12 @@ def _optimizer_config(t: Translation, value: Any, entry: DialectKey) -> None:
         t.put("optimizer_config", rest, entry.key)
 
 
-#: The keys this module maps itself (the rest of the dialect is in dialect_tail.TAIL).
+#: The keys this module maps itself (the rest of the dialect is in unmapped.TAIL).
 CORE: tuple[DialectKey, ...] = (
     # --- model ---
     _same("model_type", "training_type", "`lora` or `full`", values={"lora": "lora", "full": "full"}),
     _same("model_family", "model_family", "sd1x / sd2x / legacy -> `sd`", apply=_model_family),
-    _entry(
+    key_row(
         "model_flavour",
         "approximated",
         "pretrained_model_name_or_path",
@@ -379,31 +373,31 @@ CORE: tuple[DialectKey, ...] = (
         "for flow-matching families (common.py:4544-4549)",
         apply=lambda t, v, e: (
             t.ignore(e.key, "SimpleTuner rescales DDPM schedules only")
-            if FAMILIES.get(t.family or "") in FLOW_FAMILIES
+            if t.our_family in FLOW_MATCHING_FAMILIES
             else rename(t, v, e)
         ),
     ),
     _same("revision"),
-    _entry(
+    key_row(
         "pretrained_transformer_model_name_or_path",
         "unsupported",
         note="the denoiser is loaded from `pretrained_model_name_or_path`: put the transformer / UNet you want into "
         "that folder",
         apply=lambda t, v, e: _same_folder(t, v, e),
     ),
-    _entry(
+    key_row(
         "pretrained_t5_model_name_or_path",
         "unsupported",
         note="text encoders are loaded from `pretrained_model_name_or_path`: put the T5 you want into that folder",
         apply=lambda t, v, e: _same_folder(t, v, e),
     ),
-    _entry(
+    key_row(
         "pretrained_vae_model_name_or_path",
         "unsupported",
         note="the VAE is loaded from `pretrained_model_name_or_path`: put the VAE you want into that folder",
         apply=lambda t, v, e: _same_folder(t, v, e),
     ),
-    _entry(
+    key_row(
         "seed_for_each_device",
         "ignored",
         note="each process draws its own noise here (its generator is seeded from `seed` and its rank)",
@@ -442,7 +436,7 @@ CORE: tuple[DialectKey, ...] = (
         apply=lambda t, v, e: _optimizer_config(t, v, e),
     ),
     *(
-        _entry(
+        key_row(
             key,
             "ignored",
             note="SimpleTuner reads it only for DeepSpeed's optimizer (optimizer_param.py:1186-1190); its optimizers "
@@ -460,7 +454,7 @@ CORE: tuple[DialectKey, ...] = (
     ),
     _same("grad_clip_method"),
     _same("gradient_checkpointing"),
-    _entry(
+    key_row(
         "mixed_precision",
         "approximated",
         "mixed_precision",
@@ -477,7 +471,7 @@ CORE: tuple[DialectKey, ...] = (
         "flow families draw sigmas as sigmoid(N(0, 1) * scale): `timestep_sampling: logit_normal`, `logit_std`",
     ),
     _same("flow_use_uniform_schedule", "timestep_sampling", "true -> `timestep_sampling: uniform`"),
-    _entry("flow_use_beta_schedule", "unsupported", note="the beta sigma schedule is not supported: remove it"),
+    key_row("flow_use_beta_schedule", "unsupported", note="the beta sigma schedule is not supported: remove it"),
     _same("disable_tf32", "enable_tf32", "inverted", apply=_inverted_tf32),
     # --- adapter ---
     _same("lora_type", values={"standard": "standard", "lycoris": "lycoris"}),
@@ -505,14 +499,14 @@ CORE: tuple[DialectKey, ...] = (
         )
         for key in ("flux_guidance_mode", "flux_guidance_value", "flux_guidance_min", "flux_guidance_max")
     ),
-    _entry(
+    key_row(
         "disable_multiline_split",
         "ignored",
         note="SimpleTuner's config reader skips it at the top level (a dataset key with no command-line argument, "
         "field_registry/sections/data.py:147-161, cli_utils.py:199-201): set it on each dataset entry",
     ),
-    _entry("init_lora", "unsupported", note="training cannot start from an existing LoRA file here: remove it"),
-    _entry(
+    key_row("init_lora", "unsupported", note="training cannot start from an existing LoRA file here: remove it"),
+    key_row(
         "lora_init_type",
         "unsupported",
         note="adapters start as peft's default (B = 0); other initialisations (gaussian, PiSSA, LoftQ, ...) are not "
@@ -537,7 +531,7 @@ CORE: tuple[DialectKey, ...] = (
         note="sdxl: SimpleTuner also zeroes a dropped sample's size and crop ids (collate.py:518-519); here they are "
         "kept (said at start)",
     ),
-    _entry(
+    key_row(
         "use_ema",
         "approximated",
         "use_ema",
@@ -554,7 +548,7 @@ CORE: tuple[DialectKey, ...] = (
         apply=lambda t, v, e: _ema_device(t, v, e),
     ),
     _same("ema_warmup_steps"),
-    _entry(
+    key_row(
         "ema_cpu_only",
         "same",
         "ema_device",
@@ -579,7 +573,7 @@ CORE: tuple[DialectKey, ...] = (
     _same("validation_guidance", "validation_guidance_scale"),
     _same("validation_num_inference_steps"),
     _same("num_validation_images"),
-    _entry(
+    key_row(
         "validation_resolution",
         "approximated",
         "validation_resolution",
@@ -588,7 +582,7 @@ CORE: tuple[DialectKey, ...] = (
     ),
     _same("validation_seed", note="0 means: use `seed`, as in SimpleTuner", apply=_unset_at_zero),
     _same("validation_negative_prompt"),
-    _entry(
+    key_row(
         "validation_guidance_rescale",
         "ignored",
         note="validation only, and SimpleTuner passes it to its pipeline only with skip-layer guidance "
@@ -600,7 +594,7 @@ CORE: tuple[DialectKey, ...] = (
     _same("resolution", note="also each dataset's default, as in SimpleTuner"),
     _same("cache_dir", "cache_config.cache_dir", "made absolute", apply=_path_key),
     _same("cache_dir_text", "cache_config.text_cache_dir", "made absolute", apply=_path_key),
-    _entry(
+    key_row(
         "eval_steps_interval",
         "approximated",
         "eval_steps",
@@ -611,9 +605,9 @@ CORE: tuple[DialectKey, ...] = (
     # --- logging ---
     _same("report_to", apply=_report_to),
     _same("tracker_project_name"),
-    _entry("tracker_run_name", "ignored", note="the tracker names the run"),
-    _entry("logging_dir", "ignored", note="logs are written under `output_dir`"),
-    _entry("hub_model_id", "ignored", note="this trainer does not upload to the Hugging Face Hub"),
-    _entry("push_to_hub", "unsupported", note="this trainer does not upload to the Hugging Face Hub", apply=_hub),
-    _entry("push_checkpoints_to_hub", "unsupported", note="this trainer does not upload to the Hub", apply=_hub),
+    key_row("tracker_run_name", "ignored", note="the tracker names the run"),
+    key_row("logging_dir", "ignored", note="logs are written under `output_dir`"),
+    key_row("hub_model_id", "ignored", note="this trainer does not upload to the Hugging Face Hub"),
+    key_row("push_to_hub", "unsupported", note="this trainer does not upload to the Hugging Face Hub", apply=_hub),
+    key_row("push_checkpoints_to_hub", "unsupported", note="this trainer does not upload to the Hub", apply=_hub),
 )

@@ -1,29 +1,27 @@
-"""What each key of a SimpleTuner dataset entry (``multidatabackend.json``) means here: ``DATASET_CORE``, and
-``TOP_DATASET_KEYS`` for top-level keys that are each dataset's default. The top-level keys are in
-``dialect_keys.py``; the long tail of ignored and unsupported keys in ``dialect_tail.py``.
+"""What each key of a SimpleTuner dataset entry means here (``DATASET_CORE``), and the top-level keys that
+are each dataset's default (``TOP_DATASET_KEYS``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from simpletuner.configuration.dialect_keys import _entry
-from simpletuner.configuration.dialect_read import (
+from simpletuner.configuration.simpletuner.facts import (
+    CAPTION_STRATEGIES,
+    CROP_STYLES,
+    DATASET_DEFAULTS_FROM_TOP,
+)
+from simpletuner.configuration.simpletuner.reading import (
     DialectKey,
     Kind,
     Problem,
     Translation,
     as_bool,
     is_inert,
+    key_row,
     plain,
     set_spelled,
     spelled,
-)
-from simpletuner.configuration.dialect_values import (
-    CAPTION_STRATEGIES,
-    CROP_STYLES,
-    DATASET_DEFAULTS_FROM_TOP,
-    FAMILIES,
 )
 
 
@@ -169,7 +167,7 @@ def _video(t: Translation, value: Any, entry: DialectKey) -> None:
         where = f"{t.dataset_label}.video.{key}"
         if key == "num_frames":
             frames = plain(item)
-            if FAMILIES.get(t.family or "") == "wan" and isinstance(frames, int) and frames >= 1 and frames % 8 != 1:
+            if t.our_family == "wan" and isinstance(frames, int) and frames >= 1 and frames % 8 != 1:
                 adjusted = max(1, (frames - 1) // 8 * 8 + 1)  # Wan's adjust_video_frames (wan/model.py:458-464)
                 t.report.overridden.append(
                     f"`{where}: {frames}` -> {adjusted}: SimpleTuner rounds a Wan clip down to 8k+1 frames "
@@ -396,7 +394,7 @@ DATASET_CORE: tuple[DialectKey, ...] = (
 
 
 TOP_DATASET_KEYS: tuple[DialectKey, ...] = tuple(
-    _entry(
+    key_row(
         key,
         "approximated" if key in ("maximum_image_size", "target_downsample_size") else "same",
         "datasets[].caption_strategy" if key == "only_instance_prompt" else f"datasets[].{key}",
@@ -408,7 +406,7 @@ TOP_DATASET_KEYS: tuple[DialectKey, ...] = tuple(
     )
     for key in DATASET_DEFAULTS_FROM_TOP
 ) + (
-    _entry(
+    key_row(
         "aspect_bucket_rounding",
         "approximated",
         None,

@@ -1,6 +1,6 @@
-"""What ``simpletuner estimate`` does once its options are parsed (:mod:`simpletuner.memory.cli`
+"""What ``simpletuner estimate`` does once its options are parsed (:mod:`simpletuner.cli.estimate`
 declares them and keeps ``estimate --help`` free of torch): presets, the estimate and auto-config
-(computed, then rendered, by :mod:`simpletuner.memory.report`), and ``--profile``."""
+(computed, then rendered, by :mod:`simpletuner.memory.report`), and ``--profile`` (:mod:`simpletuner.cli.profile`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from simpletuner.cli.profile import NeedsGPU, ProfileOutOfMemory, profile_training
 from simpletuner.configuration import ConfigError, load_config, validate_config
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.exit_codes import BAD_INPUT, DOES_NOT_FIT
 from simpletuner.memory import presets as P
 from simpletuner.memory.apply import ApplyError, apply_updates, check_writable, describe_changes
 from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN, DoesNotFit
-from simpletuner.memory.profile import NeedsGPU, ProfileOutOfMemory, profile_training
 from simpletuner.memory.report import compute_estimate
 
 
@@ -204,6 +204,7 @@ def _estimate(args) -> int:
     """``estimate --config``: compute the report, then print it as text or JSON."""
     report = compute_estimate(args, _check_options(args))
     if args.profile:  # real training steps, measured against the estimate
+        assert report.estimate is not None, "--profile refuses auto-config: the report holds the config's estimate"
         report.profile = profile_training(args.config, args.overrides, report.estimate.breakdown, args.profile_steps)
     if args.json:
         _print_json(report.as_dict())
@@ -233,7 +234,7 @@ def check_environment() -> None:
 def run_estimate(args) -> int:
     """The command's work; an expected failure prints one line and returns its exit code."""
     try:
-        if getattr(args, "auto", False) and args.gpu != "auto":
+        if args.auto and args.gpu != "auto":
             raise ValueError(f"--auto means --gpu auto: drop one of --auto and --gpu {args.gpu}")
         if args.list_presets and args.apply:
             raise ValueError(

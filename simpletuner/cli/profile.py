@@ -13,12 +13,11 @@ are those of the training steps: the VAE and text encoder used for caching are g
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
 from simpletuner.memory.estimator import GiB, MemoryBreakdown
+from simpletuner.memory.report import ProfileResult
 
 #: Config changes for a profiling run (dotted keys, as ``--set`` takes them).
 PROFILE_OVERRIDES = {
@@ -41,50 +40,6 @@ class NeedsGPU(RuntimeError):
 
 class ProfileOutOfMemory(RuntimeError):
     """The profiled steps ran out of GPU memory: the config does not fit this GPU."""
-
-
-@dataclass(frozen=True)
-class ProfileResult:
-    """Measured peaks of the training steps (bytes) beside the estimate's matching figures."""
-
-    steps: int
-    measured_allocated: int  # torch.cuda.max_memory_allocated over the steps
-    measured_reserved: int  # torch.cuda.max_memory_reserved over the steps
-    measured_outside_allocator: int | None  # device used minus reserved after the steps: context, libraries
-    estimated_allocated: int  # total - CUDA context - fragmentation
-    estimated_reserved: int  # total - CUDA context
-    estimated_outside_allocator: int  # the CUDA context constant
-    estimated_total: int
-    device_name: str
-
-    @property
-    def measured_total(self) -> int | None:
-        if self.measured_outside_allocator is None:
-            return None
-        return self.measured_reserved + self.measured_outside_allocator
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "measured_total": self.measured_total}
-
-    def table(self) -> str:
-        rows = [
-            ("allocated peak (tensors, workspaces)", self.estimated_allocated, self.measured_allocated),
-            ("reserved peak (+ fragmentation)", self.estimated_reserved, self.measured_reserved),
-            ("outside the allocator (CUDA context)", self.estimated_outside_allocator, self.measured_outside_allocator),
-            ("process total", self.estimated_total, self.measured_total),
-        ]
-        lines = [
-            f"profile: {self.steps} real training steps on {self.device_name}",
-            f"{'':<40}{'estimate':>10}{'measured':>10}{'error':>10}",
-        ]
-        for name, est, meas in rows:
-            if meas is None:
-                lines.append(f"{name:<40}{est / GiB:>10.2f}{'n/a':>10}")
-                continue
-            error = f"{100 * (est - meas) / meas:+.1f}%" if meas else "n/a"
-            lines.append(f"{name:<40}{est / GiB:>10.2f}{meas / GiB:>10.2f}{error:>10}")
-        lines.append("(GiB; error = (estimate - measured) / measured: positive means the estimate is on the safe side)")
-        return "\n".join(lines)
 
 
 def profile_overrides(output_dir: str, steps: int) -> list[str]:

@@ -1,14 +1,13 @@
-"""What every ``simpletuner`` command module offers, and the arguments several of them share.
+"""The arguments several ``simpletuner`` commands share (the command-module protocol: :mod:`simpletuner.cli`).
 
-A command module (``simpletuner/train.py``, ``memory/cli.py``, ``caching/admin.py``, ...) exposes
+A command module (``cli/train.py``, ``cli/estimate.py``, ``cli/cache.py``, ...) exposes
 
 - ``add_arguments(parser)``: its options (and its description) on the parser it is given, the
   ``simpletuner NAME`` sub-parser or its own parser when it also runs on its own;
 - ``run(args) -> int``: the work, from the parsed arguments; returns the exit code
   (:mod:`simpletuner.exit_codes`).
 
-:mod:`simpletuner.cli` builds its sub-commands from a table of such modules. A leaf: it imports only
-the standard library, so building a parser stays cheap (``simpletuner --help`` loads no torch).
+It imports only the standard library, so building a parser stays cheap (``simpletuner --help`` loads no torch).
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
-"""The long tail of SimpleTuner's config dialect: keys this trainer does not map, and why.
-
-:mod:`simpletuner.configuration.dialect` maps the keys that have a counterpart here; every other key
-of SimpleTuner's dialect (tests/data/simpletuner_keys.json, the snapshot of its documented and
-example keys) is one entry of :data:`TAIL`, ``(key, section, kind, note)``:
-
-  ``section``  ``"top"`` (a key of config.json) or ``"dataset"`` (a key of a multidatabackend.json entry);
-  ``kind``     ``"ignored"``: running without it trains the same weights (logging, web UI, uploads,
-               memory or speed knobs, cache placement, validation-only settings); it is listed once.
-               ``"unsupported"``: it changes what is trained and nothing here does that; the run stops
-               before any model loads, naming the key and the note;
-  ``note``     one line: why it has no effect (ignored), or what to do instead (unsupported).
-
-:data:`TAIL_DEFAULTS` holds SimpleTuner's own defaults for the unsupported top-level keys whose
-default is not already "off" (false, null, 0, ""): a config that spells out such a default asks for
-nothing this trainer lacks.
+"""The keys of SimpleTuner's dialect with no counterpart here, and why: each a row ``(key, section, kind, note)``
+of :data:`TAIL`. ``ignored``: running without it trains the same weights (listed once); ``unsupported``: it
+changes what is trained and the run stops, naming it. :data:`TAIL_DEFAULTS`: SimpleTuner's defaults of the
+unsupported keys whose default is not already "off", so spelling one out asks for nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-Section = Literal["top", "dataset"]
-Kind = Literal["ignored", "unsupported"]
-Entry = tuple[str, Section, Kind, str]
+from simpletuner.configuration.families import FAMILY_NAMES
+from simpletuner.configuration.simpletuner.reading import Section
+
+#: The kinds of :mod:`.reading` an unmapped key can have.
+UnmappedKind = Literal["ignored", "unsupported"]
+Entry = tuple[str, Section, UnmappedKind, str]
 
 # --- ignored: no effect on what is trained -------------------------------------------------------
 _HUB = "Hub uploads and model cards are not part of this trainer; the weights stay in `output_dir`"
@@ -113,10 +104,10 @@ _SLA = "Sparse-Linear Attention (trained SLA projections) is not supported: remo
 
 
 def _family(name: str) -> str:
-    return f"{name} is not a model family this trainer supports (sd, sdxl, sd3, flux, wan, qwen_image): remove it"
+    return f"{name} is not a model family this trainer supports ({', '.join(FAMILY_NAMES)}): remove it"
 
 
-def _group(keys: str, kind: Kind, note: str, section: Section = "top") -> tuple[Entry, ...]:
+def _group(keys: str, kind: UnmappedKind, note: str, section: Section = "top") -> tuple[Entry, ...]:
     return tuple((key, section, kind, note) for key in keys.split())
 
 
@@ -456,7 +447,7 @@ _DATASET_UNSUPPORTED = (
     *_unsupported("slider_strength", "slider training is not supported: remove it", "dataset"),
 )
 
-#: Every SimpleTuner key dialect.py does not map itself: (key, section, kind, note).
+#: Every SimpleTuner key the mapped tables do not map: (key, section, kind, note).
 TAIL: tuple[Entry, ...] = _TOP_IGNORED + _TOP_UNSUPPORTED + _DATASET_IGNORED + _DATASET_UNSUPPORTED
 
 #: SimpleTuner's defaults (its field registry at the snapshot's commit) for the top-level unsupported

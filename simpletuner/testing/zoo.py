@@ -6,11 +6,14 @@ random (seeded), so outputs are noise; the point is exercising every code path i
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorKwargs
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +76,14 @@ def _tiny_unet(cross_attention_dim: int, **extra):
     )
 
 
+def _save(pipe, out: Path, label: str) -> Path:
+    """Save the diffusers pipeline ``pipe`` into ``out`` (safetensors) and say so. ``pipe`` is unannotated:
+    under a type checker diffusers' top-level pipeline names are its dummy objects, which have no methods."""
+    pipe.save_pretrained(out, safe_serialization=True)
+    logger.info("wrote tiny %s pipeline to %s", label, out)
+    return out
+
+
 def save_sd_pipeline(out: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon") -> Path:
     """Save an SD 1.x pipeline folder of these parts with SD 1.5's DDPM schedule (no safety checker)."""
     from diffusers import DDPMScheduler, StableDiffusionPipeline
@@ -88,8 +99,7 @@ def save_sd_pipeline(out: Path, unet, vae, text_encoder, tokenizer, prediction_t
     )
     parts = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler)
     pipe = StableDiffusionPipeline(**parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(out, safe_serialization=True)
-    return Path(out)
+    return _save(pipe, Path(out), "sd")
 
 
 def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
@@ -104,9 +114,7 @@ def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: i
     text_config = _tiny_clip_config(tokenizer, 32, 32)
     unet = _tiny_unet(cross_attention_dim=32)
     vae = _tiny_vae()
-    save_sd_pipeline(out, unet, vae, CLIPTextModel(text_config), tokenizer, prediction_type)
-    logger.info("wrote tiny sd pipeline to %s", out)
-    return out
+    return save_sd_pipeline(out, unet, vae, CLIPTextModel(text_config), tokenizer, prediction_type)
 
 
 #: Tiny SDXL text encoders: widths differ so a swapped or mis-concatenated encoder fails on shape.
@@ -176,9 +184,7 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
         scheduler=scheduler,
         add_watermarker=False,
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny sdxl pipeline to %s", out)
-    return out
+    return _save(pipe, out, "sdxl")
 
 
 #: Tiny SD3 widths: CLIP-L-like and CLIP-G-like hidden sizes and projections, the T5 width
@@ -202,6 +208,26 @@ def tiny_t5_tokenizer():
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
+def _tiny_t5_config(tokenizer, width: int, d_kv: int, num_layers: int):
+    """The config of a tiny T5 encoder (4 heads, 8 position buckets) on ``tokenizer`` (:func:`tiny_t5_tokenizer`)."""
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=len(tokenizer),
+        d_model=width,
+        d_kv=d_kv,
+        d_ff=2 * width,
+        num_layers=num_layers,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        # T5Config takes it (any config key) and writes it to config.json; transformers 5 leaves it out of the
+        # signature it declares
+        decoder_start_token_id=tokenizer.pad_token_id,  # type: ignore[call-arg]
+    )
+
+
 def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> Path:
     """Write a tiny SD3-style pipeline: an SD3Transformer2DModel (MMDiT), a 16-channel VAE with
     SD3's shift and scaling factors, two CLIPTextModelWithProjection of different widths, a T5
@@ -209,7 +235,7 @@ def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> 
     a FlowMatchEulerDiscreteScheduler with SD3's shift 3.0.
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     out = Path(out_dir)
     torch.manual_seed(seed)
@@ -218,19 +244,7 @@ def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> 
     text_encoder_3 = tokenizer_3 = None
     if with_t5:
         tokenizer_3 = tiny_t5_tokenizer()
-        t5_config = T5Config(
-            vocab_size=len(tokenizer_3),
-            d_model=TINY_SD3_T5_WIDTH,
-            d_kv=16,
-            d_ff=2 * TINY_SD3_T5_WIDTH,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer_3.pad_token_id,
-            eos_token_id=tokenizer_3.eos_token_id,
-            decoder_start_token_id=tokenizer_3.pad_token_id,
-        )
-        text_encoder_3 = T5EncoderModel(t5_config)
+        text_encoder_3 = T5EncoderModel(_tiny_t5_config(tokenizer_3, TINY_SD3_T5_WIDTH, d_kv=16, num_layers=2))
     heads, head_dim = 2, 8
     transformer = SD3Transformer2DModel(
         sample_size=TINY_SD_RESOLUTION // 8,
@@ -263,9 +277,7 @@ def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> 
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny sd3 pipeline to %s", out)
-    return out
+    return _save(pipe, out, "sd3")
 
 
 TINY_WAN_T5_WIDTH = 32
@@ -297,9 +309,7 @@ def write_tiny_wan(out_dir: str | Path, seed: int = 0, boundary_ratio: float | N
     pipe = WanPipeline(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer, **experts
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny wan%s pipeline to %s", "" if boundary_ratio is None else " 2.2", out)
-    return out
+    return _save(pipe, out, "wan" if boundary_ratio is None else "wan 2.2")
 
 
 #: The Wan 2.2 A14B text-to-video boundary: timesteps >= 875 go to the high-noise expert.
@@ -402,9 +412,7 @@ def write_tiny_wan22_i2v(out_dir: str | Path, seed: int = 0) -> Path:
         transformer_2=transformer_2,
         boundary_ratio=WAN22_I2V_BOUNDARY_RATIO,
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny wan 2.2 i2v pipeline to %s", out)
-    return out
+    return _save(pipe, out, "wan 2.2 i2v")
 
 
 def write_tiny_wan22_ti2v(out_dir: str | Path, seed: int = 0) -> Path:
@@ -426,9 +434,7 @@ def write_tiny_wan22_ti2v(out_dir: str | Path, seed: int = 0) -> Path:
         transformer=_tiny_wan_transformer(z, z),
         expand_timesteps=True,
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny wan 2.2 ti2v pipeline to %s", out)
-    return out
+    return _save(pipe, out, "wan 2.2 ti2v")
 
 
 #: Tiny Flux widths: CLIP-L-like hidden size (its pooled output is the pooled projection) and T5 width.
@@ -444,23 +450,12 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
     FlowMatchEulerDiscreteScheduler configured as Flux dev's (``dynamic_shift=False``: static shift 3.0).
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5EncoderModel
 
     out = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
-    t5_config = T5Config(
-        vocab_size=len(tokenizer_2),
-        d_model=TINY_FLUX_T5_WIDTH,
-        d_kv=12,
-        d_ff=2 * TINY_FLUX_T5_WIDTH,
-        num_layers=1,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        pad_token_id=tokenizer_2.pad_token_id,
-        eos_token_id=tokenizer_2.eos_token_id,
-        decoder_start_token_id=tokenizer_2.pad_token_id,
-    )
+    t5_config = _tiny_t5_config(tokenizer_2, TINY_FLUX_T5_WIDTH, d_kv=12, num_layers=1)
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=TINY_FLUX_LATENT_CHANNELS * 4,
@@ -498,9 +493,7 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
         text_encoder_2=T5EncoderModel(t5_config),
         tokenizer_2=tokenizer_2,
     )
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny flux pipeline to %s", out)
-    return out
+    return _save(pipe, out, "flux")
 
 
 #: The Qwen-Image prompt template's system prefix; the tiny tokenizer learns merges of its words so that it
@@ -528,15 +521,16 @@ def tiny_qwen_tokenizer(words: str = _QWEN_TEMPLATE_WORDS):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    words = words.split()
+    pieces = words.split()
     trainer = trainers.BpeTrainer(vocab_size=100_000, initial_alphabet=alphabet, show_progress=False)
-    bpe.train_from_iterator(words + [" " + w for w in words], trainer=trainer)
+    bpe.train_from_iterator(pieces + [" " + w for w in pieces], trainer=trainer)
     learned = json.loads(bpe.to_str())["model"]
     vocab = learned["vocab"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
     specials += ["<|image_pad|>", "<|video_pad|>"]
-    tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=2048)
+    # transformers declares merges as strings; the BPE model it builds takes only (left, right) pairs
+    tokenizer = Qwen2Tokenizer(vocab=dict(vocab), merges=merges, model_max_length=2048)  # type: ignore[arg-type]
     tokenizer.add_special_tokens(
         {"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in specials[1:]]}
     )
@@ -555,6 +549,8 @@ def _tiny_qwen_parts(tokenizer, seed: int) -> dict:
 
     ids = tokenizer.convert_tokens_to_ids
     heads, head_dim = 4, TINY_QWEN_TEXT_HIDDEN // 4
+    mrope_section = [1, 1, 2]  # the rotary sections of the head: 2 * sum(mrope_section) == head_dim
+    assert head_dim == 2 * sum(mrope_section)
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
@@ -564,7 +560,7 @@ def _tiny_qwen_parts(tokenizer, seed: int) -> dict:
             "num_attention_heads": heads,
             "num_key_value_heads": 2,
             "max_position_embeddings": 2048,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [1, 1, 2]},
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": mrope_section},
             "tie_word_embeddings": True,
             "bos_token_id": tokenizer.pad_token_id,
             "eos_token_id": ids("<|im_end|>"),
@@ -584,7 +580,6 @@ def _tiny_qwen_parts(tokenizer, seed: int) -> dict:
         vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=True,
     )
-    assert head_dim == 2 * sum(config.text_config.rope_parameters["mrope_section"])
     text_encoder = Qwen2_5_VLForConditionalGeneration(config)
     generator = torch.Generator().manual_seed(seed)
     vae = AutoencoderKLQwenImage(
@@ -622,9 +617,7 @@ def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     torch.manual_seed(seed)
     pipe = QwenImagePipeline(**_tiny_qwen_parts(tiny_qwen_tokenizer(), seed))
-    pipe.save_pretrained(out, safe_serialization=True)
-    logger.info("wrote tiny qwen_image pipeline to %s", out)
-    return out
+    return _save(pipe, out, "qwen_image")
 
 
 #: The Qwen-Image-Edit template's system prompt, as words and punctuation pieces: with merges for them the
@@ -637,9 +630,13 @@ _QWEN_EDIT_TEMPLATE_WORDS = (
 #: The tiny edit model's image processor: transformers' Qwen2VLImageProcessor defaults (patch 14, merge 2,
 #: temporal patch 2, min_pixels 56 * 56, max_pixels 28 * 28 * 1280; the released Qwen-Image-Edit
 #: processor could not be read here, so these are the library's defaults, not checked against it).
-TINY_QWEN_EDIT_PROCESSOR = dict(
-    patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280
-)
+TINY_QWEN_EDIT_PROCESSOR: "Qwen2VLImageProcessorKwargs" = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 1280,
+}
 
 
 def write_tiny_qwen_image_edit(out_dir: str | Path, seed: int = 0) -> Path:
@@ -660,18 +657,17 @@ def write_tiny_qwen_image_edit(out_dir: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     tokenizer = tiny_qwen_tokenizer(_QWEN_EDIT_TEMPLATE_WORDS)
     pipe = QwenImageEditPipeline(processor=None, **_tiny_qwen_parts(tokenizer, seed))
-    pipe.save_pretrained(out, safe_serialization=True)
+    _save(pipe, out, "qwen_image edit")
     tokenizer.save_pretrained(out / "processor")
     Qwen2VLImageProcessorPil(**TINY_QWEN_EDIT_PROCESSOR).save_pretrained(out / "processor")
     index_file = out / "model_index.json"
     index = json.loads(index_file.read_text(encoding="utf-8"))
     index["processor"] = ["transformers", "Qwen2VLProcessor"]
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    logger.info("wrote tiny qwen_image edit pipeline to %s", out)
     return out
 
 
-TINY_MODELS = {
+TINY_MODELS: dict[str, Callable[..., Path]] = {
     "sd": write_tiny_sd,
     "sdxl": write_tiny_sdxl,
     "sd3": write_tiny_sd3,
@@ -692,28 +688,3 @@ def write_tiny_model(family: str, out_dir: str | Path, **kwargs) -> Path:
     except KeyError:
         raise ValueError(f"no tiny model for family {family!r}; known: {', '.join(sorted(TINY_MODELS))}") from None
     return writer(out_dir, **kwargs)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``simpletuner zoo``'s options (``--help`` lists the families)."""
-    parser.description = (
-        "Write a tiny random-weight diffusers pipeline folder (configs, tokenizers and weights; seconds on a CPU) "
-        "to try a config or the trainer on: its images are noise, it is no model to fine-tune."
-    )
-    parser.add_argument(
-        "--family",
-        default="sd",
-        choices=list(TINY_MODELS),
-        help="the model family (model_family in a config), or a variant: wan22 (Wan 2.2's two experts), "
-        "wan22_i2v, wan22_ti2v, qwen_image_edit (default: sd)",
-    )
-    parser.add_argument(
-        "--out", required=True, metavar="DIR", help="the folder to write (pretrained_model_name_or_path)"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """``simpletuner zoo``: write the tiny pipeline of ``--family`` into ``--out``; returns the exit code."""
-    path = write_tiny_model(args.family, args.out)
-    print(f"wrote tiny {args.family} pipeline to {path}")
-    return 0

@@ -1,25 +1,11 @@
 """``simpletuner cache verify|clear --config cfg.json``: list, check and remove a config's caches.
 
-The caches of a config live in ``<cache_dir>/<model_family>/{vae,text}``, plus the latent folder of
-each dataset with a ``cache_dir_vae`` and a ``cache_config.text_cache_dir`` when set
-(:class:`~simpletuner.caching.routing.CacheFolders`, as training places them). ``verify`` opens
-each one read-only, checks every entry against the checksum recorded when it was written,
-and compares what is stored with what the config needs now (the dataset is scanned and the
-keys built the way training builds them), so after a VAE change the old latents show up as
-stale. ``verify --content`` also reads the source file of every needed latent and compares a
-hash of its bytes with the one recorded when the latent was encoded (a file edited in place
-with its size and mtime kept has the same key); ``--fix`` removes the changed ones so the next
-run re-encodes them. ``clear`` removes both caches, or with ``--stale-only`` rewrites them to
-hold only the sound entries the config needs; ``clear --dry-run`` only lists what it would remove.
-The needed keys come from :func:`simpletuner.caching.keys.cache_keys`, the function training builds
-its keys with, so ``--stale-only`` keeps exactly what training reads.
-
-Exit status: 0 all is well (missing and stale entries are not errors; changed sources that
-``--fix`` removed neither), 1 corruption found, latents whose source changed (``--content``
-without ``--fix``), or a removal declined, 2 a usage or config error (including ``clear``
-without ``--yes`` when stdin is not a terminal, and ``--content`` when the dataset cannot be
-scanned; ``clear`` while a training run uses the cache, unless ``--wait``: see :mod:`simpletuner.locks`).
-``verify`` takes no lock: it only reads.
+The folders and needed keys are the ones training uses (:class:`~simpletuner.caching.routing.CacheFolders`,
+:func:`simpletuner.caching.keys.cache_keys`), so ``clear --stale-only`` keeps exactly what training reads.
+``verify`` (no lock) checks checksums and what is stored against what the config needs; ``--content`` hashes
+each needed latent's source, ``--fix`` removes the changed ones. ``clear`` and ``--fix`` hold the cache
+(:mod:`simpletuner.locks`). Exit 0 all well; 1 corruption, changed sources kept, or a removal declined; 2 a
+usage or config error. Flags and output: documentation/RELIABILITY.md, "Caches".
 """
 
 from __future__ import annotations
@@ -38,6 +24,7 @@ import orjson
 from simpletuner.caching import layout
 from simpletuner.caching.keys import CacheKeys, cache_keys
 from simpletuner.caching.layout import CACHE_NAMES, EPOCH_CACHE_NAME, TEXT_CACHE_NAME, VAE_CACHE_NAME
+from simpletuner.caching.markers import MARKER_SUFFIX
 from simpletuner.caching.report import (
     CacheSummary,
     check_sources,
@@ -50,14 +37,14 @@ from simpletuner.caching.report import (
     summary_json,
 )
 from simpletuner.caching.routing import CacheFolders
-from simpletuner.caching.shard_checks import MARKER_SUFFIX, QUARANTINE_SUFFIX
+from simpletuner.caching.shard_checks import QUARANTINE_SUFFIX
 from simpletuner.caching.store import SHARD_GLOB, ShardedTensorStore
-from simpletuner.commands import add_config_arguments
+from simpletuner.cli.arguments import add_config_arguments
 from simpletuner.configuration.cache_paths import trained_datasets
 from simpletuner.data_backend import RegisteredDataset, build_metadata, build_source_backend
 from simpletuner.data_backend.pairs import check_model_inputs
 from simpletuner.locks import CacheLocks
-from simpletuner.precision import PRECISION_DTYPES, resolve_mixed_precision
+from simpletuner.precision import run_dtype
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -66,11 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 def _spec(config: "TrainingConfig"):
-    """The model spec of ``config`` (its family and encoder identities name the cache folder and keys).
-
-    Imported here, not at the top: caching sits below models, and only this module, the
-    ``simpletuner cache`` command (entry-point level), needs a spec.
-    """
+    """The model spec of ``config`` (its family and encoder identities name the cache folder and keys);
+    imported here, as ``simpletuner --help`` imports no model library."""
     from simpletuner.models import get_model_spec
 
     return get_model_spec(config)
@@ -115,7 +99,7 @@ def config_keys(config: "TrainingConfig") -> CacheKeys:
         raise ValueError("the config has no `datasets`")
     spec = _spec(config)
     check_model_inputs(spec, config)  # what training refuses, before a scan
-    text_dtype = PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision)]
+    text_dtype = run_dtype(config)
     datasets = []
     for dataset_cfg in trained_datasets(config):  # `disabled` / `probability: 0` ones: never scanned
         backend = build_source_backend(dataset_cfg, config)  # in place: object store, shards, folder
@@ -192,7 +176,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """List and check the caches of ``args.config``; 1 when an entry or shard is damaged, or (with
     ``--content``) a latent's source changed and ``--fix`` did not remove it."""
     out = out or sys.stdout
-    content, fix = getattr(args, "content", False), getattr(args, "fix", False)
+    content, fix = args.content, args.fix
     if fix and not content:
         print(
             "error: --fix goes with --content (it removes latents whose source file changed). Corrupt entries are "
@@ -205,7 +189,7 @@ def cmd_verify(args: argparse.Namespace, out: TextIO | None = None) -> int:
     summaries, why_not = inspection.summaries, inspection.why_not_needed
     content_error = why_not if content and inspection.needed is None else None
     if fix:
-        _fix_changed(config, inspection, getattr(args, "wait", False))
+        _fix_changed(config, inspection, args.wait)
     is_corrupt = any(s.has_corruption for s in summaries)
     num_changed = sum(len(s.content_changed) for s in summaries if s.has_changed_content)
     status = 1 if is_corrupt else 2 if content_error else 1 if num_changed else 0
@@ -278,7 +262,7 @@ def cmd_clear(args: argparse.Namespace, stdin: TextIO | None = None, out: TextIO
     folders = cache_folders(config)
     custom = [f for f in [*folders.all_vae_folders(), folders.text] if folders.is_custom(f)]
     # Nothing there to protect (or nothing removed): locking would create the folder.
-    bases = sorted({b for b in [folders.base, *custom] if b.is_dir()}) if not getattr(args, "dry_run", False) else []
+    bases = sorted({b for b in [folders.base, *custom] if b.is_dir()}) if not args.dry_run else []
     with contextlib.ExitStack() as held:
         locks = {}
         for base in bases:  # sorted: every clear and run takes them in one order
@@ -312,7 +296,7 @@ def _clear_all(
         listed = ", ".join(str(p) for p in [base, *custom])
         print(f"nothing to remove: no caches under {listed}", file=out)
         return 0
-    dry_run = getattr(args, "dry_run", False)
+    dry_run = args.dry_run
     print("would remove:" if dry_run else "will remove:", file=out)
     for folder in whole:
         files = [p for p in folder.rglob("*") if p.is_file()]
@@ -355,7 +339,7 @@ def _clear_stale(config: "TrainingConfig", args: argparse.Namespace, stdin: Text
     if not plan:
         print("nothing to remove: every stored entry is sound and needed by this config", file=out)
         return 0
-    dry_run = getattr(args, "dry_run", False)
+    dry_run = args.dry_run
     print("would remove:" if dry_run else "will remove:", file=out)
     for s, _, _ in plan:
         parts = [f"{len(s.stale or ())} stale", f"{len(s.corrupt)} corrupt", f"{s.num_superseded} superseded"]
@@ -440,7 +424,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m simpletuner.caching.admin``."""
+    """The parser of ``python -m simpletuner.cli.cache``."""
     parser = argparse.ArgumentParser(prog="simpletuner cache")
     add_arguments(parser)
     return parser

@@ -1,7 +1,7 @@
 """``simpletuner convert SRC [--out native.json]``: a SimpleTuner config written as a native one.
 
 The translation is the one ``train`` and ``estimate`` apply when they are given a SimpleTuner config
-(simpletuner/configuration/dialect.py): the same mapping report is printed, datasets from
+(simpletuner/configuration/simpletuner/): the same mapping report is printed, datasets from
 ``data_backend_config`` are inlined, and paths (which SimpleTuner reads from the working directory)
 are written absolute, so training the converted file is the same run as training the original. The
 translation is validated as a native config before anything is written: convert writes only what loads.
@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from simpletuner.configuration import dialect
     from simpletuner.configuration.errors import ConfigError
     from simpletuner.configuration.loader import NATIVE_KEYS, _read_json, validate_config
+    from simpletuner.configuration.simpletuner import translate as dialect
 
     source = Path(args.source)
     try:
@@ -42,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         native, report = dialect.translate(raw, source)
     except dialect.DialectError as exc:
-        exc = ConfigError(exc.problems, exc.source)
-        print(exc, file=sys.stderr)
+        print(ConfigError(exc.problems, exc.source), file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(exc, file=sys.stderr)

@@ -19,11 +19,11 @@ import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
-from typing import Iterator, Literal, Protocol
+from typing import Any, Iterator, Literal, Protocol
 
 import torch
 
-from simpletuner.gh200.cuda_versions import (
+from simpletuner.hardware.cuda_versions import (
     TORCH_FLOOR,
     bindings_error_reason,
     cuda_version_text,
@@ -31,7 +31,7 @@ from simpletuner.gh200.cuda_versions import (
     torch_release,
     version_call,
 )
-from simpletuner.gh200.managed_pool import PoolAccount
+from simpletuner.hardware.managed_pool import PoolAccount
 
 logger = logging.getLogger(__name__)
 
@@ -205,11 +205,11 @@ class NoCudaRuntime:
 class CudaBindingsRuntime:
     """Managed memory through ``cuda.bindings.runtime`` (the ``[gh200]`` extra)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pool = None
-        self._callbacks = None  # ctypes trampolines: must live as long as the process
-        self._rt = None
+        self._pool: torch.cuda.MemPool | None = None
+        self._callbacks: tuple[Any, Any] | None = None  # ctypes trampolines: must live as long as the process
+        self._rt: Any = None  # cuda.bindings.runtime, imported on first use
         self._reason: str | None = None
         self._checked = False
         self.account = PoolAccount()  # what the pool holds; bounded by route_all_allocations
@@ -219,7 +219,7 @@ class CudaBindingsRuntime:
     # --- availability ---
     def _bindings(self):
         if self._rt is None:
-            from cuda.bindings import runtime  # type: ignore[import-not-found]
+            from cuda.bindings import runtime
 
             self._rt = runtime
         return self._rt
@@ -262,7 +262,7 @@ class CudaBindingsRuntime:
 
     def _bindings_problem(self, exc: Exception) -> str:
         """``exc`` (a cuda-bindings call that failed) in words, with the fix."""
-        import cuda.bindings  # type: ignore[import-not-found]
+        import cuda.bindings
 
         rt = self._bindings()
         runtime_version = version_call(rt, "cudaRuntimeGetVersion")
@@ -414,7 +414,7 @@ class CudaBindingsRuntime:
         self._routed = device
 
     def end_routing(self) -> None:
-        if self._routed is None:
+        if self._routed is None or self._pool is None:  # routing made the pool
             return
         torch._C._cuda_endAllocateToPool(self._routed, self._pool.id)
         self._routed = None
@@ -499,7 +499,7 @@ class CudaBindingsRuntime:
             "cuda_bindings": None,
         }
         try:
-            import cuda.bindings  # type: ignore[import-not-found]
+            import cuda.bindings
 
             out["cuda_bindings"] = getattr(cuda.bindings, "__version__", "installed")
             driver = version_call(self._bindings(), "cudaDriverGetVersion")

@@ -1,27 +1,25 @@
-"""SimpleTuner meanings that span several keys, or that its code decides whatever the config says: the
-learning-rate schedule, the optimizer's own defaults, settings forced per family and flavour, the validation
-cadence and the seed. Each function reads the whole config (``t.bare``) after the key-by-key pass of
-:func:`simpletuner.configuration.dialect.translate` and writes what SimpleTuner would run.
-
-Where SimpleTuner's code replaces a value the config sets (a flavour's flow shift, a family's bucket
-alignment), the translation does the same and says so at WARNING (``Report.overridden``): the run means what
-it meant there, and the user sees that their value was not what SimpleTuner trained with either.
+"""SimpleTuner meanings that span several keys, or that its code decides whatever the config says (the
+schedule, optimizer defaults, forced settings, validation, seed, sampling). Each function reads the whole
+config (``t.bare``) after the key-by-key pass and writes what SimpleTuner would run; a config value SimpleTuner
+replaces is replaced here too, and said at WARNING (``Report.overridden``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from simpletuner.configuration.dialect_read import Problem, Translation, as_number, is_inert, plain
-from simpletuner.configuration.dialect_values import (
+from simpletuner.configuration.families import FLOW_MATCHING_FAMILIES
+from simpletuner.configuration.schedules import LR_END_DEFAULTS, LR_POWER_DEFAULTS, SIMPLETUNER_LR_END
+from simpletuner.configuration.simpletuner.facts import (
     FAMILY_FORCED,
     FLAVOUR_FORCED,
     FLAVOUR_FORCED_UNSUPPORTED,
+    FLUX_LORA_TARGETS,
     LR_SCHEDULERS,
     SIMPLETUNER_DEFAULTS,
     SIMPLETUNER_OPTIMIZER_DEFAULTS,
 )
-from simpletuner.configuration.schedules import LR_END_DEFAULTS, LR_POWER_DEFAULTS, SIMPLETUNER_LR_END
+from simpletuner.configuration.simpletuner.reading import Problem, Translation, as_bool, as_number, is_inert, plain
 
 #: SimpleTuner's `lr_power` default (its field registry, training.py:781-787).
 SIMPLETUNER_LR_POWER = 0.8
@@ -173,7 +171,7 @@ def forced_settings(t: Translation, bare: Mapping[str, Any]) -> None:
     family = t.family or ""
     flavour = bare.get("model_flavour")
     flavour = str(flavour).strip() if isinstance(flavour, str) and flavour else None
-    if (family, flavour) in FLAVOUR_FORCED_UNSUPPORTED:
+    if flavour is not None and (family, flavour) in FLAVOUR_FORCED_UNSUPPORTED:
         t.problems.append(f"`model_flavour`: {flavour!r}: {FLAVOUR_FORCED_UNSUPPORTED[(family, flavour)]}")
         return
     forced = dict(FAMILY_FORCED.get(family, {}))
@@ -296,4 +294,114 @@ def unreadable_files(t: Translation, bare: Mapping[str, Any]) -> None:
     t.report.defaults.append(
         "`max_bad_image_fraction: 1.0` (SimpleTuner skips unreadable images however many: the run stops only when "
         "a dataset has none it can read; each skipped file is listed at the end of the scan)"
+    )
+
+
+def flow_sampling(t: Translation, bare: dict[str, Any]) -> None:
+    """SimpleTuner's sigma draw for flow families: sigmoid(N(0, 1) * flow_sigmoid_scale), unless
+    ``flow_use_uniform_schedule`` (uniform) or ``flow_use_beta_schedule`` (not supported) is on."""
+    if t.our_family not in FLOW_MATCHING_FAMILIES:
+        return
+    try:
+        uniform = as_bool(bare.get("flow_use_uniform_schedule", False), "flow_use_uniform_schedule")
+        beta = as_bool(bare.get("flow_use_beta_schedule", False), "flow_use_beta_schedule")
+        scale = as_number(bare.get("flow_sigmoid_scale", 1.0), "flow_sigmoid_scale")
+    except Problem as exc:
+        t.problems.append(str(exc))
+        return
+    if beta:
+        t.problems.append("`flow_use_beta_schedule`: the beta sigma schedule is not supported: remove it")
+    elif uniform:
+        t.put("timestep_sampling", "uniform", "flow_use_uniform_schedule")
+    else:
+        t.put("timestep_sampling", "logit_normal", "SimpleTuner's default sigmoid schedule")
+        t.put("logit_mean", 0.0, "SimpleTuner's default sigmoid schedule")
+        t.put("logit_std", float(scale), "flow_sigmoid_scale" if "flow_sigmoid_scale" in bare else "its default 1.0")
+        t.report.defaults.append(
+            "`timestep_sampling: logit_normal`, `logit_std: "
+            f"{float(scale)}` (SimpleTuner's sigmoid sigma schedule for flow models)"
+        )
+
+
+def flux_lora_target(t: Translation, bare: Mapping[str, Any]) -> None:
+    """SimpleTuner's Flux LoRA adapts the layers `flux_lora_target` names (default `all`), not our default."""
+    if t.our_family != "flux" or t.out.get("training_type") != "lora":
+        if "flux_lora_target" in bare:
+            t.ignore("flux_lora_target", "not a Flux LoRA")
+        return
+    if t.out.get("lora_type", "standard") != "standard" or t.is_set("lora_target_modules"):
+        if "flux_lora_target" in bare:
+            t.ignore("flux_lora_target", "the LyCORIS preset or `peft_lora_target_modules` picks the layers")
+        return
+    name = str(bare.get("flux_lora_target", "all"))
+    if name not in FLUX_LORA_TARGETS:
+        t.problems.append(
+            f"`flux_lora_target` = {name!r} is not supported here (supported: {', '.join(FLUX_LORA_TARGETS)}); "
+            "or list the layers in `peft_lora_target_modules`"
+        )
+        return
+    t.put("lora_target_modules", FLUX_LORA_TARGETS[name], "flux_lora_target")
+    if "flux_lora_target" in bare:
+        t.report.mapped.append(f"`flux_lora_target: {name}` -> `lora_target_modules`")
+    else:
+        t.report.defaults.append("`flux_lora_target: 'all'` (SimpleTuner's default) -> `lora_target_modules`")
+
+
+def validation_defaults(t: Translation, bare: Mapping[str, Any]) -> None:
+    """SimpleTuner's validation defaults that depend on the family: Wan renders the pipeline's 81 frames;
+    families with a negative prompt get SimpleTuner's default one (flux has none)."""
+    if not t.out.get("validation_prompt"):
+        return
+    family = t.our_family
+    if family == "wan" and "validation_num_video_frames" not in bare:
+        t.put("validation_num_video_frames", 81, "SimpleTuner's default (the Wan pipeline's 81 frames)")
+        t.report.defaults.append("`validation_num_video_frames: 81` (the Wan pipeline's default, as SimpleTuner)")
+    if family != "flux" and "validation_negative_prompt" not in bare:
+        t.put("validation_negative_prompt", "blurry, cropped, ugly", "SimpleTuner's default negative prompt")
+        t.report.defaults.append("`validation_negative_prompt: 'blurry, cropped, ugly'` (SimpleTuner's default)")
+
+
+def optimizer_meaning(t: Translation, bare: Mapping[str, Any]) -> None:
+    """What differs for SimpleTuner's optimizers that map here."""
+    optimizer = t.out.get("optimizer")
+    if optimizer == "prodigy":
+        given = t.out.get("learning_rate")
+        t.out["learning_rate"] = 1.0
+        t.sources["learning_rate"] = "optimizer: prodigy"
+        t.approx(
+            "optimizer: prodigy",
+            "SimpleTuner's `prodigy` is prodigy-plus-schedule-free; here it is prodigyopt's Prodigy (no schedule-free "
+            f"averaging), and its learning rate is 1.0 as SimpleTuner passes it (the config's {given!r} is not used)",
+        )
+    elif optimizer == "adamw_bf16":
+        t.approx(
+            "optimizer: adamw_bf16",
+            "the trained weights are fp32 here (adapters, and full fine-tunes), so the update is exact AdamW; "
+            "SimpleTuner keeps bf16 weights and rounds each update stochastically",
+        )
+
+
+def noise_offset(t: Translation, bare: Mapping[str, Any]) -> None:
+    """SimpleTuner adds `noise_offset` (default 0.1, with `noise_offset_probability`, default 0.25) only
+    when `offset_noise` is on, and never to flow-matching models."""
+    given = [k for k in ("offset_noise", "noise_offset", "noise_offset_probability") if k in bare]
+    if not given:
+        return
+    try:
+        on = as_bool(bare.get("offset_noise", False), "offset_noise")
+    except Problem as exc:
+        t.problems.append(str(exc))
+        return
+    if not on:
+        for key in given:
+            t.ignore(key, "`offset_noise` is off: SimpleTuner adds no noise offset")
+        return
+    if t.our_family in FLOW_MATCHING_FAMILIES:
+        for key in given:
+            t.ignore(key, "SimpleTuner adds no noise offset to flow-matching models")
+        return
+    t.put("noise_offset", plain(bare.get("noise_offset", 0.1)), "noise_offset")
+    t.put("noise_offset_probability", plain(bare.get("noise_offset_probability", 0.25)), "noise_offset_probability")
+    t.report.mapped.append(
+        "`offset_noise` + `noise_offset` + `noise_offset_probability` -> `noise_offset`, `noise_offset_probability`"
     )

@@ -11,9 +11,9 @@ from pathlib import Path
 import orjson
 from PIL import Image, ImageDraw, ImageFont
 
-from simpletuner.commands import add_log_level_argument
-from simpletuner.models.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_model
-from simpletuner.train import main as train_main
+from simpletuner.cli.arguments import add_log_level_argument
+from simpletuner.cli.train import main as train_main
+from simpletuner.testing.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_model
 from simpletuner.training.cpu_threads import settle_cpu_threads
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
@@ -196,7 +196,7 @@ def write_before_after(output_dir: str | Path, prompt: str | None = None, min_ti
         draw.text((col * (tw + gap) + 4, 3), text, fill=(0, 0, 0), font=font)
     for row, pair in enumerate(pairs):
         for col, img in enumerate(pair):
-            sheet.paste(img.resize((tw, th), Image.NEAREST), (col * (tw + gap), label_h + row * (th + gap)))
+            sheet.paste(img.resize((tw, th), Image.Resampling.NEAREST), (col * (tw + gap), label_h + row * (th + gap)))
     if prompt:
         draw.text((4, sheet.height - footer_h + 3), f"prompt: {prompt}", fill=(0, 0, 0), font=font)
     path = output_dir / "before_after.png"

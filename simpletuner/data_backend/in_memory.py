@@ -32,9 +32,9 @@ from simpletuner.data_backend.base import (
     VIDEO_FILE_EXTENSIONS,
     normalize_extensions,
 )
+from simpletuner.data_backend.codecs import Codec, get_codec
 from simpletuner.data_backend.local import LocalDataBackend
 from simpletuner.faults import fault_point
-from simpletuner.gh200.codecs import Codec, get_codec
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -215,29 +215,15 @@ def _parallel_map(fn: Callable[[Any], Any], items: Sequence, num_workers: int, o
 
 
 class GH200InMemoryBackend:
-    """Every file under ``root`` held in RAM, addressed by relative POSIX path like ``LocalDataBackend``.
+    """Every file under ``root`` (or of ``source``, an ``ObjectStoreBackend``) held in RAM, staged in the
+    constructor, addressed by relative POSIX path like ``LocalDataBackend``.
 
-    Staging happens in the constructor. Files that cannot be read are left out and listed in
-    ``report.failed``; ``identity`` is the ``"{size}:{mtime_ns}"`` taken when the file was read,
-    so caches keyed on it agree with a ``local`` run over the same folder.
+    Unreadable files are left out and listed in ``report.failed``; ``identity`` is ``"{size}:{mtime_ns}"`` as
+    read, so caches agree with a ``local`` run. ``compression``: lz4, zlib, snappy or none; ``memory_limit_gb``
+    (10**9 bytes) is checked before any read and against the compressed size while staging.
 
-    Args:
-        root: the dataset folder.
-        id: the dataset id (in messages and sample keys).
-        compression: codec for files that compress: ``lz4``, ``zlib``, ``snappy`` or ``none``.
-        compress_encoded_images: also compress ``.jpg/.jpeg/.png/.webp`` and video (``.mp4``, ``.gif``, ...) bytes.
-        num_workers: loader threads; default :func:`default_num_workers`.
-        memory_limit_gb: refuse before reading anything when the bytes to hold exceed this
-            many GB (10**9 bytes). Files that will be compressed are checked by their
-            compressed size while staging, which stops as soon as the total passes the limit.
-        max_bad_image_fraction: abort when a larger fraction of the files cannot be read.
-        source: an ``ObjectStoreBackend`` to stage from instead of the folder ``root`` (``root`` is then its URL);
-            a read that fails after its retries is a failed file, never stored in part.
-
-    Raises:
-        ValueError: the root is not a folder, an unknown codec, the memory limit, or too many
-            unreadable files.
-        ImportError: the codec's library is missing.
+    Raises ValueError (not a folder, an unknown codec, over the memory limit, ``max_bad_image_fraction``
+    unreadable) or ImportError (the codec's library is missing).
     """
 
     def __init__(
@@ -280,10 +266,11 @@ class GH200InMemoryBackend:
     def _stage(self) -> tuple[MappingProxyType, StagingReport]:
         started = time.perf_counter()
         paths = (self._local or self._source).list_files()
-        to_load, failed = paths, []
+        to_load = paths
+        failed: list[tuple[str, str]] = []
         if self.memory_limit_gb is not None:  # the estimate needs sizes; a stat per file otherwise saved
             sizes, failed = self._stat_all(paths)
-            self._check_estimate(sizes)
+            self._check_estimate(sizes, self.memory_limit_gb)
             to_load = list(sizes)
         entries, read_failed = self._load_all(to_load)
         failed = sorted(failed + read_failed)
@@ -322,9 +309,9 @@ class GH200InMemoryBackend:
         sizes = {p: r for p, r in zip(paths, results) if isinstance(r, int)}
         return sizes, [(p, r) for p, r in zip(paths, results) if isinstance(r, str)]
 
-    def _check_estimate(self, sizes: dict[str, int]) -> None:
-        """Raise before any read when the bytes to hold certainly exceed ``memory_limit_gb``."""
-        limit = self.memory_limit_gb * _GB
+    def _check_estimate(self, sizes: dict[str, int], limit_gb: float) -> None:
+        """Raise before any read when the bytes to hold certainly exceed ``limit_gb`` (``memory_limit_gb``)."""
+        limit = limit_gb * _GB
         total = sum(sizes.values())
         if total <= limit:
             return
@@ -428,9 +415,9 @@ class GH200InMemoryBackend:
         return entry
 
     def _canonical(self, path: str) -> str:
-        if self._source is not None:
-            return self._source._key(path)
-        return self._local._resolve(path).relative_to(self.root).as_posix()
+        if self._local is not None:
+            return self._local._resolve(path).relative_to(self.root).as_posix()
+        return self._source._key(path)
 
     def list_files(self, extensions: Iterable[str] | None = None) -> list[str]:
         """Relative POSIX paths of all staged files (recursive, sorted, hidden skipped)."""

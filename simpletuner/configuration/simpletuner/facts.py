@@ -1,26 +1,20 @@
-"""Facts about SimpleTuner that the translation relies on, read from its code and documentation at
-``SIMPLETUNER_COMMIT``: its model families and flavours, its spellings of values, its defaults where ours
-differ, and the groups of its keys that act together. Data only.
+"""Facts about SimpleTuner read from its code at ``SIMPLETUNER_COMMIT``: its families and flavours, its
+spellings of values, its defaults where ours differ, the settings its code forces. Data only.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from simpletuner.configuration.families import FAMILIES
+
 #: The SimpleTuner commit whose documentation, examples and defaults this table was written from.
 SIMPLETUNER_COMMIT = "bc8e6ab7738ce457a2ed8eb2d26cadd91c6442cb"
 
 
-#: SimpleTuner's model families -> ours (None: a family this trainer does not train).
-FAMILIES: dict[str, Optional[str]] = {
-    "sd1x": "sd",
-    "sd2x": "sd",
-    "legacy": "sd",
-    "sdxl": "sdxl",
-    "sd3": "sd3",
-    "flux": "flux",
-    "wan": "wan",
-    "qwen_image": "qwen_image",
+#: SimpleTuner's model families -> ours (every SimpleTuner name of the family table).
+SIMPLETUNER_FAMILIES: dict[str, str] = {
+    name: family.name for family in FAMILIES.values() for name in family.simpletuner_names
 }
 
 
@@ -153,7 +147,7 @@ OPTIMIZERS: dict[str, Optional[str]] = {
 #: SimpleTuner's schedule names -> ours, with its meaning (helpers/training/custom_schedule.py get_lr_scheduler and
 #: helpers/configuration/cli_utils.py normalize_lr_scheduler_value): its `cosine` (and the alias
 #: `cosine_with_warmup`) is its own class, `simpletuner_cosine` here; `constant` with a warm-up becomes
-#: `constant_with_warmup` (see dialect_semantics.lr_schedule). `cosine_with_restarts` never leaves the peak there.
+#: `constant_with_warmup` (see semantics.lr_schedule). `cosine_with_restarts` never leaves the peak there.
 LR_SCHEDULERS: dict[str, Optional[str]] = {
     "constant": "constant",
     "constant_with_warmup": "constant_with_warmup",
@@ -277,14 +271,9 @@ SIMPLETUNER_DATASET_DEFAULTS: dict[str, Any] = {
 }
 
 
-#: Flow-matching families: SimpleTuner draws sigmas as sigmoid(N(0, 1) * flow_sigmoid_scale) unless a
-#: uniform or beta schedule is asked for.
-FLOW_FAMILIES = ("sd3", "flux", "wan", "qwen_image")
-
-
 #: Every value spelling the translation reads, by key (for documentation/MIGRATING_FROM_SIMPLETUNER.md).
 VALUE_TABLES: dict[str, Mapping[str, Optional[str]]] = {
-    "model_family": FAMILIES,
+    "model_family": SIMPLETUNER_FAMILIES,
     "base_model_precision": PRECISIONS,
     "optimizer": OPTIMIZERS,
     "lr_scheduler": LR_SCHEDULERS,

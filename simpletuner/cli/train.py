@@ -1,0 +1,306 @@
+"""``simpletuner train``, also run on its own: ``accelerate launch simpletuner/train.py --config cfg.json``
+(the entry file :mod:`simpletuner.train` calls :func:`main` here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from simpletuner.cli.arguments import add_config_arguments, add_log_level_argument
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simpletuner train``'s options (also those of ``python -m simpletuner.train``)."""
+    parser.description = "Train from a JSON config."
+    add_config_arguments(
+        parser,
+        required=True,
+        config_help="path to the training JSON",
+        set_help="override a config key (dotted for nested keys; JSON values), e.g. --set max_train_steps=10",
+    )
+    parser.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="fill the keys the config (and the launch) leave unset from a memory preset "
+        "(`simpletuner estimate --list-presets`); the effective values are logged",
+    )
+    add_log_level_argument(
+        parser, help="our log lines from this level (DEBUG: ours only; third-party libraries stay at INFO)"
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=positive_tflops,
+        metavar="TFLOPS",
+        help="the GPU's dense peak for this run's precision, for MFU (overrides the GPU table)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="output_dir holds an earlier run: remove its checkpoints, weights, validation images and "
+        "logs, then start afresh (without it such a run is refused; other files there are kept)",
+    )
+    # The command that resumes this run, named by the line a stop signal ends with: `simpletuner demo` passes
+    # `simpletuner train --config <its config>` (its own command would start over: it passes --overwrite).
+    parser.add_argument("--resume-command", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m simpletuner.train`` / ``accelerate launch simpletuner/train.py``."""
+    parser = argparse.ArgumentParser(prog="simpletuner train")
+    add_arguments(parser)
+    return parser
+
+
+def positive_tflops(text: str) -> float:
+    """argparse type of ``--peak-tflops``: a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of TFLOPS, got {text!r}")
+    return value
+
+
+def prepare_config(config_path: str, overrides=(), environ=None, launch_command="auto", preset: str | None = None):
+    """The run's validated config and where each launcher-settable key's value came from.
+
+    Merges what ``accelerate launch`` was asked for (configuration/launcher.py), checks the
+    environment's PYTORCH_CUDA_ALLOC_CONF, and reports every problem at once before any model
+    loads. ``launch_command``: "auto" reads the launcher above this process; tests pass one.
+    ``preset``: a memory preset's name; it fills only what the config and the launch leave unset.
+    Returns the loaded config, the source of each launcher-settable key, and the lines to log
+    about the preset (empty without one).
+    """
+    import os
+    from pathlib import Path
+
+    from simpletuner.configuration import ConfigError, LoadedConfig, validate_config
+    from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
+    from simpletuner.configuration.launcher import launcher_command_from_environment, resolve_launcher_settings
+    from simpletuner.configuration.loader import apply_overrides, read_raw_config, with_settled_family
+
+    environ = os.environ if environ is None else environ
+    path = Path(config_path)
+    raw = read_raw_config(path, overrides)
+    command = launcher_command_from_environment(environ) if launch_command == "auto" else launch_command
+    problems: list[str] = []
+    sources: dict[str, str] = {}
+    try:
+        launch = resolve_launcher_settings(raw, environ, command, config_source=str(path))
+    except ConfigError as exc:
+        problems += exc.problems
+    else:
+        raw = apply_overrides(raw, launch.overrides)
+        sources = {key: setting.source for key, setting in launch.settings.items()}
+    notes: list[str] = []
+    if preset is not None:
+        from simpletuner.memory.presets import apply_preset
+
+        try:
+            merged, notes = apply_preset(raw, preset)
+        except ValueError as exc:
+            problems.append(f"--preset {preset}: {exc}")
+        else:
+            for key in ("mixed_precision", "gradient_accumulation_steps", "enable_compile"):
+                if key not in raw and key in merged:
+                    sources[key] = f"from preset {preset}; neither the config nor the launch sets it"
+            raw = merged
+    problems += check_alloc_conf(environ.get(ALLOC_CONF_VAR)).errors()  # its warnings: Trainer._log_settings_in_force
+    try:
+        config = validate_config(raw, base_dir=path.parent, source=str(path))
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        raise ConfigError(problems, str(path))
+    return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path), sources, notes
+
+
+def run_training(
+    config_path: str,
+    overrides=(),
+    log_level: str = "INFO",
+    peak_tflops: float | None = None,
+    preset: str | None = None,
+    overwrite: bool = False,
+    resume_command: str | None = None,
+):
+    """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
+    from simpletuner.state import StateTracker
+    from simpletuner.training.runlog import configure_logging
+
+    configure_logging(log_level)
+    loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
+    # Only now torch and the model libraries (seconds to import): a config error is answered without them.
+    from simpletuner.training.trainer import Trainer
+
+    state = StateTracker(loaded.config, loaded.raw)
+    state.setting_sources = sources
+    state.startup_notes = preset_notes
+    state.resume_command = resume_command
+    trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite)
+    if not _is_single_process():
+        _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
+    return trainer.train()
+
+
+#: The trainer of a rank of a multi-process launch, kept until the process ends in :func:`end_process`.
+_KEEP_ALIVE: list = []
+
+
+def _is_single_process() -> bool:
+    import os
+
+    return os.environ.get("WORLD_SIZE", "1") in ("", "1")
+
+
+def end_process(code: int) -> None:
+    """End the ``train`` process with ``code``.
+
+    A rank of a multi-process launch leaves with ``os._exit`` once its output is flushed, without
+    freeing the trainer: freeing its DDP model destroys the Gloo process group while holding the
+    GIL, and that destructor joins Gloo's worker threads, one of which may still be releasing the
+    tensors of a finished collective, which needs the GIL: a deadlock (pytorch/pytorch#56297; seen
+    as a rank hanging after its run completed). Everything a run writes is closed and fsynced
+    before ``train()`` returns, and the process group was shut down by ``end_training``.
+    A single process exits normally.
+    """
+    import logging
+    import os
+
+    from simpletuner.training.reliability import exit_on_signal
+
+    exit_on_signal(code)  # the run is over: a signal during shutdown exits with its code, no traceback
+    if not _is_single_process():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
+def _is_main_rank() -> bool:
+    """Rank 0 of a launch (``RANK``, set by ``accelerate launch`` / torchrun), or a single process."""
+    import os
+
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m simpletuner.train ARGV`` (and ``accelerate launch simpletuner/train.py``); returns the exit code."""
+    return _with_signals(lambda: build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``simpletuner train``: train from the parsed arguments; returns the exit code.
+
+    A rank of a multi-process launch ends its process here, as train.py's ranks do (:func:`end_process`).
+    """
+    code = _with_signals(lambda: args)
+    if not _is_single_process():
+        end_process(code)
+    return code
+
+
+def _with_signals(parse) -> int:
+    """Train from ``parse()``'s arguments with the run's signal handlers installed first."""
+    from simpletuner.training.reliability import (
+        RunSignals,
+        RunStopped,
+    )  # standard library only: installed before the heavy imports
+
+    with RunSignals():  # SIGTERM / SIGINT in any phase: one line and 143 / 130, never a traceback
+        try:
+            return _main(parse())
+        except RunStopped as exc:  # a signal while _main imports, before its own handlers
+            print(_stopped_line(exc), file=sys.stderr)
+            return exc.exit_code
+
+
+def _stopped_line(exc) -> str:
+    """The line a stopped run ends with: a signal's message already starts with "stopped by"."""
+    text = str(exc)
+    return text if text.startswith("stopped by ") else f"stopped: {text}"
+
+
+def _peer_stopped(exc: Exception) -> bool:
+    """Whether a collective failed because another process of a multi-process run went away (a
+    signal stopped it outside the step loop, or it failed): not a bug here, and not this rank's story."""
+    if _is_single_process():
+        return False
+    import torch.distributed as dist
+
+    text = str(exc)
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("Connection closed by peer", "Connection reset by peer")
+    )
+
+
+def _same_on_every_rank(exc: Exception) -> bool:
+    """A user error every rank of a launch meets alike (printed by rank 0 only)."""
+    from simpletuner.configuration import ConfigError
+    from simpletuner.training.checkpoint_verify import ResumeRefused
+    from simpletuner.training.run_folder import RunFolderTaken  # imports torch: only asked on ranks other than 0
+
+    return isinstance(exc, (ConfigError, ResumeRefused, RunFolderTaken))
+
+
+def _main(args: argparse.Namespace) -> int:
+    import signal
+
+    # No torch here: a config error is reported before it is imported (run_training imports it after the check).
+    from simpletuner.configuration import ConfigError
+    from simpletuner.diskspace import NoSpace
+    from simpletuner.training.launch import LaunchError
+    from simpletuner.training.reliability import RunSignals, RunStopped
+
+    try:
+        run_training(
+            args.config,
+            args.overrides,
+            args.log_level,
+            peak_tflops=args.peak_tflops,
+            preset=args.preset,
+            overwrite=args.overwrite,
+            resume_command=args.resume_command,
+        )
+    except NoSpace as exc:  # a full disk (exit 5): the message says how much, where, and what is free
+        if _is_main_rank() or not exc.agreed:  # an agreed one is rank 0's, raised on every rank: printed once
+            print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except RunStopped as exc:  # a signal (143/130), non-finite (3), out of memory (4): the message says what next
+        print(_stopped_line(exc), file=sys.stderr)
+        return exc.exit_code
+    except (ConfigError, ValueError, LaunchError) as exc:  # user errors: the message says what to fix
+        if args.log_level == "DEBUG":
+            raise
+        if _is_main_rank() or not _same_on_every_rank(exc):
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: never exit with a code that means something else
+        from simpletuner.exit_codes import report_internal_error
+
+        signals = RunSignals.installed()
+        if (
+            signals is not None and signals.signum is not None
+        ):  # a signal came first (e.g. the sibling ranks it stopped broke a collective)
+            name = signal.Signals(signals.signum).name
+            print(f"stopped by {name} during {signals.received_in}: then {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 128 + signals.signum
+        if _peer_stopped(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                "stopped: another process of this run stopped or failed first, so this one cannot go on (that "
+                f"process's message says why): {first}",
+                file=sys.stderr,
+            )
+            return 1
+        return report_internal_error(exc, "train")
+    return 0
+
+
+if __name__ == "__main__":
+    end_process(main())

@@ -35,8 +35,12 @@ def resolve_mixed_precision(requested: str, cuda: Any = torch.cuda) -> str:
 
 
 def run_dtype(config: TrainingConfig, cuda: Any = torch.cuda) -> torch.dtype:
-    """The torch dtype the run computes in: ``config.mixed_precision``'s, after the bf16 -> fp16 fallback
-    (:func:`resolve_mixed_precision`). Frozen LoRA bases and cached text embeddings are stored in it."""
+    """The torch dtype the run computes in: ``config.mixed_precision``'s, after the bf16 -> fp16 fallback on
+    ``cuda``'s GPU (:func:`resolve_mixed_precision`); ``cuda=None``: the dtype asked for, on a GPU with bf16
+    (the memory estimate, made for a target GPU rather than this machine's). Frozen LoRA bases and cached
+    text embeddings are stored in it."""
+    if cuda is None:
+        return PRECISION_DTYPES[config.mixed_precision]
     return PRECISION_DTYPES[resolve_mixed_precision(config.mixed_precision, cuda)]
 
 

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from simpletuner.caching import ShardedTensorStore, TensorCache
 from simpletuner.configuration import ConfigError, validate_config
-from simpletuner.precision import resolve_mixed_precision
+from simpletuner.memory.estimator import build_meta_denoiser
+from simpletuner.precision import resolve_mixed_precision, run_dtype
 from simpletuner.state import StateTracker
 from simpletuner.training import knobs, metrics
 from simpletuner.training.trainer import Trainer
@@ -50,6 +51,25 @@ def test_bf16_falls_back_to_fp16_where_unsupported(caplog):
     assert resolve_mixed_precision("bf16", FakeCuda(bf16=True)) == "bf16"
     assert resolve_mixed_precision("bf16", FakeCuda(available=False)) == "bf16"  # CPU autocast has bf16
     assert resolve_mixed_precision("no", FakeCuda(bf16=False)) == "no"
+
+
+def test_run_dtype_is_the_one_mapping_with_the_fallback_and_the_estimate_asks_for_none(
+    make_config, caplog, monkeypatch
+):
+    config = validate_config(make_config(mixed_precision="bf16"))
+    assert run_dtype(config, FakeCuda(bf16=False)) == torch.float16  # the trainer's and `cache`'s dtype
+    assert run_dtype(config, FakeCuda(bf16=True)) == torch.bfloat16
+    caplog.clear()
+    assert run_dtype(config, cuda=None) == torch.bfloat16  # the estimate: the target GPU's, this one unasked
+    assert not caplog.records
+    # the estimator never asks this machine's GPU: a V100 here does not turn an estimate's bf16 into fp16
+    v100 = FakeCuda(bf16=False)
+    for name in ("is_available", "is_bf16_supported", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, getattr(v100, name))
+    assert run_dtype(config) == torch.float16  # what the trainer would now take on this machine
+    caplog.clear()
+    assert build_meta_denoiser(config).dtype == torch.bfloat16
+    assert not [r for r in caplog.records if "not supported" in r.getMessage()]
 
 
 @pytest.mark.parametrize("enabled", [True, False])

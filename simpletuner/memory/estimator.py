@@ -157,7 +157,7 @@ def build_meta_denoiser(config: "TrainingConfig") -> nn.Module:
     from simpletuner.models import get_model_spec
 
     spec = get_model_spec(config)
-    weight_dtype = run_dtype(config)
+    weight_dtype = run_dtype(config, cuda=None)  # cuda=None: for the target GPU, not this machine's
     path = str(Path(config.pretrained_model_name_or_path).expanduser())
     if spec.model_index is None:  # a clear error when the folder is not there
         raise ValueError(
@@ -225,7 +225,7 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
         latents, conditioning = get_model_spec(config).batch_shapes(batch_size)
     except NotImplementedError:
         raise ValueError(f"no batch shapes for model_family {config.model_family!r}") from None
-    text_dtype = run_dtype(config)
+    text_dtype = run_dtype(config, cuda=None)
     return TensorShape(tuple(latents), torch.float32), {
         k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()
     }
@@ -252,7 +252,7 @@ def run_fake_step(
         conditioning = {k: torch.empty(s.shape, dtype=s.dtype, device=device) for k, s in cond_shapes.items()}
         mode = make_mode(model, [latents, *conditioning.values()])
         precision = (
-            autocast_forward(model, device.type, run_dtype(config))
+            autocast_forward(model, device.type, run_dtype(config, cuda=None))
             if config.mixed_precision != "no"
             else nullcontext(model)
         )
@@ -398,7 +398,7 @@ def estimate_memory(
     latents, conditioning = batch_shapes(config, batch_size)
     batch_data = latents.nbytes + sum(s.nbytes for s in conditioning.values())
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    base_dtype = run_dtype(config) if config.training_type == "lora" else torch.float32
+    base_dtype = run_dtype(config, cuda=None) if config.training_type == "lora" else torch.float32
     num_parameters, num_trainable = sum(p.numel() for p in params), sum(p.numel() for p in trainable)
     trainable_dtype = trainable[0].dtype
     activations, backward_peak = trace_activations(config, batch_size, model)  # makes `model` fake

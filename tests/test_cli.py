@@ -47,7 +47,7 @@ def test_other_commands_leave_unknown_arguments_to_simpletuner(capsys):
 
 def test_help_loads_only_the_command_asked_for():
     """`simpletuner --help`, `train --help` and `estimate --help` stay quick: no torch, no other command's
-    module (estimate's work, in memory.estimate_command, is imported only when it runs)."""
+    module (estimate's work, in cli.estimate_run, is imported only when it runs)."""
     probe = (
         "import sys\n"
         "from simpletuner.cli import main\n"

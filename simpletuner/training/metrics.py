@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from simpletuner.hardware import gpus
 from simpletuner.hardware.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -113,10 +114,11 @@ class ThroughputWindow:
             "data_wait_share": self.waited / elapsed,
         }
         if self.flops_per_sample:
-            achieved = self.flops_per_sample * self.samples / elapsed / 1e12
-            figures["tflops"] = achieved
-            if self.peak_tflops:
-                figures["mfu"] = achieved / self.peak_tflops
+            flops = self.flops_per_sample * self.samples
+            figures["tflops"] = gpus.achieved_tflops(flops, elapsed) or 0.0  # elapsed > 0: never None
+            utilisation = gpus.mfu(flops, elapsed, self.peak_tflops)
+            if utilisation is not None:
+                figures["mfu"] = utilisation
         if self.cuda is not None and self.cuda.is_available():
             figures["peak_memory_gib"] = self.cuda.max_memory_allocated() / 2**30
             self.cuda.reset_peak_memory_stats()

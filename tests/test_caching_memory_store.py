@@ -150,7 +150,9 @@ def test_next_run_loads_from_disk_instead_of_encoding(tmp_path, hints_on, kind):
 @pytest.mark.parametrize("text_type", ["disk", "memory", "unified_memory"])
 def test_open_caches_store_classes_and_registered_folders(tmp_path, fake_runtime, vae_type, text_type, persistent):
     state = StateTracker(config=None)
-    vae, text = open_caches(tmp_path, "sd", state, vae_type=vae_type, text_type=text_type, persistent=persistent)
+    vae, text = open_caches(
+        tmp_path, "sd", state.register_cache_dir, vae_type=vae_type, text_type=text_type, persistent=persistent
+    )
     folders = {"vae": tmp_path / "sd" / "vae", "text": tmp_path / "sd" / "text"}
     expected_on_disk = set()
     for name, cache, kind in (("vae", vae, vae_type), ("text", text, text_type)):
@@ -179,7 +181,7 @@ def test_open_caches_store_classes_and_registered_folders(tmp_path, fake_runtime
 def test_open_caches_rejects_unknown_types(tmp_path, vae_type, text_type, bad):
     state = StateTracker(config=None)
     with pytest.raises(ValueError) as error:
-        open_caches(tmp_path, "sd", state, vae_type=vae_type, text_type=text_type)
+        open_caches(tmp_path, "sd", state.register_cache_dir, vae_type=vae_type, text_type=text_type)
     message = str(error.value)
     assert repr(bad) in message and "disk, memory, unified_memory" in message
     assert state.cache_dirs == []

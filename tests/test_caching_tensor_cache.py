@@ -126,7 +126,7 @@ def test_get_batch_rejects_mismatched_entries(tmp_path):
 
 def test_open_caches_registers_folders(tmp_path):
     state = StateTracker(config=None)
-    vae_cache, text_cache = open_caches(tmp_path, "sd15-tiny", state=state)
+    vae_cache, text_cache = open_caches(tmp_path, "sd15-tiny", record_cache_dir=state.register_cache_dir)
     assert vae_cache.store.root == tmp_path / "sd15-tiny" / "vae"
     assert text_cache.store.root == tmp_path / "sd15-tiny" / "text"
     assert state.cache_dirs == sorted([tmp_path / "sd15-tiny" / "text", tmp_path / "sd15-tiny" / "vae"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal
 
 from simpletuner.caching.base import TensorStore
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
@@ -15,9 +15,6 @@ from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
 from simpletuner.caching.tensor_cache import TensorCache
 from simpletuner.gh200.uvm import cache_type_in_use, prefetch_to_device, stack_unified, to_unified
-
-if TYPE_CHECKING:
-    from simpletuner.state import StateTracker
 
 CACHE_TYPES = ("disk", "memory", "unified_memory")
 #: Where a unified-memory cache's entries prefer to reside.
@@ -72,7 +69,7 @@ def open_tensor_cache(
 def open_caches(
     cache_dir: str | os.PathLike[str],
     model_tag: str,
-    state: "StateTracker | None" = None,
+    record_cache_dir: Callable[[Path], None] | None = None,
     vae_type: str = "disk",
     text_type: str = "disk",
     persistent: bool = True,
@@ -80,10 +77,10 @@ def open_caches(
 ) -> tuple[TensorCache, TensorCache]:
     """Open the ``(vae_cache, text_cache)`` pair of a model in ``cache_dir/model_tag/{vae,text}``.
 
-    Both folders are registered with ``state.register_cache_dir`` when a state is given. ``vae_type`` /
-    ``text_type``: ``disk``, ``memory`` or ``unified_memory`` (see :func:`cache_type_in_use`); memory stores are
-    written through to disk when ``persistent`` (one disk format for both). ``verify``: check each needed
-    entry's checksum when filling (:class:`TensorCache`).
+    Each folder that holds files is passed to ``record_cache_dir`` (e.g. ``StateTracker.register_cache_dir``).
+    ``vae_type`` / ``text_type``: ``disk``, ``memory`` or ``unified_memory`` (see :func:`cache_type_in_use`);
+    memory stores are written through to disk when ``persistent`` (one disk format for both). ``verify``:
+    check each needed entry's checksum when filling (:class:`TensorCache`).
 
     Raises:
         ValueError: ``model_tag`` is not a plain folder name (letters, digits, ``._-``), or an unknown cache type.
@@ -98,8 +95,8 @@ def open_caches(
     vae_dir, text_dir = base / VAE_CACHE_NAME, base / TEXT_CACHE_NAME
     vae_cache = TensorCache(_open_store(vae_dir, vae_type, "vae", persistent, "cpu"), "vae", verify=verify)
     text_cache = TensorCache(_open_store(text_dir, text_type, "text", persistent, "gpu"), "text", verify=verify)
-    if state is not None:
+    if record_cache_dir is not None:
         for folder, kind in ((vae_dir, vae_type), (text_dir, text_type)):
             if kind == "disk" or persistent:
-                state.register_cache_dir(folder)
+                record_cache_dir(folder)
     return vae_cache, text_cache

@@ -24,54 +24,49 @@ from simpletuner.memory.report import compute_estimate
 
 # --- presets ---------------------------------------------------------------------------------------
 def _presets(args) -> int:
+    """``--list-presets``, ``--preset NAME`` (explained), ``--preset NAME --config CFG`` (compared; ``--apply``)."""
     directory = args.presets_dir or P.PRESETS_DIR
     if args.list_presets:
-        found = P.load_presets(directory)
-        if args.json:
-            _print_json(
-                [
-                    {
-                        "name": p.name,
-                        "hardware": p.hardware,
-                        "model_family": p.model_family,
-                        "workload": p.workload,
-                        "description": p.description,
-                        "gpu": p.gpu,
-                        "gpu_memory_gb": p.gpu_memory_gb,
-                    }
-                    for p in found
-                ]
-            )
-            return 0
-        width = max((len(p.name) for p in found), default=0) + 2
-        for p in found:
-            print(f"{p.name:<{width}}{p.hardware}")
-            print(f"{'':<{width}}made for: {p.workload} (model_family {p.model_family})")
-        print(f"\n`simpletuner estimate --preset NAME` explains one; presets live in {directory}")
-        return 0
+        return _list_presets(args, directory)
     preset = P.load_preset(args.preset, directory)
     if not args.config:
         if args.apply:
             raise ValueError(f"--preset {preset.name} --apply writes the preset into a config: add --config CFG.json")
-        if args.json:
-            _print_json(
-                {
-                    "name": preset.name,
-                    "hardware": preset.hardware,
-                    "model_family": preset.model_family,
-                    "workload": preset.workload,
-                    "description": preset.description,
-                    "gpu": preset.gpu,
-                    "gpu_memory_gb": preset.gpu_memory_gb,
-                    "settings": preset.settings,
-                    "why": preset.why,
-                }
-            )
-        else:
-            print("\n".join(P.explain_preset(preset)))
-        return 0
+        return _explain_preset(args, preset)
     if args.apply:
         return _apply_preset(args, preset)
+    return _compare_with_preset(args, preset)
+
+
+def _preset_facts(preset) -> dict[str, Any]:
+    """What ``--json`` says of a preset, listed or explained."""
+    keys = ("name", "hardware", "model_family", "workload", "description", "gpu", "gpu_memory_gb")
+    return {key: getattr(preset, key) for key in keys}
+
+
+def _list_presets(args, directory) -> int:
+    found = P.load_presets(directory)
+    if args.json:
+        _print_json([_preset_facts(p) for p in found])
+        return 0
+    width = max((len(p.name) for p in found), default=0) + 2
+    for p in found:
+        print(f"{p.name:<{width}}{p.hardware}")
+        print(f"{'':<{width}}made for: {p.workload} (model_family {p.model_family})")
+    print(f"\n`simpletuner estimate --preset NAME` explains one; presets live in {directory}")
+    return 0
+
+
+def _explain_preset(args, preset) -> int:
+    if args.json:
+        _print_json({**_preset_facts(preset), "settings": preset.settings, "why": preset.why})
+    else:
+        print("\n".join(P.explain_preset(preset)))
+    return 0
+
+
+def _compare_with_preset(args, preset) -> int:
+    """How the config differs from the preset, and whether the preset is made for its model family."""
     loaded = load_config(args.config, args.overrides, check_files=False)
     differences = P.compare_with_preset(preset, loaded.config, loaded.raw)
     try:
@@ -80,36 +75,37 @@ def _presets(args) -> int:
     except ValueError as exc:
         fit_note = str(exc)
     if args.json:
+        rows = [
+            {
+                "key": d.key,
+                "config": d.config_value,
+                "preset": d.preset_value,
+                "config_is_default": d.is_default,
+                "same": d.is_same,
+                "why": preset.why[d.key],
+            }
+            for d in differences
+        ]
         _print_json(
             {
                 "preset": preset.name,
                 "model_family": preset.model_family,
                 "workload": preset.workload,
                 "fits_model_family": fit_note is None,
-                "differences": [
-                    {
-                        "key": d.key,
-                        "config": d.config_value,
-                        "preset": d.preset_value,
-                        "config_is_default": d.is_default,
-                        "same": d.is_same,
-                        "why": preset.why[d.key],
-                    }
-                    for d in differences
-                ],
+                "differences": rows,
             }
         )
+        return 0
+    lines = P.describe_comparison(preset, differences, args.config)
+    if fit_note:
+        lines += ["", f"note: {fit_note}"]
     else:
-        lines = P.describe_comparison(preset, differences, args.config)
-        if fit_note:
-            lines += ["", f"note: {fit_note}"]
-        else:
-            lines += [
-                "",
-                f"  write the preset's values for the keys the config does not set: simpletuner estimate "
-                f"--preset {preset.name} --config {args.config} --apply",
-            ]
-        print("\n".join(lines))
+        lines += [
+            "",
+            f"  write the preset's values for the keys the config does not set: simpletuner estimate "
+            f"--preset {preset.name} --config {args.config} --apply",
+        ]
+    print("\n".join(lines))
     return 0
 
 

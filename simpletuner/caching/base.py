@@ -10,11 +10,14 @@ batch (into managed memory for a unified-memory cache); without it batches are `
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from simpletuner.caching.integrity import VerifyReport
+
+#: Called with each cache folder a run writes to disk (``StateTracker.register_cache_dir``).
+RecordCacheDir = Callable[[Path], None]
 
 
 @runtime_checkable

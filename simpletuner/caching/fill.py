@@ -16,9 +16,10 @@ from typing import Any, Callable, cast
 
 import torch
 
+from simpletuner.caching.base import RecordCacheDir
 from simpletuner.caching.encoders import CacheEncoders, LazyEncoders, PairedPromptEncoder, StepMarker, no_step
 from simpletuner.caching.keys import PairedCaption, TextId
-from simpletuner.caching.plan import CachePlan, RecordCacheDir
+from simpletuner.caching.plan import CachePlan
 from simpletuner.caching.reencode import PixelLoader, Reencoder, batch_group, encode_loaded
 from simpletuner.caching.routing import merge_fill_reports
 from simpletuner.caching.share import FillShare

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
-from simpletuner.caching.base import TensorStore
+from simpletuner.caching.base import RecordCacheDir, TensorStore
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
 from simpletuner.caching.memory_store import MemoryTensorStore
 from simpletuner.caching.store import ShardedTensorStore
@@ -69,7 +69,7 @@ def open_tensor_cache(
 def open_caches(
     cache_dir: str | os.PathLike[str],
     model_tag: str,
-    record_cache_dir: Callable[[Path], None] | None = None,
+    record_cache_dir: RecordCacheDir | None = None,
     vae_type: str = "disk",
     text_type: str = "disk",
     persistent: bool = True,

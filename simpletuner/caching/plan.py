@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
+from simpletuner.caching.base import RecordCacheDir
 from simpletuner.caching.encoders import CacheEncoders
 from simpletuner.caching.keys import cache_keys
 from simpletuner.caching.layout import cache_base, epoch_folder
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
 logger = logging.getLogger(__name__)
-
-#: Called with each cache folder the run writes to disk (``StateTracker.register_cache_dir``).
-RecordCacheDir = Callable[[Path], None]
 
 
 def cache_mode(config: TrainingConfig) -> str:

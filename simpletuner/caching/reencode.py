@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import torch
 from PIL import Image
 
+from simpletuner.caching.base import RecordCacheDir
 from simpletuner.caching.encoders import CacheEncoders
 from simpletuner.caching.keys import epoch_latent_key
 from simpletuner.caching.layout import cache_base, epoch_folder
@@ -273,7 +274,7 @@ class Reencoder:
         loader: PixelLoader,
         datasets: list[RegisteredDataset],
         cache_dir: Path,
-        record_cache_dir: Callable[[Path], None] | None,
+        record_cache_dir: RecordCacheDir | None,
         image_identity: str,
         mode: str,
         batch_size: int,

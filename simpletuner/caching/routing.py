@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
+from simpletuner.caching.base import RecordCacheDir
 from simpletuner.caching.keys import CacheKeys
 from simpletuner.caching.layout import TEXT_CACHE_NAME, VAE_CACHE_NAME, cache_base
 from simpletuner.caching.opening import Residency, open_tensor_cache
@@ -103,7 +104,7 @@ def open_folder_cache(
     kind: str,
     name: str,
     persistent: bool,
-    record_cache_dir: Callable[[Path], None] | None = None,
+    record_cache_dir: RecordCacheDir | None = None,
     verify: bool = True,
 ) -> TensorCache:
     """A :class:`TensorCache` in ``folder`` (``name``: ``vae`` keeps entries in CPU memory, ``text`` prefers

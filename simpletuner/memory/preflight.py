@@ -20,7 +20,7 @@ import torch
 
 from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.advice import VALIDATION_MODELS, format_bytes
-from simpletuner.memory.autoconfig import EstimateCache, _module_bytes
+from simpletuner.memory.autoconfig import EstimateCache, component_bytes
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -105,7 +105,7 @@ def host_estimate(
         model = sum(
             b
             for name, dtype in parts.items()
-            if (root / name).is_dir() and (b := _module_bytes(root, name, dtype)) is not None
+            if (root / name).is_dir() and (b := component_bytes(root, name, dtype)) is not None
         )
         if model:
             est.host["models (weights)"] = model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 
@@ -73,9 +74,28 @@ def test_train_with_bad_config_exits_2_and_lists_problems(tmp_path, capsys, make
 
 
 def test_zoo_writes_a_loadable_pipeline(tmp_path):
+    """Quiet, and paying only for what it uses: the zoo quiets the model libraries as the trainer does (torchao is
+    not imported, so its failed kernel loads are not printed), and write_demo over a folder that already has its
+    model imports no torch."""
     from diffusers import StableDiffusionPipeline
 
-    assert main(["zoo", "--family", "sd", "--out", str(tmp_path / "m")]) == 0
+    demo = tmp_path / "demo"
+    (demo / "model").mkdir(parents=True)
+    (demo / "model" / "model_index.json").write_text("{}")  # write_demo keeps a model that is there
+    probe = (
+        "import json, sys\n"
+        "from simpletuner.cli import main\n"
+        "from simpletuner.cli.demo import write_demo\n"
+        f"write_demo({str(demo)!r})\n"
+        "demo_torch = 'torch' in sys.modules\n"
+        f"code = main(['zoo', '--family', 'sd', '--out', {str(tmp_path / 'm')!r}])\n"
+        "print(json.dumps([demo_torch, code, 'torchao' in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [False, 0, False]
+    assert "torchao" not in done.stderr
+    assert (demo / "config.json").is_file() and len(list((demo / "data").glob("*.png"))) == 24
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "m", safety_checker=None)
     assert pipe.tokenizer.model_max_length == 77
 

@@ -299,3 +299,42 @@ def test_estimate_uses_the_precision_train_would_use_and_says_where_it_came_from
     assert (
         "says 'no' but the environment variable ACCELERATE_MIXED_PRECISION=bf16 says 'bf16'" in capsys.readouterr().err
     )
+
+
+def test_estimate_imports_only_what_it_uses(cfg_file, tmp_path):
+    """Presets and a refused config are answered by the configuration layer alone (no torch, no model library);
+    an estimate builds the denoiser from its config, so its weights are never read (here they are not weights at
+    all), and neither a pipeline, the trainer nor torchao is imported."""
+    import shutil
+    import subprocess
+    import sys
+
+    raw = json.loads(cfg_file.read_text())
+    model = tmp_path / "model"
+    shutil.copytree(raw["pretrained_model_name_or_path"], model)
+    (model / "unet" / "diffusion_pytorch_model.safetensors").write_bytes(b"not weights")
+    good, bad = tmp_path / "estimate.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({**raw, "pretrained_model_name_or_path": str(model)}))
+    bad.write_text(json.dumps({**raw, "resolution": "large"}))
+    probe = (
+        "import json, sys\n"
+        "from simpletuner.cli import main\n"
+        "loaded = lambda *names: sorted(n for n in names if n in sys.modules)\n"
+        f"good, bad = {str(good)!r}, {str(bad)!r}\n"
+        "codes = [main(['estimate', '--list-presets']), main(['estimate', '--preset', 'discrete_24gb']),\n"
+        "         main(['estimate', '--preset', 'discrete_24gb', '--config', good]),\n"
+        "         main(['estimate', '--config', bad])]\n"
+        "before = loaded('torch', 'diffusers', 'transformers', 'simpletuner.hardware.runtime')\n"
+        "codes.append(main(['estimate', '--config', good, '--gpu', 'h100']))\n"
+        "after = loaded('torchao', 'simpletuner.training.trainer')\n"
+        "after += sorted(m for m in sys.modules if m.startswith('diffusers.pipelines.'))\n"
+        "print(json.dumps({'codes': codes, 'before': before, 'after': after}))\n"
+    )
+    env = {**os.environ, "SIMPLETUNER_ESTIMATE_CACHE": "off"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["codes"] == [0, 0, 0, 2, 0], done.stderr
+    assert "resolution" in done.stderr  # the refusal names the bad key
+    assert result["before"] == [], "presets and a refused config need no torch, hardware probe or model library"
+    assert result["after"] == []

@@ -1,6 +1,10 @@
 """What ``simpletuner estimate`` does once its options are parsed (:mod:`simpletuner.cli.estimate`
 declares them and keeps ``estimate --help`` free of torch): presets, the estimate and auto-config
-(computed, then rendered, by :mod:`simpletuner.memory.report`), and ``--profile`` (:mod:`simpletuner.cli.profile`)."""
+(computed, then rendered, by :mod:`simpletuner.memory.report`), and ``--profile`` (:mod:`simpletuner.cli.profile`).
+
+Presets and a refused config need the configuration layer only: torch, the hardware probe and the model
+libraries are imported in :func:`_estimate`, once the flags are checked and the config is read.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from simpletuner.cli.profile import NeedsGPU, ProfileOutOfMemory, profile_training
 from simpletuner.configuration import ConfigError, load_config, validate_config
 from simpletuner.configuration.alloc_conf import ALLOC_CONF_VAR, check_alloc_conf
 from simpletuner.exit_codes import BAD_INPUT, DOES_NOT_FIT
 from simpletuner.memory import presets as P
 from simpletuner.memory.apply import ApplyError, apply_updates, check_writable, describe_changes
-from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN, DoesNotFit
-from simpletuner.memory.report import compute_estimate
+from simpletuner.memory.estimated_config import read_estimated_config
 
 
 # --- presets ---------------------------------------------------------------------------------------
@@ -168,40 +168,58 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
-def _check_options(args) -> float:
-    """The option combinations ``estimate --config`` refuses (ValueError, NeedsGPU); the safety margin."""
+def _check_options(args) -> float | None:
+    """The option combinations ``estimate --config`` refuses (ValueError); the safety margin asked for (None:
+    the default)."""
     if args.apply and args.overrides:
         raise ValueError(
             "--apply writes the plan into the config file, and --set changes would not be written: "
             "put them in the file first"
         )
-    if args.profile:
-        if not torch.cuda.is_available():
-            raise NeedsGPU(
-                "--profile runs real training steps and needs a CUDA GPU; there is none on this machine. "
-                "The estimate alone works anywhere: drop --profile"
-            )
-        if args.target_effective_batch is not None or args.apply:
-            raise ValueError(
-                "--profile measures the config as it is; run auto-config (--target-effective-batch / "
-                "--apply) separately"
-            )
-    margin = DEFAULT_SAFETY_MARGIN if args.safety_margin is None else args.safety_margin
-    if not 0 < margin <= 1:
-        raise ValueError(f"--safety-margin must be in (0, 1], got {margin:g}")
+    if args.profile and (args.target_effective_batch is not None or args.apply):
+        raise ValueError(
+            "--profile measures the config as it is; run auto-config (--target-effective-batch / --apply) separately"
+        )
+    if args.safety_margin is not None and not 0 < args.safety_margin <= 1:
+        raise ValueError(f"--safety-margin must be in (0, 1], got {args.safety_margin:g}")
     if args.num_processes < 1:
         raise ValueError(f"--num-processes must be >= 1, got {args.num_processes}")
     if args.apply:
         check_writable(Path(args.config))  # before minutes of estimating, not after
-    return margin
+    return args.safety_margin
 
 
 def _estimate(args) -> int:
-    """``estimate --config``: compute the report, then print it as text or JSON."""
-    report = compute_estimate(args, _check_options(args))
-    if args.profile:  # real training steps, measured against the estimate
-        assert report.estimate is not None, "--profile refuses auto-config: the report holds the config's estimate"
-        report.profile = profile_training(args.config, args.overrides, report.estimate.breakdown, args.profile_steps)
+    """``estimate --config``: check the flags, read the config, compute the report, then print it as text or
+    JSON. 1 when it does not fit (or ``--profile`` ran out of memory); 2 for ``--profile`` without a GPU."""
+    margin = _check_options(args)
+    estimated = read_estimated_config(args.config, args.overrides)
+    # Imported once the config is known good: torch, the hardware probe, and (on a miss in the estimate
+    # cache) the model libraries.
+    import torch
+
+    from simpletuner.cli.profile import NeedsGPU, ProfileOutOfMemory, profile_training
+    from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN, DoesNotFit
+    from simpletuner.memory.report import compute_estimate
+
+    try:
+        if args.profile and not torch.cuda.is_available():
+            raise NeedsGPU(
+                "--profile runs real training steps and needs a CUDA GPU; there is none on this machine. "
+                "The estimate alone works anywhere: drop --profile"
+            )
+        report = compute_estimate(args, DEFAULT_SAFETY_MARGIN if margin is None else margin, estimated)
+        if args.profile:  # real training steps, measured against the estimate
+            assert report.estimate is not None, "--profile refuses auto-config: the report holds the config's estimate"
+            report.profile = profile_training(
+                args.config, args.overrides, report.estimate.breakdown, args.profile_steps
+            )
+    except (DoesNotFit, ProfileOutOfMemory) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return DOES_NOT_FIT
+    except NeedsGPU as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT
     if args.json:
         _print_json(report.as_dict())
     else:
@@ -248,13 +266,10 @@ def run_estimate(args) -> int:
         if not args.config:
             raise ValueError("give --config CFG.json (or --preset NAME / --list-presets)")
         return _estimate(args)
-    except (DoesNotFit, ProfileOutOfMemory) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return DOES_NOT_FIT
     except BadEnvironment as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)
         return BAD_INPUT
-    except (ConfigError, ApplyError, NeedsGPU, ValueError) as exc:
+    except (ConfigError, ApplyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT

@@ -9,15 +9,12 @@ says which machine an estimate is judged against.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from simpletuner.configuration import load_config, validate_config
-from simpletuner.configuration.launcher import resolve_launcher_settings
-from simpletuner.configuration.loader import read_raw_config
+from simpletuner.configuration import validate_config
 from simpletuner.hardware import machine as hardware
 from simpletuner.memory import managed_plan
 from simpletuner.memory.advice import does_not_fit_advice, format_bytes
@@ -33,6 +30,7 @@ from simpletuner.memory.estimator import GiB
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.memory.estimated_config import EstimatedConfig
 
 
 def _gib(nbytes: int | None) -> str:
@@ -183,23 +181,6 @@ def _plan_lines(plan, config, mode: str | None = None) -> list[str]:
         f"{filled}); estimated GiB: {tried} ({made:.1f} s)"
     )
     return lines
-
-
-def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, list[str]]:
-    """The precision a training run of this config would use, as ``train`` decides it without a
-    launcher (the config, else ACCELERATE_MIXED_PRECISION), a line saying so, and the ``--set``
-    items that bring the environment's launcher settings in. A launch line is not known here, so
-    a config that leaves the precision to it is estimated as fp32, and the line says how to ask."""
-    raw = read_raw_config(config_path, overrides)
-    launch = resolve_launcher_settings(raw, os.environ, None, config_source=str(config_path))
-    setting = launch.settings.get("mixed_precision")
-    if setting is not None:
-        return f"precision: {setting.value} ({setting.source})", launch.overrides
-    return (
-        "precision: no (fp32): the config leaves mixed_precision to the launch, and estimate cannot see a "
-        "launch line; a launch asking for bf16 (`accelerate launch --mixed_precision bf16`, or the GH200 "
-        "Accelerate config) trains in bf16: estimate that with --set mixed_precision=bf16"
-    ), launch.overrides
 
 
 @dataclass(frozen=True)
@@ -396,16 +377,16 @@ def _other_mode_line(report: EstimateReport, table) -> str:
     )
 
 
-def compute_estimate(args, margin: float) -> EstimateReport:
-    """``simpletuner estimate --config`` (parsed ``args``, checked): estimate the config as it is, or
+def compute_estimate(args, margin: float, estimated: EstimatedConfig) -> EstimateReport:
+    """``simpletuner estimate --config`` (parsed ``args``, checked; ``estimated``: the config read by
+    :func:`~simpletuner.memory.estimated_config.read_estimated_config`): estimate the config as it is, or
     with ``--target-effective-batch`` / ``--apply`` plan the largest micro-batch that fits under
     ``margin`` of the GPU's usable memory (and write it)."""
     auto = args.target_effective_batch is not None or args.apply
-    precision_line, launch_overrides = _precision_in_force(args.config, args.overrides)
-    loaded = load_config(args.config, [*args.overrides, *launch_overrides], check_files=False)
+    loaded = estimated.loaded
     config = loaded.config
     machine = resolve_machine(args.gpu, args.gpu_memory)
-    machine.lines.append(precision_line)
+    machine.lines.append(estimated.precision_line)
     usable = machine.usable_bytes
     report = EstimateReport(str(args.config), config, machine, margin)
     estimates = EstimateCache(config, args.num_processes)

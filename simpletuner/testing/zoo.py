@@ -10,12 +10,19 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
 if TYPE_CHECKING:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorKwargs
 
 logger = logging.getLogger(__name__)
+
+
+def _quiet_model_libraries() -> None:
+    """Quiet the model libraries as the trainer does, before the first one loads (no torchao: its probes say
+    it is absent); each function that loads one calls this first, so importing the zoo stays light."""
+    from simpletuner.models.library_probes import quiet_model_libraries
+
+    quiet_model_libraries()
+
 
 #: Resolution and bucket alignment the tiny SD model is built for (VAE /8, UNet /2).
 TINY_SD_RESOLUTION = 64
@@ -24,6 +31,7 @@ TINY_SD_ALIGNMENT = 16
 
 def tiny_clip_tokenizer(max_length: int = 77):
     """A byte-level CLIP tokenizer built in memory: every byte is a token, no merges, no files."""
+    _quiet_model_libraries()
     from tokenizers import pre_tokenizers
     from transformers import CLIPTokenizer
 
@@ -86,6 +94,7 @@ def _save(pipe, out: Path, label: str) -> Path:
 
 def save_sd_pipeline(out: Path, unet, vae, text_encoder, tokenizer, prediction_type: str = "epsilon") -> Path:
     """Save an SD 1.x pipeline folder of these parts with SD 1.5's DDPM schedule (no safety checker)."""
+    _quiet_model_libraries()
     from diffusers import DDPMScheduler, StableDiffusionPipeline
 
     scheduler = DDPMScheduler(
@@ -104,6 +113,8 @@ def save_sd_pipeline(out: Path, unet, vae, text_encoder, tokenizer, prediction_t
 
 def write_tiny_sd(out_dir: str | Path, prediction_type: str = "epsilon", seed: int = 0) -> Path:
     """Write a tiny SD 1.x-style pipeline (UNet, VAE, CLIP text encoder, tokenizer, DDPM scheduler)."""
+    _quiet_model_libraries()
+    import torch
     from transformers import CLIPTextModel
 
     if prediction_type not in ("epsilon", "v_prediction"):
@@ -148,6 +159,8 @@ def write_tiny_sdxl(out_dir: str | Path, prediction_type: str = "epsilon", seed:
     their penultimate hidden states) and its added-embedding input is six time ids times
     ``addition_time_embed_dim`` plus the second encoder's projection (the pooled embedding).
     """
+    _quiet_model_libraries()
+    import torch
     from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -198,6 +211,7 @@ TINY_SD3_LATENT_CHANNELS = 16
 def tiny_t5_tokenizer():
     """A unigram T5 tokenizer built in memory: lowercase letters, digits and punctuation, each also
     as a word-initial piece; ``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2, no sentinel tokens, no files."""
+    _quiet_model_libraries()
     import string
 
     from transformers import T5Tokenizer
@@ -234,6 +248,8 @@ def write_tiny_sd3(out_dir: str | Path, seed: int = 0, with_t5: bool = True) -> 
     encoder (``with_t5=False``: none, ``model_index.json`` names it null, as SD3 without T5) and
     a FlowMatchEulerDiscreteScheduler with SD3's shift 3.0.
     """
+    _quiet_model_libraries()
+    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
@@ -293,6 +309,7 @@ def write_tiny_wan(out_dir: str | Path, seed: int = 0, boundary_ratio: float | N
     With ``boundary_ratio`` it is a Wan 2.2 A14B-style pipeline: a second expert ``transformer_2``
     (same architecture, its own random weights) for timesteps below ``boundary_ratio * 1000``.
     """
+    _quiet_model_libraries()
     from diffusers import WanPipeline
 
     out = Path(out_dir)
@@ -327,6 +344,7 @@ WAN22_I2V_BOUNDARY_RATIO = 0.9
 
 def _tiny_wan_text(seed: int):
     """The tiny T5 tokenizer and UMT5 encoder of the tiny Wan pipelines (seeded)."""
+    import torch
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
@@ -396,6 +414,7 @@ def write_tiny_wan22_i2v(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny Wan 2.2 I2V A14B-style pipeline (``WanImageToVideoPipeline``, no image encoder):
     two experts whose input is ``z + 4 + z`` channels (noisy latents, the first-frame mask, the
     condition latents) and output ``z``, the tiny Wan VAE, boundary 0.9 as the real folder."""
+    _quiet_model_libraries()
     from diffusers import WanImageToVideoPipeline
 
     out = Path(out_dir)
@@ -418,6 +437,7 @@ def write_tiny_wan22_i2v(out_dir: str | Path, seed: int = 0) -> Path:
 def write_tiny_wan22_ti2v(out_dir: str | Path, seed: int = 0) -> Path:
     """Write a tiny Wan 2.2 TI2V-5B-style pipeline (``WanPipeline`` with ``expand_timesteps``): one
     transformer, and a Wan 2.2-style VAE (residual, 2x2 patchified input, /16 spatially)."""
+    _quiet_model_libraries()
     from diffusers import WanPipeline
 
     out = Path(out_dir)
@@ -449,6 +469,8 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
     Flux's shift and scaling factors, a CLIPTextModel, a T5 encoder and a
     FlowMatchEulerDiscreteScheduler configured as Flux dev's (``dynamic_shift=False``: static shift 3.0).
     """
+    _quiet_model_libraries()
+    import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
@@ -512,6 +534,7 @@ def tiny_qwen_tokenizer(words: str = _QWEN_TEMPLATE_WORDS):
     """A byte-level BPE Qwen2 tokenizer built in memory: every byte is a token, plus merges that make
     each of ``words`` (space-separated; by default the Qwen-Image template's) one token, alone and after
     a space (as in Qwen2.5-VL's own vocabulary), and the chat / vision special tokens; no files."""
+    _quiet_model_libraries()
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -542,6 +565,7 @@ def _tiny_qwen_parts(tokenizer, seed: int) -> dict:
     by the caller) and a ``seed`` generator: a two-layer Qwen2_5_VLForConditionalGeneration on
     ``tokenizer`` (with a one-block vision tower), the AutoencoderKLQwenImage, the one-block
     QwenImageTransformer2DModel and Qwen-Image's scheduler. Keyed by the pipelines' component names."""
+    import torch
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -612,6 +636,8 @@ def write_tiny_qwen_image(out_dir: str | Path, seed: int = 0) -> Path:
     (with a one-block vision tower: the class needs one), the tokenizer of
     :func:`tiny_qwen_tokenizer` and a FlowMatchEulerDiscreteScheduler configured as Qwen-Image's
     (dynamic exponential shift, base 0.5 at 256 tokens to max 0.9 at 8192)."""
+    _quiet_model_libraries()
+    import torch
     from diffusers import QwenImagePipeline
 
     out = Path(out_dir)
@@ -648,8 +674,10 @@ def write_tiny_qwen_image_edit(out_dir: str | Path, seed: int = 0) -> Path:
     The processor folder is written from its two parts and named ``["transformers", "Qwen2VLProcessor"]``
     in ``model_index.json``: transformers 5 cannot build a Qwen2VLProcessor without torchvision (its
     video processor needs it), so the pipeline is saved without one and the entry set afterwards."""
+    _quiet_model_libraries()
     import json
 
+    import torch
     from diffusers import QwenImageEditPipeline
     from transformers import Qwen2VLImageProcessorPil
 

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "precision",
         "ranks",
         "resources",
+        "startup",
     ),
     ("configuration",),
     # What machine this is (host and device facts) and the CUDA runtime that reaches the device.

@@ -161,6 +161,36 @@ def test_trainer_logs_throughput_flops_and_a_repeatable_eval_loss(make_config, c
     assert sum("FLOPs per sample" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_flops_are_counted_once_per_model_adapter_and_shape_and_read_by_later_launches(
+    make_config, tmp_path, monkeypatch
+):
+    counted = []
+    count = metrics.flops_per_sample
+    monkeypatch.setattr(metrics, "flops_per_sample", lambda *a, **k: counted.append(1) or count(*a, **k))
+
+    def setup(**config):
+        raw = make_config(output_dir=str(tmp_path / f"out{len(counted)}-{config}"), **config)
+        trainer = Trainer(StateTracker(validate_config(raw), raw))
+        trainer.setup()
+        return trainer.flops_per_sample
+
+    first = setup()
+    assert counted == [1] and first > 0
+    # another learning rate, schedule and step count: the same pass, read from the cache folder (another seed
+    # may draw a micro-batch of another bucket, whose shape is keyed)
+    assert setup(learning_rate=1e-3, lr_warmup_steps=3, max_train_steps=9) == first and counted == [1]
+    kept = tmp_path / "cache" / metrics.FLOPS_FILE
+    assert kept.is_file() and list(orjson.loads(kept.read_bytes()).values()) == [first]
+    rank = validate_config(make_config()).lora_rank
+    other = setup(lora_rank=rank * 2)  # another adapter: counted again, with more FLOPs
+    assert counted == [1, 1] and other > first
+    assert setup(train_batch_size=1) == pytest.approx(first) and len(counted) == 3  # another shape: counted
+    # a cache folder where the file cannot be written or read: counted each time, the run goes on
+    kept.unlink()
+    kept.mkdir()
+    assert setup(lora_rank=2) > 0 and setup(lora_rank=2) > 0 and len(counted) == 5
+
+
 def _mfu_run(make_config, tmp_path, name, hardware=None, peak_tflops=None, **config):
     raw = make_config(max_train_steps=2, logging_steps=1, output_dir=str(tmp_path / name), **config)
     trainer = Trainer(StateTracker(validate_config(raw), raw), hardware=hardware, peak_tflops=peak_tflops)

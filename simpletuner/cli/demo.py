@@ -12,6 +12,7 @@ import orjson
 from PIL import Image, ImageDraw, ImageFont
 
 from simpletuner.cli.arguments import add_log_level_argument
+from simpletuner.cli.train import main as train_main  # light: torch comes once training starts
 from simpletuner.testing.zoo import TINY_SD_ALIGNMENT, TINY_SD_RESOLUTION, write_tiny_model
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
@@ -216,7 +217,6 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: write_demo (tests, benchmarks) needs neither torch nor the trainer's start.
     import torch
 
-    from simpletuner.cli.train import main as train_main
     from simpletuner.training.cpu_threads import settle_cpu_threads
 
     # The tiny model is built here, before the trainer decides (and logs) the thread count: on a busy

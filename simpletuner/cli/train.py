@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from simpletuner.cli.arguments import add_config_arguments, add_log_level_argument
+from simpletuner.startup import StartupTimeline, quiet_gc_while_importing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,21 +125,29 @@ def run_training(
     preset: str | None = None,
     overwrite: bool = False,
     resume_command: str | None = None,
+    timeline: StartupTimeline | None = None,
 ):
-    """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult."""
+    """Load the config, build the run's StateTracker and Trainer, train. Returns the TrainResult.
+
+    ``timeline``: the start-up timeline :func:`_main` began (else one begins here); the config and the
+    imports are marked on it, and the trainer goes on with it and logs it after the first step."""
     from simpletuner.state import StateTracker
     from simpletuner.training.runlog import configure_logging
 
+    timeline = startup_timeline() if timeline is None else timeline
     configure_logging(log_level)
     loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
+    timeline.mark("config")
     # Only now torch and the model libraries (seconds to import): a config error is answered without them.
-    from simpletuner.training.trainer import Trainer
+    with quiet_gc_while_importing():
+        from simpletuner.training.trainer import Trainer
+    timeline.mark("imports")
 
     state = StateTracker(loaded.config, loaded.raw)
     state.setting_sources = sources
     state.startup_notes = preset_notes
     state.resume_command = resume_command
-    trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite)
+    trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite, startup=timeline)
     if not _is_single_process():
         _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
     return trainer.train()
@@ -248,9 +257,22 @@ def _same_on_every_rank(exc: Exception) -> bool:
     return isinstance(exc, (ConfigError, ResumeRefused, RunFolderTaken))
 
 
+def startup_timeline() -> StartupTimeline:
+    """A start-up timeline counting from this process's start, and from the launcher's where ``accelerate
+    launch`` started this process (found in ``/proc``, as the launch settings are)."""
+    timeline = StartupTimeline(since_process_start=True)  # before the lookup's imports: they count as "config"
+    from simpletuner.configuration.launcher import find_launcher
+
+    launcher = find_launcher()
+    if launcher is not None:
+        timeline.launched_by(launcher[0])
+    return timeline
+
+
 def _main(args: argparse.Namespace) -> int:
     import signal
 
+    timeline = startup_timeline()
     # No torch here: a config error is reported before it is imported (run_training imports it after the check).
     from simpletuner.configuration import ConfigError
     from simpletuner.diskspace import NoSpace
@@ -266,6 +288,7 @@ def _main(args: argparse.Namespace) -> int:
             preset=args.preset,
             overwrite=args.overwrite,
             resume_command=args.resume_command,
+            timeline=timeline,
         )
     except NoSpace as exc:  # a full disk (exit 5): the message says how much, where, and what is free
         if _is_main_rank() or not exc.agreed:  # an agreed one is rank 0's, raised on every rank: printed once

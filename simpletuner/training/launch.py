@@ -1,12 +1,11 @@
 """Launch checks and start-up helpers of a run: the process count Accelerate joined against what
 the launcher promised, every rank holding the same config and seeing one output_dir, the Accelerator's
-construction, and a clock for the start-up phases. (Values shared between ranks: :mod:`simpletuner.ranks`;
+construction. (The start-up phases: :mod:`simpletuner.startup`; values shared between ranks: :mod:`simpletuner.ranks`;
 Accelerate's process-wide precision state is reset by :func:`simpletuner.precision.reset_accelerate_state`.)"""
 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import orjson
@@ -91,19 +90,6 @@ def check_launch_matches(num_processes: int, env, launch_args="auto") -> None:
                 "its config file) on a machine with fewer than two GPUs, so each machine would train the whole run on "
                 "its own. Add --multi_gpu to the `accelerate launch` of every machine (also with one GPU per machine)."
             )
-
-
-class PhaseClock:
-    """Seconds spent in each named phase of start-up."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = now - self._last
-        self._last = now
 
 
 class ConfigMismatch(ConfigError):

@@ -8,13 +8,17 @@ description), so the CPU tests drive the CUDA branches with a fake.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+import orjson
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -207,3 +211,81 @@ def flops_per_sample(loss_fn, model: torch.nn.Module, num_samples: int, accelera
     model.zero_grad(set_to_none=True)
     assert count.total is not None  # set as count_flops' block ends
     return count.total / num_samples
+
+
+#: The file in ``cache_config.cache_dir`` that keeps counted FLOPs per sample by :func:`flops_key`.
+FLOPS_FILE = "flops_per_sample.json"
+#: Config keys that cannot change the counted pass (one forward + backward of the prepared denoiser on one
+#: micro-batch, whose shapes are keyed apart): bookkeeping, optimizer, schedule, data and validation settings.
+_NOT_IN_THE_PASS = (
+    "adam_",
+    "cache_config",
+    "caption_dropout_probability",
+    "checkpoint",
+    "data_backend_config",
+    "dataloader_",
+    "datasets",
+    "ema_",
+    "eval_",
+    "grad_clip_method",
+    "gradient_accumulation_steps",
+    "high_noise_l",
+    "learning_rate",
+    "logging_steps",
+    "low_noise_l",
+    "lr_",
+    "max_",
+    "min_lr",
+    "nonfinite_policy",
+    "num_",
+    "optimizer",
+    "output_dir",
+    "prodigy_steps",
+    "report_to",
+    "resume_from_checkpoint",
+    "seed",
+    "tracker_project_name",
+    "use_ema",
+    "validation_",
+    "weight_decay",
+)
+
+
+def flops_key(spec_name: str, model: torch.nn.Module, shapes: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    """What FLOPs per sample depend on, hashed: the ModelSpec, the prepared denoiser's parameters (names, shapes,
+    which train: the architecture and the adapter), the micro-batch's tensor shapes, the config keys that may
+    touch the pass, and the library versions that run it."""
+    import diffusers
+
+    params = [(name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()]
+    settings = {k: v for k, v in config.items() if not k.startswith(_NOT_IN_THE_PASS)}
+    material = [spec_name, params, dict(shapes), settings, torch.__version__, diffusers.__version__]
+    return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:32]
+
+
+def remembered_flops(folder: Path, key: str) -> float | None:
+    """FLOPs per sample counted before for ``key`` in ``folder`` (None: not counted, or unreadable)."""
+    try:
+        value = orjson.loads((folder / FLOPS_FILE).read_bytes()).get(key)
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def remember_flops(folder: Path, key: str, per_sample: float) -> None:
+    """Keep ``per_sample`` for ``key`` in ``folder`` (written whole, by replace); a folder that cannot be
+    written (a read-only cache) only means counting again next time."""
+    path = folder / FLOPS_FILE
+    try:
+        known = orjson.loads(path.read_bytes()) if path.is_file() else {}
+    except (OSError, orjson.JSONDecodeError):
+        known = {}
+    known = {**(known if isinstance(known, dict) else {}), key: per_sample}
+    tmp = path.with_name(f".{FLOPS_FILE}.{os.getpid()}.tmp")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(orjson.dumps(known))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        logger.debug("FLOPs per sample not kept in %s (%s): they are counted again next time", path, exc)

@@ -154,14 +154,15 @@ class RunLog:
         self._attach(self._file)
         self._metrics = open(Path(output_dir) / METRICS_FILE, "ab")
 
-    def write_metrics(self, step: int, figures: Mapping[str, float]) -> None:
-        """Append one logging window to ``metrics.jsonl``: step, the figures, a Unix timestamp.
+    def write_metrics(self, step: int, figures: Mapping[str, float], extra: Mapping[str, object] | None = None) -> None:
+        """Append one logging window to ``metrics.jsonl``: step, the figures, ``extra`` (e.g. the start-up
+        timeline, in a launch's first window), a Unix timestamp.
 
         Non-finite numbers are written as null, so every line stays valid JSON.
         """
         if self._metrics is None:
             return
-        line = {"step": step, **figures, "time": round(time.time(), 3)}
+        line = {"step": step, **figures, **(extra or {}), "time": round(time.time(), 3)}
         self._metrics.write(orjson.dumps(line) + b"\n")
         self._metrics.flush()
 

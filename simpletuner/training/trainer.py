@@ -18,10 +18,10 @@ from simpletuner.data_backend import BucketSampler, build_datasets
 from simpletuner.gh200.managed_memory import allocator_settings, place_weights, stop_managed_memory
 from simpletuner.gh200.wiring import configure_runtime
 from simpletuner.hardware.machine import detect_hardware
-from simpletuner.memory.oom import explain_out_of_memory
 from simpletuner.memory.preflight import check_run_memory
 from simpletuner.models import get_model_spec
 from simpletuner.precision import PRECISION_DTYPES, reset_accelerate_state, resolve_mixed_precision
+from simpletuner.startup import INTERPRETER, StartupTimeline
 from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import knobs, metrics, run_folder, runlog, sharded_state
@@ -29,7 +29,7 @@ from simpletuner.training.accumulation import AccumulationPolicy, build_accumula
 from simpletuner.training.batches import Batch, CachedData, CaptionDropout, free_memory
 from simpletuner.training.cpu_threads import CpuThreads, settle_cpu_threads
 from simpletuner.training.ema import EMA
-from simpletuner.training.launch import PhaseClock, check_launch, check_shared_output_dir, make_accelerator
+from simpletuner.training.launch import check_launch, check_shared_output_dir, make_accelerator
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.progress import NonFinitePolicy, Progress, StepOutcome, TrainResult, describe_window
 from simpletuner.training.reliability import (
@@ -42,7 +42,6 @@ from simpletuner.training.reliability import (
 )
 from simpletuner.training.rng import noise_generator
 from simpletuner.training.run_identity import denoiser_fingerprint, run_identity
-from simpletuner.training.validation import EvalLoss, Validator
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -54,6 +53,7 @@ if TYPE_CHECKING:
     from simpletuner.gh200.managed_memory import ManagedMemoryPlan
     from simpletuner.gh200.wiring import RuntimeDecisions
     from simpletuner.models.spec import ModelSpec
+    from simpletuner.training.validation import EvalLoss, Validator
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +106,19 @@ class Trainer:
     _setup_locks: ExitStack | None = None  # setup() without train(): its locks, released with the trainer
 
     def __init__(
-        self, state: StateTracker, *, hardware=None, peak_tflops: float | None = None, overwrite: bool = False
+        self,
+        state: StateTracker,
+        *,
+        hardware=None,
+        peak_tflops: float | None = None,
+        overwrite: bool = False,
+        startup: StartupTimeline | None = None,
     ):
         """``hardware`` (a ``simpletuner.hardware.machine.HardwareInfo``) replaces the detected GPU for
         MFU; ``peak_tflops`` (``--peak-tflops``) replaces the GPU table's peak; ``overwrite``
-        (``--overwrite``) removes an earlier run's results from ``output_dir`` instead of refusing."""
+        (``--overwrite``) removes an earlier run's results from ``output_dir`` instead of refusing;
+        ``startup``: the timeline ``simpletuner train`` began (process start, config, imports), which
+        setup and the first step go on with (without one, a timeline starts at setup)."""
         self.state = state  # the run's record: config, datasets, runtime decisions, cache folders, locks
         self.config: TrainingConfig = state.config
         self.output_dir = Path(self.config.output_dir).expanduser()
@@ -123,6 +131,8 @@ class Trainer:
         self.validation_images: list[Path] = []
         self._preempt: RunSignals | None = None  # while the step loop runs: its signal is read at each step
         self._pending: list[torch.Tensor] = []  # window losses since the last log line
+        self.startup = startup  # until the first step is reported; then None
+        self._startup_figures: dict[str, object] | None = None  # the timeline, for the launch's first window
 
     # --- setup: the builders, in order ---------------------------------------------------
     def setup(self, locks: ExitStack | None = None) -> int | None:
@@ -131,7 +141,9 @@ class Trainer:
         freed). Returns the step of a resumed run that is already finished (nothing else is built), else None."""
         if locks is None:
             locks = self._setup_locks = ExitStack()
-        clock = PhaseClock()
+        if self.startup is None:
+            self.startup = StartupTimeline()
+        clock, before = self.startup, set(self.startup.phases)
         self._setup_process()
         finished = self._claim_run(locks)
         if finished is not None:  # resumed a run already at its last step: nothing to build
@@ -145,6 +157,7 @@ class Trainer:
         denoiser = self._setup_model(self.runtime.managed_memory)
         clock.mark("model")
         self.total_steps = self._setup_sampling(datasets, denoiser)
+        clock.mark("sampling")
         self._setup_optimizer(denoiser, self.total_steps)
         clock.mark("optimizer")
         if self.config.resume_from_checkpoint:
@@ -152,8 +165,8 @@ class Trainer:
             clock.mark("resume")
             # num_train_epochs: the length is known only now
             finished = run_folder.finished_step(self.output_dir, self.config.resume_from_checkpoint, self.total_steps)
-        self.startup_seconds = clock.phases
-        logger.info("start-up: %s", ", ".join(f"{k} {v:.2f}s" for k, v in clock.phases.items()))
+        self.startup_seconds = {k: v for k, v in clock.phases.items() if k not in before}  # setup's own phases
+        logger.info("start-up: %s", clock.line())
         return finished
 
     def _setup_process(self) -> None:
@@ -249,6 +262,8 @@ class Trainer:
         self.data = CachedData.of(filled, CaptionDropout(cfg.seed, cfg.caption_dropout_probability))
         self.validator = None
         if cfg.validation_prompt_list and acc.is_main_process:
+            from simpletuner.training.validation import Validator  # only runs with validation prompts import it
+
             self.validator = Validator(spec, cfg, encoders, self.output_dir, datasets)
         del encoders
         free_memory()  # the encoders the validator does not keep
@@ -277,7 +292,11 @@ class Trainer:
         self.sampler = BucketSampler(
             samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed, weights=weights
         )
-        self.evaluator = EvalLoss(self.spec, self.data, samples, cfg, acc) if cfg.eval_steps else None
+        self.evaluator = None
+        if cfg.eval_steps:
+            from simpletuner.training.validation import EvalLoss
+
+            self.evaluator = EvalLoss(self.spec, self.data, samples, cfg, acc)
         self.flops_per_sample = self._flops_per_sample(denoiser, samples)  # before DDP wraps it (see there)
         if cfg.max_train_steps is not None:
             return cfg.max_train_steps
@@ -324,9 +343,10 @@ class Trainer:
 
     def _flops_per_sample(self, model: torch.nn.Module, samples: list[Sample]) -> float | None:
         """Forward + backward FLOPs per sample, counted once on a throwaway micro-batch (counting a
-        real step would perturb it: see metrics.flops_per_sample). It runs before DDP wraps the
-        model: a backward DDP sees (even under no_sync) marks the parameters it reached as used
-        for the first real all-reduce, which with find_unused_parameters fails on a Wan 2.2
+        real step would perturb it: see metrics.flops_per_sample) and kept in the cache folder by what
+        they depend on (metrics.flops_key), so a later launch of the same model and shapes reads them.
+        It runs before DDP wraps the model: a backward DDP sees (even under no_sync) marks the parameters it
+        reached as used for the first real all-reduce, which with find_unused_parameters fails on a Wan 2.2
         expert that step does not reach. Skipped under torch.compile, which the counter would disturb.
         """
         cfg, acc = self.config, self.accelerator
@@ -334,12 +354,26 @@ class Trainer:
             return None
         sampler = BucketSampler(samples, cfg.train_batch_size, acc.num_processes, acc.process_index, cfg.seed + 2)
         batch = self.data.batch(next(iter(sampler)), acc.device)
+        shapes = {"latents": batch.latents.shape, **{k: v.shape for k, v in batch.conditioning.items()}}
+        key = metrics.flops_key(type(self.spec).__qualname__, model, shapes, cfg.model_dump(mode="json"))
+        folder = Path(cfg.cache_config.cache_dir).expanduser()
+        per_sample = metrics.remembered_flops(folder, key)
+        if per_sample is not None:
+            logger.info(
+                "%.3g FLOPs per sample (forward + backward), counted before for this model, adapter and batch "
+                "shape (%s)",
+                per_sample,
+                folder / metrics.FLOPS_FILE,
+            )
+            return per_sample
         per_sample = metrics.flops_per_sample(
             lambda m, gen: self.spec.training_loss(m, batch.latents, batch.conditioning, gen),
             model,
             batch.num_samples,
             acc,
         )
+        if acc.is_main_process:
+            metrics.remember_flops(folder, key, per_sample)
         logger.info("%.3g FLOPs per sample (forward + backward)", per_sample)
         return per_sample
 
@@ -487,6 +521,8 @@ class Trainer:
         """Free what the failed step held and explain what would fit (nothing is saved)."""
         self.optimizer.zero_grad(set_to_none=True)
         free_memory()
+        from simpletuner.memory.oom import explain_out_of_memory  # the memory planner: only after an OOM
+
         return OutOfMemory(explain_out_of_memory(self.config, exc, num_processes=self.accelerator.num_processes))
 
     # --- the loop ------------------------------------------------------------------------
@@ -512,6 +548,8 @@ class Trainer:
             if self.progress.global_step == 0 and self.config.validation_prompt_list:
                 run_phase("first_validation")
                 self._validate()
+                if self.startup is not None:
+                    self.startup.mark("first_validation")
             batches = self.data.iterate(self.sampler, acc.device)
             bar = tqdm(
                 total=self.total_steps,
@@ -554,6 +592,8 @@ class Trainer:
     def _after_step(self, outcome: StepOutcome, bar, meter: metrics.ThroughputWindow) -> None:
         """What the cadence asks for after optimizer step ``progress.global_step``."""
         step = self.progress.global_step
+        if self.startup is not None:
+            self._report_startup()
         self._pending.append(outcome.loss)
         meter.step_done(outcome.num_samples)
         bar.update(1)
@@ -563,6 +603,16 @@ class Trainer:
             self.save_checkpoint()
         if self._should_validate(step):
             self._validate()
+
+    def _report_startup(self) -> None:
+        """After this launch's first optimizer step: the start-up timeline in training.log, and in the launch's
+        first logging window of metrics.jsonl."""
+        assert self.startup is not None
+        timeline, self.startup = self.startup, None
+        timeline.mark("first_step")
+        origin = "the command" if INTERPRETER in timeline.phases else "setup"
+        logger.info("first step done %.2fs after %s: %s", timeline.total, origin, timeline.line())
+        self._startup_figures = {"startup_s": timeline.record(), "to_first_step_s": round(timeline.total, 3)}
 
     # --- cadence -------------------------------------------------------------------------
     def _should_log(self, step: int) -> bool:
@@ -599,7 +649,8 @@ class Trainer:
         self.last_logs = logs
         bar.set_postfix(metrics.progress_postfix(logs))
         acc.log(logs, step=step)
-        self.run_log.write_metrics(step, logs)
+        self.run_log.write_metrics(step, logs, self._startup_figures)
+        self._startup_figures = None
         logger.info("step %d/%d %s", step, self.total_steps, metrics.log_line(logs))
         self._pending = []
 

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from simpletuner.training.optimizers import Automagic, automagic_param_groups
+from simpletuner.training.optimizers.automagic import Automagic, automagic_param_groups
 
 # Bounds on which the expected lrs are plain decimals: lr0 + bump hits max, lr0 - bump hits min.
 MIN_LR, LR0, MAX_LR, BUMP = 0.01, 0.02, 0.03, 0.01

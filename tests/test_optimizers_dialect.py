@@ -13,7 +13,8 @@ import torch
 
 from simpletuner.configuration import ConfigError, validate_config
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
-from simpletuner.training.optimizers import AdamWBF16, prodigy_class
+from simpletuner.training.optimizers.adamw_bf16 import AdamWBF16
+from simpletuner.training.optimizers.prodigy import prodigy_class
 
 prodigyopt = pytest.importorskip("prodigyopt", reason="the prodigy extra is not installed")
 

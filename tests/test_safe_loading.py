@@ -40,7 +40,11 @@ NO_WEIGHTS_SUFFIXES = ("Tokenizer", "TokenizerFast", "Scheduler", "Config", "Pro
 #: Weight-loading entry points that must pass ``use_safetensors=True``.
 WEIGHT_LOADERS = {"from_pretrained", "load_lora_weights", "load_attn_procs", "from_single_file"}
 #: Files that may call ``importlib.import_module`` (the argument is built from a constant table).
-IMPORT_MODULE_ALLOWED = {"simpletuner/gh200/__init__.py", "simpletuner/cli/__init__.py"}
+IMPORT_MODULE_ALLOWED = {
+    "simpletuner/gh200/__init__.py",
+    "simpletuner/cli/__init__.py",
+    "simpletuner/models/__init__.py",
+}
 #: Files that may look a class up by a name read from a model folder (only through the allow-list).
 CLASS_LOOKUP_ALLOWED = {"simpletuner/models/spec.py"}
 #: Files that still do ``getattr(diffusers|transformers, name_from_model_index)`` directly. They
@@ -127,6 +131,15 @@ def test_no_pickle_eval_exec_or_dynamic_import():
 def test_the_lazy_gh200_import_only_takes_names_from_its_own_table():
     source = (PACKAGE / "gh200" / "__init__.py").read_text()
     assert "if name not in _EXPORTS" in source and "_EXPORTS[name]" in source
+
+
+def test_the_lazy_family_table_only_imports_its_own_model_modules():
+    import simpletuner.models as models
+
+    assert all(v.startswith("simpletuner.models.") for v in models._SPEC_CLASSES.values())
+    assert not hasattr(models, "os_system")  # a name outside the table is not looked up
+    with pytest.raises(KeyError):
+        models.MODEL_FAMILIES["os"]
 
 
 def test_trust_remote_code_and_custom_code_are_never_passed():

@@ -1,34 +1,91 @@
-"""Model families behind the ModelSpec contract (tiny random-weight ones to test with: simpletuner.testing.zoo)."""
+"""Model families behind the ModelSpec contract (tiny random-weight ones to test with: simpletuner.testing.zoo).
+
+A family's module is imported when its spec class is first looked up (``MODEL_FAMILIES[name]``,
+:func:`get_model_spec`, ``from simpletuner.models import FluxSpec``): a run imports its own family only.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
 from simpletuner.models.library_probes import quiet_model_libraries
 
 quiet_model_libraries()  # before any model library loads: no torchao unless a config quantises with it
 
-from simpletuner.models.flux import FluxSpec  # noqa: E402
-from simpletuner.models.qwen_image import QwenImageSpec  # noqa: E402
-from simpletuner.models.qwen_image_edit import QwenImageEditSpec  # noqa: E402
-from simpletuner.models.sd import StableDiffusionSpec  # noqa: E402
-from simpletuner.models.sd3 import StableDiffusion3Spec  # noqa: E402
-from simpletuner.models.sdxl import StableDiffusionXLSpec  # noqa: E402
-from simpletuner.models.spec import ModelSpec  # noqa: E402
-from simpletuner.models.wan import WanSpec, read_boundary_ratio  # noqa: E402
-from simpletuner.models.wan22 import Wan22Spec  # noqa: E402
-from simpletuner.models.wan22_i2v import Wan22I2VSpec  # noqa: E402
-from simpletuner.models.wan22_ti2v import Wan22TI2VSpec, expands_timesteps  # noqa: E402
-
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
+    from simpletuner.models.flux import FluxSpec
+    from simpletuner.models.qwen_image import QwenImageSpec
+    from simpletuner.models.qwen_image_edit import QwenImageEditSpec
+    from simpletuner.models.sd import StableDiffusionSpec
+    from simpletuner.models.sd3 import StableDiffusion3Spec
+    from simpletuner.models.sdxl import StableDiffusionXLSpec
+    from simpletuner.models.spec import ModelSpec
+    from simpletuner.models.wan import WanSpec
+    from simpletuner.models.wan22 import Wan22Spec
+    from simpletuner.models.wan22_i2v import Wan22I2VSpec
+    from simpletuner.models.wan22_ti2v import Wan22TI2VSpec
 
-#: Family name (the config's ``model_family``, keyed by each spec's own ``family``; a test keeps it equal to
-#: ``simpletuner.configuration.families.FAMILIES``) -> its ModelSpec class (the base of a family with variants).
-MODEL_FAMILIES: dict[str, type[ModelSpec]] = {
-    spec.family: spec
-    for spec in (StableDiffusionSpec, StableDiffusionXLSpec, StableDiffusion3Spec, FluxSpec, WanSpec, QwenImageSpec)
+#: Every spec class this package names, as "module:Class": imported on first lookup (see :func:`__getattr__`).
+_SPEC_CLASSES: dict[str, str] = {
+    "ModelSpec": "simpletuner.models.spec:ModelSpec",
+    "StableDiffusionSpec": "simpletuner.models.sd:StableDiffusionSpec",
+    "StableDiffusionXLSpec": "simpletuner.models.sdxl:StableDiffusionXLSpec",
+    "StableDiffusion3Spec": "simpletuner.models.sd3:StableDiffusion3Spec",
+    "FluxSpec": "simpletuner.models.flux:FluxSpec",
+    "WanSpec": "simpletuner.models.wan:WanSpec",
+    "Wan22Spec": "simpletuner.models.wan22:Wan22Spec",
+    "Wan22I2VSpec": "simpletuner.models.wan22_i2v:Wan22I2VSpec",
+    "Wan22TI2VSpec": "simpletuner.models.wan22_ti2v:Wan22TI2VSpec",
+    "QwenImageSpec": "simpletuner.models.qwen_image:QwenImageSpec",
+    "QwenImageEditSpec": "simpletuner.models.qwen_image_edit:QwenImageEditSpec",
 }
+
+#: Family name (the config's ``model_family``; a test keeps the keys equal to
+#: ``simpletuner.configuration.families.FAMILIES`` and each to its class's own ``family``) -> the name of its
+#: ModelSpec class (the base of a family with variants) in :data:`_SPEC_CLASSES`.
+_FAMILY_SPECS: dict[str, str] = {
+    "sd": "StableDiffusionSpec",
+    "sdxl": "StableDiffusionXLSpec",
+    "sd3": "StableDiffusion3Spec",
+    "flux": "FluxSpec",
+    "wan": "WanSpec",
+    "qwen_image": "QwenImageSpec",
+}
+
+
+def _spec_class(name: str) -> type[ModelSpec]:
+    """The spec class ``name`` (a key of :data:`_SPEC_CLASSES`), its module imported now if not yet."""
+    module, _, attr = _SPEC_CLASSES[name].partition(":")
+    cls: type[ModelSpec] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+class _FamilyTable(Mapping[str, "type[ModelSpec]"]):
+    """:data:`MODEL_FAMILIES`: the names cost nothing; a value imports its family's module."""
+
+    def __getitem__(self, family: str) -> type[ModelSpec]:
+        return _spec_class(_FAMILY_SPECS[family])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_FAMILY_SPECS)
+
+    def __len__(self) -> int:
+        return len(_FAMILY_SPECS)
+
+
+#: Family name -> its ModelSpec class (the base of a family with variants), read-only, in the order of
+#: ``simpletuner.configuration.families.FAMILIES``.
+MODEL_FAMILIES: Mapping[str, type[ModelSpec]] = _FamilyTable()
+
+
+def __getattr__(name: str) -> Any:
+    """``simpletuner.models.FluxSpec`` and the other spec classes, imported on first use (PEP 562)."""
+    if name in _SPEC_CLASSES:
+        return _spec_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _wan_variant(config: "TrainingConfig") -> type[ModelSpec]:
@@ -41,11 +98,13 @@ def _wan_variant(config: "TrainingConfig") -> type[ModelSpec]:
     from pathlib import Path
 
     from simpletuner.models.spec import read_model_index
+    from simpletuner.models.wan import read_boundary_ratio
+    from simpletuner.models.wan22_ti2v import expands_timesteps
 
     root = Path(config.pretrained_model_name_or_path).expanduser()
     index = read_model_index(root) if root.is_dir() else None
     if expands_timesteps(index):
-        return Wan22TI2VSpec
+        return _spec_class("Wan22TI2VSpec")
     if config.ti2v_first_frame:
         raise ValueError(
             f"ti2v_first_frame is set but {config.pretrained_model_name_or_path} is not a Wan 2.2 TI2V-5B folder "
@@ -60,8 +119,8 @@ def _wan_variant(config: "TrainingConfig") -> type[ModelSpec]:
                 "image encoder), which is not supported: use a Wan 2.2 I2V A14B folder (transformer and "
                 "transformer_2), Wan 2.2 TI2V-5B, or a text-to-video Wan folder"
             )
-        return WanSpec
-    return Wan22I2VSpec if i2v else Wan22Spec
+        return _spec_class("WanSpec")
+    return _spec_class("Wan22I2VSpec" if i2v else "Wan22Spec")
 
 
 def _qwen_image_variant(config: "TrainingConfig") -> type[ModelSpec]:
@@ -83,7 +142,7 @@ def _qwen_image_variant(config: "TrainingConfig") -> type[ModelSpec]:
             "Qwen-Image-Edit's. Point pretrained_model_name_or_path at a Qwen-Image-Edit folder "
             "(QwenImageEditPipeline, one source image per edit) or a Qwen-Image folder"
         )
-    return QwenImageEditSpec if name == "QwenImageEditPipeline" else QwenImageSpec
+    return _spec_class("QwenImageEditSpec" if name == "QwenImageEditPipeline" else "QwenImageSpec")
 
 
 #: Families with variants: family name -> the function choosing the class for a config's folder.

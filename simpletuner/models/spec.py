@@ -31,7 +31,7 @@ from simpletuner.configuration.families import FAMILY_LATENT_GRID
 from simpletuner.configuration.rules import alignment_problem
 from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
 from simpletuner.file_modes import ordinary_permissions
-from simpletuner.models.adapters import prepare_for_training, save_lycoris
+from simpletuner.models.adapters import prepare_for_training
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -473,6 +473,8 @@ class ModelSpec(abc.ABC):
         """Write the trained adapter: diffusers format for ``lora_type: standard``
         (:meth:`save_lora`), LyCORIS' own format for ``lycoris``."""
         if self.config.lora_type == "lycoris":
+            from simpletuner.models.adapters.lycoris import save_lycoris
+
             return save_lycoris(denoiser, Path(output_dir) / "pytorch_lora_weights.safetensors", self.config)
         return self.save_lora(output_dir, denoiser)
 

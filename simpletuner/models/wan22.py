@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from simpletuner.configuration import TrainingConfig
 from simpletuner.file_modes import ordinary_permissions
-from simpletuner.models.adapters import prepare_for_training, quantize_base, save_lycoris
+from simpletuner.models.adapters import prepare_for_training, quantize_base
 from simpletuner.models.spec import save_transformer_lora
 from simpletuner.models.wan import WanImageSampler, WanSpec, boundary_ratio_of
 
@@ -304,6 +304,8 @@ class Wan22Spec(WanSpec):
         ``lora_type: lycoris``; returns the first."""
         if self.config.lora_type != "lycoris":
             return self.save_lora(output_dir, denoiser)
+        from simpletuner.models.adapters.lycoris import save_lycoris
+
         paths = [
             save_lycoris(denoiser.expert(stage), Path(output_dir) / LORA_FILES[stage], self.config)
             for stage in self.stages

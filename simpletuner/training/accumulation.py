@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from simpletuner.gh200.ramp import GH200GradientRamp
-
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
 
@@ -56,6 +54,8 @@ def build_accumulation(config: "TrainingConfig", num_processes: int) -> Accumula
         )
     initial, target = opts.initial_effective_batch_size, opts.target_effective_batch_size
     assert initial is not None and target is not None  # the config rules require both with the ramp
+    from simpletuner.gh200.ramp import GH200GradientRamp  # only runs with the ramp import it
+
     return GH200GradientRamp(
         initial,
         target,

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from the config."""
+"""Optimizer and learning-rate schedule from the config (an optimizer of ours is imported when a config names it)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from simpletuner.configuration import TrainingConfig, schedules
 from simpletuner.configuration.optimizer_settings import SGD_DEFAULT_MOMENTUM
 from simpletuner.configuration.schedules import SIMPLETUNER_COSINE_DEFAULT_PERIOD
-from simpletuner.training.optimizers import AdamWBF16, Automagic, automagic_param_groups, prodigy_class
 
 #: Per-stage config keys (``{group}_{key}``) -> the optimizer group key they set.
 _STAGE_KEYS = {"learning_rate": "lr", "lr_bump": "lr_bump", "min_lr": "min_lr", "max_lr": "max_lr"}
@@ -35,6 +34,8 @@ def _param_groups(
     trainable = {name: [p for p in params if p.requires_grad] for name, params in named.items()}
     if list(trainable) == ["default"]:
         return trainable["default"]
+    from simpletuner.training.optimizers.automagic import automagic_param_groups
+
     groups = automagic_param_groups(trainable, stage_bounds(config))
     if config.optimizer != "automagic":  # only the learning rate applies to other optimizers
         groups = [{k: v for k, v in g.items() if k not in ("lr_bump", "min_lr", "max_lr")} for g in groups]
@@ -68,6 +69,8 @@ def build_optimizer(
             weight_decay=config.weight_decay,
         )
     if config.optimizer == "adamw_bf16":
+        from simpletuner.training.optimizers.adamw_bf16 import AdamWBF16
+
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
         return AdamWBF16(
             groups,
@@ -78,6 +81,8 @@ def build_optimizer(
             seed=config.seed,
         )
     if config.optimizer == "prodigy":
+        from simpletuner.training.optimizers.prodigy import prodigy_class
+
         # learning_rate multiplies Prodigy's estimated step size (about 1.0; a config rule checks it).
         # optimizer_config holds prodigyopt's other settings, checked at config time.
         return prodigy_class()(
@@ -95,6 +100,8 @@ def build_optimizer(
         assert isinstance(momentum, (int, float)), f"optimizer_config.momentum {momentum!r}"
         return torch.optim.SGD(groups, lr=config.learning_rate, momentum=momentum, weight_decay=config.weight_decay)
     if config.optimizer == "automagic":
+        from simpletuner.training.optimizers.automagic import Automagic
+
         # The same seed on every rank: data-parallel copies round their bf16 weights identically.
         return Automagic(
             groups,

@@ -1,6 +1,6 @@
 """The denoiser's training set-up, applied by the model specs: a frozen base (optionally quantised,
-``quantize.py``) under a peft LoRA (``peft_lora.py``) or a LyCORIS network (``lycoris.py``), or full
-training; gradient checkpointing; train mode.
+``quantize.py``) under a peft LoRA (``peft_lora.py``) or a LyCORIS network (``lycoris.py``, imported by
+LyCORIS runs only), or full training; gradient checkpointing; train mode.
 
 This is a model transformation, not loop code: ``models`` applies it, and ``training`` and ``memory``
 import it from here (the memory estimator runs :func:`prepare_for_training` on a meta-device model).
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from simpletuner.configuration import TrainingConfig
-from simpletuner.models.adapters.lycoris import apply_lycoris, load_lycoris, save_lycoris
 from simpletuner.models.adapters.peft_lora import add_peft_lora
 from simpletuner.models.adapters.quantize import (
     check_adapter_support,
@@ -53,6 +52,8 @@ def prepare_for_training(
         freeze_base(denoiser, weight_dtype)
         quantize_base(denoiser, config.base_model_precision, device)  # before the adapter wraps the layers
         if config.lora_type == "lycoris":
+            from simpletuner.models.adapters.lycoris import apply_lycoris  # only LyCORIS runs import it
+
             apply_lycoris(denoiser, targets, config)
         else:
             denoiser = add_peft_lora(denoiser, targets, config)
@@ -70,13 +71,10 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 __all__ = [
     "add_peft_lora",
-    "apply_lycoris",
     "freeze_base",
-    "load_lycoris",
     "parameter_bytes",
     "prepare_for_training",
     "quantize_base",
     "quantized_size",
-    "save_lycoris",
     "trainable_state",
 ]

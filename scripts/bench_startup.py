@@ -39,7 +39,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ARGS = ["--set", "max_train_steps=1", "--set", "validation_prompt=null", "--set", "checkpointing_steps=null"]
 FIRST_STEP_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .* step 1/\d+ ")
-STARTUP_LINE = re.compile(r"simpletuner\.training\.trainer: start-up: (.*)$")
+STARTUP_LINE = re.compile(r"simpletuner\.training\.trainer: start-up: (.*)$", re.M)
 
 
 def default_baseline() -> str:

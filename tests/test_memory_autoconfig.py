@@ -15,8 +15,8 @@ from simpletuner.memory.autoconfig import (
     largest_fitting,
     micro_batch_candidates,
     plan_batch,
-    validation_model_bytes,
 )
+from simpletuner.memory.components import validation_model_bytes
 from simpletuner.memory.estimator import GiB, MemoryBreakdown
 
 MiB = 1 << 20

@@ -1,6 +1,6 @@
 """The weights' bytes the pre-flight check counts come from the safetensors headers, with no model class imported.
 
-``component_bytes`` (simpletuner/memory/autoconfig.py) must agree with a model built on ``meta`` from the same
+``component_bytes`` (simpletuner/memory/components.py) must agree with a model built on ``meta`` from the same
 folder up to the buffers the file does not hold, pick the files the loader reads (a sharded index, never a
 variant), and fall back to the meta build only where there are no safetensors weights.
 """
@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from simpletuner.memory.autoconfig import component_bytes
+from simpletuner.memory.components import component_bytes
 from simpletuner.models.spec import read_model_index, resolve_component_class
 
 

@@ -62,6 +62,8 @@ NOT_NEEDED = {
     "simpletuner.training.offload": "no validation (low_vram offloads the validation models)",
     # the memory planner: only an out-of-memory error asks it what would fit
     "simpletuner.memory.oom": "no OOM",
+    "simpletuner.memory.autoconfig": "a CPU run: no GPU estimate (the pre-flight reads weight sizes from headers)",
+    "simpletuner.memory.estimate_store": "a CPU run: no GPU estimate",
     # model families not in use: model_family is sd
     "simpletuner.models.sdxl": "model_family sd",
     "simpletuner.models.sd3": "model_family sd",

@@ -8,8 +8,6 @@ documentation/MEMORY.md, "Auto-config".
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from simpletuner.memory.advice import (
     format_bytes,
     suggest_switches,
 )
+from simpletuner.memory.components import validation_model_bytes
 from simpletuner.memory.estimator import MemoryBreakdown, estimate_memory
 
 if TYPE_CHECKING:
@@ -45,93 +44,12 @@ class DoesNotFit(ValueError):
 
 
 # --- what the run holds besides the denoiser ----------------------------------------------------
-#: The non-variant safetensors weights ``from_pretrained(subfolder=..., use_safetensors=True)`` reads, in the
-#: order each library looks for them (diffusers: an index first; transformers: the single file first).
-_WEIGHT_FILES = {
-    "diffusers": ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
-    "transformers": ("model.safetensors", "model.safetensors.index.json"),
-}
-
-
-def component_bytes(model_root: Path, component: str, dtype) -> int | None:
-    """Bytes of one pipeline component's weights at ``dtype``; None when unknown (not in ``model_index.json``).
-
-    Read from the headers of the safetensors files the loader would read (:data:`_WEIGHT_FILES`): every
-    stored tensor's element count times ``dtype``'s item size, with no model class imported. Unlike the
-    meta build it replaces, non-persistent buffers (not in the file: position ids, rotary tables) are not
-    counted, and persistent buffers count at ``dtype``. A component without such files (pickle weights
-    only, configs only) or with an unreadable header falls back to :func:`_meta_module_bytes`.
-    """
-    from simpletuner.models.spec import read_model_index
-
-    try:
-        library, _ = (read_model_index(model_root) or {})[component]
-        names = _WEIGHT_FILES[library]
-    except (OSError, KeyError, ValueError, TypeError):
-        return None
-    folder = model_root / component
-    found = next((folder / n for n in names if (folder / n).is_file()), None)
-    numel = _stored_numel(found) if found is not None else None
-    return _meta_module_bytes(model_root, component, dtype) if numel is None else numel * dtype.itemsize
-
-
-def _stored_numel(weights: Path) -> int | None:
-    """Elements of every tensor in a safetensors file, or in the files a ``*.safetensors.index.json`` maps;
-    None when a header or the index cannot be read."""
-    from simpletuner.caching.integrity import BadShard, read_header
-
-    try:
-        if weights.name.endswith(".index.json"):
-            index = json.loads(weights.read_text(encoding="utf-8"))
-            files = sorted({weights.parent / name for name in index["weight_map"].values()})
-        else:
-            files = [weights]
-        return sum(math.prod(t["shape"]) for f in files for t in read_header(f).tensors.values())
-    except (OSError, BadShard, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def _meta_module_bytes(model_root: Path, component: str, dtype) -> int | None:
-    """Bytes of one pipeline component built on ``meta`` from its config (parameters at ``dtype``, buffers at
-    their own); None when unknown. Imports the component's class: the fallback of :func:`component_bytes`."""
-    import torch
-    import transformers
-
-    from simpletuner.models.spec import read_model_index, resolve_component_class  # diffusers: load on use
-
-    try:
-        library, class_name = (read_model_index(model_root) or {})[component]
-        resolved = resolve_component_class(library, class_name, "model")
-    except (OSError, KeyError, ValueError, TypeError):
-        return None
-    cls: Any = resolved  # a ModelMixin / PreTrainedModel subclass, checked by resolve_component_class
-    with torch.device("meta"):
-        if library == "diffusers":
-            model = cls.from_config(cls.load_config(str(model_root), subfolder=component))
-        else:
-            model = cls(transformers.AutoConfig.from_pretrained(str(model_root / component)))
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize + sum(b.nbytes for b in model.buffers())
-
-
-def validation_model_bytes(config: "TrainingConfig") -> int | None:
-    """The VAE (fp32) and text encoder (autocast dtype) the trainer keeps on the GPU for validation
-    images; 0 without validation prompts (they are released after caching), None when unknown."""
-    import torch
-
-    if not config.validation_prompt_list:
-        return 0
-    root = Path(config.pretrained_model_name_or_path).expanduser()
-    dtype = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mixed_precision]
-    vae, text = component_bytes(root, "vae", torch.float32), component_bytes(root, "text_encoder", dtype)
-    return None if vae is None or text is None else vae + text
-
-
 def extra_bytes(
     config: "TrainingConfig", breakdown: MemoryBreakdown, num_processes: int = 1, validation_bytes: int | None = None
 ) -> dict[str, int]:
     """What the run keeps on each GPU beside the denoiser's breakdown, by name (zero rows left out).
 
-    ``validation models``: see :func:`validation_model_bytes` (pass it to avoid rebuilding); with
+    ``validation models``: see :func:`.components.validation_model_bytes` (pass it to avoid rebuilding); with
     ``low_vram`` only what exceeds the activations they replace on the GPU while sampling.
     ``DDP gradient buckets``: with several processes, DistributedDataParallel copies gradients
     into buckets for the all-reduce (Accelerate's default ``gradient_as_bucket_view=False``):
@@ -655,7 +573,6 @@ __all__ = [
     "EstimateCache",
     "Plan",
     "RampTarget",
-    "component_bytes",
     "current_effective_batch",
     "divisors",
     "extra_bytes",
@@ -664,5 +581,4 @@ __all__ = [
     "plan_batch",
     "scan_data_cap",
     "suggest_switches",
-    "validation_model_bytes",
 ]

@@ -20,7 +20,7 @@ import torch
 
 from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.advice import VALIDATION_MODELS, format_bytes
-from simpletuner.memory.autoconfig import EstimateCache, component_bytes
+from simpletuner.memory.components import component_bytes
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -122,6 +122,8 @@ def device_estimate(config: "TrainingConfig", num_processes: int = 1) -> dict[st
     With ``managed_memory: frozen_weights`` the frozen weights and the validation models are not in
     GPU memory (they live in managed memory resident in CPU memory), and the prefetch window is: the
     same split ``simpletuner estimate`` shows (:mod:`simpletuner.memory.managed_plan`)."""
+    from simpletuner.memory.autoconfig import EstimateCache  # the estimator: on CUDA runs only
+
     estimate = EstimateCache(config, num_processes)(config.train_batch_size, config.gradient_checkpointing)
     parts = {
         f"training step, micro-batch {config.train_batch_size} (estimate)": estimate.breakdown.total,

@@ -30,8 +30,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "startup",
     ),
     ("configuration",),
-    # What machine this is (host and device facts) and the CUDA runtime that reaches the device.
-    ("hardware",),
+    # What machine this is (host and device facts) and the CUDA runtime that reaches the device; and models
+    # named by a Hub id, resolved to a folder of the local Hub cache.
+    ("hardware", "hub"),
     ("state",),
     # Below caching: the memory stores place and prefetch through gh200.uvm; gh200 never imports caching.
     ("data_backend", "gh200"),

@@ -4,8 +4,8 @@ An ordinary object made per run and passed in explicitly: no class attributes, n
 runs in one process never see each other's state. The trainer's builders hand what they build to each other
 as arguments; this is where the run is recorded for the seeds, tools and tests.
 
-Who writes what: the entry point fills ``config``, ``raw_config``, ``setting_sources``, ``startup_notes``
-and ``resume_command`` (the trainer logs and quotes them); the trainer records the datasets it built
+Who writes what: the entry point fills ``config``, ``raw_config``, ``setting_sources``, ``startup_notes``,
+``hub_model`` and ``resume_command`` (the trainer logs and quotes them); the trainer records the datasets it built
 (``register_dataset``; ``get_dataset`` / ``datasets`` read them), the GH200 runtime decisions
 (``gh200_runtime_config``, as ``<output_dir>/gh200_runtime.json`` has them); the caches register their folders,
 which ``cache_dirs`` lists (a stop keeps a partial fill there) and ``delete_cache_files`` removes.
@@ -68,6 +68,9 @@ class StateTracker:
         self.startup_notes: list[str] = []
         #: the command that resumes this run, for the line a stop signal ends with (None: the config key)
         self.resume_command: str | None = None
+        #: ``org/name@commit`` where pretrained_model_name_or_path was a hub id (its snapshot folder is the config's
+        #: path); None for a local folder
+        self.hub_model: str | None = None
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
         _LIVE.add(self)

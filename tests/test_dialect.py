@@ -203,15 +203,25 @@ def test_two_keys_for_one_setting_with_different_values_stop(tmp_path, tiny_sd, 
         load_config(path)
 
 
-def test_model_flavour_needs_a_local_folder_and_says_what_to_download(tmp_path, tiny_sd, shapes_dir, monkeypatch):
+def test_model_flavour_without_a_path_is_its_hub_model_and_offline_says_what_to_download(
+    tmp_path, tiny_sd, shapes_dir, monkeypatch
+):
+    """SimpleTuner loads a flavour's hub model when no path is given; so does the translation. Offline with an
+    empty Hub cache, `train` stops before loading, naming the repo and the download command."""
+    from simpletuner.cli.train import prepare_config
+
     path = _project(tmp_path, tiny_sd, shapes_dir, {"model_flavour": "dreamshaper"})
     raw = json.loads(path.read_text())
     del raw["--pretrained_model_name_or_path"]
     path.write_text(json.dumps(raw))
     monkeypatch.chdir(path.parent.parent)
+    native, _ = dialect.translate(raw, path, path.parent.parent)
+    assert native["pretrained_model_name_or_path"] == "Lykon/dreamshaper-8"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError) as err:
-        load_config(path)
-    assert "Lykon/dreamshaper-8" in str(err.value)
+        prepare_config(str(path), launch_command=None)
+    assert "Lykon/dreamshaper-8 is not in the Hub cache" in str(err.value)
     assert "huggingface-cli download Lykon/dreamshaper-8" in str(err.value)
 
 

@@ -116,11 +116,11 @@ def test_the_quickstart_edit_v1_example_becomes_one_dataset_with_its_source_fold
     assert config.datasets[0].conditioning_data_dir == os.path.join(root, "datasets", "reference-images")
 
 
-def test_edit_v1_without_a_local_folder_names_the_model_to_download(tmp_path):
+def test_edit_v1_without_a_local_folder_is_its_hub_model(tmp_path):
     root, raw = _project(tmp_path, _edit_v1_datasets())
     del raw["pretrained_model_name_or_path"]
-    text = _problems(raw, root)
-    assert "'edit-v1'" in text and "huggingface-cli download Qwen/Qwen-Image-Edit --local-dir" in text
+    native, _ = dialect.translate(raw, root / "config" / "config.json", root)
+    assert native["pretrained_model_name_or_path"] == "Qwen/Qwen-Image-Edit"
 
 
 @pytest.mark.parametrize("flavour", ["edit-v2", "edit-v2+", "edit-v3"])

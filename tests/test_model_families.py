@@ -31,3 +31,5 @@ def test_each_spec_matches_its_row():
         assert cls.latent_patch == row.latent_grid[1] and FAMILY_LATENT_GRID[name] == row.latent_grid, name
         variants = [cls, *(v for v in spec_classes if cls in v.__bases__)]  # as cls.__subclasses__() was
         assert any(v.has_experts for v in variants) == row.experts, name
+        # what a hub download fetches: every folder some variant of the family loads, and nothing else
+        assert set(row.components) == {c for v in variants if v.family == name for c in v.components}, name

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from simpletuner.cli.arguments import add_config_arguments, add_log_level_argument
 from simpletuner.startup import StartupTimeline, quiet_gc_while_importing
+
+if TYPE_CHECKING:
+    from simpletuner.hub import HubSnapshot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +88,9 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     environ = os.environ if environ is None else environ
     path = Path(config_path)
     raw = read_raw_config(path, overrides)
-    command = launcher_command_from_environment(environ) if launch_command == "auto" else launch_command
     problems: list[str] = []
+    checked, hub = _hub_model_configs(raw, environ, problems)
+    command = launcher_command_from_environment(environ) if launch_command == "auto" else launch_command
     sources: dict[str, str] = {}
     try:
         launch = resolve_launcher_settings(raw, environ, command, config_source=str(path))
@@ -109,12 +114,26 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
             raw = merged
     problems += check_alloc_conf(environ.get(ALLOC_CONF_VAR)).errors()  # its warnings: Trainer._log_settings_in_force
     try:
-        config = validate_config(raw, base_dir=path.parent, source=str(path))
+        # a hub id is checked as its snapshot folder (family, components); the run's raw config keeps the id
+        config = validate_config({**raw, **checked}, base_dir=path.parent, source=str(path))
     except ConfigError as exc:
         problems += exc.problems
     if problems:
         raise ConfigError(problems, str(path))
-    return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path), sources, notes
+    return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path, hub=hub), sources, notes
+
+
+def _hub_model_configs(raw: dict, environ, problems: list[str]) -> tuple[dict, HubSnapshot | None]:
+    """Where ``pretrained_model_name_or_path`` is a hub id: its configs fetched into the Hub cache (no weights
+    yet) and the key pointing at that snapshot for the checks; else nothing. A failure joins ``problems``."""
+    from simpletuner.hub import HubError, resolve_config_model
+
+    try:
+        hub = resolve_config_model(raw, environ)
+    except HubError as exc:
+        problems.append(f"pretrained_model_name_or_path: {exc}")
+        return {}, None
+    return ({"pretrained_model_name_or_path": str(hub.folder)}, hub) if hub is not None else ({}, None)
 
 
 def run_training(
@@ -138,6 +157,9 @@ def run_training(
     configure_logging(log_level)
     loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
     timeline.mark("config")
+    if loaded.hub is not None:  # the weights of the components the family loads, once the config is known good
+        loaded = _download_hub_weights(loaded)
+        timeline.mark("download")
     # Only now torch and the model libraries (seconds to import): a config error is answered without them.
     with quiet_gc_while_importing():
         from simpletuner.training.trainer import Trainer
@@ -147,10 +169,37 @@ def run_training(
     state.setting_sources = sources
     state.startup_notes = preset_notes
     state.resume_command = resume_command
+    if loaded.hub is not None:
+        state.hub_model = f"{loaded.hub.repo_id}@{loaded.hub.commit}"
+        state.startup_notes.insert(0, _hub_line(loaded.hub))
     trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite, startup=timeline)
     if not _is_single_process():
         _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
     return trainer.train()
+
+
+def _download_hub_weights(loaded):
+    """``loaded`` with its hub model's weights in the Hub cache (the snapshot its configs came from), logged."""
+    import dataclasses
+
+    from simpletuner.configuration import ConfigError
+    from simpletuner.configuration.families import FAMILIES
+    from simpletuner.hub import HubError, resolve_model
+
+    hub = loaded.hub
+    components = FAMILIES[loaded.config.model_family].components
+    try:
+        snapshot = resolve_model(hub.repo_id, hub.commit, components=components)
+    except HubError as exc:
+        raise ConfigError([f"pretrained_model_name_or_path: {exc}"], str(loaded.path)) from None
+    snapshot = dataclasses.replace(snapshot, revision=hub.revision)
+    return dataclasses.replace(loaded, hub=snapshot)
+
+
+def _hub_line(hub: HubSnapshot) -> str:
+    """The start-up line naming the snapshot a hub id resolved to."""
+    revision = hub.revision or "main"
+    return f"pretrained_model_name_or_path {hub.repo_id!r} (revision {revision}): the Hub snapshot {hub.describe()}"
 
 
 #: The trainer of a rank of a multi-process launch, kept until the process ends in :func:`end_process`.

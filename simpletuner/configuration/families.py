@@ -39,6 +39,9 @@ class Family:
     #: in every released checkpoint of the family; a bucket side must be a multiple of their product
     #: (documentation/CONFIG.md, "Model families").
     latent_grid: tuple[int, int]
+    #: The pipeline folders a run of the family loads (training and validation): what a hub download fetches
+    #: the weights of (a test keeps them equal to the union of the family's specs' components).
+    components: tuple[str, ...]
 
 
 #: Every family, in the order the schema and the messages list them.
@@ -55,6 +58,7 @@ FAMILIES: dict[str, Family] = {
             experts=False,
             negative_prompt=True,
             latent_grid=(8, 1),
+            components=("unet", "vae", "text_encoder", "tokenizer", "scheduler"),
         ),
         Family(
             "sdxl",
@@ -66,6 +70,7 @@ FAMILIES: dict[str, Family] = {
             experts=False,
             negative_prompt=True,
             latent_grid=(8, 1),
+            components=("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"),
         ),
         Family(
             "sd3",
@@ -77,6 +82,17 @@ FAMILIES: dict[str, Family] = {
             experts=False,
             negative_prompt=True,
             latent_grid=(8, 2),
+            components=(
+                "transformer",
+                "vae",
+                "text_encoder",
+                "text_encoder_2",
+                "text_encoder_3",
+                "tokenizer",
+                "tokenizer_2",
+                "tokenizer_3",
+                "scheduler",
+            ),
         ),
         Family(
             "flux",
@@ -88,6 +104,15 @@ FAMILIES: dict[str, Family] = {
             experts=False,
             negative_prompt=False,
             latent_grid=(8, 2),
+            components=(
+                "transformer",
+                "vae",
+                "text_encoder",
+                "text_encoder_2",
+                "tokenizer",
+                "tokenizer_2",
+                "scheduler",
+            ),
         ),
         Family(
             "wan",
@@ -99,6 +124,7 @@ FAMILIES: dict[str, Family] = {
             experts=True,
             negative_prompt=True,
             latent_grid=(8, 2),
+            components=("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "scheduler"),
         ),
         Family(
             "qwen_image",
@@ -111,6 +137,7 @@ FAMILIES: dict[str, Family] = {
             experts=False,
             negative_prompt=True,
             latent_grid=(8, 2),
+            components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler", "processor"),
         ),
     )
 }

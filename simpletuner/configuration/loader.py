@@ -38,6 +38,9 @@ class LoadedConfig:
     config: TrainingConfig
     raw: dict[str, Any]
     path: Path | None
+    #: Where ``pretrained_model_name_or_path`` is a hub id (kept in ``raw``): the snapshot (a
+    #: ``simpletuner.hub.HubSnapshot``) whose folder ``config`` names instead; None for a local folder.
+    hub: Any = None
 
 
 def _read_json(path: Path, what: str) -> Any:

@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
-from simpletuner.configuration import LoadedConfig, load_config
+import orjson
+
+from simpletuner.configuration import ConfigError, LoadedConfig, load_config
 from simpletuner.configuration.launcher import resolve_launcher_settings
 from simpletuner.configuration.loader import read_raw_config
 
@@ -28,8 +30,22 @@ def read_estimated_config(config_path: str, overrides: Sequence[str]) -> Estimat
     """Load ``config_path`` with ``overrides`` and the environment's launcher settings; ConfigError as ``train``
     would raise it."""
     precision_line, launch_overrides = _precision_in_force(config_path, list(overrides))
-    loaded = load_config(config_path, [*overrides, *launch_overrides], check_files=False)
+    loaded = load_config(
+        config_path, [*overrides, *launch_overrides, *_hub_configs(config_path, overrides)], check_files=False
+    )
     return EstimatedConfig(loaded, precision_line)
+
+
+def _hub_configs(config_path: str, overrides: Sequence[str]) -> list[str]:
+    """A hub id's configs only (no weights) fetched into the Hub cache, and the ``--set`` item that points the
+    estimate at that snapshot folder; nothing for a local folder."""
+    from simpletuner.hub import HubError, resolve_config_model
+
+    try:
+        hub = resolve_config_model(read_raw_config(config_path, list(overrides)))
+    except HubError as exc:
+        raise ConfigError([f"pretrained_model_name_or_path: {exc}"], config_path) from None
+    return [] if hub is None else [f"pretrained_model_name_or_path={orjson.dumps(str(hub.folder)).decode()}"]
 
 
 def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, list[str]]:

@@ -16,11 +16,14 @@ import torch
 from simpletuner.training.checkpoint_verify import ResumeRefused
 
 
-def run_identity(config, spec, denoiser_config: str | None) -> dict[str, Any]:
+def run_identity(config, spec, denoiser_config: str | None, hub_model: str | None = None) -> dict[str, Any]:
     """The identity of a run of ``config`` with the ModelSpec ``spec``; ``denoiser_config`` is the
-    :func:`denoiser_fingerprint` of the loaded denoiser (None before it is loaded)."""
+    :func:`denoiser_fingerprint` of the loaded denoiser (None before it is loaded); ``hub_model``: the
+    ``org/name@commit`` a hub id resolved to (None for a local folder, and then not recorded)."""
     is_lora = config.training_type == "lora"
+    hub = {"hub_model": hub_model} if hub_model is not None else {}
     return {
+        **hub,
         "model_family": config.model_family,
         "training_type": config.training_type,
         "lora_rank": config.lora_rank if is_lora else None,

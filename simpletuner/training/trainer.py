@@ -385,7 +385,7 @@ class Trainer:
         return metrics.peak_tflops_for_run(hardware, self.mixed_precision, self.config.enable_tf32, self.peak_tflops)
 
     def _identity(self) -> dict:
-        return run_identity(self.config, self.spec, self._denoiser_fingerprint)
+        return run_identity(self.config, self.spec, self._denoiser_fingerprint, self.state.hub_model)
 
     # --- checkpoints ---------------------------------------------------------------------
     def _checkpoint_parts(self) -> ckpt.CheckpointParts:

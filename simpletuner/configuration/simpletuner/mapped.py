@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from simpletuner.configuration.families import FLOW_MATCHING_FAMILIES
+from simpletuner.configuration.model_folder import looks_like_hub_id
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.simpletuner.facts import (
     APPROXIMATED_PRECISIONS,
@@ -49,18 +50,10 @@ def _model_family(t: Translation, value: Any, entry: DialectKey) -> None:
     t.put("model_family", ours, entry.key)
 
 
-def hub_advice(hub_id: str) -> str:
-    return (
-        f"it stands for the hub model {hub_id}, and this trainer downloads nothing: on a machine with network run "
-        f"`huggingface-cli download {hub_id} --local-dir /path/to/{hub_id.split('/')[-1]}`, copy the folder here, "
-        "and set `pretrained_model_name_or_path` to it"
-    )
-
-
 def resolve_flavour(t: Translation, flavour: str, model_path: Any) -> None:
     """What ``model_flavour`` means here: Wan 2.2 ``-high`` / ``-low`` set ``train_stages`` and
-    ``ti2v-5b-2.2`` sets ``ti2v_first_frame``; a flavour of a kind not trained here stops; without a local
-    ``pretrained_model_name_or_path`` it stops with the hub id it stands for and the download command."""
+    ``ti2v-5b-2.2`` sets ``ti2v_first_frame``; a flavour of a kind not trained here stops; without
+    ``pretrained_model_name_or_path`` the model is the flavour's hub id, as SimpleTuner loads it."""
     family = t.family or ""
     table = FLAVOURS.get(family, {})
     if flavour not in table:
@@ -76,9 +69,7 @@ def resolve_flavour(t: Translation, flavour: str, model_path: Any) -> None:
     if flavour.startswith("ti2v"):  # SimpleTuner trains TI2V-5B with the first frame as the condition
         t.put("ti2v_first_frame", True, "model_flavour")
     if model_path is None and "pretrained_model_name_or_path" not in t.sources:
-        t.problems.append(
-            f"`model_flavour`: {flavour!r}: no `pretrained_model_name_or_path` is set; {hub_advice(table[flavour])}"
-        )
+        t.put("pretrained_model_name_or_path", table[flavour], "model_flavour")
 
 
 def _same_folder(t: Translation, value: Any, entry: DialectKey) -> None:
@@ -92,14 +83,12 @@ def _same_folder(t: Translation, value: Any, entry: DialectKey) -> None:
 
 def _model_path(t: Translation, value: Any, entry: DialectKey) -> None:
     """A local folder, relative ones from the working directory as SimpleTuner reads them (made absolute, so
-    a missing one is reported there, not beside the config file); a hub id stops with the download command,
-    since nothing is downloaded here."""
+    a missing one is reported there, not beside the config file); an ``org/name`` that is not a folder there is a
+    hub id, loaded from the Hub as SimpleTuner loads it (simpletuner.hub)."""
     if isinstance(value, str) and value:
         local = os.path.normpath(os.path.join(t.cwd, os.path.expanduser(value)))
-        if not os.path.isdir(local) and value.count("/") == 1 and not value.startswith((".", "/", "~")):
-            t.problems.append(f"`{entry.key}`: {value!r} is not a local folder; {hub_advice(value)}")
-            return
-        value = local
+        if os.path.isdir(local) or not looks_like_hub_id(value):
+            value = local
     t.put("pretrained_model_name_or_path", value, entry.key)
 
 
@@ -354,10 +343,10 @@ CORE: tuple[DialectKey, ...] = (
     _same("model_family", "model_family", "sd1x / sd2x / legacy -> `sd`", apply=_model_family),
     key_row(
         "model_flavour",
-        "approximated",
+        "same",
         "pretrained_model_name_or_path",
-        "names a hub model; here `pretrained_model_name_or_path` must be a local folder (no downloads); Wan 2.2 "
-        "`-high` / `-low` set `train_stages`",
+        "without `pretrained_model_name_or_path`, the flavour's hub model is loaded from the Hub (as SimpleTuner "
+        "does); Wan 2.2 `-high` / `-low` set `train_stages`",
     ),
     _same("pretrained_model_name_or_path", apply=_model_path),
     _same("prediction_type"),

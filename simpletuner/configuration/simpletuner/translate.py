@@ -22,7 +22,7 @@ from simpletuner.configuration.simpletuner.facts import (
     UNSUPPORTED_CONDITIONING_TYPES,
     UNSUPPORTED_DATASET_TYPES,
 )
-from simpletuner.configuration.simpletuner.mapped import CORE, hub_advice, resolve_flavour
+from simpletuner.configuration.simpletuner.mapped import CORE, resolve_flavour
 from simpletuner.configuration.simpletuner.mapped_datasets import DATASET_CORE, TOP_DATASET_KEYS
 from simpletuner.configuration.simpletuner.reading import (
     DialectError,
@@ -442,10 +442,11 @@ def translate(  # noqa: C901, PLR0915
     if isinstance(flavour, str) and flavour:
         resolve_flavour(t, flavour, t.out.get("pretrained_model_name_or_path"))
     elif "pretrained_model_name_or_path" not in t.out and t.family in DEFAULT_FLAVOURS:
-        default = DEFAULT_FLAVOURS[t.family]
-        t.problems.append(
-            f"neither `pretrained_model_name_or_path` nor `model_flavour` is set: SimpleTuner would use its default "
-            f"{t.family} flavour {default!r}; {hub_advice(FLAVOURS[t.family][default])}"
+        default = DEFAULT_FLAVOURS[t.family]  # SimpleTuner's default flavour of the family, and its hub model
+        t.put("pretrained_model_name_or_path", FLAVOURS[t.family][default], "model_family")
+        t.report.notes.append(
+            f"neither `pretrained_model_name_or_path` nor `model_flavour` is set: the {t.family} default flavour "
+            f"{default!r}, {FLAVOURS[t.family][default]}, as SimpleTuner loads it"
         )
     if str(top_for_datasets.get("resolution_type")) == "area" and "resolution" in t.out:
         _area_resolution(t, top_for_datasets)

@@ -1,0 +1,220 @@
+"""Models named by a Hugging Face Hub id (``org/name``), resolved to a snapshot folder of the local Hub cache.
+
+:func:`resolve_model` asks ``huggingface_hub.snapshot_download`` for the files a run needs: first the pipeline's
+configs only (``model_index.json``, each component's JSON and tokenizer files: what the config check and the
+estimator read), then, for training, the weights of the components the family loads (safetensors only; no
+pickle formats, no fp16/bf16 variants, no single-file checkpoints at the repo's root). The settings are read
+from the environment at the call, as the user set them for this run: ``HF_HUB_OFFLINE`` (use the cache only),
+``HF_ENDPOINT``, ``HF_HUB_CACHE`` / ``HF_HOME`` (where the cache is), ``HF_TOKEN`` (read by the client).
+Every failure is one :class:`HubError` line naming the repo and the fix. documentation/QUICKSTART.md, "Models
+from the Hub".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from simpletuner.configuration.model_folder import looks_like_hub_id
+
+#: What the config check, family detection and the estimator read: configs and tokenizer files, never weights.
+CONFIG_PATTERNS = ("model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.tiktoken")
+#: Weight files a run never loads: pickle formats, other frameworks, precision variants (loads pass no variant).
+IGNORED_WEIGHTS = (
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.msgpack",
+    "*.h5",
+    "*.onnx",
+    "*.onnx_data",
+    "*.gguf",
+    "*.fp16.safetensors",
+    "*.bf16.safetensors",
+    "*.fp16.safetensors.index.json",
+    "*.bf16.safetensors.index.json",
+)
+_TRUE = ("1", "on", "yes", "true")
+
+
+class HubError(ValueError):
+    """A hub model that cannot be had: the message names the repo and what to do."""
+
+
+@dataclass(frozen=True)
+class HubSnapshot:
+    """A resolved hub model: the repo, the revision asked for (None: the default branch), the commit it
+    resolved to, and the snapshot folder in the Hub cache."""
+
+    repo_id: str
+    revision: str | None
+    commit: str
+    folder: Path
+
+    def describe(self) -> str:
+        """``org/name@main (commit 0123abcd…) in /cache/…/snapshots/…``."""
+        return f"{self.repo_id}@{self.revision or 'main'} (commit {self.commit[:12]}) in {self.folder}"
+
+
+def is_hub_model(value: Any) -> bool:
+    """``value`` is an ``org/name`` hub id and not a path on this machine."""
+    return isinstance(value, str) and looks_like_hub_id(value) and not os.path.exists(os.path.expanduser(value))
+
+
+def hub_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """The Hub cache ``huggingface_hub`` uses under these settings: ``HF_HUB_CACHE``, else ``HF_HOME/hub``."""
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"]).expanduser()
+    home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def is_offline(environ: Mapping[str, str] = os.environ) -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to a true value: the cache only, no requests."""
+    value = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().lower() in _TRUE
+
+
+def resolve_config_model(raw: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> HubSnapshot | None:
+    """Where a raw config's ``pretrained_model_name_or_path`` is a hub id: its configs in the Hub cache (no
+    weights), at the config's ``revision``; None for a local path.
+
+    Raises:
+        HubError: as :func:`resolve_model`.
+    """
+    model, revision = raw.get("pretrained_model_name_or_path"), raw.get("revision")
+    if not isinstance(model, str) or not is_hub_model(model):
+        return None
+    return resolve_model(model, revision if isinstance(revision, str) else None, environ=environ)
+
+
+def resolve_model(
+    repo_id: str,
+    revision: str | None = None,
+    components: tuple[str, ...] | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> HubSnapshot:
+    """The snapshot folder of ``repo_id`` at ``revision`` with its configs, and with ``components``' weights when
+    given (those listed in the repo's ``model_index.json``); downloads what the cache lacks unless offline.
+
+    Raises:
+        HubError: the repo does not exist or is gated / private without a token, the revision does not
+            exist, the Hub cannot be reached or offline mode is on and the cache lacks the files, or the repo
+            is not a diffusers pipeline.
+    """
+    configs = _download(repo_id, revision, list(CONFIG_PATTERNS), None, environ)
+    index = _read_index(configs, repo_id)
+    if components is None:
+        return configs
+    wanted = [c for c in components if isinstance(index.get(c), list) and index[c][0] is not None]
+    weights = _download(repo_id, configs.commit, [f"{c}/*" for c in wanted], list(IGNORED_WEIGHTS), environ)
+    missing = [c for c in wanted if _loads_weights(index[c]) and not _has_safetensors(weights.folder / c)]
+    if missing:
+        raise HubError(
+            f"{repo_id}: the snapshot in {weights.folder} has no .safetensors weights for {', '.join(missing)}"
+            + (
+                " (offline: the Hub cache holds only part of the repo; on a machine with network run "
+                f"`huggingface-cli download {repo_id}`, or unset HF_HUB_OFFLINE)"
+                if is_offline(environ)
+                else " (the repo holds none for them: simpletuner loads safetensors only)"
+            )
+        )
+    return HubSnapshot(repo_id, revision, weights.commit, weights.folder)
+
+
+def _loads_weights(entry: list) -> bool:
+    """A model_index.json entry of a component with weights (not a tokenizer, scheduler or processor)."""
+    name = str(entry[1] or "")
+    return not any(word in name for word in ("Tokenizer", "Scheduler", "Processor", "FeatureExtractor"))
+
+
+def _has_safetensors(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name.endswith(".safetensors") for p in folder.iterdir())
+
+
+def _read_index(snapshot: HubSnapshot, repo_id: str) -> dict[str, Any]:
+    import orjson
+
+    path = snapshot.folder / "model_index.json"
+    try:
+        index = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise HubError(
+            f"{repo_id} has no model_index.json in {snapshot.folder}: it is not a diffusers pipeline repo (a "
+            "single-file checkpoint or a component repo); name the diffusers version of the model"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise HubError(f"{repo_id}: {path} cannot be read ({exc})") from None
+    if not isinstance(index, dict):
+        raise HubError(f"{repo_id}: {path} is not a JSON object")
+    return index
+
+
+def _download(
+    repo_id: str,
+    revision: str | None,
+    allow: list[str],
+    ignore: list[str] | None,
+    environ: Mapping[str, str],
+) -> HubSnapshot:
+    """One ``snapshot_download`` with the settings of ``environ``, its errors turned into :class:`HubError`."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    offline = is_offline(environ)
+    endpoint = (environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    cache = hub_cache_dir(environ)
+    where = f"the Hub at {endpoint}"
+    try:
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            cache_dir=str(cache),
+            allow_patterns=allow,
+            ignore_patterns=ignore,
+            local_files_only=offline,
+            endpoint=None if offline else endpoint,
+        )
+    except GatedRepoError:
+        raise HubError(
+            f"{repo_id} is gated on {where}: accept its terms on the model's page, then log in on this machine "
+            "(`huggingface-cli login`, or set HF_TOKEN to a token of that account)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise HubError(
+            f"{repo_id}: no such model repo on {where}, or it is private and no token with access is set: check the "
+            "id (org/name, as on the model's page), or log in (`huggingface-cli login` / HF_TOKEN)"
+        ) from None
+    except RevisionNotFoundError:
+        raise HubError(
+            f"{repo_id}: revision {revision!r} does not exist on {where}: set `revision` to a branch, tag or commit "
+            "of the repo, or leave it out for the default branch"
+        ) from None
+    except LocalEntryNotFoundError:
+        if offline:
+            raise HubError(
+                f"{repo_id}{'@' + revision if revision else ''} is not in the Hub cache {cache} and HF_HUB_OFFLINE is "
+                f"set: unset it to download, or fill the cache on a machine with network (`huggingface-cli download "
+                f"{repo_id}`, then copy {cache}), or point pretrained_model_name_or_path at a local folder"
+            ) from None
+        raise HubError(
+            f"{repo_id}: {where} cannot be reached and the Hub cache {cache} does not hold it: check the network "
+            "(and HF_ENDPOINT), or set pretrained_model_name_or_path to a local folder of the model"
+        ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HubError(
+            f"{repo_id}: downloading from {where} failed ({first}); try again, or use a local folder"
+        ) from None
+    path = Path(folder)
+    return HubSnapshot(repo_id, revision, path.name, path)

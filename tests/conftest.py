@@ -110,3 +110,14 @@ def clean_uvm_state(monkeypatch):
     uvm._reset_for_tests()
     yield
     uvm._reset_for_tests()
+
+
+@pytest.fixture
+def hub_server(monkeypatch, tmp_path):
+    """A local Hub on 127.0.0.1 (hub_server.HubServer) with this process's huggingface_hub client pointed at it
+    and online for the test (HF_ENDPOINT, HF_HUB_OFFLINE off, Xet off, no implicit token: see HubServer.use); the
+    default Hub cache is ``hub_server.cache_dir`` (tmp_path / "hf_cache"), never the user's."""
+    from hub_server import running_hub_server
+
+    with running_hub_server(monkeypatch, cache_dir=tmp_path / "hf_cache") as server:
+        yield server

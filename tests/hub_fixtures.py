@@ -1,4 +1,4 @@
-"""Hugging Face Hub stand-ins for tests: a Hub cache laid out as huggingface_hub lays one out, and (below) a local Hub.
+"""Hugging Face Hub stand-ins for tests: a Hub cache laid out as huggingface_hub lays one out; client switches.
 
 Usage. ``commit = lay_out_hub_cache(cache_dir, "org/name", {"model_index.json": b"{}", "unet/w.safetensors": path})``
 writes ``cache_dir/models--org--name/{blobs,refs,snapshots,trees}`` exactly as ``snapshot_download`` leaves it
@@ -9,6 +9,8 @@ local_files_only=True)`` or, under ``HF_HUB_OFFLINE=1`` (the suite's default), w
 ``simpletuner.testing.zoo.write_tiny_model``) into a repo. ``use_hub_cache(monkeypatch, cache_dir)`` makes that folder
 the process's default Hub cache for one test (``HF_HUB_CACHE`` in the environment and in
 ``huggingface_hub.constants``, which reads it at import), so code that passes no ``cache_dir`` finds it.
+``hub_online(monkeypatch)`` turns the suite's ``HF_HUB_OFFLINE=1`` off for one test. The online path (a local Hub
+server on 127.0.0.1 and the ``hub_server`` fixture) is in hub_server.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     import pytest
 
 # Files the Hub's default .gitattributes sends to LFS (their ETag is the content's sha256, not the git blob id).
-_LFS_SUFFIXES = frozenset(
+LFS_SUFFIXES = frozenset(
     ".7z .arrow .bin .bz2 .ckpt .ftz .gguf .gz .h5 .joblib .lz4 .mlmodel .model .msgpack .npy .npz .onnx .ot"
     " .parquet .pb .pickle .pkl .pt .pth .rar .safetensors .tar .tflite .tgz .wasm .xz .zip .zst"
     " .jpg .jpeg .png .webp .gif .mp4 .webm .wav .mp3 .flac".split()
@@ -41,7 +44,7 @@ _CACHEDIR_TAG = (
 
 def is_lfs_path(path: str, size: int) -> bool:
     """Whether the Hub keeps this file in LFS (by its default .gitattributes, or by size)."""
-    return Path(path).suffix.lower() in _LFS_SUFFIXES or size >= _LFS_MIN_SIZE
+    return Path(path).suffix.lower() in LFS_SUFFIXES or size >= _LFS_MIN_SIZE
 
 
 @dataclass(frozen=True)
@@ -200,3 +203,18 @@ def use_hub_cache(monkeypatch: pytest.MonkeyPatch, cache_dir: str | Path) -> Pat
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     return cache
+
+
+def hub_online(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn huggingface_hub's offline mode off for one test (the suite's environment sets ``HF_HUB_OFFLINE=1``):
+    the environment, ``constants.HF_HUB_OFFLINE`` (read at import; every request checks it) and the copies diffusers
+    took at import (``from huggingface_hub.constants import HF_HUB_OFFLINE``) in modules already imported."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("diffusers.loaders.lora_base", "diffusers.utils.hub_utils"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "HF_HUB_OFFLINE"):
+            monkeypatch.setattr(module, "HF_HUB_OFFLINE", False)

@@ -126,3 +126,56 @@ def test_estimate_of_a_hub_model_reads_its_configs_only(tiny_sd, hub_cache, make
     assert main(["estimate", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "total" in out.lower()
+
+
+# --- online: the real client against a local Hub (tests/hub_server.py) ---------------------------------------
+def test_online_only_the_family_files_are_downloaded_and_a_second_resolve_needs_no_request(tiny_sd, hub_server):
+    extra = {
+        "safety_checker/model.safetensors": b"x" * 64,
+        "unet/diffusion_pytorch_model.fp16.safetensors": b"x" * 64,
+        "unet/diffusion_pytorch_model.bin": b"x" * 64,
+        "v1-5-pruned.safetensors": b"x" * 64,
+    }
+    commit = hub_server.add_repo(REPO_ID, {**folder_files(tiny_sd), **extra})
+    components = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+    snapshot = resolve_model(REPO_ID, components=components)
+    assert snapshot.commit == commit
+    fetched = {p.relative_to(snapshot.folder).as_posix() for p in snapshot.folder.rglob("*") if p.is_file()}
+    assert "unet/diffusion_pytorch_model.safetensors" in fetched and "model_index.json" in fetched
+    assert not fetched & set(extra)
+    downloads = [path for _, path in hub_server.requests if "/resolve/" in path]
+    assert any("unet/diffusion_pytorch_model.safetensors" in path for path in downloads)
+    assert not any(name in path for path in downloads for name in extra)
+    before = len(hub_server.requests)
+    import os
+
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    assert resolve_model(REPO_ID, components=components, environ=offline).folder == snapshot.folder
+    assert len(hub_server.requests) == before  # served from the cache
+
+
+@pytest.mark.parametrize(
+    "setup, revision, words",
+    [
+        ({"gated": True}, None, "is gated on the Hub at"),
+        (None, None, "no such model repo on the Hub at"),
+        ({}, "v9", "revision 'v9' does not exist"),
+    ],
+)
+def test_online_failures_are_one_line_naming_the_repo(tiny_sd, hub_server, setup, revision, words):
+    if setup is not None:
+        hub_server.add_repo(REPO_ID, folder_files(tiny_sd), **setup)
+    with pytest.raises(HubError) as err:
+        resolve_model(REPO_ID, revision=revision)
+    text = str(err.value)
+    assert REPO_ID in text and words in text and "\n" not in text
+    assert hub_server.url in text
+
+
+def test_online_a_hub_id_trains_and_its_config_is_checked_on_the_snapshot(tiny_sd, hub_server, make_config, tmp_path):
+    commit = hub_server.add_repo(REPO_ID, folder_files(tiny_sd))
+    config = _config(make_config, tmp_path)
+    assert train_main(["--config", str(config)]) == 0
+    state = json.loads((tmp_path / "output" / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["identity"]["hub_model"] == f"{REPO_ID}@{commit}"
+    assert hub_server.unhandled == []

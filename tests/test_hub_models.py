@@ -179,3 +179,21 @@ def test_online_a_hub_id_trains_and_its_config_is_checked_on_the_snapshot(tiny_s
     state = json.loads((tmp_path / "output" / "checkpoint-1" / "trainer_state.json").read_text())
     assert state["identity"]["hub_model"] == f"{REPO_ID}@{commit}"
     assert hub_server.unhandled == []
+
+
+def test_resuming_against_another_commit_of_the_repo_is_refused_naming_both(
+    tiny_sd, hub_cache, make_config, tmp_path, capsys
+):
+    first = copy_folder_to_hub_cache(hub_cache, REPO_ID, tiny_sd)
+    config = _config(make_config, tmp_path, resume_from_checkpoint="latest")
+    assert train_main(["--config", str(config)]) == 0
+    files = folder_files(tiny_sd)
+    files["README.md"] = b"a new commit on main"
+    second = lay_out_hub_cache(hub_cache, REPO_ID, files)  # main moves on
+    assert second != first
+    assert train_main(["--config", str(config), "--set", "max_train_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert f"hub_model: checkpoint has '{REPO_ID}@{first}', config has '{REPO_ID}@{second}'" in err
+    assert f"set `revision` to {first}" in err
+    # which it does: the cache still holds the first snapshot
+    assert train_main(["--config", str(config), "--set", "max_train_steps=2", "--set", f"revision={first}"]) == 0

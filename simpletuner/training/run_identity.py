@@ -77,6 +77,11 @@ def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size
                 f"launch with the checkpoint's {saved_world} process(es) "
                 f"(`accelerate launch --num_processes {saved_world} ...`) to continue it"
             )
+        saved_hub = state.get("identity", {}).get("hub_model")
+        if isinstance(saved_hub, str) and "@" in saved_hub and saved_hub != identity.get("hub_model"):
+            fixes.append(
+                f"set `revision` to {saved_hub.rsplit('@', 1)[1]} to load the Hub snapshot the checkpoint used"
+            )
         if len(problems) > (saved_world != world_size):
             fixes.append("put the settings above back to the checkpoint's values to continue it")
         fixes += [

@@ -93,6 +93,18 @@ TOP_ROWS: dict[str, Row] = {
         "the model folder, read from the working directory",
         ({"pretrained_model_name_or_path": "model"}, {"pretrained_model_name_or_path": "{cwd}/model"}),
     ),
+    "model_flavour": _row(
+        f"{H}models/common.py:1214 {H}models/common.py:1222 {H}models/common.py:1228 {H}models/sd1x/model.py:76 "
+        f"{H}models/sd1x/model.py:80",
+        "with no pretrained_model_name_or_path, the model is HUGGINGFACE_PATHS[model_flavour] (the family's "
+        "DEFAULT_MODEL_FLAVOUR when the flavour is unset too), a hub id; a given path wins",
+        (
+            {"pretrained_model_name_or_path": None, "model_flavour": "dreamshaper"},
+            {"pretrained_model_name_or_path": "Lykon/dreamshaper-8"},
+        ),
+        ({"pretrained_model_name_or_path": None}, {"pretrained_model_name_or_path": "Lykon/dreamshaper-8"}),
+        ({"model_flavour": "dreamshaper"}, {"pretrained_model_name_or_path": "{cwd}/model"}),
+    ),
     "prediction_type": _row(
         f"{R}model.py:302 {H}models/common.py:4551",
         "the DDPM target; unset, the scheduler's own",

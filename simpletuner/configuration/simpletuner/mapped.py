@@ -84,7 +84,10 @@ def _same_folder(t: Translation, value: Any, entry: DialectKey) -> None:
 def _model_path(t: Translation, value: Any, entry: DialectKey) -> None:
     """A local folder, relative ones from the working directory as SimpleTuner reads them (made absolute, so
     a missing one is reported there, not beside the config file); an ``org/name`` that is not a folder there is a
-    hub id, loaded from the Hub as SimpleTuner loads it (simpletuner.hub)."""
+    hub id, loaded from the Hub as SimpleTuner loads it (simpletuner.hub). Unset (null, ""), a ``model_flavour``
+    or the family's default flavour names the model, as in SimpleTuner."""
+    if is_inert(value):
+        return
     if isinstance(value, str) and value:
         local = os.path.normpath(os.path.join(t.cwd, os.path.expanduser(value)))
         if os.path.isdir(local) or not looks_like_hub_id(value):

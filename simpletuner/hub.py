@@ -118,7 +118,7 @@ def resolve_model(
             f"{repo_id}: the snapshot in {weights.folder} has no .safetensors weights for {', '.join(missing)}"
             + (
                 " (offline: the Hub cache holds only part of the repo; on a machine with network run "
-                f"`huggingface-cli download {repo_id}`, or unset HF_HUB_OFFLINE)"
+                f"`hf download {repo_id}`, or unset HF_HUB_OFFLINE)"
                 if is_offline(environ)
                 else " (the repo holds none for them: simpletuner loads safetensors only)"
             )
@@ -188,12 +188,12 @@ def _download(
     except GatedRepoError:
         raise HubError(
             f"{repo_id} is gated on {where}: accept its terms on the model's page, then log in on this machine "
-            "(`huggingface-cli login`, or set HF_TOKEN to a token of that account)"
+            "(`hf auth login`, or set HF_TOKEN to a token of that account)"
         ) from None
     except RepositoryNotFoundError:
         raise HubError(
             f"{repo_id}: no such model repo on {where}, or it is private and no token with access is set: check the "
-            "id (org/name, as on the model's page), or log in (`huggingface-cli login` / HF_TOKEN)"
+            "id (org/name, as on the model's page), or log in (`hf auth login` / HF_TOKEN)"
         ) from None
     except RevisionNotFoundError:
         raise HubError(
@@ -204,7 +204,7 @@ def _download(
         if offline:
             raise HubError(
                 f"{repo_id}{'@' + revision if revision else ''} is not in the Hub cache {cache} and HF_HUB_OFFLINE is "
-                f"set: unset it to download, or fill the cache on a machine with network (`huggingface-cli download "
+                f"set: unset it to download, or fill the cache on a machine with network (`hf download "
                 f"{repo_id}`, then copy {cache}), or point pretrained_model_name_or_path at a local folder"
             ) from None
         raise HubError(

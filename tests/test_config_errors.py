@@ -10,13 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from simpletuner.configuration import ConfigError, load_config, validate_config
+from simpletuner.configuration.dataset_sections import dataset_keys
 from simpletuner.configuration.docs import template
 from simpletuner.configuration.errors import close_match, close_matches
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
 from simpletuner.configuration.schema import (
     CacheConfig,
     GH200Optimizations,
-    InMemoryDatasetConfig,
     LocalDatasetConfig,
     TrainingConfig,
 )
@@ -290,7 +290,7 @@ def test_foreign_values_of_shared_keys(make_config):
 def _fields(section: str) -> set[str]:
     if section == "top":
         return set(TrainingConfig.model_fields)
-    return set(LocalDatasetConfig.model_fields) | set(InMemoryDatasetConfig.model_fields)
+    return set(dataset_keys())  # every dataset type's keys
 
 
 def _is_our_key(path: str) -> bool:

@@ -184,7 +184,7 @@ def test_unsupported_keys_stop_with_the_key_and_the_fix_and_off_switches_do_not(
     with pytest.raises(ConfigError) as err:
         load_config(path)
     text = str(err.value)
-    assert "push_to_hub" in text and "huggingface-cli upload" in text
+    assert "push_to_hub" in text and "hf upload" in text
     assert "tread_config" in text
     assert "controlnet" not in text  # `false`: nothing to refuse
 
@@ -222,7 +222,7 @@ def test_model_flavour_without_a_path_is_its_hub_model_and_offline_says_what_to_
     with pytest.raises(ConfigError) as err:
         prepare_config(str(path), launch_command=None)
     assert "Lykon/dreamshaper-8 is not in the Hub cache" in str(err.value)
-    assert "huggingface-cli download Lykon/dreamshaper-8" in str(err.value)
+    assert "hf download Lykon/dreamshaper-8" in str(err.value)
 
 
 def test_wan22_flavours_pick_the_stage_or_stop_naming_what_is_missing(tmp_path, monkeypatch):

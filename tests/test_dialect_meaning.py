@@ -430,6 +430,7 @@ _NEEDS = {
     ("caption_strategy", "parquet"): {"parquet": {"path": "captions.jsonl"}},
     ("caption_strategy", "instanceprompt"): {"instance_prompt": "sks"},
     ("caption_strategy", "instance_prompt"): {"instance_prompt": "sks"},
+    ("caption_strategy", "huggingface"): {"type": "huggingface", "dataset_name": "org/set"},
 }
 
 

@@ -32,6 +32,10 @@ _SOURCES = {  # a Qwen-Image-Edit source folder, paired with the entry under tes
     "conditioning_type": "reference_strict",
 }
 _S3 = {"type": "aws", "aws_bucket_name": "b", "instance_data_dir": None}  # an `aws` entry (no local folder)
+#: A `type: huggingface` entry (no local folder), as SimpleTuner's examples write one.
+_HUB = {"type": "huggingface", "instance_data_dir": None, "dataset_name": "org/set", "caption_strategy": "huggingface"}
+HF_CFG = f"{CFG}:167"  # SimpleTuner reads the `huggingface` keys for `type: huggingface` only
+HF_LOAD = f"{H}data_backend/huggingface.py:117"  # datasets.load_dataset(dataset_name, split=, revision=)
 
 DATASET_ROWS: dict[str, Row] = {
     "id": _row(f"{CFG}:109", "the dataset's name", ({"id": "photos"}, {"id": "photos"})),
@@ -40,6 +44,50 @@ DATASET_ROWS: dict[str, Row] = {
         "where files are read from: `local` a folder, `aws` an S3 bucket",
         ({"type": "local"}, {"type": "local"}),
         ({"type": "aws", "aws_bucket_name": "b", "instance_data_dir": None}, {"type": "object_store"}),
+        (_HUB, {"type": "huggingface", "caption_column": "caption"}),
+    ),
+    "dataset_name": _row(
+        f"{HF_CFG} {CFG}:170 {HF_LOAD}",
+        "the Hub dataset's repo id, the entry's own before the `huggingface` block's",
+        (_HUB, {"dataset_name": "org/set"}),
+        ({**_HUB, "dataset_name": None, "huggingface": {"dataset_name": "org/other"}}, {"dataset_name": "org/other"}),
+        ({**_HUB, "huggingface": {"dataset_name": "org/other"}}, {"dataset_name": "org/set"}),
+        ({"dataset_name": "org/set"}, {"dataset_name": UNSET}),  # not read on a local entry
+    ),
+    "split": _row(
+        f"{CFG}:171 {H}data_backend/huggingface.py:119",
+        "the split loaded, `train` when unset",
+        ({**_HUB, "split": "test"}, {"split": "test"}),
+        ({**_HUB, "huggingface": {"split": "validation"}}, {"split": "validation"}),
+        (_HUB, {"split": UNSET}),  # the native default is train
+    ),
+    "revision": _row(
+        f"{CFG}:172 {H}data_backend/huggingface.py:120",
+        "the branch, tag or commit loaded; null: the default branch",
+        ({**_HUB, "revision": "v1.0"}, {"revision": "v1.0"}),
+        (
+            {**_HUB, "revision": None, "huggingface": {"revision": "refs/convert/parquet"}},
+            {"revision": "refs/convert/parquet"},
+        ),
+        (_HUB, {"revision": UNSET}),  # the native default is main
+    ),
+    "image_column": _row(
+        f"{CFG}:173 {H}data_backend/huggingface.py:522",
+        "the column of images, `image` when unset",
+        ({**_HUB, "image_column": "Image"}, {"image_column": "Image"}),
+        ({**_HUB, "huggingface": {"image_column": "jpg"}}, {"image_column": "jpg"}),
+    ),
+    "huggingface": _row(
+        f"{H}data_backend/factory.py:3102 {H}metadata/backends/huggingface.py:83 "
+        f"{H}metadata/backends/huggingface.py:234",
+        "its `caption_column` names the captions' column, `caption` when unset",
+        (
+            {**_HUB, "huggingface": {"caption_column": "Caption"}},
+            {"caption_column": "Caption", "caption_strategy": "textfile"},
+        ),
+        ({**_HUB, "huggingface": {"caption_column": ["prompt"]}}, {"caption_column": "prompt"}),
+        ({**_HUB, "caption_column": "text"}, {"caption_column": "caption"}),  # the entry's own key is not read
+        also="tests/test_hub_datasets.py::test_a_simpletuner_hub_dataset_trains_with_its_caption_column",
     ),
     "instance_data_dir": _row(
         f"{H}data_backend/factory.py:2999 {H}data_backend/builders/local.py:45",

@@ -248,11 +248,11 @@ def test_every_tail_entry_is_a_snapshot_key_with_a_kind_and_a_one_line_note():
         assert note and "\n" not in note and not note.endswith("."), key
         assert (key, section) not in seen, f"{key} ({section}) twice"
         seen.add((key, section))
-    assert {("dataset_name", "dataset"), ("tread_config", "top"), ("push_to_hub_background", "top")} <= seen
+    assert {("csv_file", "dataset"), ("tread_config", "top"), ("push_to_hub_background", "top")} <= seen
     kinds = {(key, section): kind for key, section, kind, _ in TAIL}
     assert kinds[("tread_config", "top")] == "unsupported"
     assert kinds[("attention_mechanism", "top")] == "ignored"
-    assert kinds[("dataset_name", "dataset")] == "unsupported"
+    assert kinds[("csv_file", "dataset")] == "unsupported"
 
 
 def test_tail_defaults_belong_to_unsupported_top_keys_and_are_not_off():

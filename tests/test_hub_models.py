@@ -90,7 +90,7 @@ def test_offline_with_nothing_cached_is_one_line_and_writes_nothing(hub_cache, m
     assert train_main(["--config", str(config)]) == 2
     err = capsys.readouterr().err
     line = next(ln for ln in err.splitlines() if "pretrained_model_name_or_path: " in ln)
-    assert "is not in the Hub cache" in line and "HF_HUB_OFFLINE" in line and "huggingface-cli download" in line
+    assert "is not in the Hub cache" in line and "HF_HUB_OFFLINE" in line and "hf download" in line
     assert not (tmp_path / "output").exists()
 
 

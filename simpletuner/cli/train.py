@@ -101,17 +101,7 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
         sources = {key: setting.source for key, setting in launch.settings.items()}
     notes: list[str] = []
     if preset is not None:
-        from simpletuner.memory.presets import apply_preset
-
-        try:
-            merged, notes = apply_preset(raw, preset)
-        except ValueError as exc:
-            problems.append(f"--preset {preset}: {exc}")
-        else:
-            for key in ("mixed_precision", "gradient_accumulation_steps", "enable_compile"):
-                if key not in raw and key in merged:
-                    sources[key] = f"from preset {preset}; neither the config nor the launch sets it"
-            raw = merged
+        raw, notes = _with_preset(raw, preset, sources, problems)
     problems += check_alloc_conf(environ.get(ALLOC_CONF_VAR)).errors()  # its warnings: Trainer._log_settings_in_force
     try:
         # a hub id is checked as its snapshot folder (family, components); the run's raw config keeps the id
@@ -120,7 +110,36 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
         problems += exc.problems
     if problems:
         raise ConfigError(problems, str(path))
+    _check_hub_datasets(config, environ, path)
     return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path, hub=hub), sources, notes
+
+
+def _with_preset(raw: dict, preset: str, sources: dict[str, str], problems: list[str]) -> tuple[dict, list[str]]:
+    """``raw`` with memory preset ``preset`` filling what it leaves unset, and the lines to log; the keys it
+    fills get their source in ``sources``; an unknown preset joins ``problems``."""
+    from simpletuner.memory.presets import apply_preset
+
+    try:
+        merged, notes = apply_preset(raw, preset)
+    except ValueError as exc:
+        problems.append(f"--preset {preset}: {exc}")
+        return raw, []
+    for key in ("mixed_precision", "gradient_accumulation_steps", "enable_compile"):
+        if key not in raw and key in merged:
+            sources[key] = f"from preset {preset}; neither the config nor the launch sets it"
+    return merged, notes
+
+
+def _check_hub_datasets(config, environ, path) -> None:
+    """Every trained ``type: huggingface`` dataset fetched into the Hub cache and its columns checked, before
+    ``output_dir`` is written; ConfigError with one line per problem."""
+    if not any(d.type == "huggingface" for d in config.datasets or []):
+        return
+    from simpletuner.configuration import ConfigError
+    from simpletuner.data_backend.hub_dataset import check_hub_datasets  # imports torch: only where needed
+
+    if problems := check_hub_datasets(config, environ):
+        raise ConfigError(problems, str(path))
 
 
 def _hub_model_configs(raw: dict, environ, problems: list[str]) -> tuple[dict, HubSnapshot | None]:

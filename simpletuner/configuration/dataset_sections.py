@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from urllib.parse import quote
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -499,21 +500,12 @@ class WebDatasetConfig(FolderDatasetConfig):
     )
 
 
-class ParquetDatasetConfig(FolderDatasetConfig):
-    """Parquet files holding image bytes and captions (as Hugging Face `datasets` stores them), streamed."""
+class _ParquetRows(FolderDatasetConfig):
+    """What the Parquet types share (``parquet``, ``huggingface``): one row per image, its encoded bytes in
+    ``image_column`` and its caption in ``caption_column``, read in place from the files."""
 
     cross_field_rules: ClassVar[tuple[Rule, ...]] = DATASET_RULES + (_shard_dataset_fields,)
 
-    type: Literal["parquet"] = Field(
-        ..., description="Storage backend: `parquet` reads image bytes and captions from the `.parquet` files."
-    )
-    instance_data_dir: PathText = Field(
-        ...,
-        description=(
-            "Folder searched recursively for `.parquet` files (hidden ones skipped), read in sorted order and in "
-            "place, one row per image (a Hugging Face dataset's `data/` folder works as it is)."
-        ),
-    )
     image_column: str = Field(
         default="image",
         min_length=1,
@@ -540,9 +532,159 @@ class ParquetDatasetConfig(FolderDatasetConfig):
     )
 
 
-# Discriminated on ``type``. A new storage backend adds its config class here and one line to
+class ParquetDatasetConfig(_ParquetRows):
+    """Parquet files holding image bytes and captions (as Hugging Face `datasets` stores them), streamed."""
+
+    type: Literal["parquet"] = Field(
+        ..., description="Storage backend: `parquet` reads image bytes and captions from the `.parquet` files."
+    )
+    instance_data_dir: PathText = Field(
+        ...,
+        description=(
+            "Folder searched recursively for `.parquet` files (hidden ones skipped), read in sorted order and in "
+            "place, one row per image (a Hugging Face dataset's `data/` folder works as it is)."
+        ),
+    )
+
+
+#: A repo id as the Hub takes one (huggingface_hub's validate_repo_id): ``name`` or ``org/name``, ASCII letters,
+#: digits, ``-``, ``_`` and ``.``, each part at most 96 characters, not starting or ending with ``-`` or ``.``.
+_REPO_ID = re.compile(r"(?:\b[\w\-.]{1,96}\b/)?\b[\w\-.]{1,96}\b", re.ASCII)
+#: A split name as the ``datasets`` library takes one (``train``, ``validation``, ``test``, ``train.clean``).
+_SPLIT = re.compile(r"\w+(?:\.\w+)*", re.ASCII)
+#: The URL scheme of a Hub repo (huggingface_hub's HfFileSystem): a ``huggingface`` dataset's location.
+HUB_DATASET_URL = "hf://datasets/"
+
+
+def hub_repo_id_problem(value: str) -> Optional[str]:
+    """Why ``value`` is not a Hub repo id (``org/name``), naming the fix; None when it is one."""
+    text = value.strip()
+    for prefix in ("https://huggingface.co/datasets/", "http://huggingface.co/datasets/", HUB_DATASET_URL):
+        if text.startswith(prefix):
+            repo = "/".join(text[len(prefix) :].split("/")[:2])
+            return f"{value!r} is a URL: give the repo id alone, `{repo}`"
+    if url_protocol(text) is not None or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        return (
+            f"{value!r} is not a Hub repo id: `dataset_name` is `org/name` as on the dataset's page; for Parquet "
+            "files in a folder on this machine use `type: parquet` with `instance_data_dir`"
+        )
+    if not _REPO_ID.fullmatch(text) or "--" in text or ".." in text or text.endswith(".git"):
+        return (
+            f"{value!r} is not a Hub repo id: `org/name`, each part letters, digits, `-`, `_` or `.` (at most 96, "
+            "not starting or ending with `-` or `.`), as on the dataset's page"
+        )
+    return None
+
+
+def hub_dataset_url(repo_id: str, revision: str) -> str:
+    """``hf://datasets/org/name@main``: where a ``huggingface`` dataset's files come from (a revision with ``/``,
+    such as ``refs/convert/parquet``, URL-quoted as huggingface_hub's HfFileSystem writes it)."""
+    return f"{HUB_DATASET_URL}{repo_id}@{quote(revision, safe='')}"
+
+
+class HuggingFaceDatasetConfig(_ParquetRows):
+    """A dataset repo on the Hugging Face Hub: the Parquet files of its split, fetched into the Hub cache through
+    huggingface_hub, then read in place as a ``parquet`` dataset (documentation/DATA_SOURCES.md, "Hub datasets")."""
+
+    type: Literal["huggingface"] = Field(
+        ...,
+        description=(
+            "Storage backend: `huggingface` fetches the Parquet files of a Hub dataset's split into the Hub cache "
+            "(offline: finds them there) and reads them as `type: parquet` does."
+        ),
+    )
+    instance_data_dir: PathText = Field(
+        default=HUB_DATASET_URL,
+        description=(
+            "Not set for this type: it is `hf://datasets/<dataset_name>@<revision>`, the repo the files come "
+            "from. For Parquet files already in a folder use `type: parquet`."
+        ),
+    )
+    dataset_name: str = Field(
+        ...,
+        description=(
+            "The dataset's repo id on the Hub, `org/name` as on its page (https://huggingface.co/datasets/org/name)."
+        ),
+    )
+    split: str = Field(
+        default="train",
+        description=(
+            "The split whose files are read, found by their names as the `datasets` library finds them "
+            "(`data/<split>-00000-of-00001.parquet`, a `<split>/` folder, `<split>` in the file name; a repo "
+            "without split names is all `train`). A name, not a slice (`train[:10%]`)."
+        ),
+    )
+    revision: str = Field(
+        default="main",
+        min_length=1,
+        description=(
+            "Branch, tag or commit of the repo; the commit it resolves to is logged. `refs/convert/parquet` reads "
+            "the Hub's own Parquet conversion of a repo that holds image files or another format."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _location_from_the_repo(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "instance_data_dir" not in data and isinstance(data.get("dataset_name"), str):
+            revision = data.get("revision", "main")
+            data = {**data, "instance_data_dir": hub_dataset_url(data["dataset_name"], str(revision))}
+        return data
+
+    @field_validator("dataset_name")
+    @classmethod
+    def _a_repo_id(cls, value: str) -> str:
+        problem = hub_repo_id_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value.strip()
+
+    @field_validator("split")
+    @classmethod
+    def _a_split_name(cls, value: str) -> str:
+        if not _SPLIT.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a split name: give one such as `train`, `validation` or `test` (letters, digits, "
+                "`_`; slices such as `train[:10%]` are not supported: the whole split is read)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _no_folder(self):
+        if self.instance_data_dir != hub_dataset_url(self.dataset_name, self.revision):
+            raise ValueError(
+                "`instance_data_dir` is not set for `type: huggingface`: the files come from the repo "
+                "`dataset_name` (for Parquet files in a folder on this machine use `type: parquet`); remove it"
+            )
+        return self
+
+
+#: Every storage backend's config class, one per ``type`` (the members of :data:`DatasetConfig`).
+DATASET_CONFIGS: tuple[type[FolderDatasetConfig], ...] = (
+    LocalDatasetConfig,
+    InMemoryDatasetConfig,
+    ObjectStoreDatasetConfig,
+    WebDatasetConfig,
+    ParquetDatasetConfig,
+    HuggingFaceDatasetConfig,
+)
+
+
+def dataset_keys() -> frozenset[str]:
+    """Every key a dataset entry of some ``type`` takes."""
+    return frozenset(name for model in DATASET_CONFIGS for name in model.model_fields)
+
+
+# Discriminated on ``type``. A new storage backend adds its config class here, to DATASET_CONFIGS and one line to
 # ``simpletuner.data_backend.factory.BUILDERS``.
 DatasetConfig = Annotated[
-    Union[LocalDatasetConfig, InMemoryDatasetConfig, ObjectStoreDatasetConfig, WebDatasetConfig, ParquetDatasetConfig],
+    Union[
+        LocalDatasetConfig,
+        InMemoryDatasetConfig,
+        ObjectStoreDatasetConfig,
+        WebDatasetConfig,
+        ParquetDatasetConfig,
+        HuggingFaceDatasetConfig,
+    ],
     Field(discriminator="type"),
 ]

@@ -20,6 +20,7 @@ from pydantic_core import PydanticUndefined
 
 from simpletuner.configuration.dataset_sections import (
     AspectBucket,
+    HuggingFaceDatasetConfig,
     MetadataFileOptions,
     ObjectStoreDatasetConfig,
     ParquetDatasetConfig,
@@ -181,6 +182,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     ObjectStoreDatasetConfig,
     WebDatasetConfig,
     ParquetDatasetConfig,
+    HuggingFaceDatasetConfig,
     MetadataFileOptions,
     AspectBucket,
 )

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, get_args
 
-from simpletuner.configuration.schema import InMemoryDatasetConfig, LocalDatasetConfig, TrainingConfig
+from simpletuner.configuration.dataset_sections import dataset_keys
+from simpletuner.configuration.schema import LocalDatasetConfig, TrainingConfig
 from simpletuner.configuration.simpletuner import facts
 from simpletuner.configuration.simpletuner import translate as dialect
 from simpletuner.configuration.simpletuner.reading import Kind, Section
@@ -64,7 +65,7 @@ def _slm(key, ours, kind, note=""):
 def _native_keys(section: Section) -> frozenset[str]:
     if section == "top":
         return frozenset(TrainingConfig.model_fields)
-    return frozenset(LocalDatasetConfig.model_fields) | frozenset(InMemoryDatasetConfig.model_fields)
+    return dataset_keys()
 
 
 def _simpletuner_keys() -> list[ForeignKey]:

@@ -78,6 +78,14 @@ def build_parquet_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBac
     return build(dataset_cfg, config)
 
 
+def build_huggingface_backend(dataset_cfg: Any, config: "TrainingConfig") -> DataBackend:
+    """A ``ParquetBackend`` over the Parquet files of a Hub dataset's split, fetched into the Hub cache (imported
+    on use: huggingface_hub and pyarrow load only for such a dataset)."""
+    from simpletuner.data_backend.hub_dataset import build_huggingface_backend as build
+
+    return build(dataset_cfg, config)
+
+
 #: Storage backend builders by the dataset entry's ``type``. A new backend is one line here, plus
 #: its config class as a member of the ``DatasetConfig`` union (``simpletuner.configuration.schema``;
 #: config error paths derive the tags from it) and its section in ``configuration/templates/CONFIG.md``.
@@ -87,6 +95,7 @@ BUILDERS: dict[str, Callable[[Any, "TrainingConfig"], DataBackend]] = {
     "object_store": build_object_store_backend,
     "webdataset": build_webdataset_backend,
     "parquet": build_parquet_backend,
+    "huggingface": build_huggingface_backend,
 }
 
 

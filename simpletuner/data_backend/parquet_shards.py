@@ -10,7 +10,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS
 from simpletuner.data_backend.captions import caption_file
@@ -18,7 +18,7 @@ from simpletuner.data_backend.shards import ROW_GROUP_CACHE_SIZE, _Entry, _Shard
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
-    from simpletuner.configuration.dataset_sections import ParquetDatasetConfig
+    from simpletuner.configuration.dataset_sections import HuggingFaceDatasetConfig, ParquetDatasetConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,62 @@ def image_extension_of(data: bytes | None) -> str | None:
     return None
 
 
+def check_columns(
+    schema, where: str, image_column: str, caption_column: str | None, filename_column: str | None
+) -> None:
+    """Refuse a Parquet file (its arrow ``schema``; ``where`` names it) without the named columns, or whose
+    image column is not encoded images or caption column not text.
+
+    Raises:
+        ValueError: naming the file, the key and the columns the file has.
+    """
+    pa, _ = _pyarrow()
+    named = {"image_column": image_column}
+    if caption_column is not None:
+        named["caption_column"] = caption_column
+    if filename_column is not None:
+        named["filename_column"] = filename_column
+    absent = [f"{column!r} (`{key}`)" for key, column in named.items() if column not in schema.names]
+    if absent:
+        raise ValueError(
+            f"{where} has no column {' or '.join(absent)}; its columns are: "
+            f"{', '.join(map(repr, schema.names)) or 'none'}. Name one of those"
+        )
+    kind = schema.field(image_column).type
+    is_bytes = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+    is_image_struct = pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+    if not (is_bytes or is_image_struct):
+        raise ValueError(
+            f"{where}: column {image_column!r} (`image_column`) is {kind}, not encoded images: "
+            "expected binary, or the Hugging Face Image struct {bytes, path}; name the column of image bytes"
+        )
+    if caption_column is not None:
+        text = schema.field(caption_column).type
+        if pa.types.is_list(text) or pa.types.is_large_list(text):
+            text = text.value_type
+        if not (pa.types.is_string(text) or pa.types.is_large_string(text)):
+            raise ValueError(
+                f"{where}: column {caption_column!r} (`caption_column`) is {text}, not text; "
+                "name the column of captions, or set `caption_column` to null"
+            )
+
+
+def check_file_columns(
+    path: Path, where: str, image_column: str, caption_column: str | None, filename_column: str | None
+) -> None:
+    """:func:`check_columns` on the Parquet file ``path`` (its footer only).
+
+    Raises:
+        ValueError: the file is not readable Parquet, or as :func:`check_columns`.
+    """
+    pa, pq = _pyarrow()
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{where} is not a readable Parquet file ({exc})") from None
+    check_columns(schema, where, image_column, caption_column, filename_column)
+
+
 @dataclass
 class _ParquetLayout:
     is_struct: bool  # the image column is the Hugging Face Image struct {bytes, path}
@@ -75,9 +131,12 @@ class ParquetBackend(_ShardBackend):
         caption_column: str | None = "text",
         filename_column: str | None = None,
         row_group_cache_size: int = ROW_GROUP_CACHE_SIZE,
+        files: Sequence[str] | None = None,
     ):
+        """``files``: the Parquet files to read, relative POSIX paths under ``root``; None: every ``.parquet``
+        file under it."""
         self._pa, self._pq = _pyarrow()
-        super().__init__(root, id)
+        super().__init__(root, id, files)
         self.image_column = image_column
         self.caption_column = caption_column
         self.filename_column = filename_column
@@ -150,35 +209,7 @@ class ParquetBackend(_ShardBackend):
                 self._add(caption_file(path), _Entry(index, row, -1, True))
 
     def _check_columns(self, index: int, schema) -> None:
-        pa = self._pa
-        named = {"image_column": self.image_column}
-        if self.caption_column is not None:
-            named["caption_column"] = self.caption_column
-        if self.filename_column is not None:
-            named["filename_column"] = self.filename_column
-        absent = [f"{column!r} (`{key}`)" for key, column in named.items() if column not in schema.names]
-        if absent:
-            raise ValueError(
-                f"{self._where(index)} has no column {' or '.join(absent)}; its columns are: "
-                f"{', '.join(map(repr, schema.names)) or 'none'}. Name one of those"
-            )
-        kind = schema.field(self.image_column).type
-        is_bytes = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
-        is_image_struct = pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
-        if not (is_bytes or is_image_struct):
-            raise ValueError(
-                f"{self._where(index)}: column {self.image_column!r} (`image_column`) is {kind}, not encoded images: "
-                "expected binary, or the Hugging Face Image struct {bytes, path}; name the column of image bytes"
-            )
-        if self.caption_column is not None:
-            text = schema.field(self.caption_column).type
-            if pa.types.is_list(text) or pa.types.is_large_list(text):
-                text = text.value_type
-            if not (pa.types.is_string(text) or pa.types.is_large_string(text)):
-                raise ValueError(
-                    f"{self._where(index)}: column {self.caption_column!r} (`caption_column`) is {text}, not text; "
-                    "name the column of captions, or set `caption_column` to null"
-                )
+        check_columns(schema, self._where(index), self.image_column, self.caption_column, self.filename_column)
 
     def _sniff(self, index: int, layout: _ParquetLayout, rows: list[int]) -> dict[int, str | None]:
         """The image extension of each of ``rows`` from its bytes (rows with no usable name); reads only
@@ -287,14 +318,18 @@ def _caption_text(cell: Any) -> str:
     return cell or ""
 
 
+def caption_column_read(dataset_cfg: ParquetDatasetConfig | HuggingFaceDatasetConfig) -> str | None:
+    """The caption column a Parquet dataset entry reads: ``caption_column`` with ``caption_strategy: textfile``
+    (then it must exist), else none."""
+    return dataset_cfg.caption_column if dataset_cfg.caption_strategy == "textfile" else None
+
+
 def build_parquet_backend(dataset_cfg: ParquetDatasetConfig, config: TrainingConfig) -> ParquetBackend:
-    """A :class:`ParquetBackend` over the ``.parquet`` files under ``dataset_cfg.instance_data_dir``; the
-    caption column is read (and must exist) only with ``caption_strategy: textfile``."""
-    is_textfile = dataset_cfg.caption_strategy == "textfile"
+    """A :class:`ParquetBackend` over the ``.parquet`` files under ``dataset_cfg.instance_data_dir``."""
     return ParquetBackend(
         dataset_cfg.instance_data_dir,
         dataset_cfg.id,
         image_column=dataset_cfg.image_column,
-        caption_column=dataset_cfg.caption_column if is_textfile else None,
+        caption_column=caption_column_read(dataset_cfg),
         filename_column=dataset_cfg.filename_column,
     )

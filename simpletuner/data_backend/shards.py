@@ -16,7 +16,7 @@ import tarfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, normalize_extensions
 from simpletuner.data_backend.captions import caption_file
@@ -75,7 +75,9 @@ class _ShardBackend:
     suffix = ""
     kind = ""
 
-    def __init__(self, root: str | Path, id: str):
+    def __init__(self, root: str | Path, id: str, paths: Sequence[str] | None = None):
+        """``paths``: the shards, relative POSIX paths under ``root`` (read in sorted order); None: every file
+        under ``root`` with the backend's suffix."""
         self.root = Path(root).expanduser()
         self.id = id
         if not self.root.is_dir():
@@ -83,7 +85,7 @@ class _ShardBackend:
                 f"dataset {id!r}: {self.root} is not a folder; set `instance_data_dir` to the folder that holds the "
                 f"{self.suffix} files"
             )
-        paths = find_shard_files(self.root, self.suffix)
+        paths = find_shard_files(self.root, self.suffix) if paths is None else sorted(paths)
         if not paths:
             raise ValueError(self._no_shards_message())
         self.shards: list[_Shard] = []

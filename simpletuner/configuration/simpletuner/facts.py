@@ -213,7 +213,7 @@ CAPTION_STRATEGIES: dict[str, Optional[str]] = {
     "instanceprompt": "instance_prompt",
     "instance_prompt": "instance_prompt",
     "parquet": "parquet",
-    "huggingface": None,
+    "huggingface": "textfile",  # a `type: huggingface` entry's caption column (refused on other types)
     "webshart": None,
     "csv": None,  # SimpleTuner's `csv` downloads images from a URL list; ours reads local captions
 }

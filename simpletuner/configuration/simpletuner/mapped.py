@@ -258,7 +258,7 @@ def _hub(t: Translation, value: Any, entry: DialectKey) -> None:
     if on:
         t.problems.append(
             f"`{entry.key}: true`: this trainer does not upload to the Hugging Face Hub; set it to false and upload "
-            "the output folder yourself (`huggingface-cli upload`)"
+            "the output folder yourself (`hf upload`)"
         )
     else:
         t.ignore(entry.key, "hub uploads are off")

@@ -20,6 +20,7 @@ from simpletuner.configuration.simpletuner.reading import (
     is_inert,
     key_row,
     plain,
+    rename,
     set_spelled,
     spelled,
 )
@@ -31,19 +32,129 @@ def _ds(key: str, kind: Kind = "same", ours: Optional[str] = None, note: str = "
 
 def _storage(t: Translation, value: Any, entry: DialectKey) -> None:
     text = str(value).strip()
-    if text in ("local", "in_memory"):
+    if text in ("local", "in_memory", "huggingface"):
         t.put("type", text, entry.key)
     elif text == "aws":  # the bucket, prefix, endpoint and credentials follow from the `aws_*` keys
         t.put("type", "object_store", entry.key)
-    elif text == "huggingface":
-        t.problems.append(
-            f"{t.dataset_label}: `type: huggingface`: Hugging Face Hub datasets are not downloaded by the trainer: "
-            "download the dataset's Parquet files (`huggingface-cli download <repo> --repo-type dataset --local-dir "
-            "DIR`) and use `type: parquet` with `instance_data_dir` DIR's data folder and its `image_column` / "
-            "`caption_column` (documentation/DATA_SOURCES.md)"
-        )
     else:
         t.problems.append(f"{t.dataset_label}: `type: {text}` is not supported here: use `type: local`")
+    if text == "huggingface" and "caption_column" not in _hub_block(t):
+        # SimpleTuner reads a Hub dataset's captions from `huggingface.caption_column`, default `caption`
+        # (data_backend/factory.py:3102, metadata/backends/huggingface.py:83)
+        t.put("caption_column", "caption", "SimpleTuner's default `huggingface.caption_column`")
+        t.report.defaults.append(
+            f"`{t.dataset_label}.caption_column: 'caption'` (SimpleTuner's default for a Hub dataset)"
+        )
+
+
+def _is_hub_entry(t: Translation) -> bool:
+    return t.dataset_entry is not None and str(t.dataset_entry.get("type", "local")).strip() == "huggingface"
+
+
+def _hub_block(t: Translation) -> dict[str, Any]:
+    block = t.dataset_entry.get("huggingface") if t.dataset_entry is not None else None
+    return block if isinstance(block, dict) else {}
+
+
+def _hub_key(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`dataset_name` / `split` / `revision` / `image_column`: read by SimpleTuner for `type: huggingface` only
+    (data_backend/config/image.py:167-173), where the entry's own key wins over the `huggingface` block's."""
+    if not _is_hub_entry(t):
+        t.ignore(f"{t.dataset_label}.{entry.key}", "read for `type: huggingface` entries only, as in SimpleTuner")
+        return
+    if entry.key == "revision" and is_inert(value):  # null: the default branch, as here
+        return
+    assert entry.ours is not None
+    t.put(entry.ours, value.strip() if isinstance(value, str) else value, entry.key)
+
+
+_HUB_FILES = "a Hub dataset's files go to the Hub cache (HF_HUB_CACHE / HF_HOME), shared by every run"
+_STREAMING = (
+    "the split's Parquet files are downloaded, then read in place; SimpleTuner's own documentation says its streaming "
+    "does not work"
+)
+
+
+def _cache_dir(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`cache_dir`: a `text_embeds` entry's folder (read there); on a `type: huggingface` entry the datasets
+    library's cache (data_backend/config/image.py:175), which this trainer does not use."""
+    if _is_hub_entry(t):
+        t.ignore(f"{t.dataset_label}.{entry.key}", _HUB_FILES)
+        return
+    rename(t, value, entry)
+
+
+#: Keys of SimpleTuner's `huggingface` block read here as the entry's own key of the same name.
+_HUB_BLOCK_SAME = ("dataset_name", "split", "revision", "image_column")
+#: Keys of the `huggingface` block with no effect on what is trained here, and why.
+_HUB_BLOCK_IGNORED = {
+    "cache_dir": _HUB_FILES,
+    "streaming": _STREAMING,
+    "num_proc": "worker processes of `filter_func`, which is not supported",
+    "auto_load": "when SimpleTuner loads the dataset; here the split is fetched before the run starts",
+    "file_extension": "the extension of SimpleTuner's virtual file names; here names come from the rows",
+    "width_column": "image sizes are read from the image headers",
+    "height_column": "image sizes are read from the image headers",
+    "quality_column": "read with `filter_func`'s quality thresholds only",
+    "video_column": "read for video datasets only, which a Hub dataset cannot be here",
+    "lyrics_column": "audio datasets only",
+    "audio_caption_fields": "audio datasets only",
+    "num_frames_column": "video datasets only",
+    "fps_column": "video datasets only",
+}
+#: Keys of the `huggingface` block that change what is trained and are not supported, and why.
+_HUB_BLOCK_REFUSED = {
+    "filter_func": "rows cannot be filtered here: make a filtered copy of the dataset (a Parquet file) and use it",
+    "composite_image_config": "cutting one image out of a grid is not supported: crop the images in a copy",
+    "fallback_caption_column": "one caption column is read here: fill the empty captions in a copy of the dataset",
+    "description_column": "one caption column is read here: fill the empty captions in a copy of the dataset",
+    "bbox_column": "grounding boxes are not read here: remove the key",
+}
+
+
+def _huggingface_block(t: Translation, value: Any, entry: DialectKey) -> None:
+    """SimpleTuner's `huggingface` block of a `type: huggingface` entry: its caption column (data_backend/
+    factory.py:3102, metadata/backends/huggingface.py:83), and the entry's keys it gives where the entry does not
+    (data_backend/config/image.py:170-179); the rest is ignored or refused by name."""
+    if not isinstance(value, dict):
+        raise Problem(f"`{t.dataset_label}.huggingface` must be an object")
+    if not _is_hub_entry(t):
+        t.ignore(f"{t.dataset_label}.huggingface", "read for `type: huggingface` entries only, as in SimpleTuner")
+        return
+    assert t.dataset_entry is not None
+    for key, item in value.items():
+        where = f"{t.dataset_label}.huggingface.{key}"
+        if key == "caption_column":
+            _hub_caption_column(t, item, where)
+        elif key in _HUB_BLOCK_SAME and key in t.dataset_entry:
+            t.ignore(where, f"the entry's own `{key}` wins, as in SimpleTuner")
+        elif key in _HUB_BLOCK_SAME:
+            _hub_key(t, item, DialectKey(key, "dataset", "same", key))
+            t.report.mapped.append(f"`{where}` -> `{key}`")
+        elif key in _HUB_BLOCK_IGNORED or (key in _HUB_BLOCK_REFUSED and is_inert(item)):
+            t.ignore(where, _HUB_BLOCK_IGNORED.get(key, "unset"))
+        elif key in _HUB_BLOCK_REFUSED:
+            t.problems.append(f"`{where}`: {_HUB_BLOCK_REFUSED[key]}")
+        else:
+            t.problems.append(f"`{where}`: not a key SimpleTuner reads in the `huggingface` block")
+
+
+def _hub_caption_column(t: Translation, value: Any, where: str) -> None:
+    """`huggingface.caption_column`: one column (a list of one too); several, or a nested `a.b`, are refused."""
+    columns = value if isinstance(value, list) else [value]
+    if len(columns) != 1 or not isinstance(columns[0], str) or not columns[0]:
+        t.problems.append(
+            f"`{where}` = {value!r}: one caption column is read here (SimpleTuner keeps a caption per column): name "
+            "one, or merge them into one column in a copy of the dataset"
+        )
+    elif "." in columns[0]:
+        t.problems.append(
+            f"`{where}` = {columns[0]!r}: a field inside a column is not read here: name a top-level column, or copy "
+            "the field into one"
+        )
+    else:
+        t.put("caption_column", columns[0], "huggingface.caption_column")
+        t.report.mapped.append(f"`{where}` -> `caption_column`")
 
 
 #: The keys that together write an `aws` dataset's `instance_data_dir`, ``s3://<aws_bucket_name>/<aws_data_prefix>``.
@@ -90,6 +201,9 @@ def _s3_option(t: Translation, value: Any, entry: DialectKey) -> None:
 
 def _dataset_path(t: Translation, value: Any, entry: DialectKey) -> None:
     assert entry.ours is not None
+    if _is_hub_entry(t):  # SimpleTuner gives a Hub dataset no folder (data_backend/builders/huggingface.py:167)
+        t.ignore(f"{t.dataset_label}.{entry.key}", "not read for `type: huggingface`, as in SimpleTuner")
+        return
     source = t.sources.get(f"{t.dataset_label}.{entry.ours}")
     if source in _S3_LOCATION_KEYS:
         raise Problem(
@@ -103,6 +217,23 @@ def _caption_strategy(t: Translation, value: Any, entry: DialectKey) -> None:
     own = t.dataset_entry.get("only_instance_prompt") if t.dataset_entry is not None else None
     if own is not None and as_bool(own, f"{t.dataset_label}.only_instance_prompt"):
         t.ignore(f"{t.dataset_label}.{entry.key}", "`only_instance_prompt` wins, as in SimpleTuner")
+        return
+    text = str(value).strip()
+    if _is_hub_entry(t) and text not in ("huggingface", "instanceprompt", "instance_prompt"):
+        t.problems.append(  # SimpleTuner refuses them too (data_backend/config/validators.py:139)
+            f"{t.dataset_label}: `caption_strategy: {text}` on a `type: huggingface` entry (where unset, the top-level "
+            "value or SimpleTuner's default `filename`): SimpleTuner takes `huggingface` (the caption column) or "
+            "`instanceprompt` there; set one"
+        )
+        return
+    if text == "huggingface":
+        if not _is_hub_entry(t):
+            t.problems.append(
+                f"{t.dataset_label}: `caption_strategy: huggingface` reads a Hub dataset's caption column: it needs "
+                "`type: huggingface`, as in SimpleTuner"
+            )
+        else:
+            t.put("caption_strategy", "textfile", entry.key)  # each row's caption, from `caption_column`
         return
     choices = CAPTION_STRATEGIES
     ours = spelled(t, value, entry, choices, "captions from text files, file names, the instance prompt or parquet")
@@ -302,10 +433,39 @@ DATASET_CORE: tuple[DialectKey, ...] = (
     _ds("disabled", apply=_dataset_bool),
     _ds("disable", "same", "disabled"),
     _ds(
-        "huggingface",
+        "dataset_name",
+        note="`type: huggingface`: the dataset's repo id (the `huggingface` block's where unset here)",
+        apply=_hub_key,
+    ),
+    _ds("split", note="`type: huggingface`: the split read, `train` by default; a name, not a slice", apply=_hub_key),
+    _ds("revision", note="`type: huggingface`: branch, tag or commit; null: `main`", apply=_hub_key),
+    _ds("image_column", note="`type: huggingface`: the column of images, `image` by default", apply=_hub_key),
+    _ds(
+        "caption_column",
+        "ignored",
+        note="SimpleTuner reads a Hub dataset's captions from `huggingface.caption_column` (default `caption`), not "
+        "from this key",
+    ),
+    _ds("video_column", "ignored", note="`type: huggingface`: " + _HUB_BLOCK_IGNORED["video_column"]),
+    _ds("streaming", "ignored", note=f"`type: huggingface`: {_STREAMING}"),
+    _ds("num_proc", "ignored", note="`type: huggingface`: " + _HUB_BLOCK_IGNORED["num_proc"]),
+    _ds("auto_load", "ignored", note="`type: huggingface`: " + _HUB_BLOCK_IGNORED["auto_load"]),
+    _ds(
+        "split_composite_images",
         "unsupported",
-        note="Hugging Face Hub datasets are not downloaded by the trainer: download the dataset's Parquet files and "
-        "use `type: parquet`",
+        note="`type: huggingface`: cutting grid images into several samples is not supported",
+    ),
+    _ds("composite_image_column", "ignored", note="read with `split_composite_images` only"),
+    _ds(
+        "huggingface",
+        "same",
+        "caption_column",
+        "`type: huggingface`: `caption_column` (one column, default `caption`); `dataset_name` / `split` / `revision` "
+        "/ `image_column` where the entry does not set them; `filter_func`, `composite_image_config`, "
+        "`fallback_caption_column` / `description_column` refused; loader settings (`cache_dir`, `streaming`, "
+        "`num_proc`, ...) ignored. An empty caption falls back as a missing caption file does (SimpleTuner tries a "
+        "`description` column first)",
+        apply=_huggingface_block,
     ),
     _ds("crop", apply=_dataset_bool),
     _ds(
@@ -322,7 +482,12 @@ DATASET_CORE: tuple[DialectKey, ...] = (
     _ds("target_downsample_size", "approximated", "target_downsample_size", _DOWNSAMPLE, apply=_size),
     _ds("minimum_aspect_ratio", "approximated", "minimum_aspect_ratio", _ASPECT_FILTER),
     _ds("maximum_aspect_ratio", "approximated", "maximum_aspect_ratio", _ASPECT_FILTER),
-    _ds("caption_strategy", note="`instanceprompt` -> `instance_prompt`", apply=_caption_strategy),
+    _ds(
+        "caption_strategy",
+        note="`instanceprompt` -> `instance_prompt`; `huggingface` (a `type: huggingface` entry's caption column) -> "
+        "`textfile`, and such an entry takes no other than these two, as in SimpleTuner",
+        apply=_caption_strategy,
+    ),
     _ds(
         "disable_multiline_split",
         note="false (the default): a caption file of several lines gives one line per step, drawn from the seed",
@@ -354,7 +519,13 @@ DATASET_CORE: tuple[DialectKey, ...] = (
     _ds("is_regularisation_data", apply=_dataset_bool),
     _ds("is_regularization_data", "same", "is_regularisation_data", apply=_dataset_bool),
     _ds("cache_dir_vae", note="`{model_family}` is SimpleTuner's family name; made absolute", apply=_cache_dir_vae),
-    _ds("cache_dir", "same", "cache_config.text_cache_dir", "of a `dataset_type: text_embeds` entry"),
+    _ds(
+        "cache_dir",
+        "same",
+        "cache_config.text_cache_dir",
+        "of a `dataset_type: text_embeds` entry; on a `type: huggingface` entry ignored (the Hub cache is used)",
+        apply=_cache_dir,
+    ),
     _ds("default", "ignored", note="of a `text_embeds` entry: there is one text cache folder"),
     _ds(
         "text_embeds",

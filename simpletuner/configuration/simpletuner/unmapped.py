@@ -46,10 +46,6 @@ _SDNQ = "SDNQ options act only with SDNQ `base_model_precision` presets, which a
 _MEMORY_BACKEND = "tmpfs cache backends: set `cache_config.vae_cache_type` / `text_cache_type` to `memory` instead"
 
 # --- unsupported: would change what is trained ---------------------------------------------------
-_HF = (
-    "Hugging Face Hub datasets are not downloaded by the trainer: download the dataset's Parquet files and use "
-    "type parquet (its image_column / caption_column)"
-)
 _CSV = "URL-list (CSV) datasets are not downloaded here: fetch the images to a local folder and use type local"
 _WEBSHART = "Webshart shard datasets are not supported: unpack the images to a local folder and use type local"
 _CONTROLNET = "ControlNet training is not supported: train a LoRA without it"
@@ -411,13 +407,13 @@ _DATASET_IGNORED = (
     *_ignored("ignore_epochs", "deprecated in SimpleTuner, where it does nothing", "dataset"),
     *_ignored(
         "metadata_backend",
-        "files are found by scanning `instance_data_dir`; a `parquet` block supplies captions and sizes",
+        "files are found by scanning `instance_data_dir` (a Hub dataset: the rows of its split's Parquet files); a "
+        "`parquet` block supplies captions and sizes",
         "dataset",
     ),
 )
 
 _DATASET_UNSUPPORTED = (
-    *_unsupported("dataset_name split caption_column image_column", _HF, "dataset"),
     *_unsupported("csv_file csv_caption_column csv_cache_dir", _CSV, "dataset"),
     *_unsupported(
         "source metadata webshart webshart_optimise_captions webshart_optimize_captions", _WEBSHART, "dataset"

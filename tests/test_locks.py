@@ -190,6 +190,17 @@ def test_cache_dir_in_the_data_is_refused_and_relative_paths_resolve_from_the_co
     validate_config(make_config(), check_files=False)  # the usual layout passes
 
 
+def test_a_dataset_at_a_url_overlaps_no_run_folder(make_config, tmp_path, monkeypatch):
+    """An object store or Hub dataset is not a folder here: output_dir "." (the working directory) is fine."""
+    monkeypatch.chdir(tmp_path)
+    for dataset in (
+        {"id": "s3", "type": "object_store", "instance_data_dir": "s3://bucket/images"},
+        {"id": "hub", "type": "huggingface", "dataset_name": "org/pictures"},
+    ):
+        raw = make_config(output_dir=".", cache_config={"cache_dir": "cache"}, datasets=[dataset])
+        validate_config(raw, base_dir=tmp_path, check_files=False)
+
+
 # --- real runs --------------------------------------------------------------------------------
 def _write(raw: dict, path: Path) -> str:
     path.write_bytes(orjson.dumps(raw))

@@ -306,8 +306,12 @@ _DATA_INSIDE_PLACE = {
 
 def _places_apart(cfg) -> Iterator[str]:
     """output_dir and cache_dir are neither a dataset folder, nor inside one, nor around one."""
+    from simpletuner.configuration.dataset_sections import url_protocol  # that module imports this one
+
     places = {"output_dir": cfg.output_dir, "cache_config.cache_dir": cfg.cache_config.cache_dir}
     for index, ds in enumerate(cfg.datasets or []):
+        if isinstance(ds.instance_data_dir, str) and url_protocol(ds.instance_data_dir) is not None:
+            continue  # s3://, hf://...: not a folder of this machine, so no run folder can overlap it
         data = _real_path(ds.instance_data_dir)
         for key, value in places.items():
             place = _real_path(value)

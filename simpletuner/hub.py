@@ -73,6 +73,11 @@ def hub_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(home).expanduser() / "hub"
 
 
+def hub_endpoint(environ: Mapping[str, str] = os.environ) -> str:
+    """The Hub the client talks to under these settings: ``HF_ENDPOINT``, else huggingface.co."""
+    return (environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
 def is_offline(environ: Mapping[str, str] = os.environ) -> bool:
     """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to a true value: the cache only, no requests."""
     value = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
@@ -172,7 +177,7 @@ def _download(
     )
 
     offline = is_offline(environ)
-    endpoint = (environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    endpoint = hub_endpoint(environ)
     cache = hub_cache_dir(environ)
     where = f"the Hub at {endpoint}"
     try:

@@ -24,15 +24,13 @@ from typing import TYPE_CHECKING, Any
 from simpletuner.configuration.cache_paths import is_trained
 from simpletuner.data_backend.hub_splits import data_files, parquet_splits, split_parquet_files
 from simpletuner.data_backend.parquet_shards import ParquetBackend, caption_column_read, check_file_columns
-from simpletuner.hub import HubError, hub_cache_dir, is_offline
+from simpletuner.hub import HubError, hub_cache_dir, hub_endpoint, is_offline
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
     from simpletuner.configuration.dataset_sections import HuggingFaceDatasetConfig
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 class HubDatasetError(HubError):
@@ -54,11 +52,6 @@ class HubDatasetFiles:
     def describe(self) -> str:
         """``org/name@main (commit 0123abcd4567), split train``."""
         return f"{self.repo_id}@{self.revision} (commit {self.commit[:12]}), split {self.split}"
-
-
-def hub_endpoint(environ: Mapping[str, str] = os.environ) -> str:
-    """The Hub the client talks to under these settings: ``HF_ENDPOINT``, else huggingface.co."""
-    return (environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
 def fetch_split(

@@ -15,6 +15,7 @@ BAD_INPUT = 2  # config, flags, files (the message says what to fix)
 NON_FINITE = 3  # `train`: non-finite loss or gradient (the last good state is saved)
 OUT_OF_MEMORY = 4  # `train`: out of memory (the message says what would fit)
 NO_SPACE = 5  # not enough disk space for a write (how much, where, what is free)
+NETWORK = 6  # `push`: the Hub upload failed after its retries (the message says what failed and how to retry)
 INTERNAL_ERROR = 70  # a bug in simpletuner, not in the input (EX_SOFTWARE of sysexits.h)
 BROKEN_PIPE = 141  # what a shell reports for a writer killed by SIGPIPE
 

@@ -223,3 +223,81 @@ def _download(
         ) from None
     path = Path(folder)
     return HubSnapshot(repo_id, revision, path.name, path)
+
+
+@dataclass(frozen=True)
+class UploadTarget:
+    """A model repo uploads may go to: its full id (``org/name``), the token that writes to it, the Hub's URL."""
+
+    repo_id: str
+    token: str
+    endpoint: str
+
+    @property
+    def url(self) -> str:
+        return f"{self.endpoint}/{self.repo_id}"
+
+
+def check_upload_access(repo_id: str, private: bool, environ: Mapping[str, str] = os.environ) -> UploadTarget:
+    """Make sure uploads to ``repo_id`` can work before any training: online, a token found (``HF_TOKEN`` or
+    ``hf auth login``), valid and not read-only; then the repo is created when it does not exist (``private``
+    then; one that exists keeps its visibility), as SimpleTuner does at start. ``repo_id`` without an ``org/``
+    is put under the token's account. Returns the target with the full id.
+
+    Raises:
+        HubError: one line naming the repo and the fix.
+    """
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    where = f"the Hub at {hub_endpoint(environ)}"
+    if is_offline(environ):
+        raise HubError(
+            f"push_to_hub to {repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded: unset it, or set "
+            "push_to_hub false and upload the finished run later with `simpletuner push OUTPUT_DIR --repo "
+            f"{repo_id}` from a machine with network"
+        )
+    token = get_token()
+    if not token:
+        raise HubError(
+            f"push_to_hub to {repo_id}: no Hugging Face token on this machine: log in with `hf auth login` (a token "
+            "with write access), or set HF_TOKEN; or set push_to_hub false"
+        )
+    api = HfApi(endpoint=hub_endpoint(environ), token=token)
+    try:
+        me = api.whoami()
+        role = ((me.get("auth") or {}).get("accessToken") or {}).get("role")
+        if role == "read":
+            raise HubError(
+                f"push_to_hub to {repo_id}: the token on this machine is read-only: make a token with write access "
+                "(huggingface.co/settings/tokens) and log in with it (`hf auth login`, or HF_TOKEN)"
+            )
+        full_id = repo_id if "/" in repo_id else f"{me['name']}/{repo_id}"
+        api.create_repo(full_id, private=private, exist_ok=True, repo_type="model")
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status == 401:
+            raise HubError(
+                f"push_to_hub to {repo_id}: {where} does not accept the token on this machine (expired or revoked?): "
+                "log in again with `hf auth login`, or set HF_TOKEN to a valid write token"
+            ) from None
+        if status == 403:
+            raise HubError(
+                f"push_to_hub to {repo_id}: the token on this machine may not create or write that repo on {where} "
+                "(another account's or an organization you cannot write to): set hub_model_id to a repo of your "
+                "account, or use a token with write access to it"
+            ) from None
+        raise HubError(f"push_to_hub to {repo_id}: {where} answered {_first_line(exc)}: try again later") from None
+    except HubError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - no connection, a timeout: the transport's errors differ by client version
+        raise HubError(
+            f"push_to_hub to {repo_id}: {where} cannot be reached ({type(exc).__name__}: {_first_line(exc)}): check "
+            "the network and HF_ENDPOINT, or set push_to_hub false and upload later with `simpletuner push`"
+        ) from None
+    return UploadTarget(full_id, token, hub_endpoint(environ))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

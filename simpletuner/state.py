@@ -5,7 +5,8 @@ runs in one process never see each other's state. The trainer's builders hand wh
 as arguments; this is where the run is recorded for the seeds, tools and tests.
 
 Who writes what: the entry point fills ``config``, ``raw_config``, ``setting_sources``, ``startup_notes``,
-``hub_model`` and ``resume_command`` (the trainer logs and quotes them); the trainer records the datasets it built
+``hub_model``, ``hub_upload`` and ``resume_command`` (the trainer logs and quotes them); the trainer records the
+datasets it built
 (``register_dataset``; ``get_dataset`` / ``datasets`` read them), the GH200 runtime decisions
 (``gh200_runtime_config``, as ``<output_dir>/gh200_runtime.json`` has them); the caches register their folders,
 which ``cache_dirs`` lists (a stop keeps a partial fill there) and ``delete_cache_files`` removes.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
     from simpletuner.data_backend.factory import RegisteredDataset
+    from simpletuner.hub import UploadTarget
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class StateTracker:
         #: ``org/name@commit`` where pretrained_model_name_or_path was a hub id (its snapshot folder is the config's
         #: path); None for a local folder
         self.hub_model: str | None = None
+        #: push_to_hub: the repo the entry point checked before anything was written (None: the trainer checks it)
+        self.hub_upload: "UploadTarget | None" = None
         self._datasets: dict[str, "RegisteredDataset"] = {}
         self._cache_dirs: set[Path] = set()
         _LIVE.add(self)

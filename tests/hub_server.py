@@ -6,11 +6,14 @@ repo (returns its commit hash, the one ``hub_fixtures.lay_out_hub_cache`` gives 
 test downloads it with ``snapshot_download`` / ``hf_hub_download`` / diffusers / ``HfFileSystem`` into its cache.
 Uploads (``create_repo``, ``upload_folder``, ``upload_file``, ``create_commit``) land in ``hub_server.commits``
 (``RecordedCommit``: message, operations, added files' bytes) and ``hub_server.repo_files(repo_id)``; writes need
-``token=hub_server.token`` (or ``HF_TOKEN`` set to it): without one the client raises ``HfHubHTTPError`` (401).
+``token=hub_server.token`` (or ``HF_TOKEN`` set to it): without one the client raises ``HfHubHTTPError`` (401); a
+token in ``.read_tokens`` reads but gets 403 on writes, as does a write outside ``user`` and ``.writable_namespaces``
+(when set).
 A gated repo without a token gives ``GatedRepoError``, a missing or private one ``RepositoryNotFoundError``, a bad
 revision ``RevisionNotFoundError``, a missing file ``EntryNotFoundError`` (huggingface_hub maps the ``X-Error-Code``
 header the server sends). ``hub_server.fail("POST", "/commit/", 503, times=2)`` makes the next matching requests fail
-(retries, error reports). ``hub_server.unhandled`` lists requests no route answered (assert it stays empty).
+(retries, error reports); ``hub_server.hold("POST", "/commit/")`` keeps them waiting until the event it returns is set.
+``hub_server.unhandled`` lists requests no route answered (assert it stays empty).
 
 How the client is switched per test (``HubServer.use``): huggingface_hub reads ``HF_ENDPOINT`` at import into
 ``constants.ENDPOINT`` and ``constants.HUGGINGFACE_CO_URL_TEMPLATE``, and the module-level ``HfApi`` behind
@@ -95,6 +98,9 @@ class HubServer:
     def __init__(self, token: str = "hf_test_write_token", user: str = "test-user") -> None:
         self.token = token
         self.tokens: set[str] = {token}
+        self.read_tokens: set[str] = set()  # valid tokens with the "read" role: reads work, writes get 403
+        #: Namespaces the tokens may write to besides ``user`` (others: 403); None: any namespace.
+        self.writable_namespaces: set[str] | None = None
         self.user = user
         self.repos: dict[tuple[str, str], _Repo] = {}
         self.commits: list[RecordedCommit] = []
@@ -104,6 +110,7 @@ class HubServer:
         self.regular_uploads_only = False  # answer every preupload "regular" (set by ``use(xet=True)``)
         self.cache_dir: Path | None = None  # the test's default Hub cache, where running_hub_server set one
         self._failures: list[list[Any]] = []  # [method, path regex, status, times left]
+        self._holds: list[tuple[str, re.Pattern[str], threading.Event]] = []  # requests kept waiting: hold()
         self._lock = threading.RLock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -202,6 +209,14 @@ class HubServer:
         with self._lock:
             self._failures.append([method, re.compile(path_regex), status, times])
 
+    def hold(self, method: str, path_regex: str) -> threading.Event:
+        """Keep every matching request waiting until the returned event is set (at most 60 s): an upload that is
+        still being sent, for tests of what goes on meanwhile."""
+        event = threading.Event()
+        with self._lock:
+            self._holds.append((method, re.compile(path_regex), event))
+        return event
+
     def repo(self, repo_id: str, repo_type: str = "model") -> _Repo:
         return self.repos[(repo_type, repo_id)]
 
@@ -249,6 +264,10 @@ class _HubHandler(BaseHTTPRequestHandler):
         if failure is not None:
             self._send_json(failure[2], {"error": f"injected failure {failure[2]}"})
             return
+        with self.hub._lock:
+            held = [event for m, pattern, event in self.hub._holds if m == method and pattern.search(split.path)]
+        for event in held:
+            event.wait(timeout=60)  # a test that never releases it fails on the client's side, not by hanging
         try:
             handled = self._route(method, parts, query)
         except _HubError as e:
@@ -304,13 +323,18 @@ class _HubHandler(BaseHTTPRequestHandler):
         token = self._token()
         if token is None:
             return False
-        if token not in self.hub.tokens:
+        if token not in self.hub.tokens and token not in self.hub.read_tokens:
             raise _HubError(401, None, "Invalid credentials in Authorization header")
         return True
 
-    def _require_write(self) -> None:
+    def _require_write(self, namespace: str | None = None) -> None:
         if not self._authorized():
             raise _HubError(401, None, "You must be authenticated to write to the Hub: pass a token")
+        if self._token() in self.hub.read_tokens:
+            raise _HubError(403, None, "You don't have the rights to write with this token (read-only)")
+        allowed = self.hub.writable_namespaces
+        if namespace is not None and allowed is not None and namespace not in {self.hub.user, *allowed}:
+            raise _HubError(403, None, f"You don't have the rights to create a model under the namespace {namespace}")
 
     # -- reads --------------------------------------------------------------------------------------------------------
     def _readable_repo(self, repo_type: str, repo_id: str) -> _Repo:
@@ -350,7 +374,11 @@ class _HubHandler(BaseHTTPRequestHandler):
         if parts == ["api", "whoami-v2"] and method == "GET":
             if not self._authorized():
                 raise _HubError(401, None, "Invalid credentials in Authorization header")
-            self._send_json(200, {"type": "user", "name": self.hub.user, "auth": {"type": "access_token"}})
+            role = "read" if self._token() in self.hub.read_tokens else "write"
+            token = {"displayName": "test", "role": role}
+            self._send_json(
+                200, {"type": "user", "name": self.hub.user, "auth": {"type": "access_token", "accessToken": token}}
+            )
             return True
         if len(parts) == 2 and parts[0] in ("lfs-upload", "lfs-verify") and method in ("PUT", "POST"):
             self._lfs_transfer(parts[0], parts[1])
@@ -491,8 +519,8 @@ class _HubHandler(BaseHTTPRequestHandler):
         return f"{self.hub.url}/{prefix}{repo_id}"
 
     def _create_repo(self) -> None:
-        self._require_write()
         payload = json.loads(self._body() or b"{}")
+        self._require_write(payload.get("organization") or self.hub.user)
         repo_type = payload.get("type") or "model"
         repo_id = f"{payload['organization'] or self.hub.user}/{payload['name']}"
         url = self._repo_url(repo_type, repo_id)
@@ -506,7 +534,7 @@ class _HubHandler(BaseHTTPRequestHandler):
         self._send_json(200, {"url": url, "name": repo_id, "id": repo_id, "commit": commit})
 
     def _writable_repo(self, repo_type: str, repo_id: str) -> _Repo:
-        self._require_write()
+        self._require_write(repo_id.split("/")[0])
         repo = self.hub.repos.get((repo_type, repo_id))
         if repo is None:
             raise _HubError(404, "RepoNotFound", "Repository not found")

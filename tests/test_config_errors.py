@@ -236,9 +236,9 @@ def test_shared_key_names_every_tool(make_config):
 
 
 def test_approximated_and_ignored_keys(make_config):
-    problems = _problems(make_config(save_every_n_steps=100, hub_model_id="me/lora", job="extension"))
+    problems = _problems(make_config(save_every_n_steps=100, tracker_run_name="x", job="extension"))
     assert "the nearest setting here is `checkpointing_steps`" in _one(problems, "save_every_n_steps:")
-    assert "no effect here" in _one(problems, "hub_model_id:")
+    assert "no effect here" in _one(problems, "tracker_run_name:")
     assert "config.process[0]" in _one(problems, "job:")
 
 

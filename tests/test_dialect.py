@@ -177,14 +177,14 @@ def test_unsupported_keys_stop_with_the_key_and_the_fix_and_off_switches_do_not(
         {
             "tread_config": {"routes": [{"selection_ratio": 0.1, "start_layer_idx": 2, "end_layer_idx": 8}]},
             "controlnet": False,
-            "--push_to_hub": "true",
+            "--lr_scale": "true",
         },
     )
     monkeypatch.chdir(path.parent.parent)
     with pytest.raises(ConfigError) as err:
         load_config(path)
     text = str(err.value)
-    assert "push_to_hub" in text and "hf upload" in text
+    assert "lr_scale" in text and "multiply `learning_rate` yourself" in text
     assert "tread_config" in text
     assert "controlnet" not in text  # `false`: nothing to refuse
 

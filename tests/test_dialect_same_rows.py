@@ -371,6 +371,63 @@ TOP_ROWS: dict[str, Row] = {
         "the tracker's project",
         ({"tracker_project_name": "p"}, {"tracker_project_name": "p"}),
     ),
+    # --- Hub uploads (behaviour: tests/test_dialect_hub_upload.py) ---
+    "push_to_hub": _row(
+        f"{R}publishing.py:26 {H}publishing/huggingface.py:62 {H}publishing/huggingface.py:236 "
+        f"{H}training/trainer.py:7772",
+        "uploads the final weights and model card to the repo (default off); without push_to_hub_background "
+        "(default false) the training waits for its checkpoint uploads",
+        ({"push_to_hub": "true"}, {"push_to_hub": True, "push_to_hub_background": False}),
+        ({"push_to_hub": True, "push_to_hub_background": True}, {"push_to_hub_background": True}),
+        ({"push_to_hub": False}, {"push_to_hub": False, "push_to_hub_background": UNSET}),
+        ({}, {"push_to_hub": UNSET, "push_to_hub_background": UNSET}),
+        also="tests/test_dialect_hub_upload.py::test_an_uploading_config_validates_with_its_values",
+    ),
+    "push_checkpoints_to_hub": _row(
+        f"{R}publishing.py:98 {H}training/trainer.py:7423 {H}training/trainer.py:7572 {H}publishing/huggingface.py:236",
+        "each checkpoint is uploaded too; without push_to_hub the upload returns before any request",
+        ({"push_to_hub": True, "push_checkpoints_to_hub": "true"}, {"push_checkpoints_to_hub": True}),
+        ({"push_checkpoints_to_hub": True}, {"push_checkpoints_to_hub": UNSET, "push_to_hub": UNSET}),
+        also="tests/test_dialect_hub_upload.py::test_checkpoint_uploads_without_push_to_hub_are_ignored_not_refused",
+    ),
+    "push_to_hub_background": _row(
+        f"{R}publishing.py:115 {H}training/trainer.py:2214 {H}training/trainer.py:2299 "
+        f"{H}configuration/cli_utils.py:191",
+        "uploads run in a worker thread, only with push_to_hub on the main process; default false (null: the "
+        "default): inline",
+        ({"push_to_hub": True, "push_to_hub_background": "true"}, {"push_to_hub_background": True}),
+        ({"push_to_hub": True, "push_to_hub_background": False}, {"push_to_hub_background": False}),
+        ({"push_to_hub": True}, {"push_to_hub_background": False}),
+        ({"push_to_hub": True, "push_to_hub_background": None}, {"push_to_hub_background": False}),
+    ),
+    "hub_model_id": _row(
+        f"{R}publishing.py:133 {H}publishing/huggingface.py:30 {H}publishing/huggingface.py:40",
+        "the repo; a huggingface.co URL is read as its id; unset (null, empty): tracker_project_name",
+        ({"push_to_hub": True, "hub_model_id": "me/lora"}, {"hub_model_id": "me/lora"}),
+        ({"push_to_hub": True, "hub_model_id": "https://huggingface.co/me/lora"}, {"hub_model_id": "me/lora"}),
+        ({"push_to_hub": True, "hub_model_id": ""}, {"hub_model_id": UNSET}),
+        ({"push_to_hub": True, "hub_model_id": None}, {"hub_model_id": UNSET}),
+        also="tests/test_dialect_hub_upload.py::test_unset_hub_model_id_uploads_to_the_tracker_project",
+    ),
+    "model_card_private": _row(
+        f"{R}publishing.py:151 {H}publishing/huggingface.py:62 {H}configuration/cli_utils.py:225",
+        'create_repo(private=...) (default true); the string "false" is skipped by its reader: private',
+        ({"model_card_private": False}, {"model_card_private": False}),
+        ({"model_card_private": "true"}, {"model_card_private": True}),
+        ({"model_card_private": "false"}, {"model_card_private": UNSET}),
+    ),
+    "model_card_note": _row(
+        f"{R}publishing.py:185 {H}publishing/metadata.py:428",
+        "a note near the top of the model card; empty adds none",
+        ({"model_card_note": "trained on my cat"}, {"model_card_note": "trained on my cat"}),
+        ({"model_card_note": ""}, {"model_card_note": UNSET}),
+    ),
+    "model_card_safe_for_work": _row(
+        f"{R}publishing.py:168 {H}publishing/metadata.py:787",
+        "the card's tag: safe-for-work when true, not-for-all-audiences otherwise (default false)",
+        ({"model_card_safe_for_work": "true"}, {"model_card_safe_for_work": True}),
+        ({"model_card_safe_for_work": False}, {"model_card_safe_for_work": False}),
+    ),
     # --- top-level keys that are each dataset's default
     "resolution_type": _row(
         f"{R}data.py:42 {H}data_backend/config/base.py:126 {H}data_backend/factory.py:2967",

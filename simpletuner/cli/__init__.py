@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, convert.
+"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, push, convert.
 
 Each sub-command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit code``
 (the arguments several share: :mod:`.arguments`); this module lists them in :data:`COMMANDS`, builds the parser and
@@ -52,6 +52,10 @@ COMMANDS: dict[str, Command] = {
         "print the path of a bundled config file (Accelerate YAMLs, presets, examples), also when installed",
     ),
     "zoo": Command("simpletuner.cli.zoo", "write a tiny random-weight diffusers pipeline folder"),
+    "push": Command(
+        "simpletuner.cli.push",
+        "upload a finished run (weights, model card, validation images) or one checkpoint to the Hugging Face Hub",
+    ),
     "convert": Command(
         "simpletuner.cli.convert",
         "write a SimpleTuner config.json (+ multidatabackend.json) as a native config, with the mapping report",

@@ -11,7 +11,7 @@ from simpletuner.cli.arguments import add_config_arguments, add_log_level_argume
 from simpletuner.startup import StartupTimeline, quiet_gc_while_importing
 
 if TYPE_CHECKING:
-    from simpletuner.hub import HubSnapshot
+    from simpletuner.hub import HubSnapshot, UploadTarget
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +175,7 @@ def run_training(
     timeline = startup_timeline() if timeline is None else timeline
     configure_logging(log_level)
     loaded, sources, preset_notes = prepare_config(config_path, overrides, preset=preset)
+    upload = _check_hub_upload(loaded)
     timeline.mark("config")
     if loaded.hub is not None:  # the weights of the components the family loads, once the config is known good
         loaded = _download_hub_weights(loaded)
@@ -188,6 +189,7 @@ def run_training(
     state.setting_sources = sources
     state.startup_notes = preset_notes
     state.resume_command = resume_command
+    state.hub_upload = upload
     if loaded.hub is not None:
         state.hub_model = f"{loaded.hub.repo_id}@{loaded.hub.commit}"
         state.startup_notes.insert(0, _hub_line(loaded.hub))
@@ -195,6 +197,21 @@ def run_training(
     if not _is_single_process():
         _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
     return trainer.train()
+
+
+def _check_hub_upload(loaded) -> UploadTarget | None:
+    """push_to_hub: a token that may write the repo (which is created, private unless model_card_private is
+    false), checked before anything is downloaded or written; ConfigError naming the repo and the fix."""
+    config = loaded.config
+    if not config.push_to_hub:
+        return None
+    from simpletuner.configuration import ConfigError
+    from simpletuner.hub import HubError, check_upload_access
+
+    try:
+        return check_upload_access(config.hub_repo_id, config.model_card_private)
+    except HubError as exc:
+        raise ConfigError([str(exc)], str(loaded.path)) from None
 
 
 def _download_hub_weights(loaded):

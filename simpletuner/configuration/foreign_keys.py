@@ -113,7 +113,6 @@ _AIT_NESTED = (
     "an ai-toolkit job file nests its settings under config.process[0]; this trainer reads one flat JSON "
     "object of the keys in documentation/CONFIG.md"
 )
-_NO_HUB = "this trainer does not upload to the Hugging Face Hub"
 
 FOREIGN_KEYS: tuple[ForeignKey, ...] = (
     # --- SimpleTuner: generated from the dialect table (configuration/simpletuner/) ---

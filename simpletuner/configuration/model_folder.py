@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,3 +106,36 @@ def settle_model_family(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
             f"to take it from the folder), or point `pretrained_model_name_or_path` at a {given} folder"
         ]
     return raw, []
+
+
+#: A Hub repo name part: letters, digits, ``-``, ``_``, ``.``; not starting or ending with ``-`` / ``.``.
+_REPO_PART = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+
+def normalise_repo_id(value: str) -> str:
+    """A repo id as written in ``hub_model_id``: an ``https://huggingface.co/org/name`` URL (or ``huggingface.co/...``)
+    is read as ``org/name``, as SimpleTuner reads it (helpers/publishing/huggingface.py:40-56); surrounding
+    spaces, a query and a ``/tree/...`` tail go."""
+    cleaned = value.strip()
+    cleaned = re.sub(r"^[a-z]+://", "", cleaned).split("?", 1)[0].split("#", 1)[0]
+    if "huggingface.co/" in cleaned:
+        cleaned = cleaned.split("huggingface.co/", 1)[1]
+    cleaned = cleaned.strip("/")
+    parts = cleaned.split("/")
+    if len(parts) > 2 and parts[2] in ("tree", "blob", "resolve"):
+        cleaned = "/".join(parts[:2])
+    return cleaned
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """What is wrong with ``repo_id`` as a model repo to upload to (``org/name`` or ``name``), or None."""
+    parts = repo_id.split("/")
+    if not repo_id or len(parts) > 2:
+        return f"{repo_id!r} is not a repo id: write `org/name` (or `name` for the account of your token)"
+    bad = [p for p in parts if not _REPO_PART.match(p) or "--" in p or ".." in p or len(p) > 96]
+    if bad:
+        return (
+            f"{repo_id!r} is not a repo id: {bad[0]!r} may hold only letters, digits, '-', '_' and '.', not start or "
+            "end with '-' or '.', have no '--' or '..', and be at most 96 characters"
+        )
+    return None

@@ -19,6 +19,7 @@ from simpletuner.configuration.families import (
     FLOW_MATCHING_FAMILIES,
     VIDEO_FAMILIES,
 )
+from simpletuner.configuration.model_folder import repo_id_problem
 from simpletuner.configuration.optimizer_settings import (
     optimizer_config_problems,
     prodigy_learning_rate_problems,
@@ -578,6 +579,13 @@ def _validation_images_match_prompts(cfg) -> Iterator[str]:
         )
 
 
+def _hub_upload_settings(cfg) -> Iterator[str]:
+    if cfg.push_checkpoints_to_hub and not cfg.push_to_hub:
+        yield "push_checkpoints_to_hub needs push_to_hub: true (the repo is the one the final weights go to)"
+    if cfg.push_to_hub and cfg.hub_model_id is None and (problem := repo_id_problem(cfg.hub_repo_id)):
+        yield f"push_to_hub without hub_model_id uploads to tracker_project_name, and {problem}: set hub_model_id"
+
+
 TRAINING_RULES: tuple[Rule, ...] = (
     _stop_condition,
     _one_dataset_source,
@@ -610,6 +618,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _guidance_rescale_fits_family,
     _validation_frames_fit_family,
     _validation_images_match_prompts,
+    _hub_upload_settings,
 )
 
 

@@ -21,6 +21,7 @@ from simpletuner.configuration.dataset_sections import (
     LocalDatasetConfig,
 )
 from simpletuner.configuration.families import FAMILY_NAMES, FAMILY_ONLY_KEYS, FamilyName
+from simpletuner.configuration.model_folder import normalise_repo_id, repo_id_problem
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
 from simpletuner.configuration.rules import TRAINING_RULES, Rule, check_rules, validation_sizes
@@ -737,6 +738,47 @@ class TrainingConfig(_Strict):
         description="Project name for the tracker; also the name of its log folder under `output_dir/logs`.",
     )
 
+    # --- Hub uploads ---
+    push_to_hub: bool = Field(
+        default=False,
+        description=(
+            "When training ends, upload the final weights, a model card and the last validation images to the "
+            "Hugging Face Hub repo `hub_model_id`. The upload runs in the background and never fails the run: a "
+            "failed one is retried, then reported with the command that uploads it by hand. Needs a write token "
+            "(`hf auth login`, or `HF_TOKEN`), checked before training starts."
+        ),
+    )
+    push_checkpoints_to_hub: bool = Field(
+        default=False,
+        description=(
+            "With `push_to_hub`: also upload each checkpoint, to `checkpoint-N/` of the repo and (the adapter and "
+            "its card) to the repo's root, so the root always holds the newest weights. A full fine-tune's "
+            "checkpoint (resumable state, not a diffusers folder) goes to `checkpoint-N/` only."
+        ),
+    )
+    push_to_hub_background: bool = Field(
+        default=True,
+        description=(
+            "Checkpoint uploads run beside training; false: training waits for each (SimpleTuner's default). "
+            "The final upload is always waited for before the command ends."
+        ),
+    )
+    hub_model_id: Optional[str] = Field(
+        default=None,
+        description=(
+            "The repo to upload to: `org/name`, or `name` for the account of the token (a huggingface.co URL is "
+            "read as its id). Unset: `tracker_project_name`, as in SimpleTuner."
+        ),
+    )
+    model_card_private: bool = Field(
+        default=True, description="Create the repo private (a repo that exists keeps its visibility)."
+    )
+    model_card_note: Optional[str] = Field(default=None, description="A note shown near the top of the model card.")
+    model_card_safe_for_work: bool = Field(
+        default=False,
+        description="Tag the model card `safe-for-work` instead of `not-for-all-audiences` (as SimpleTuner tags it).",
+    )
+
     @field_validator("model_family", mode="before")
     @classmethod
     def _family_settled(cls, value: Any) -> Any:
@@ -746,6 +788,21 @@ class TrainingConfig(_Strict):
                 f"({', '.join(FAMILY_NAMES)}), or load the config with simpletuner.configuration.load_config"
             )
         return value
+
+    @field_validator("hub_model_id", mode="before")
+    @classmethod
+    def _repo_id_read(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        repo_id = normalise_repo_id(value)
+        if problem := repo_id_problem(repo_id):
+            raise ValueError(problem)
+        return repo_id
+
+    @property
+    def hub_repo_id(self) -> str:
+        """The repo uploads go to: `hub_model_id`, else `tracker_project_name` (SimpleTuner's rule)."""
+        return self.hub_model_id or normalise_repo_id(self.tracker_project_name)
 
     @field_validator("optimizer_config", mode="before")
     @classmethod

@@ -9,4 +9,5 @@
   :mod:`.rng`, :mod:`.run_identity`, :mod:`.run_folder` (one output_dir, one run).
 - :mod:`.launch` (process checks, the Accelerator), :mod:`.reliability` (signals, OOM), :mod:`.runlog` and
   :mod:`.metrics` (what a run logs), :mod:`.validation` (sample images, eval loss).
+- :mod:`.publish` (Hub uploads: ``push_to_hub``, ``simpletuner push``) and :mod:`.model_card` (the card's text).
 """

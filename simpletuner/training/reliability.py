@@ -47,6 +47,7 @@ PHASES: dict[str, tuple[str, str, Kept]] = {
     "training": ("training", "flag", ""),
     "final_save": ("the final save", "defer", ""),
     "final_validation": ("the final validation", "interrupt", "the final weights are saved"),
+    "upload": ("the Hub upload", "interrupt", "the final weights are saved; upload them with `simpletuner push`"),
     "done": ("the end of the run", "ignore", ""),  # trackers flushing: a signal now changes nothing
 }
 

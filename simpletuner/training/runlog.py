@@ -27,6 +27,10 @@ METRICS_FILE = "metrics.jsonl"
 _MAX_HELD_RECORDS = 10_000  # start-up lines held until the output folder is known
 
 
+#: Third-party loggers kept at WARNING: the HTTP transports of huggingface_hub (which one depends on its version).
+QUIET_LOGGERS = ("httpx", "httpx2", "urllib3")
+
+
 def configure_logging(level: str | int = "INFO", stream: IO[str] | None = None) -> logging.Handler:
     """Console logging for a run: our loggers at ``level``, third-party ones at max(level, INFO).
 
@@ -45,6 +49,8 @@ def configure_logging(level: str | int = "INFO", stream: IO[str] | None = None) 
     root.addHandler(handler)
     root.setLevel(max(numeric, logging.INFO))  # third-party DEBUG (PIL's chunk dumps) stays out
     logging.getLogger(OUR_LOGGER).setLevel(numeric)
+    for name in QUIET_LOGGERS:  # one INFO line per HTTP request of the Hub client: hundreds for one upload
+        logging.getLogger(name).setLevel(max(numeric, logging.WARNING))
     return handler
 
 

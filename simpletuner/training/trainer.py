@@ -32,6 +32,7 @@ from simpletuner.training.ema import EMA
 from simpletuner.training.launch import check_launch, check_shared_output_dir, make_accelerator
 from simpletuner.training.optim import build_lr_scheduler, build_optimizer
 from simpletuner.training.progress import NonFinitePolicy, Progress, StepOutcome, TrainResult, describe_window
+from simpletuner.training.publish import RunUploads, remove_staging
 from simpletuner.training.reliability import (
     OutOfMemory,
     Preempted,
@@ -104,6 +105,7 @@ class Trainer:
     _last_saved_step: int | None = None
     _last_saved_path: Path | None = None
     _setup_locks: ExitStack | None = None  # setup() without train(): its locks, released with the trainer
+    uploads: RunUploads | None = None  # push_to_hub, rank 0: the Hub uploads of this run
 
     def __init__(
         self,
@@ -201,6 +203,13 @@ class Trainer:
         check_shared_output_dir(acc, self.output_dir)  # every node sees the folder rank 0 holds
         self.run_id, token = ckpt.start_launch(acc, self.output_dir)  # output_dir is ours: clears dead saves
         self.checkpointer = ckpt.Checkpointer(acc, self.output_dir, cfg.checkpoints_total_limit, token)
+        if acc.is_main_process:  # push_to_hub: the repo was checked before anything was written (cli.train)
+            remove_staging(self.output_dir)  # uploads a killed run never sent: their files are still in place
+            self.uploads = RunUploads.start(
+                cfg, self.output_dir, self.state.hub_model, acc.num_processes, self.state.hub_upload
+            )
+            if self.uploads is not None:
+                locks.callback(self.uploads.abandon)  # a run that stops early names what it did not send
         return run_folder.finished_step(self.output_dir, cfg.resume_from_checkpoint, cfg.max_train_steps)
 
     def _start_run(self, locks: ExitStack) -> tuple[AccumulationPolicy, RuntimeDecisions]:
@@ -576,6 +585,9 @@ class Trainer:
                     kept=f"the final weights are saved ({output}); only the last validation images are missing",
                 )
                 self._validate()
+            if self.uploads is not None:
+                run_phase("upload")
+                self.uploads.final()
             run_phase("done")
             acc.end_training()
             return TrainResult(self.progress.global_step, self.losses, output, self.validation_images)
@@ -599,10 +611,11 @@ class Trainer:
         bar.update(1)
         if self._should_log(step):
             self._log_window(step, bar, meter)
-        if self._should_checkpoint(step):
-            self.save_checkpoint()
+        saved = self.save_checkpoint() if self._should_checkpoint(step) else None
         if self._should_validate(step):
             self._validate()
+        if saved is not None and self.uploads is not None:  # after validation: the card shows this step's images
+            self.uploads.checkpoint(saved, step)
 
     def _report_startup(self) -> None:
         """After this launch's first optimizer step: the start-up timeline in training.log, and in the launch's

@@ -262,6 +262,16 @@ SIMPLETUNER_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: SimpleTuner's defaults of upload settings where ours differ, written only into a config that uploads
+#: (`push_to_hub` on): `push_to_hub_background` false, training waits for each checkpoint upload
+#: (field_registry/sections/publishing.py:115, trainer.py:2214-2226).
+SIMPLETUNER_UPLOAD_DEFAULTS: dict[str, Any] = {"push_to_hub_background": False}
+
+#: Keys whose SimpleTuner default is true, where ours is the same (not in SIMPLETUNER_DEFAULTS): a string "false"
+#: leaves them true there (publishing.py:151), which a translation must say.
+SIMPLETUNER_TRUE_ALSO_HERE: frozenset[str] = frozenset({"model_card_private"})
+
+
 #: Each dataset's defaults in SimpleTuner's loader where ours differ.
 SIMPLETUNER_DATASET_DEFAULTS: dict[str, Any] = {
     "crop": False,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from simpletuner.configuration.families import FLOW_MATCHING_FAMILIES
-from simpletuner.configuration.model_folder import looks_like_hub_id
+from simpletuner.configuration.model_folder import looks_like_hub_id, normalise_repo_id
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.simpletuner.facts import (
     APPROXIMATED_PRECISIONS,
@@ -22,6 +22,7 @@ from simpletuner.configuration.simpletuner.facts import (
     OPTIMIZERS,
     PRECISIONS,
     SIMPLETUNER_FAMILIES,
+    SIMPLETUNER_UPLOAD_DEFAULTS,
 )
 from simpletuner.configuration.simpletuner.reading import (
     DialectKey,
@@ -249,19 +250,70 @@ def _report_to(t: Translation, value: Any, entry: DialectKey) -> None:
         )
 
 
-def _hub(t: Translation, value: Any, entry: DialectKey) -> None:
-    try:
-        on = as_bool(value, entry.key)
-    except Problem as exc:
-        t.problems.append(str(exc))
+def _push_to_hub(t: Translation, value: Any, entry: DialectKey) -> None:
+    """Upload the final weights. SimpleTuner waits for its checkpoint uploads unless `push_to_hub_background`
+    is set (its default false, publishing.py:115; trainer.py:2214-2226); ours runs them beside training, so a
+    config that uploads and leaves the key out gets SimpleTuner's `false` written, and the report says so."""
+    if value is None:  # SimpleTuner's reader skips null (cli_utils.py:191): its default, off
         return
-    if on:
-        t.problems.append(
-            f"`{entry.key}: true`: this trainer does not upload to the Hugging Face Hub; set it to false and upload "
-            "the output folder yourself (`hf upload`)"
+    on = as_bool(value, entry.key)
+    t.put("push_to_hub", on, entry.key)
+    if on and t.bare.get("push_to_hub_background") is None:
+        default = SIMPLETUNER_UPLOAD_DEFAULTS["push_to_hub_background"]
+        t.put("push_to_hub_background", default, "SimpleTuner's default push_to_hub_background")
+        t.report.defaults.append(
+            f"`push_to_hub_background: {default!r}` (SimpleTuner's default: training waits for each checkpoint "
+            "upload; the config uploads and does not set it)"
         )
-    else:
-        t.ignore(entry.key, "hub uploads are off")
+
+
+def _push_checkpoints(t: Translation, value: Any, entry: DialectKey) -> None:
+    """Checkpoint uploads happen only with `push_to_hub`: without it SimpleTuner's upload returns before any
+    request (helpers/publishing/huggingface.py:236-237), so the key is ignored rather than refused."""
+    if value is None:
+        return
+    on = as_bool(value, entry.key)
+    if on and not _is_on(t.bare.get("push_to_hub")):
+        t.ignore(entry.key, "without `push_to_hub` SimpleTuner uploads nothing")
+        return
+    t.put("push_checkpoints_to_hub", on, entry.key)
+
+
+def _is_on(value: Any) -> bool:
+    try:
+        return value is not None and as_bool(value, "")
+    except Problem:
+        return False  # the key's own row reports the value
+
+
+def _hub_model_id(t: Translation, value: Any, entry: DialectKey) -> None:
+    """The repo, a huggingface.co URL read as its id (helpers/publishing/huggingface.py:40-56). Unset spellings
+    leave it unset: the repo is then `tracker_project_name`, as in SimpleTuner (huggingface.py:30)."""
+    if is_inert(value):
+        if isinstance(value, str) and value.strip():  # "None", "null", ...: SimpleTuner would take the text
+            t.report.notes.append(
+                f"`hub_model_id: {value!r}` read as unset (the repo is `tracker_project_name`); SimpleTuner would "
+                f"upload to a repo named {value.strip()!r}"
+            )
+        t.ignore(entry.key, "unset: the repo is `tracker_project_name`")
+        return
+    t.put("hub_model_id", normalise_repo_id(str(value)), entry.key)
+
+
+def _model_card_note(t: Translation, value: Any, entry: DialectKey) -> None:
+    """Text as written (SimpleTuner's argument is a string); null or "" adds no note (metadata.py:428-433)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return
+    t.put("model_card_note", str(value), entry.key)
+
+
+def _flag(t: Translation, value: Any, entry: DialectKey) -> None:
+    """A SimpleTuner switch (true / false, also as strings) onto our boolean of the same name; null is skipped by
+    SimpleTuner's reader (cli_utils.py:191), so its default holds (upload settings: the same here)."""
+    assert entry.ours is not None
+    if value is None:
+        return
+    t.put(entry.ours, as_bool(value, entry.key), entry.key)
 
 
 def _validation_prompt(t: Translation, value: Any, entry: DialectKey) -> None:
@@ -599,7 +651,34 @@ CORE: tuple[DialectKey, ...] = (
     _same("tracker_project_name"),
     key_row("tracker_run_name", "ignored", note="the tracker names the run"),
     key_row("logging_dir", "ignored", note="logs are written under `output_dir`"),
-    key_row("hub_model_id", "ignored", note="this trainer does not upload to the Hugging Face Hub"),
-    key_row("push_to_hub", "unsupported", note="this trainer does not upload to the Hugging Face Hub", apply=_hub),
-    key_row("push_checkpoints_to_hub", "unsupported", note="this trainer does not upload to the Hub", apply=_hub),
+    # --- Hub uploads ---
+    _same(
+        "push_to_hub",
+        note="uploads the final weights and a model card to `hub_model_id`; without `push_to_hub_background`, "
+        "SimpleTuner's `false` is written (training waits for checkpoint uploads, as there)",
+        apply=_push_to_hub,
+    ),
+    _same(
+        "push_checkpoints_to_hub",
+        note="with `push_to_hub` only: without it SimpleTuner uploads nothing, and the key is ignored",
+        apply=_push_checkpoints,
+    ),
+    _same(
+        "push_to_hub_background",
+        note="SimpleTuner's default false (training waits for each checkpoint upload) is written with "
+        "`push_to_hub`; ours is true",
+        apply=_flag,
+    ),
+    _same(
+        "hub_model_id",
+        note='a huggingface.co URL is read as its id; unset (null, "", "none"): `tracker_project_name`',
+        apply=_hub_model_id,
+    ),
+    _same("model_card_private", note="the repo is created private (default true)", apply=_flag),
+    _same("model_card_note", note="shown near the top of the model card", apply=_model_card_note),
+    _same(
+        "model_card_safe_for_work",
+        note="tags the card `safe-for-work`; false: `not-for-all-audiences`",
+        apply=_flag,
+    ),
 )

@@ -19,6 +19,7 @@ from simpletuner.configuration.simpletuner.facts import (
     REFERENCE_CONDITIONING,
     SIMPLETUNER_DATASET_DEFAULTS,
     SIMPLETUNER_DEFAULTS,
+    SIMPLETUNER_TRUE_ALSO_HERE,
     UNSUPPORTED_CONDITIONING_TYPES,
     UNSUPPORTED_DATASET_TYPES,
 )
@@ -175,7 +176,7 @@ def _without_string_false(t: Translation, bare: dict[str, Any]) -> dict[str, Any
     for name, value in bare.items():
         if not (isinstance(value, str) and value.strip().lower() == "false"):
             kept[name] = value
-        elif SIMPLETUNER_DEFAULTS.get(name) is True:
+        elif SIMPLETUNER_DEFAULTS.get(name) is True or name in SIMPLETUNER_TRUE_ALSO_HERE:
             t.report.overridden.append(
                 f'`{name}: "false"` (a string) -> true: SimpleTuner\'s config reader skips the string "false", so its '
                 f"default (true) applies there and here; write false without quotes to turn it off"

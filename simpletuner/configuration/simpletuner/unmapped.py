@@ -16,9 +16,16 @@ UnmappedKind = Literal["ignored", "unsupported"]
 Entry = tuple[str, Section, UnmappedKind, str]
 
 # --- ignored: no effect on what is trained -------------------------------------------------------
-_HUB = "Hub uploads and model cards are not part of this trainer; the weights stay in `output_dir`"
-_PUBLISH = "uploads to other storage and webhooks are not part of this trainer"
+_PUBLISH = (
+    "uploads to other storage (S3, Backblaze B2, Azure Blob, Dropbox) are not implemented here; Hub uploads are "
+    "`push_to_hub`"
+)
+_WEBHOOK = "webhooks are not implemented here: progress is in the log and the tracker (`report_to`)"
 _HOOK_SCRIPT = "hook scripts are not run by this trainer: run yours on the checkpoint folders in `output_dir`"
+_UPLOAD_HOOK = (
+    "hook scripts are not run by this trainer (SimpleTuner runs this one after each upload or save): run yours "
+    "when the run has ended"
+)
 _LOGGING = "logging and debug output only"
 _MEMORY = "a memory or speed setting with no effect on what is trained; memory is managed here by the trainer"
 _CHECKPOINTING = "gradient checkpointing is on or off here (`gradient_checkpointing`): a memory/speed trade only"
@@ -116,9 +123,9 @@ def _unsupported(keys: str, note: str, section: Section = "top") -> tuple[Entry,
 
 
 _TOP_IGNORED = (
-    *_ignored("model_card_note model_card_private model_card_safe_for_work push_to_hub_background", _HUB),
-    *_ignored("post_upload_script", _HUB),
-    *_ignored("publishing_config webhook_config webhook_reporting_interval", _PUBLISH),
+    *_ignored("post_upload_script", _UPLOAD_HOOK),
+    *_ignored("publishing_config", _PUBLISH),
+    *_ignored("webhook_config webhook_reporting_interval", _WEBHOOK),
     *_ignored("post_checkpoint_script", _HOOK_SCRIPT),
     *_ignored("modelspec_comment", "saved adapter files carry no model-spec comment; the weights are the same"),
     *_ignored("lora_format", "adapters are saved in diffusers' format (`load_lora_weights`); the weights are the same"),

@@ -13,6 +13,7 @@ from the Hub".
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,17 @@ IGNORED_WEIGHTS = (
     "*.bf16.safetensors.index.json",
 )
 _TRUE = ("1", "on", "yes", "true")
+#: What a separate VAE's checks read: its config at the root (a component repo) or in ``vae/`` (a pipeline repo).
+VAE_CONFIG_PATTERNS = ("config.json", "vae/config.json")
+#: The weights diffusers' ``from_pretrained(use_safetensors=True)`` reads from one component's folder: one file, or
+#: an index and its shards (no precision variants: IGNORED_WEIGHTS; no single-file checkpoints beside them).
+DIFFUSERS_WEIGHTS = (
+    "diffusion_pytorch_model.safetensors",
+    "diffusion_pytorch_model.safetensors.index.json",
+    "diffusion_pytorch_model-*.safetensors",
+)
+VAE_KEY = "pretrained_vae_model_name_or_path"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class HubError(ValueError):
@@ -97,6 +109,65 @@ def resolve_config_model(raw: Mapping[str, Any], environ: Mapping[str, str] = os
     return resolve_model(model, revision if isinstance(revision, str) else None, environ=environ)
 
 
+def resolve_config_vae(raw: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> HubSnapshot | None:
+    """Where a raw config's ``pretrained_vae_model_name_or_path`` is a hub id: its VAE config in the Hub cache (no
+    weights) at the repo's default branch; None when unset or a local path.
+
+    Raises:
+        HubError: as :func:`resolve_vae`.
+    """
+    vae = raw.get(VAE_KEY)
+    if not isinstance(vae, str) or not is_hub_model(vae):
+        return None
+    return resolve_vae(vae, environ=environ)
+
+
+def resolve_vae(
+    repo_id: str, revision: str | None = None, weights: bool = False, environ: Mapping[str, str] = os.environ
+) -> HubSnapshot:
+    """The snapshot folder of the VAE repo ``repo_id`` (``pretrained_vae_model_name_or_path``) at ``revision`` (None:
+    the default branch) with its VAE config: ``vae/config.json`` of a pipeline repo, else the root ``config.json`` of
+    a component repo (``madebyollin/sdxl-vae-fp16-fix``); with ``weights``, that folder's diffusers safetensors
+    (:data:`DIFFUSERS_WEIGHTS`, not IGNORED_WEIGHTS: none of the repo's single-file checkpoints, pickles or
+    precision variants). Downloads what the cache lacks unless offline.
+
+    Raises:
+        HubError: as :func:`resolve_model`; a repo with neither config, or (``weights``) without safetensors weights.
+    """
+    configs = _download(repo_id, revision, list(VAE_CONFIG_PATTERNS), None, environ, key=VAE_KEY)
+    if (configs.folder / "vae" / "config.json").is_file():
+        subfolder = "vae/"
+    elif (configs.folder / "config.json").is_file():
+        subfolder = ""
+    else:
+        raise HubError(
+            f"{repo_id} has no config.json or vae/config.json in {configs.folder}: it is not a diffusers VAE repo (a "
+            f"single-file checkpoint?); set {VAE_KEY} to the diffusers version of the VAE, or remove it to use the "
+            "model's own VAE"
+        )
+    if not weights:
+        return configs
+    allow = [subfolder + name for name in DIFFUSERS_WEIGHTS]
+    found = _download(repo_id, configs.commit, allow, list(IGNORED_WEIGHTS), environ, key=VAE_KEY)
+    folder = found.folder / subfolder if subfolder else found.folder
+    if not any((folder / name).is_file() for name in DIFFUSERS_WEIGHTS[:2]):
+        raise HubError(
+            f"{repo_id}: the snapshot in {found.folder} has no diffusion_pytorch_model.safetensors in "
+            f"{subfolder or 'its root'}{_why_no_weights(repo_id, environ, 'the repo holds none')}"
+        )
+    return HubSnapshot(repo_id, revision, found.commit, found.folder)
+
+
+def snapshot_of(folder: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(repo_id, commit)`` of a Hub cache snapshot folder (``.../models--org--name/snapshots/<commit>``, as the
+    client lays one out); None for any other folder. By the path's shape only (a repo id never holds ``--``)."""
+    path = Path(folder)
+    repo = path.parent.parent.name
+    if path.parent.name != "snapshots" or not _COMMIT.fullmatch(path.name) or not repo.startswith("models--"):
+        return None
+    return "/".join(repo[len("models--") :].split("--")), path.name
+
+
 def resolve_model(
     repo_id: str,
     revision: str | None = None,
@@ -121,14 +192,19 @@ def resolve_model(
     if missing:
         raise HubError(
             f"{repo_id}: the snapshot in {weights.folder} has no .safetensors weights for {', '.join(missing)}"
-            + (
-                " (offline: the Hub cache holds only part of the repo; on a machine with network run "
-                f"`hf download {repo_id}`, or unset HF_HUB_OFFLINE)"
-                if is_offline(environ)
-                else " (the repo holds none for them: simpletuner loads safetensors only)"
-            )
+            + _why_no_weights(repo_id, environ, "the repo holds none for them")
         )
     return HubSnapshot(repo_id, revision, weights.commit, weights.folder)
+
+
+def _why_no_weights(repo_id: str, environ: Mapping[str, str], online: str) -> str:
+    """The end of a "no .safetensors weights" line: offline, the cache holds part of the repo; else ``online``."""
+    if is_offline(environ):
+        return (
+            " (offline: the Hub cache holds only part of the repo; on a machine with network run "
+            f"`hf download {repo_id}`, or unset HF_HUB_OFFLINE)"
+        )
+    return f" ({online}: simpletuner loads safetensors only)"
 
 
 def _loads_weights(entry: list) -> bool:
@@ -165,8 +241,10 @@ def _download(
     allow: list[str],
     ignore: list[str] | None,
     environ: Mapping[str, str],
+    key: str = "pretrained_model_name_or_path",
 ) -> HubSnapshot:
-    """One ``snapshot_download`` with the settings of ``environ``, its errors turned into :class:`HubError`."""
+    """One ``snapshot_download`` with the settings of ``environ``, its errors turned into :class:`HubError` (naming
+    the config ``key`` that could point at a local folder instead)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -210,11 +288,11 @@ def _download(
             raise HubError(
                 f"{repo_id}{'@' + revision if revision else ''} is not in the Hub cache {cache} and HF_HUB_OFFLINE is "
                 f"set: unset it to download, or fill the cache on a machine with network (`hf download "
-                f"{repo_id}`, then copy {cache}), or point pretrained_model_name_or_path at a local folder"
+                f"{repo_id}`, then copy {cache}), or point {key} at a local folder"
             ) from None
         raise HubError(
             f"{repo_id}: {where} cannot be reached and the Hub cache {cache} does not hold it: check the network "
-            "(and HF_ENDPOINT), or set pretrained_model_name_or_path to a local folder of the model"
+            f"(and HF_ENDPOINT), or set {key} to a local folder of the {'VAE' if key == VAE_KEY else 'model'}"
         ) from None
     except (HfHubHTTPError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

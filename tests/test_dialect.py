@@ -141,7 +141,7 @@ def test_a_dashed_config_with_string_values_loads_with_its_meaning(tmp_path, tin
     assert config.gradient_checkpointing is True and config.num_train_epochs is None
     forced = [r.getMessage() for r in caplog.records if "SimpleTuner setting forced" in r.getMessage()]
     assert any('`gradient_checkpointing: "false"` (a string) -> true' in line for line in forced)
-    assert config.optimizer == "adamw"
+    assert config.optimizer == "optimi-adamw"  # optimi's AdamW, as SimpleTuner builds it
     # SimpleTuner's defaults where the config is silent and ours differ
     assert config.max_grad_norm == 2.0 and config.grad_clip_method == "value" and config.lora_dropout == 0.1
     (ds,) = config.datasets

@@ -184,7 +184,7 @@ def test_a_name_that_is_no_conditioning_entry_stops(tmp_path):
 
 
 def test_the_loader_reports_the_refusal_as_a_config_error(tmp_path, monkeypatch):
-    root, _ = _project(tmp_path, _edit_v1_datasets("mask"))
+    root, _ = _project(tmp_path, _edit_v1_datasets("controlnet"))
     monkeypatch.chdir(root)
-    with pytest.raises(ConfigError, match="masked-loss training"):
+    with pytest.raises(ConfigError, match="ControlNet training is not supported"):
         load_config(root / "config" / "config.json", check_files=False)

@@ -492,3 +492,32 @@ def test_config_json_example_trains_its_meaning_with_its_hub_uploads(tmp_path, m
     assert config.lora_alpha == 1 and config.lr_scheduler == "polynomial"
     assert (config.max_train_steps, config.checkpointing_steps, config.validation_steps) == (10000, 500, 500)
     assert config.validation_guidance_rescale == 0.0 and config.validation_num_inference_steps == 20
+
+
+@pytest.mark.parametrize("framerate, frames", [(None, 73), (16, 73), (24, 113)])
+def test_a_video_dataset_without_num_frames_gets_simpletuners_default(
+    tmp_path, models, images, monkeypatch, caplog, framerate, frames
+):
+    """SimpleTuner trains 5 s of each clip when `video.num_frames` is left out (data_backend/factory.py:805-812):
+    at `framerate`, which Wan sets to 15 when unset (wan/model.py:1555-1556), rounded down to 8k+1
+    (wan/model.py:458-464): 75 -> 73, 80 -> 73, 120 -> 113. A warning, not a refusal."""
+    import logging
+
+    path = _write(tmp_path, images, _wan(str(models["wan"]), None))
+    monkeypatch.chdir(path.parent.parent)
+    raw = json.loads(path.read_text())
+    del raw["tread_config"]
+    raw["resolution"] = 512
+    if framerate is not None:
+        raw["framerate"] = framerate
+    path.write_text(json.dumps(raw))
+    backends = path.parent / "multidatabackend.json"
+    datasets = json.loads(backends.read_text())
+    datasets[0].update(resolution=512)
+    backends.write_text(json.dumps(datasets))
+    (path.parent.parent / "datasets" / "video").mkdir()
+    with caplog.at_level(logging.INFO, logger="simpletuner.configuration.loader"):
+        config = load_config(path).config
+    assert config.datasets[0].num_frames == frames
+    forced = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"video.num_frames` left out -> {frames}: SimpleTuner trains 5 s of each clip" in forced

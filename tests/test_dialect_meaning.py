@@ -205,10 +205,11 @@ def test_optimizer_config_and_betas_take_simpletuners_precedence(tmp_path):
 
 
 def test_optimi_sgd_builds_sgd_without_momentum(tmp_path, make_config):
+    optimi = pytest.importorskip("optimi", reason="the optimi extra is not installed")
     native, _ = _translate(tmp_path, {"--optimizer": "optimi-sgd"})
     cfg = _native(make_config, optimizer=native["optimizer"], optimizer_config=native["optimizer_config"])
     optimizer = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2))])
-    assert isinstance(optimizer, torch.optim.SGD) and optimizer.defaults["momentum"] == 0.0
+    assert isinstance(optimizer, optimi.SGD) and optimizer.defaults["momentum"] == 0.0  # optimizer_param.py:395-408
     native_sgd = build_optimizer(_native(make_config, optimizer="sgd"), [torch.nn.Parameter(torch.zeros(2))])
     assert native_sgd.defaults["momentum"] == 0.9
 
@@ -475,3 +476,15 @@ def test_native_examples_are_not_converted_and_load(capsys):
         assert main(["convert", str(path)]) == 2
         assert "already a native config" in capsys.readouterr().err
         load_config(path, check_files=False)
+
+
+@pytest.mark.parametrize(
+    "theirs, ours",
+    [("int8-quanto", "qint8"), ("int4-quanto", "qint4"), ("int2-quanto", "qint2"), ("fp8wo-torchao", "fp8_torchao")],
+)
+def test_base_model_precision_keeps_the_kind_and_says_which_layers_differ(tmp_path, theirs, ours):
+    """The quantisation kind is SimpleTuner's (quantisation/__init__.py:417-420, 720-725); which layers get it is
+    not (its per-family exclude lists and Conv2d layers, quantisation/__init__.py:474-540): approximated, said."""
+    native, report = _translate(tmp_path, {"--base_model_precision": theirs})
+    assert native["base_model_precision"] == ours
+    assert any("every Linear layer outside the model's `_keep_in_fp32_modules`" in line for line in report.approximated)

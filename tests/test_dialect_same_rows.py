@@ -40,6 +40,7 @@ LEAD_OWNED: frozenset[tuple[str, str]] = frozenset()
 
 UNSET = object()  # the native config has no such key
 MEANING = "tests/test_dialect_meaning.py::"
+MORE = "tests/test_optimizers_more.py::"
 GUIDANCE = "tests/test_flux_guidance_and_sampling.py::"
 
 
@@ -123,6 +124,35 @@ TOP_ROWS: dict[str, Row] = {
         f"{R}model.py:1198 {H}models/common.py:3077",
         "passed to from_pretrained, which ignores it for a local folder",
         ({"revision": "main"}, {"revision": "main"}),
+    ),
+    "pretrained_vae_model_name_or_path": _row(
+        f"{H}configuration/cmd_args.py:1070 {H}models/common.py:2690 {H}models/common.py:2701 "
+        f"{H}configuration/cmd_args.py:985 {R}model.py:1126 {H}configuration/loader.py:139",
+        "vae_path is this key, else the model; load_vae reads its vae/ subfolder, else its root. Unset (null and '' "
+        "are not passed to the parser) it is the registry's default madebyollin/sdxl-vae-fp16-fix, and a path naming "
+        "sdxl is dropped for every family but sdxl (pixart_sigma, kolors): the model's own VAE",
+        ({"pretrained_vae_model_name_or_path": "vae"}, {"pretrained_vae_model_name_or_path": "{cwd}/vae"}),
+        (
+            {"pretrained_vae_model_name_or_path": "stabilityai/sd-vae-ft-mse"},
+            {"pretrained_vae_model_name_or_path": "stabilityai/sd-vae-ft-mse"},
+        ),
+        ({"pretrained_vae_model_name_or_path": "model"}, {"pretrained_vae_model_name_or_path": UNSET}),
+        ({"pretrained_vae_model_name_or_path": None}, {"pretrained_vae_model_name_or_path": UNSET}),
+        (
+            {"pretrained_vae_model_name_or_path": "madebyollin/sdxl-vae-fp16-fix"},
+            {"pretrained_vae_model_name_or_path": UNSET},
+        ),
+        (
+            {"model_family": "sdxl", "pretrained_vae_model_name_or_path": "madebyollin/sdxl-vae-fp16-fix"},
+            {"pretrained_vae_model_name_or_path": "madebyollin/sdxl-vae-fp16-fix"},
+        ),
+        (
+            {"model_family": "sdxl", "pretrained_vae_model_name_or_path": None},
+            {"pretrained_vae_model_name_or_path": "madebyollin/sdxl-vae-fp16-fix"},
+        ),
+        ({"model_family": "sdxl"}, {"pretrained_vae_model_name_or_path": "madebyollin/sdxl-vae-fp16-fix"}),
+        ({"model_family": "sd1x"}, {"pretrained_vae_model_name_or_path": UNSET}),
+        also="tests/test_separate_vae.py::test_a_pipeline_folder_gives_its_vae_subfolder_before_its_root",
     ),
     "aspect_bucket_alignment": _row(
         f"{H}models/sdxl/model.py:648 {H}models/wan/model.py:1529 {H}multiaspect/image.py:93",
@@ -498,12 +528,28 @@ TOP_ROWS: dict[str, Row] = {
         also=f"{MEANING}test_polynomial_takes_simpletuners_end_and_power",
     ),
     "optimizer": _row(
-        f"{H}training/optimizer_param.py:191 {H}training/optimizer_param.py:315 {H}training/optimizer_param.py:913",
-        "the optimizer class, built from its own default settings",
-        ({"optimizer": "optimi-adamw"}, {"optimizer": "adamw", "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
-        ({"optimizer": "optimi-sgd"}, {"optimizer": "sgd", "optimizer_config.momentum": 0.0}),
+        f"{H}training/optimizer_param.py:191 {H}training/optimizer_param.py:315 {H}training/optimizer_param.py:913 "
+        f"{H}training/optimizer_param.py:87 {H}training/optimizer_param.py:154 {H}training/optimizer_param.py:290 "
+        f"{H}training/optimizer_param.py:327 {H}training/optimizer_param.py:368 {H}training/optimizer_param.py:589 "
+        f"{H}training/optimizer_param.py:625 {H}training/optimizer_param.py:878",
+        "the optimizer class (optimi's, bitsandbytes', torch's), built from its own default settings; "
+        "adafactor / adamw8bit stop the run",
+        ({"optimizer": "optimi-adamw"}, {"optimizer": "optimi-adamw", "adam_beta2": 0.99, "adam_epsilon": 1e-6}),
+        ({"optimizer": "optimi-sgd"}, {"optimizer": "optimi-sgd", "optimizer_config.momentum": 0.0}),
+        ({"optimizer": "optimi-lion"}, {"optimizer": "optimi-lion", "adam_beta2": 0.99, "weight_decay": 0.0}),
+        (
+            {"optimizer": "optimi-adan"},
+            {"optimizer": "optimi-adan", "adam_beta1": 0.98, "adam_beta2": 0.92, "optimizer_config.beta3": 0.999},
+        ),
+        ({"optimizer": "optimi-radam"}, {"optimizer": "optimi-radam", "optimizer_config.decouple_wd": True}),
+        ({"optimizer": "bnb-adamw8bit"}, {"optimizer": "bnb-adamw8bit", "adam_epsilon": 1e-6, "weight_decay": UNSET}),
+        ({"optimizer": "bnb-lion8bit"}, {"optimizer": "bnb-lion8bit", "adam_beta2": 0.99, "weight_decay": 0.0}),
+        ({"optimizer": "torch-adafactor"}, {"optimizer": "torch-adafactor", "weight_decay": 0.0}),
+        ({"optimizer": "torch-adamw"}, {"optimizer": "adamw", "adam_beta2": UNSET, "weight_decay": UNSET}),
         also=f"{MEANING}test_each_optimizer_gets_simpletuners_own_defaults "
-        f"{MEANING}test_optimi_sgd_builds_sgd_without_momentum",
+        f"{MEANING}test_optimi_sgd_builds_sgd_without_momentum "
+        f"{MORE}test_the_named_optimizers_are_the_library_classes_with_simpletuners_defaults "
+        f"{MORE}test_simpletuners_removed_optimizers_stop_with_its_reason",
     ),
     "optimizer_config": _row(
         f"{H}training/optimizer_param.py:885 {H}training/optimizer_param.py:913",
@@ -558,17 +604,19 @@ TOP_ROWS: dict[str, Row] = {
         )
         for k, v in (("mode", "random-range"), ("value", 3.5), ("min", 1.0), ("max", 5.0))
     },
-    "base_model_precision": _row(
-        f"{H}training/quantisation/__init__.py:720 {H}training/quantisation/__init__.py:725",
-        "the frozen base's quantisation: int8-quanto, fp8-quanto, weight-only fp8 (fp8wo-torchao)",
-        ({"base_model_precision": "int8-quanto"}, {"base_model_precision": "qint8"}),
-        ({"base_model_precision": "fp8wo-torchao"}, {"base_model_precision": "fp8_torchao"}),
-    ),
     "caption_dropout_probability": _row(
         f"{R}advanced.py:1189 {H}training/collate.py:614",
         "each sample's caption is replaced by an empty one with this chance (SDXL: approximated, said)",
         ({"caption_dropout_probability": "0.05"}, {"caption_dropout_probability": 0.05}),
         ({}, {"caption_dropout_probability": 0.1}),
+    ),
+    "masked_loss_probability": _row(
+        f"{R}loss.py:102 {R}loss.py:108 {H}models/common.py:6409 {H}models/common.py:6418",
+        "the chance a batch of a segmentation dataset has its loss weighted by its mask (default 1.0); a mask "
+        "dataset's mask weights every batch",
+        ({"masked_loss_probability": "0.25"}, {"masked_loss_probability": 0.25}),
+        ({}, {"masked_loss_probability": UNSET}),  # the native default is 1.0
+        also="tests/test_masked_loss.py::test_masked_loss_probability_draws_segmentation_batches_only",
     ),
     "checkpoint_step_interval": _row(
         f"{H}training/trainer.py:5591 {H}training/trainer.py:5593",
@@ -600,10 +648,11 @@ TOP_ROWS: dict[str, Row] = {
     ),
     "max_grad_norm": _row(
         f"{H}training/trainer.py:7138 {H}training/trainer.py:7140",
-        "clips gradients above it (0: off); never for prodigy",
+        "clips gradients above it (0: off); never for prodigy or optimi-stableadamw",
         ({"max_grad_norm": "1.0"}, {"max_grad_norm": 1.0}),
         ({"max_grad_norm": 0}, {"max_grad_norm": None}),
         ({"optimizer": "prodigy", "max_grad_norm": 1.0}, {"max_grad_norm": None}),
+        ({"optimizer": "optimi-stableadamw", "max_grad_norm": 1.0}, {"max_grad_norm": None}),
     ),
     "only_instance_prompt": _row(
         f"{H}data_backend/factory.py:3519",

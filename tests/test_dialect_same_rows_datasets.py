@@ -31,6 +31,13 @@ _SOURCES = {  # a Qwen-Image-Edit source folder, paired with the entry under tes
     "instance_data_dir": "src",
     "conditioning_type": "reference_strict",
 }
+_MASKS = {  # a mask folder (masked loss), paired with the entry under test
+    "id": "masks",
+    "type": "local",
+    "dataset_type": "conditioning",
+    "instance_data_dir": "masks",
+    "conditioning_type": "mask",
+}
 _S3 = {"type": "aws", "aws_bucket_name": "b", "instance_data_dir": None}  # an `aws` entry (no local folder)
 #: A `type: huggingface` entry (no local folder), as SimpleTuner's examples write one.
 _HUB = {"type": "huggingface", "instance_data_dir": None, "dataset_name": "org/set", "caption_strategy": "huggingface"}
@@ -222,6 +229,18 @@ DATASET_ROWS: dict[str, Row] = {
         ({"instance_prompt": "sks", "prepend_instance_prompt": True}, {"prepend_instance_prompt": True}),
         also="tests/test_captions_dialect.py::test_prepend_puts_the_instance_prompt_and_a_space_first",
     ),
+    "caption_shuffle": _row(
+        f"{H}data_backend/factory.py:697 {H}prompts.py:175 {H}prompts.py:240 {H}prompts.py:638 "
+        f"{H}multiaspect/sampler.py:739",
+        "each caption and count shuffled copies of its tags after position_start, copy i shuffled with "
+        "random.Random(seed + md5(caption) + i), encoded once; each sample draws one",
+        (
+            {"caption_shuffle": {"enable": True, "count": 3, "position_start": 1, "seed": 4}},
+            {"caption_shuffle": {"enable": True, "count": 3, "position_start": 1, "seed": 4}},
+        ),
+        ({"caption_shuffle": {"enable": True}}, {"caption_shuffle.seed": 0}),  # no seed anywhere: 0 (prompts.py:237)
+        also="tests/test_caption_shuffle.py::test_the_copies_are_simpletuners",
+    ),
     "repeats": _row(
         f"{CFG}:212 {H}metadata/backends/base.py:789",
         "each image is seen 1 + repeats times an epoch",
@@ -252,19 +271,32 @@ DATASET_ROWS: dict[str, Row] = {
         ),
     ),
     "conditioning_data": _row(
-        f"{CFG}:223 {H}data_backend/factory.py:1587 {H}metadata/utils/duplicator.py:104",
-        "the id of the conditioning entry whose images are this dataset's edit sources",
+        f"{CFG}:223 {H}data_backend/factory.py:1587 {H}metadata/utils/duplicator.py:104 {H}training/collate.py:862",
+        "the ids of the conditioning entries paired with this dataset: edit sources, and a mask for the loss",
         ({"conditioning_data": "sources", "__also__": [_SOURCES]}, {"conditioning_data_dir": "{cwd}/src"}),
+        (
+            {"conditioning_data": ["sources", "masks"], "__also__": [_SOURCES, _MASKS]},
+            {"conditioning_data_dir": "{cwd}/src", "mask_data_dir": "{cwd}/masks", "mask_type": "mask"},
+        ),
         family="qwen_image",
     ),
     "conditioning_type": _row(
-        f"{CFG}:224 {H}metadata/utils/duplicator.py:119",
-        "reference_strict: the source takes the edited image's size and crop keys",
+        f"{CFG}:224 {H}metadata/utils/duplicator.py:119 {H}training/collate.py:28 {H}models/common.py:6409 "
+        f"{H}models/common.py:6417",
+        "reference_strict: the source takes the edited image's size and crop keys; mask: the red channel weights "
+        "each latent pixel's loss; segmentation: any non-black latent pixel counts, in masked_loss_probability of "
+        "batches",
         (
             {"conditioning_data": "sources", "__also__": [_SOURCES]},
             {"conditioning_data_dir": "{cwd}/src", "@datasets.1": UNSET},
         ),
+        (
+            {"conditioning_data": "masks", "__also__": [{**_MASKS, "conditioning_type": "segmentation"}]},
+            {"mask_data_dir": "{cwd}/masks", "mask_type": "segmentation", "@datasets.1": UNSET},
+        ),
         family="qwen_image",
+        also="tests/test_masked_loss.py::test_the_cached_mask_is_the_region_the_image_shows_there "
+        "tests/test_masked_loss.py::test_the_loss_is_the_loss_on_the_masked_region",
     ),
     "source_dataset_id": _row(
         f"{CFG}:219 {H}data_backend/factory.py:570 {H}metadata/utils/duplicator.py:162",

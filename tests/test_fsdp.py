@@ -115,7 +115,7 @@ def test_fsdp_resume_from_a_sharded_checkpoint_ends_with_the_same_weights(straig
 
 
 def _config(**overrides):
-    base = dict(training_type="full", use_ema=False, validation_prompt_list=[], low_vram=False)
+    base = dict(training_type="full", use_ema=False, validation_prompt_list=[], low_vram=False, optimizer="adamw")
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -130,6 +130,8 @@ def test_fsdp_refuses_what_it_cannot_train_before_anything_loads():
     text = str(err.value)
     assert "training_type 'lora'" in text and "accelerate_config_gh200.yaml" in text
     assert "use_ema" in text and "validation prompts" in text
+    with pytest.raises(ValueError, match="optimizer 'bnb-adamw8bit': its state is kept per whole parameter"):
+        sharded_state.check_fsdp_run(_config(optimizer="bnb-adamw8bit"), fsdp)
 
 
 def test_fsdp_version_1_and_deepspeed_are_refused():

@@ -44,6 +44,9 @@ MODELS = {
     "stabilityai/stable-diffusion-xl-base-1.0": "sdxl",
 }
 
+#: The VAE SimpleTuner's sdxl configs load when they name none (its field registry's default).
+SDXL_VAE = "madebyollin/sdxl-vae-fp16-fix"
+
 #: What CPU time forces, as `--set` overrides on the command line (our key names: `--set` applies to the config
 #: as translated from SimpleTuner's dialect). Everything else is the example's own.
 CPU_OVERRIDES = {
@@ -92,6 +95,9 @@ def hub_repos(tmp_path_factory, zoo) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("hub-examples")
     cache = root / "hub"
     commits = {repo: copy_folder_to_hub_cache(cache, repo, zoo(name)) for repo, name in MODELS.items()}
+    # SimpleTuner's default VAE (sdxl configs that leave pretrained_vae_model_name_or_path out train with it): a
+    # component repo, config.json and weights at its root
+    commits[SDXL_VAE] = copy_folder_to_hub_cache(cache, SDXL_VAE, zoo("sdxl") / "vae")
     images = write_shapes_dataset(root / "images", num_images=3, sizes=((768, 768), (1024, 768), (768, 1024)))
     files: dict[str, bytes | Path] = {
         "README.md": _DATASET_CARD,
@@ -248,6 +254,10 @@ def test_sdxl_lokr_example_reads_its_model_and_dataset_from_the_hub_cache(tmp_pa
     )
     lycoris = loaded.config.lycoris
     assert (loaded.config.model_family, lycoris.algo, lycoris.factor, lycoris.bypass_mode) == ("sdxl", "lokr", 12, True)
+    assert loaded.raw["pretrained_vae_model_name_or_path"] == SDXL_VAE  # SimpleTuner's default, as there
+    assert loaded.config.pretrained_vae_model_name_or_path == str(
+        repo_folder(hub_cache, SDXL_VAE) / "snapshots" / commits[SDXL_VAE]
+    )
     (dataset,) = build_datasets(loaded.config)
     assert dataset.config.dataset_name == DATASET
     assert len(dataset.samples) == 3 and {s.bucket for s in dataset.samples} == {(1024, 1024)}

@@ -343,3 +343,14 @@ def test_a_local_base_snippet_runs_once_its_path_is_filled_in(monkeypatch, tmp_p
     scope: dict = {}
     exec(compile(snippet, "model_card_snippet", "exec"), scope)
     assert torch.allclose(_denoise(scope["pipe"].unet), _denoise(trained), atol=1e-5)
+
+
+def test_exported_copies_are_named_but_not_loaded_twice():
+    """output_formats writes `<name>.comfyui.safetensors` beside the diffusers file: the card names it for the tools
+    that load it, and the diffusers snippet loads the diffusers file once."""
+    files = (LORA_FILE, "pytorch_lora_weights.comfyui.safetensors", "pytorch_lora_weights.kohya.safetensors")
+    card = model_card(_hub_config(), _facts(weight_files=files))
+    snippet = _snippet(card)
+    assert snippet.count("load_lora_weights(") == 1 and f'weight_name="{LORA_FILE}"' in snippet
+    assert "`pytorch_lora_weights.comfyui.safetensors` (comfyui)" in card
+    assert "`pytorch_lora_weights.kohya.safetensors` (kohya)" in card

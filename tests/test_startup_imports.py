@@ -57,6 +57,9 @@ NOT_NEEDED = {
     "simpletuner.training.optimizers.automagic": "optimizer adamw",
     "simpletuner.training.optimizers.prodigy": "optimizer adamw",
     "simpletuner.training.optimizers.rounding": "optimizer adamw",
+    "simpletuner.training.optimizers.optimi": "optimizer adamw",
+    "simpletuner.training.optimizers.bnb": "optimizer adamw",
+    "optimi": "optimizer adamw",
     # validation: no validation prompt, no eval_steps
     "simpletuner.training.validation": "no validation prompt or eval_steps",
     "simpletuner.training.offload": "no validation (low_vram offloads the validation models)",

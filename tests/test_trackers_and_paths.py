@@ -107,3 +107,26 @@ def test_missing_relative_dataset_names_the_resolved_folder(make_config, tmp_pat
         ConfigError, match=f"datasets\\[0\\].instance_data_dir: {tmp_path / 'project' / 'missing'} is not a folder"
     ):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "settings, module, words",
+    [
+        ({"optimizer": "prodigy", "learning_rate": 1.0}, "prodigyopt", "optimizer: 'prodigy' needs the prodigyopt"),
+        ({"optimizer": "optimi-lion"}, "optimi", "optimizer: 'optimi-lion' needs the torch-optimi package"),
+        ({"optimizer": "bnb-adamw8bit"}, "bitsandbytes", "optimizer: 'bnb-adamw8bit' needs the bitsandbytes"),
+        ({"lora_type": "lycoris"}, "lycoris", "lora_type: 'lycoris' needs the lycoris-lora package"),
+        ({"base_model_precision": "qint8"}, "optimum.quanto", "base_model_precision: 'qint8' needs the optimum-quanto"),
+        ({"base_model_precision": "int8_torchao"}, "torchao", "'int8_torchao' needs the torchao package"),
+    ],
+)
+def test_a_missing_optional_package_stops_before_anything_loads(
+    make_config, tmp_path, monkeypatch, capsys, settings, module, words
+):
+    """Not after the cache fill, where the optimizer / adapter / quantisation is built."""
+    monkeypatch.setitem(sys.modules, module, None)  # import fails, as when not installed
+    path = _write(tmp_path / "cfg.json", make_config(**settings))
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "pip install -e" in err
+    assert not (tmp_path / "output").exists(), "nothing ran"

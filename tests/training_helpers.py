@@ -41,6 +41,27 @@ def train(raw) -> tuple[Trainer, object]:
     return trainer, trainer.train()
 
 
+def config_problems(raw: dict) -> str:
+    """The ConfigError ``validate_config(raw)`` raises, as text (the test fails where it raises none)."""
+    from simpletuner.configuration import ConfigError
+
+    try:
+        validate_config(raw)
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError("the config validated: a ConfigError was expected")
+
+
+def straight_and_resumed(make_config, root: Path, steps: int, resume_at: int, **common):
+    """``train`` for ``steps`` straight (in ``root/a``), and for ``resume_at`` steps with a checkpoint there, then
+    resumed to ``steps`` (in ``root/b``): ``((trainer, result) straight, (trainer, result) resumed)``."""
+    straight = train(make_config(max_train_steps=steps, output_dir=str(root / "a"), **common))
+    out = root / "b"
+    train(make_config(max_train_steps=resume_at, checkpointing_steps=resume_at, output_dir=str(out), **common))
+    resumed = train(make_config(max_train_steps=steps, output_dir=str(out), resume_from_checkpoint="latest", **common))
+    return straight, resumed
+
+
 def fixed_loss(trainer: Trainer) -> float:
     """Loss on a fixed batch with fixed noise/timesteps: comparable before and after training."""
     model = trainer.accelerator.unwrap_model(trainer.model)

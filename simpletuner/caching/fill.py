@@ -61,7 +61,8 @@ def _latent_entry_bytes(spec: CacheEncoders) -> Callable[[tuple], int] | None:
     """payload -> about the bytes of its cached latent, from the model folder's configs alone (the
     VAE is not loaded): the family's latent at a square ``resolution`` bucket (float32, as
     ``encode_loaded`` stores it) gives the channels and the VAE's down factor, applied to the
-    sample's own bucket; a clip's latent frames are the longest clip's scaled by its frame count.
+    sample's own bucket; a clip's latent frames are the longest clip's scaled by its frame count; a masked sample's
+    entry holds one float32 weight per latent pixel too.
     None when the family does not describe its shapes: the fill then measures its first batch."""
     try:
         shape, _ = spec.batch_shapes(1)
@@ -78,7 +79,8 @@ def _latent_entry_bytes(spec: CacheEncoders) -> Callable[[tuple], int] | None:
         width, height = sample.bucket
         frames = math.ceil(latent_frames * max(sample.num_frames, 1) / longest)
         cells = math.ceil(width / factor) * math.ceil(height / factor)
-        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR + extras
+        mask = cells * 4 + HEADER_BYTES_PER_TENSOR if sample.mask is not None else 0  # one float32 per latent pixel
+        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR + extras + mask
 
     return estimate
 

@@ -34,6 +34,7 @@ from simpletuner.caching.tensor_cache import FillReport, TensorCache
 from simpletuner.caching.threads import run_ahead
 from simpletuner.data_backend import RegisteredDataset, Sample, load_sample_pixels
 from simpletuner.data_backend.augment import apply_params, draw_params
+from simpletuner.data_backend.masks import MASK_KEY, augment_mask, latent_mask, mask_pixels
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,27 @@ logger = logging.getLogger(__name__)
 Payload = tuple[RegisteredDataset, Sample, Any]
 
 
+#: A decoded payload's mask (masked loss): ``[1, H, W]`` weights cut as its pixels, and whether it is read as
+#: ``segmentation``; None for a sample without a mask.
+Mask = tuple[torch.Tensor, bool] | None
+
+
+class Decoded(NamedTuple):
+    """One payload decoded: its pixels, their size and crop, and its mask cut the same way."""
+
+    pixels: torch.Tensor
+    size_crop: SizeCrop
+    mask: Mask = None
+
+
 class Loaded(NamedTuple):
     """One VAE batch decoded: per payload whether it decoded, the stacked pixels of those that did (None:
-    none did), and their size and crop (:func:`~simpletuner.caching.size_crop.size_crop_of`), in order."""
+    none did), their size and crop (:func:`~simpletuner.caching.size_crop.size_crop_of`) and masks, in order."""
 
     ok: list[bool]
     pixels: torch.Tensor | None
     size_crops: list[SizeCrop]
+    masks: tuple[Mask, ...] = ()
 
 
 def batch_group(payload: Payload) -> tuple:
@@ -67,29 +82,42 @@ class PixelLoader:
         self.undecodable: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
 
-    def load(self, dataset: RegisteredDataset, sample: Sample, version: Any) -> tuple[torch.Tensor, SizeCrop] | None:
-        """``[3, (F,) H, W]`` pixels in [-1, 1] (augmented unless ``version`` is None) and the size and crop of
-        what they show (:func:`~simpletuner.caching.size_crop.size_crop_of`), or None."""
+    def load(self, dataset: RegisteredDataset, sample: Sample, version: Any) -> Decoded | None:
+        """``[3, (F,) H, W]`` pixels in [-1, 1] (augmented unless ``version`` is None), the size and crop of
+        what they show (:func:`~simpletuner.caching.size_crop.size_crop_of`) and the sample's mask given the same
+        crop and flip (:func:`~simpletuner.data_backend.masks.mask_pixels`), or None when a file does not decode."""
+        part = "image"
         try:
             pixels, info = load_sample_pixels(dataset, sample)
+            part = "mask"
+            mask = mask_pixels(sample) if sample.mask is not None else None
         except (OSError, ValueError, Image.DecompressionBombError) as exc:  # header was fine, body is not
-            reason = str(exc) if isinstance(exc, ValueError) else f"cannot decode image: {exc}"
+            reason = str(exc) if isinstance(exc, ValueError) else f"cannot decode {part}: {exc}"
+            if part == "mask":
+                reason = f"its mask {sample.mask}: {reason}"
             with self._lock:
                 self.undecodable.setdefault(dataset.id, {})[sample.path] = reason
             return None
+        binary = sample.mask_type == "segmentation"
         if version is None or not self.augmentations.is_enabled:
-            return pixels, size_crop_of(info)
+            return Decoded(pixels, size_crop_of(info), None if mask is None else (mask, binary))
         params = draw_params(self.augmentations, self.seed, sample.key, version)
-        return apply_params(pixels, params), size_crop_of(info, params)
+        masked = None if mask is None else (augment_mask(mask, params), binary)
+        return Decoded(apply_params(pixels, params), size_crop_of(info, params), masked)
 
     def load_batch(self, payloads: list[Payload]) -> Loaded:
         """One VAE batch decoded (:class:`Loaded`)."""
         loaded = [self.load(*payload) for payload in payloads]
         good = [item for item in loaded if item is not None]
-        stacked = torch.stack([pixels for pixels, _ in good]) if good else None
+        stacked = torch.stack([item.pixels for item in good]) if good else None
         if stacked is not None and self.pin:
             stacked = stacked.pin_memory()
-        return Loaded([item is not None for item in loaded], stacked, [size_crop for _, size_crop in good])
+        return Loaded(
+            [item is not None for item in loaded],
+            stacked,
+            [item.size_crop for item in good],
+            tuple(item.mask for item in good),
+        )
 
     def require(self, payloads: list[Payload], loaded: Loaded) -> torch.Tensor:
         """The stacked pixels of a batch that must decode whole (while training).
@@ -112,12 +140,22 @@ class PixelLoader:
         )
 
 
-def latent_extras(spec: CacheEncoders, loaded: Loaded) -> dict[str, torch.Tensor]:
-    """What a latent entry of ``spec`` holds beside ``latents``, stacked for the decoded payloads of ``loaded``:
-    :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, else nothing."""
-    if not spec.conditions_on_size_crop or loaded.pixels is None:
+def latent_extras(spec: CacheEncoders, loaded: Loaded, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a latent entry of ``spec`` holds beside ``latents`` (the batch's, encoded), stacked for the decoded
+    payloads of ``loaded``: :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, and
+    :data:`~simpletuner.data_backend.masks.MASK_KEY` (``[N, 1, h, w]`` on the latents' grid) when a payload has a
+    mask (one without trains on all of its pixels: weight 1)."""
+    if loaded.pixels is None:
         return {}
-    return {SIZE_CROP: size_crop_tensor(loaded.size_crops)}
+    extras: dict[str, torch.Tensor] = {}
+    if spec.conditions_on_size_crop:
+        extras[SIZE_CROP] = size_crop_tensor(loaded.size_crops)
+    if any(mask is not None for mask in loaded.masks):
+        size = loaded.pixels.shape[-2:]
+        weights = torch.stack([mask[0] if mask is not None else torch.ones(1, *size) for mask in loaded.masks])
+        binary = torch.tensor([mask is not None and mask[1] for mask in loaded.masks])
+        extras[MASK_KEY] = latent_mask(weights, (latents.shape[-2], latents.shape[-1]), binary).to(latents.device)
+    return extras
 
 
 def encode_loaded(spec: CacheEncoders, vae: Any, loaded: Loaded) -> list[dict[str, torch.Tensor] | None]:
@@ -125,7 +163,8 @@ def encode_loaded(spec: CacheEncoders, vae: Any, loaded: Loaded) -> list[dict[st
     :func:`latent_extras`; None for the undecodable ones."""
     if loaded.pixels is None:
         return [None] * len(loaded.ok)
-    fields = {"latents": spec.encode_images(vae, loaded.pixels).float().cpu(), **latent_extras(spec, loaded)}
+    latents = spec.encode_images(vae, loaded.pixels).float().cpu()
+    fields = {"latents": latents, **latent_extras(spec, loaded, latents)}
     entries: list[dict[str, torch.Tensor] | None] = []
     row = 0
     for good in loaded.ok:
@@ -333,7 +372,8 @@ class Reencoder:
 
     def _encode(self, payloads: list[Payload], loaded: Loaded, device: torch.device) -> dict[str, torch.Tensor]:
         pixels = self.loader.require(payloads, loaded)
-        fields = {"latents": self.spec.encode_images(self.vae, pixels).float(), **latent_extras(self.spec, loaded)}
+        latents = self.spec.encode_images(self.vae, pixels).float()
+        fields = {"latents": latents, **latent_extras(self.spec, loaded, latents)}
         return {name: values.to(device, non_blocking=True) for name, values in fields.items()}
 
     def iterate_epoch(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from simpletuner.caching.fingerprint import fingerprint, source_hash
 from simpletuner.caching.size_crop import SIZE_CROP_VERSION
+from simpletuner.data_backend.masks import mask_file_bytes, mask_identity
 from simpletuner.data_backend.pairs import source_identity
 from simpletuner.data_backend.video import FRAME_FOLDER, sample_identity
 
@@ -90,6 +91,8 @@ def sample_latent_key(
         crop["canvas"] = list(sample.canvas)
     if sample.source is not None:  # an edit pair: the source's latents are cached with the image's
         crop["source"] = source_identity(sample)
+    if sample.mask is not None:  # masked loss: the mask's latent-pixel weights are cached with the latents
+        crop["mask"] = mask_identity(sample)
     if augment is not None:
         crop["augment"] = dict(augment)
     if size_crop:  # an entry without the values (an older version's) is then a miss
@@ -107,8 +110,8 @@ def sample_latent_key(
 
 def sample_source_hash(backend: Any, sample: Sample) -> str:
     """:func:`~simpletuner.caching.fingerprint.source_hash` of the bytes ``sample`` is decoded
-    from: its file (and an edit pair's source file), or for a frame folder the path and bytes of every
-    frame it takes, in order.
+    from: its file (and an edit pair's source file, a masked sample's mask file), or for a frame folder the
+    path and bytes of every frame it takes, in order.
 
     Raises:
         OSError: a file cannot be read (FileNotFoundError when it is gone).
@@ -119,6 +122,8 @@ def sample_source_hash(backend: Any, sample: Sample) -> str:
         if sample.source is not None:  # an edit pair's latents hold its source's too
             with open(sample.source, "rb") as handle:
                 parts.append(handle.read())
+        if sample.mask is not None:  # and a masked sample's, its mask's weights
+            parts.append(mask_file_bytes(sample))
         return source_hash(parts)
     for path in sample.frame_paths:
         parts += [path.encode("utf-8", "surrogateescape"), backend.read(path)]

@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, push, convert.
+"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, push, convert, export.
 
 Each sub-command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit code``
 (the arguments several share: :mod:`.arguments`); this module lists them in :data:`COMMANDS`, builds the parser and
@@ -59,6 +59,10 @@ COMMANDS: dict[str, Command] = {
     "convert": Command(
         "simpletuner.cli.convert",
         "write a SimpleTuner config.json (+ multidatabackend.json) as a native config, with the mapping report",
+    ),
+    "export": Command(
+        "simpletuner.cli.export",
+        "write a finished run's LoRA with kohya's or ComfyUI's key names (--format kohya|comfyui)",
     ),
 }
 

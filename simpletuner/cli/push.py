@@ -66,7 +66,7 @@ def push(output_dir: Path, repo: str | None, private: bool | None, checkpoint: i
     from simpletuner.hub import check_upload_access
     from simpletuner.training import publish
 
-    config, raw = _run_config(output_dir)
+    config, raw = read_run_config(output_dir)
     repo_id = normalise_repo_id(repo) if repo else config.hub_repo_id
     if problem := repo_id_problem(repo_id):
         raise ValueError(f"--repo: {problem}")
@@ -89,9 +89,13 @@ def push(output_dir: Path, repo: str | None, private: bool | None, checkpoint: i
     return sent
 
 
-def _run_config(output_dir: Path):
+def read_run_config(output_dir: Path):
     """The config the run trained with (``output_dir/config.json``), read without checking its files (the
-    datasets and the model need not be on this machine) and its raw dict."""
+    datasets and the model need not be on this machine) and its raw dict (also ``simpletuner export``'s).
+
+    Raises:
+        ValueError: no config.json there, or one that cannot be read or is not a valid config.
+    """
     import orjson
 
     from simpletuner.configuration import ConfigError, validate_config
@@ -106,7 +110,7 @@ def _run_config(output_dir: Path):
     try:
         return validate_config(raw, base_dir=output_dir, source=str(path), check_files=False), raw
     except ConfigError as exc:
-        raise ValueError(f"the run's config cannot be read for its model card: {exc}") from None
+        raise ValueError(f"the run's config {path} cannot be read: {exc}") from None
 
 
 def _checkpoint_folder(output_dir: Path, step: int) -> Path:

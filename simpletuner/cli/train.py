@@ -90,6 +90,7 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     raw = read_raw_config(path, overrides)
     problems: list[str] = []
     checked, hub = _hub_model_configs(raw, environ, problems)
+    vae_checked, hub_vae = _hub_model_configs(raw, environ, problems, "pretrained_vae_model_name_or_path")
     command = launcher_command_from_environment(environ) if launch_command == "auto" else launch_command
     sources: dict[str, str] = {}
     try:
@@ -105,13 +106,14 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     problems += check_alloc_conf(environ.get(ALLOC_CONF_VAR)).errors()  # its warnings: Trainer._log_settings_in_force
     try:
         # a hub id is checked as its snapshot folder (family, components); the run's raw config keeps the id
-        config = validate_config({**raw, **checked}, base_dir=path.parent, source=str(path))
+        config = validate_config({**raw, **checked, **vae_checked}, base_dir=path.parent, source=str(path))
     except ConfigError as exc:
         problems += exc.problems
     if problems:
         raise ConfigError(problems, str(path))
     _check_hub_datasets(config, environ, path)
-    return LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path, hub=hub), sources, notes
+    loaded = LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path, hub=hub, hub_vae=hub_vae)
+    return loaded, sources, notes
 
 
 def _with_preset(raw: dict, preset: str, sources: dict[str, str], problems: list[str]) -> tuple[dict, list[str]]:
@@ -142,17 +144,20 @@ def _check_hub_datasets(config, environ, path) -> None:
         raise ConfigError(problems, str(path))
 
 
-def _hub_model_configs(raw: dict, environ, problems: list[str]) -> tuple[dict, HubSnapshot | None]:
-    """Where ``pretrained_model_name_or_path`` is a hub id: its configs fetched into the Hub cache (no weights
-    yet) and the key pointing at that snapshot for the checks; else nothing. A failure joins ``problems``."""
-    from simpletuner.hub import HubError, resolve_config_model
+def _hub_model_configs(
+    raw: dict, environ, problems: list[str], key: str = "pretrained_model_name_or_path"
+) -> tuple[dict, HubSnapshot | None]:
+    """Where ``key`` (``pretrained_model_name_or_path``, or ``pretrained_vae_model_name_or_path``) is a hub id: its
+    configs fetched into the Hub cache (no weights yet) and the key pointing at that snapshot for the checks; else
+    nothing. A failure joins ``problems``."""
+    from simpletuner.hub import VAE_KEY, HubError, resolve_config_model, resolve_config_vae
 
     try:
-        hub = resolve_config_model(raw, environ)
+        hub = (resolve_config_vae if key == VAE_KEY else resolve_config_model)(raw, environ)
     except HubError as exc:
-        problems.append(f"pretrained_model_name_or_path: {exc}")
+        problems.append(f"{key}: {exc}")
         return {}, None
-    return ({"pretrained_model_name_or_path": str(hub.folder)}, hub) if hub is not None else ({}, None)
+    return ({key: str(hub.folder)}, hub) if hub is not None else ({}, None)
 
 
 def run_training(
@@ -179,6 +184,9 @@ def run_training(
     timeline.mark("config")
     if loaded.hub is not None:  # the weights of the components the family loads, once the config is known good
         loaded = _download_hub_weights(loaded)
+    if loaded.hub_vae is not None:
+        loaded = _download_hub_vae_weights(loaded)
+    if loaded.hub is not None or loaded.hub_vae is not None:
         timeline.mark("download")
     # Only now torch and the model libraries (seconds to import): a config error is answered without them.
     with quiet_gc_while_importing():
@@ -193,6 +201,10 @@ def run_training(
     if loaded.hub is not None:
         state.hub_model = f"{loaded.hub.repo_id}@{loaded.hub.commit}"
         state.startup_notes.insert(0, _hub_line(loaded.hub))
+    if loaded.hub_vae is not None:  # its commit is in the run identity: the trainer reads it from the folder
+        state.startup_notes.insert(
+            int(loaded.hub is not None), _hub_line(loaded.hub_vae, "pretrained_vae_model_name_or_path")
+        )
     trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite, startup=timeline)
     if not _is_single_process():
         _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
@@ -232,10 +244,25 @@ def _download_hub_weights(loaded):
     return dataclasses.replace(loaded, hub=snapshot)
 
 
-def _hub_line(hub: HubSnapshot) -> str:
-    """The start-up line naming the snapshot a hub id resolved to."""
+def _download_hub_vae_weights(loaded):
+    """``loaded`` with its hub VAE's weights in the Hub cache (the snapshot its config came from)."""
+    import dataclasses
+
+    from simpletuner.configuration import ConfigError
+    from simpletuner.hub import VAE_KEY, HubError, resolve_vae
+
+    hub = loaded.hub_vae
+    try:
+        snapshot = resolve_vae(hub.repo_id, hub.commit, weights=True)
+    except HubError as exc:
+        raise ConfigError([f"{VAE_KEY}: {exc}"], str(loaded.path)) from None
+    return dataclasses.replace(loaded, hub_vae=dataclasses.replace(snapshot, revision=hub.revision))
+
+
+def _hub_line(hub: HubSnapshot, key: str = "pretrained_model_name_or_path") -> str:
+    """The start-up line naming the snapshot the hub id of ``key`` resolved to."""
     revision = hub.revision or "main"
-    return f"pretrained_model_name_or_path {hub.repo_id!r} (revision {revision}): the Hub snapshot {hub.describe()}"
+    return f"{key} {hub.repo_id!r} (revision {revision}): the Hub snapshot {hub.describe()}"
 
 
 #: The trainer of a rank of a multi-process launch, kept until the process ends in :func:`end_process`.

@@ -69,6 +69,45 @@ class MetadataFileOptions(_Strict):
     )
 
 
+class CaptionShuffle(_Strict):
+    """SimpleTuner's `caption_shuffle` of a dataset: shuffled copies of tag captions, each encoded once."""
+
+    enable: bool = Field(
+        default=False,
+        description=(
+            "Turn shuffling on: each caption (each line of a caption file) gives itself and `count` shuffled copies, "
+            "each encoded once at the start; every draw of the image trains on one of them, chosen from the seed."
+        ),
+    )
+    count: int = Field(default=1, ge=1, le=100, description="Shuffled copies made of each caption.")
+    seed: Optional[int] = Field(
+        default=None,
+        description=(
+            "Seed of the shuffles (each copy `i` of a caption shuffles with `seed` + a hash of the caption + `i`, as "
+            "SimpleTuner does). Unset: the run's `seed`."
+        ),
+    )
+    split_on: Literal["comma", "space", "period"] = Field(
+        default="comma",
+        description=(
+            "What separates the tags: `comma` (joined again with `, `), `space` (` `) or `period` (`. `); empty "
+            "tags are dropped and each tag is stripped."
+        ),
+    )
+    position_start: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Tags kept in place at the front (kohya's `keep_tokens`): only the tags after them are shuffled. A "
+            "caption with fewer than `position_start` + 2 tags is not shuffled."
+        ),
+    )
+    include_original: bool = Field(
+        default=True,
+        description="Keep the caption as written among the captions drawn (false: only the shuffled copies).",
+    )
+
+
 def _whole_to_int(value: float) -> Union[int, float]:
     """``512.0`` -> ``512``: a whole number is an int (so keys and messages read as before); ``1.05`` stays."""
     return int(value) if value.is_integer() else value
@@ -145,6 +184,14 @@ class FolderDatasetConfig(_Strict):
         description=(
             "Put `instance_prompt` and a space before every caption read from elsewhere (a .txt file, the file "
             "name, a metadata file): `sks dog` + `on a sofa` -> `sks dog on a sofa`. Needs `instance_prompt`."
+        ),
+    )
+    caption_shuffle: Optional[CaptionShuffle] = Field(
+        default=None,
+        description=(
+            "SimpleTuner's tag shuffling (`enable`, `count`, `seed`, `split_on`, `position_start`, "
+            "`include_original`; see the table below): shuffled copies of each caption, encoded once, one drawn "
+            "per use. `prepend_instance_prompt` goes before the shuffled tags."
         ),
     )
     parquet: Optional[MetadataFileOptions] = Field(
@@ -273,6 +320,24 @@ class FolderDatasetConfig(_Strict):
             "Edit models (Qwen-Image-Edit): folder of source (conditioning) images, one per image of "
             "`instance_data_dir` at the same relative path and file name (the extension may differ); the caption "
             "is the edit instruction."
+        ),
+    )
+    mask_data_dir: Optional[PathText] = Field(
+        default=None,
+        description=(
+            "Masked loss: folder of mask images, one per image of `instance_data_dir` at the same relative path and "
+            "file name (the extension may differ); an image without one stops the run, naming it. Each mask gets "
+            "its image's resize, crop and flip, is averaged over each latent pixel and weights that pixel's loss "
+            "(white 1, black 0; the loss is still divided by every pixel). SimpleTuner's `conditioning_type: mask` "
+            "dataset. Still images only."
+        ),
+    )
+    mask_type: Optional[Literal["mask", "segmentation"]] = Field(
+        default=None,
+        description=(
+            "How a mask of `mask_data_dir` weights the loss: `mask` (unset: this), by its red channel's grey, in "
+            "every batch; `segmentation`, 1 where any pixel of a latent pixel is not black, else 0, in a share "
+            "`masked_loss_probability` of batches. SimpleTuner's `conditioning_type` of the mask dataset."
         ),
     )
     cache_dir_vae: Optional[CacheFolderText] = Field(
@@ -473,6 +538,11 @@ def _shard_dataset_fields(ds):
         yield (
             f"`conditioning_data_dir` (edit pairs) pairs source images with files on disk by path; a `type: {ds.type}` "
             "dataset has none: use a `local` dataset for edit pairs, or remove the key"
+        )
+    if ds.mask_data_dir is not None:
+        yield (
+            f"`mask_data_dir` (masked loss) pairs masks with files on disk by path; a `type: {ds.type}` dataset has "
+            "none: use a `local` dataset for masked loss, or remove the key"
         )
     for name in ("parquet", "csv", "jsonl"):
         table = getattr(ds, name)

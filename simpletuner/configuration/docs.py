@@ -8,6 +8,7 @@ replaced by tables made from the config models, the family table and the SimpleT
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from functools import partial
@@ -20,6 +21,7 @@ from pydantic_core import PydanticUndefined
 
 from simpletuner.configuration.dataset_sections import (
     AspectBucket,
+    CaptionShuffle,
     HuggingFaceDatasetConfig,
     MetadataFileOptions,
     ObjectStoreDatasetConfig,
@@ -28,6 +30,7 @@ from simpletuner.configuration.dataset_sections import (
 )
 from simpletuner.configuration.families import FAMILIES
 from simpletuner.configuration.foreign_keys import FOREIGN_KEYS, FOREIGN_VALUES
+from simpletuner.configuration.optimizer_settings import NAMED_OPTIMIZER_DEFAULTS, OPTIMIZER_SETTINGS
 from simpletuner.configuration.schema import (
     CacheConfig,
     GH200Optimizations,
@@ -124,6 +127,26 @@ def foreign_value_table() -> str:
     return _table(("key", "value", "tool", "here", "note"), rows)
 
 
+def optimizer_settings_table() -> str:
+    """Each optimizer's `optimizer_config` keys (optimizer_settings.py)."""
+    rows = (
+        f"| `{name}` | `{key}` | {_cell(meaning)} |"
+        for name, settings in OPTIMIZER_SETTINGS.items()
+        for key, (_, meaning) in settings.items()
+    )
+    return _table(("optimizer", "`optimizer_config` key", "meaning"), rows)
+
+
+def optimizer_default_table() -> str:
+    """The defaults of the optimizers named as SimpleTuner names them (optimizer_settings.py)."""
+    rows = (
+        f"| `{name}` | `{key}` | `{json.dumps(value)}` | `{where}` |"
+        for name, defaults in NAMED_OPTIMIZER_DEFAULTS.items()
+        for key, (value, where) in defaults.items()
+    )
+    return _table(("optimizer", "key", "default", "SimpleTuner's line"), rows)
+
+
 def simpletuner_default_table() -> str:
     """SimpleTuner's defaults written into a translation (facts.py)."""
     rows = [f"| `{key}` | `{value!r}` |".replace("'", '"') for key, value in facts.SIMPLETUNER_DEFAULTS.items()]
@@ -184,6 +207,7 @@ _MODELS: tuple[type[BaseModel], ...] = (
     ParquetDatasetConfig,
     HuggingFaceDatasetConfig,
     MetadataFileOptions,
+    CaptionShuffle,
     AspectBucket,
 )
 
@@ -191,6 +215,8 @@ _MODELS: tuple[type[BaseModel], ...] = (
 TABLES: dict[str, Callable[[], str]] = {
     **{model.__name__: partial(model_table, model) for model in _MODELS},
     "families": family_table,
+    "optimizer_settings": optimizer_settings_table,
+    "optimizer_defaults": optimizer_default_table,
     "foreign_keys": foreign_key_table,
     "foreign_values": foreign_value_table,
     "simpletuner_defaults": simpletuner_default_table,

@@ -173,7 +173,19 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
     _kohya(
         "caption_extension", None, "unsupported", 'captions are read from `.txt` files (`caption_strategy: "textfile"`)'
     ),
-    _kohya("shuffle_caption", None, "unsupported", "captions are used as they are"),
+    _kohya(
+        "shuffle_caption",
+        "datasets[].caption_shuffle",
+        "approximated",
+        'per dataset: `caption_shuffle: {"enable": true, "count": N}` makes N shuffled copies of each caption, each '
+        "encoded once, one drawn per use (kohya shuffles anew at every use)",
+    ),
+    _kohya(
+        "keep_tokens",
+        "datasets[].caption_shuffle",
+        "approximated",
+        "`caption_shuffle.position_start`: the comma-separated tags kept in front while the rest shuffle",
+    ),
     _kohya("enable_bucket", None, "ignored", "aspect bucketing is always on"),
     _kohya("bucket_reso_steps", "aspect_bucket_alignment", "same"),
     _kohya("xformers", None, "ignored", "attention uses PyTorch's scaled_dot_product_attention"),

@@ -41,6 +41,8 @@ class LoadedConfig:
     #: Where ``pretrained_model_name_or_path`` is a hub id (kept in ``raw``): the snapshot (a
     #: ``simpletuner.hub.HubSnapshot``) whose folder ``config`` names instead; None for a local folder.
     hub: Any = None
+    #: The same for ``pretrained_vae_model_name_or_path``: its snapshot where it is a hub id; None otherwise.
+    hub_vae: Any = None
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -103,6 +105,46 @@ def _model_folder(config, origin: str = "") -> Iterator[str]:
         yield f"pretrained_model_name_or_path: {p} is not readable"
 
 
+#: The one config file a separate VAE folder must hold, in its ``vae/`` subfolder or at its root.
+COMPONENT_CONFIG = "config.json"
+
+
+def component_subfolder(folder: Path, component: str) -> str | None:
+    """Where a folder named for one component (``pretrained_vae_model_name_or_path``) holds it: ``component`` when
+    it has ``<component>/config.json`` (a pipeline folder), else None, its root (a component repo such as
+    ``madebyollin/sdxl-vae-fp16-fix``). SimpleTuner's order: it loads ``subfolder="vae"`` first, then the root."""
+    return component if (folder / component / COMPONENT_CONFIG).is_file() else None
+
+
+def _vae_folder(config, origin: str = "") -> Iterator[str]:
+    """A separate VAE given as a local path exists and holds a VAE config (``vae/config.json`` or ``config.json``);
+    its class and latent channels are checked against the family when the model spec is made."""
+    vae = config.pretrained_vae_model_name_or_path
+    if vae is None or not looks_local(vae):
+        return
+    key = "pretrained_vae_model_name_or_path"
+    p = Path(vae).expanduser()
+    layout = "config.json + diffusion_pytorch_model.safetensors at its root, or a vae/ subfolder holding them"
+    if not p.exists():
+        yield (
+            f"{key}: {p} does not exist ({origin}give a local folder or a hub id (org/name) holding a diffusers VAE "
+            f"({layout}), or remove the key to use the model's own VAE)"
+        )
+    elif not p.is_dir():
+        yield (
+            f"{key}: {p} is a file; it must be a folder holding a diffusers VAE ({layout}): a single-file VAE "
+            "checkpoint is not read here, use the diffusers version of it (the hub repo it came from, or convert it "
+            "with diffusers' AutoencoderKL.from_single_file(...).save_pretrained(folder))"
+        )
+    elif not os.access(p, os.R_OK | os.X_OK):
+        yield f"{key}: {p} is not readable"
+    elif not (p / (component_subfolder(p, "vae") or "") / COMPONENT_CONFIG).is_file():
+        yield (
+            f"{key}: {p} holds no VAE config (neither vae/config.json nor config.json): point it at a diffusers VAE "
+            f"folder ({layout}), or remove the key to use the model's own VAE"
+        )
+
+
 def _output_dir(config) -> Iterator[str]:
     out = Path(config.output_dir).expanduser()
     if out.exists() and not out.is_dir():
@@ -124,9 +166,10 @@ def _dataset_dirs(config) -> Iterator[str]:
             continue
         if not is_left_out and url_protocol(ds.instance_data_dir) is None and not d.is_dir():
             yield f"datasets[{i}].instance_data_dir: {d} is not a folder"  # a URL is checked when it is listed
-        source = ds.conditioning_data_dir
-        if not is_left_out and source is not None and not Path(source).expanduser().is_dir():
-            yield f"datasets[{i}].conditioning_data_dir: {Path(source).expanduser()} is not a folder"
+        for key in ("conditioning_data_dir", "mask_data_dir"):
+            folder = getattr(ds, key)
+            if not is_left_out and folder is not None and not Path(folder).expanduser().is_dir():
+                yield f"datasets[{i}].{key}: {Path(folder).expanduser()} is not a folder"
 
 
 def _validation_image_files(config) -> Iterator[str]:
@@ -194,8 +237,40 @@ def _tracker_package(config) -> Iterator[str]:
         )
 
 
+def _feature_packages(config) -> Iterator[str]:
+    """The optional package a chosen optimizer, adapter or base precision needs, checked before anything loads
+    (the builders check again, but only after the cache fill)."""
+    wanted = []
+    optimizer = str(getattr(config, "optimizer", ""))
+    if optimizer == "prodigy":
+        wanted.append(("optimizer", optimizer, "prodigyopt", "prodigy", "prodigyopt"))
+    elif optimizer.startswith("optimi-"):
+        wanted.append(("optimizer", optimizer, "optimi", "optimi", "torch-optimi"))
+    elif optimizer.startswith("bnb-"):
+        wanted.append(("optimizer", optimizer, "bitsandbytes", "bitsandbytes", "bitsandbytes"))
+    if getattr(config, "training_type", None) == "lora" and getattr(config, "lora_type", None) == "lycoris":
+        wanted.append(("lora_type", "lycoris", "lycoris", "lycoris", "lycoris-lora"))
+    precision = str(getattr(config, "base_model_precision", "no_change"))
+    if precision.startswith("q"):
+        wanted.append(("base_model_precision", precision, "optimum.quanto", "quanto", "optimum-quanto"))
+    elif precision.endswith("_torchao"):
+        wanted.append(("base_model_precision", precision, "torchao", "torchao", "torchao"))
+    for key, value, module, extra, distribution in wanted:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            yield (
+                f"{key}: {value!r} needs the {distribution} package, which this Python ({sys.executable}) does not "
+                f'have: pip install -e ".[{extra}]" in the simpletuner checkout (or pip install {distribution}), or '
+                f"choose another {key}"
+            )
+
+
 _PATH_CHECKS = (
     _model_folder,
+    _vae_folder,
     _output_dir,
     _cache_dir,
     _dataset_dirs,
@@ -203,17 +278,19 @@ _PATH_CHECKS = (
     _validation_image_files,
     _resume_dir,
     _tracker_package,
+    _feature_packages,
 )
 
 
-def check_paths(config: TrainingConfig | PartialModel, model_origin: str = "") -> list[str]:
+def check_paths(config: TrainingConfig | PartialModel, model_origin: str = "", vae_origin: str = "") -> list[str]:
     """Problems with paths (and tracker packages) the run needs; empty when all is well.
 
     Works on a config that failed validation too: a check whose field is itself invalid is skipped.
-    ``model_origin``: where a relative model path was looked for (:func:`_model_origin`).
+    ``model_origin`` / ``vae_origin``: where a relative model / VAE path was looked for (:func:`_model_origin`).
     """
     model_check = (lambda c: _model_folder(c, model_origin)) if model_origin else _model_folder
-    return run_rules((model_check, *_PATH_CHECKS[1:]), config)
+    vae_check = (lambda c: _vae_folder(c, vae_origin)) if vae_origin else _vae_folder
+    return run_rules((model_check, vae_check, *_PATH_CHECKS[2:]), config)
 
 
 def _resolve_datasets(raw: dict[str, Any], base_dir: Path | None, problems: list[str]) -> dict[str, Any]:
@@ -247,18 +324,19 @@ def _from_base(value: Any, base_dir: Path) -> Any:
 
 
 def _model_from_base(value: Any, base_dir: Path) -> Any:
-    """A relative ``pretrained_model_name_or_path`` taken from ``base_dir`` like every other path; one that is not
-    there and reads as a hub id (``org/name``) stays as written."""
+    """A relative ``pretrained_model_name_or_path`` (or ``pretrained_vae_model_name_or_path``) taken from ``base_dir``
+    like every other path; one that is not there and reads as a hub id (``org/name``) stays as written."""
     local = _from_base(value, base_dir)
     if local is value or os.path.exists(local) or not looks_like_hub_id(value):
         return local
     return value
 
 
-def _model_origin(raw: dict[str, Any], base_dir: Path | None) -> str:
-    """Where a relative ``pretrained_model_name_or_path`` was looked for, for the message when it is not there:
-    the config file's folder, and the working directory when the folder is there instead (the rule before)."""
-    value = raw.get("pretrained_model_name_or_path")
+def _model_origin(raw: dict[str, Any], base_dir: Path | None, key: str = "pretrained_model_name_or_path") -> str:
+    """Where a relative ``pretrained_model_name_or_path`` (or another model path ``key``) was looked for, for the
+    message when it is not there: the config file's folder, and the working directory when the folder is there
+    instead (the rule before)."""
+    value = raw.get(key)
     if base_dir is None or not isinstance(value, str) or _model_from_base(value, base_dir) in (value, None):
         return ""
     origin = f"{value!r} is taken from the config file's folder {os.path.abspath(base_dir)}, as every relative path"
@@ -271,9 +349,10 @@ def _model_origin(raw: dict[str, Any], base_dir: Path | None) -> str:
 
 
 def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[str, Any]:
-    """Relative ``pretrained_model_name_or_path`` (unless it is a hub id: :func:`_model_from_base`), ``output_dir``,
+    """Relative ``pretrained_model_name_or_path`` / ``pretrained_vae_model_name_or_path`` (unless a hub id:
+    :func:`_model_from_base`), ``output_dir``,
     ``cache_config.cache_dir`` / ``text_cache_dir``, ``datasets[].instance_data_dir`` /
-    ``conditioning_data_dir`` / ``cache_dir_vae``, a ``validation_image``, a
+    ``conditioning_data_dir`` / ``mask_data_dir`` / ``cache_dir_vae``, a ``validation_image``, a
     ``validation_prompts`` file and a ``resume_from_checkpoint`` folder, made absolute against ``base_dir``
     (the config file's folder), so the same config run from another folder writes and reads the same places.
     ``--set`` values are part of the config and follow the same rule. Without ``base_dir`` (a dict, no file) nothing
@@ -281,8 +360,9 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
     if base_dir is None:
         return raw
     out = dict(raw)
-    if isinstance(out.get("pretrained_model_name_or_path"), str):
-        out["pretrained_model_name_or_path"] = _model_from_base(out["pretrained_model_name_or_path"], base_dir)
+    for key in ("pretrained_model_name_or_path", "pretrained_vae_model_name_or_path"):
+        if isinstance(out.get(key), str):
+            out[key] = _model_from_base(out[key], base_dir)
     out["output_dir"] = _from_base(out.get("output_dir", _DEFAULT_OUTPUT_DIR), base_dir)
     if isinstance(out.get("resume_from_checkpoint"), str) and out["resume_from_checkpoint"] != "latest":
         out["resume_from_checkpoint"] = _from_base(out["resume_from_checkpoint"], base_dir)
@@ -306,12 +386,11 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
             else d
             for d in datasets
         ]
-        out["datasets"] = [
-            {**d, "conditioning_data_dir": _from_base(d["conditioning_data_dir"], base_dir)}
-            if isinstance(d, dict) and isinstance(d.get("conditioning_data_dir"), str)
-            else d
-            for d in out["datasets"]
-        ]
+        for key in ("conditioning_data_dir", "mask_data_dir"):
+            out["datasets"] = [
+                {**d, key: _from_base(d[key], base_dir)} if isinstance(d, dict) and isinstance(d.get(key), str) else d
+                for d in out["datasets"]
+            ]
         out["datasets"] = [_caption_tables_from_base(d, base_dir) for d in out["datasets"]]
         out["datasets"] = [
             {**d, "cache_dir_vae": _cache_folder_from_base(d["cache_dir_vae"], base_dir)}
@@ -363,7 +442,8 @@ def validate_config(
         config, rule_problems = partial_config(TrainingConfig, resolved, exc)
         problems.extend(rule_problems)
     if check_files:
-        problems.extend(check_paths(config, _model_origin(raw, base_dir)))
+        vae_origin = _model_origin(raw, base_dir, "pretrained_vae_model_name_or_path")
+        problems.extend(check_paths(config, _model_origin(raw, base_dir), vae_origin))
     if problems:
         raise ConfigError(problems, source)
     assert isinstance(config, TrainingConfig)  # a failed validation always leaves at least one line

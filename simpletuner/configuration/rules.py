@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from simpletuner.configuration.export_formats import output_formats_problems
 from simpletuner.configuration.families import (
     EXPERT_FAMILIES,
     FAMILY_LATENT_GRID,
@@ -73,6 +74,16 @@ def _video_frames(ds) -> Iterator[str]:
         yield (
             "`num_frames` / `frame_stride` apply to dataset_type 'video' only: remove them or set dataset_type 'video'"
         )
+
+
+def _masks(ds) -> Iterator[str]:
+    if ds.mask_data_dir is not None and ds.dataset_type == "video":
+        yield (
+            "`mask_data_dir` (masked loss) pairs masks with still images only; this dataset is `dataset_type: video`: "
+            "remove the key, or use an image dataset"
+        )
+    if ds.mask_data_dir is None and ds.mask_type is not None:
+        yield "`mask_type` says how the masks of `mask_data_dir` are read: set `mask_data_dir` too, or remove it"
 
 
 def _ramp_bounds(ramp) -> Iterator[str]:
@@ -557,6 +568,7 @@ DATASET_RULES: tuple[Rule, ...] = (
     _caption_table,
     _prepend_needs_prompt,
     _video_frames,
+    _masks,
     _resolution_units,
     _crop_settings,
     _aspect_range,
@@ -619,6 +631,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _validation_frames_fit_family,
     _validation_images_match_prompts,
     _hub_upload_settings,
+    output_formats_problems,
 )
 
 

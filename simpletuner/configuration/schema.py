@@ -20,9 +20,10 @@ from simpletuner.configuration.dataset_sections import (
     InMemoryOptions,
     LocalDatasetConfig,
 )
+from simpletuner.configuration.export_formats import OutputFormat
 from simpletuner.configuration.families import FAMILY_NAMES, FAMILY_ONLY_KEYS, FamilyName
 from simpletuner.configuration.model_folder import normalise_repo_id, repo_id_problem
-from simpletuner.configuration.optimizer_settings import parse_optimizer_config
+from simpletuner.configuration.optimizer_settings import OptimizerName, parse_optimizer_config, with_optimizer_defaults
 from simpletuner.configuration.prompts import merged_prompts, prompts_from
 from simpletuner.configuration.rules import TRAINING_RULES, Rule, check_rules, validation_sizes
 from simpletuner.configuration.sections import (
@@ -74,6 +75,17 @@ class TrainingConfig(_Strict):
             "there stays a hub id."
         ),
     )
+    pretrained_vae_model_name_or_path: Optional[PathText] = Field(
+        default=None,
+        description=(
+            "A separate VAE (e.g. `madebyollin/sdxl-vae-fp16-fix` for sdxl, `stabilityai/sd-vae-ft-mse` for sd): a "
+            "local folder or a hub id holding it, read from its `vae/` subfolder when it has `vae/config.json`, else "
+            "from its root (`config.json` + `diffusion_pytorch_model.safetensors`). Unset: the model's own VAE. A "
+            "relative path is taken from the config file's folder, as `pretrained_model_name_or_path`; a hub id "
+            "resolves at its default branch (`revision` is the model's). Its VAE class must be one the family loads "
+            "and its latent channels the denoiser's; the latent cache is keyed by it, so another VAE re-encodes."
+        ),
+    )
     model_family: FamilyName = Field(
         default=None,
         validate_default=True,
@@ -101,13 +113,16 @@ class TrainingConfig(_Strict):
         ),
     )
     revision: Optional[str] = Field(default=None, description="Hub revision, when loading from the hub.")
-    base_model_precision: Literal["no_change", "qfloat8", "qint8", "int8_torchao", "fp8_torchao"] = Field(
-        default="no_change",
-        description=(
-            "Store the frozen base's Linear weights in 8 bits: `qfloat8` / `qint8` (optimum-quanto, the `quanto` "
-            "extra) or `int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); `no_change`: the "
-            "mixed-precision dtype. LoRA / LyCORIS only."
-        ),
+    base_model_precision: Literal["no_change", "qfloat8", "qint8", "qint4", "qint2", "int8_torchao", "fp8_torchao"] = (
+        Field(
+            default="no_change",
+            description=(
+                "Store the frozen base's Linear weights in fewer bits: `qfloat8` / `qint8` (8 bits), `qint4` / "
+                "`qint2` (4 / 2 bits, a scale and shift per group of up to 128 weights) through optimum-quanto (the "
+                "`quanto` extra), or `int8_torchao` / `fp8_torchao` (torchao, the `torchao` extra); `no_change`: "
+                "the mixed-precision dtype. LoRA / LyCORIS only."
+            ),
+        )
     )
     train_stages: Literal["both", "high", "low"] = Field(
         default="both",
@@ -248,11 +263,16 @@ class TrainingConfig(_Strict):
             "schedules do not read it: setting it with them stops the run."
         ),
     )
-    optimizer: Literal["adamw", "adam", "sgd", "automagic", "adamw_bf16", "prodigy"] = Field(
+    optimizer: OptimizerName = Field(
         default="adamw",
         description=(
             "`adamw`, `adam`, `sgd` (torch), `automagic` (a learning rate per element), `adamw_bf16` (AdamW "
-            "rounding stochastically into bf16 weights) or `prodigy` (prodigyopt's Prodigy, the `prodigy` extra)."
+            "rounding stochastically into bf16 weights), `prodigy` (prodigyopt's Prodigy, the `prodigy` extra); "
+            "under SimpleTuner's names, with its defaults for what the config leaves out: `optimi-adamw`, "
+            "`optimi-adam`, `optimi-sgd`, `optimi-lion`, `optimi-stableadamw`, `optimi-radam`, `optimi-ranger`, "
+            "`optimi-adan` (torch-optimi, the `optimi` extra), `bnb-adamw8bit`, `bnb-adamw8bit-paged`, "
+            "`bnb-lion8bit` (8-bit state, bitsandbytes, the `bitsandbytes` extra) and `torch-adafactor` (torch's "
+            "Adafactor). Each one's settings and defaults: `optimizer_config`."
         ),
     )
     lr_bump: float = Field(
@@ -462,6 +482,16 @@ class TrainingConfig(_Strict):
             "the noisiest step under `huber_schedule` `snr` / `exponential`). Unused with `loss_type` `l2`."
         ),
     )
+    masked_loss_probability: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description=(
+            "Masked loss: the share of micro-batches of a `mask_type: segmentation` dataset whose loss its masks "
+            "weight (one draw per micro-batch, from the seed; 1: every one). A `mask_type: mask` dataset's masks "
+            "weight every batch whatever this says, as in SimpleTuner. Unused without `mask_data_dir`."
+        ),
+    )
     noise_offset: float = Field(
         default=0.0,
         ge=0,
@@ -531,6 +561,16 @@ class TrainingConfig(_Strict):
     )
     lora_target_modules: Optional[list[str]] = Field(
         default=None, description="Module names to adapt; default: the family's attention projections."
+    )
+    output_formats: list[OutputFormat] = Field(
+        default=["diffusers"],
+        description=(
+            "Adapter files the final save writes: `diffusers` (always, `pytorch_lora_weights.safetensors`) and, "
+            "beside it, `kohya` (kohya-ss' names: sd-scripts, musubi-tuner) and / or `comfyui` (the names ComfyUI "
+            "loads), as `<name>.kohya.safetensors` / `<name>.comfyui.safetensors`; listed in final_weights.json, so "
+            "`push_to_hub` uploads them too. The same as `simpletuner export`; which family has which format, and "
+            'what each holds: MODEL_FAMILIES.md, "Exporting the adapter". Peft LoRAs only (not LyCORIS or DoRA).'
+        ),
     )
 
     # --- faults ---
@@ -808,6 +848,11 @@ class TrainingConfig(_Strict):
     @classmethod
     def _optimizer_config_read(cls, value: Any) -> Any:
         return parse_optimizer_config(value)  # SimpleTuner's "key=value,..." string -> a dict
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: Any) -> Any:
+        return with_optimizer_defaults(data)  # a SimpleTuner-named optimizer's own defaults for what is left out
 
     @field_validator("cuda_allocator")
     @classmethod

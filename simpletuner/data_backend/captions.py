@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
 from simpletuner.data_backend.base import DataBackend
 from simpletuner.data_backend.caption_files import CaptionTable, load_caption_table
+from simpletuner.data_backend.caption_shuffle import is_shuffling, shuffled_captions
 
 if TYPE_CHECKING:
     from simpletuner.configuration.dataset_sections import FolderDatasetConfig
@@ -114,9 +115,13 @@ def captions_for(
     *,
     is_folder: bool = False,
     table: CaptionTable | None = None,
+    seed: int = 0,
 ) -> tuple[tuple[str, ...], str]:
     """The captions of the image (or clip, or frame folder when ``is_folder``) at ``path`` and where they came
-    from: one caption, or a caption file's lines (:func:`caption_lines`) unless ``disable_multiline_split``.
+    from: one caption, or a caption file's lines (:func:`caption_lines`) unless ``disable_multiline_split``;
+    with ``caption_shuffle`` each followed by its shuffled copies
+    (:func:`~simpletuner.data_backend.caption_shuffle.shuffled_captions`, from ``seed`` unless it sets its own),
+    except under ``caption_strategy: instance_prompt`` (as SimpleTuner).
 
     ``caption_strategy``: ``textfile`` (:func:`caption_file`, falling back to ``instance_prompt``, then
     :func:`caption_from_filename_cleaned`); ``filename`` / ``filename_cleaned``; ``instance_prompt``;
@@ -131,6 +136,9 @@ def captions_for(
     captions: tuple[str, ...] = (caption,)
     if source == "textfile" and not dataset_cfg.disable_multiline_split and "\n" in caption:
         captions = tuple(caption_lines(caption))
+    shuffle = dataset_cfg.caption_shuffle
+    if shuffle is not None and is_shuffling(shuffle) and dataset_cfg.caption_strategy != "instance_prompt":
+        captions = tuple(copy for c in captions for copy in shuffled_captions(c, shuffle, seed))
     if dataset_cfg.prepend_instance_prompt and source != "instance_prompt":
         captions = tuple(f"{dataset_cfg.instance_prompt} {c}" for c in captions)
     return captions, source
@@ -196,16 +204,20 @@ class CaptionNotes:
     ``filename_cleaned`` (this trainer's ``filename`` before it took SimpleTuner's meaning)."""
 
     dataset_id: str
+    shuffles: bool = False  # `caption_shuffle` makes copies: several captions are not several lines
     num_multiline: int = 0
     multiline_example: str | None = None
     num_filename_kept: int = 0  # `filename` captions that `filename_cleaned` would change
     filename_example: tuple[str, str, str] | None = None  # (file, caption, cleaned caption)
     num_captions: int = 0
+    num_shuffled: int = 0  # captions drawn from, copies included, with `caption_shuffle`
 
     def add(self, path: str, shown: str, captions: tuple[str, ...], source: str, is_folder: bool = False) -> None:
         """Count one scanned image (clip) whose captions are ``captions`` (from ``source``)."""
         self.num_captions += 1
-        if len(captions) > 1:
+        if self.shuffles:
+            self.num_shuffled += len(captions)
+        elif len(captions) > 1:
             self.num_multiline += 1
             if self.multiline_example is None:
                 self.multiline_example = f"{caption_file(shown, is_folder=is_folder)} ({len(captions)} lines)"
@@ -219,6 +231,15 @@ class CaptionNotes:
 
     def report(self) -> None:
         """One INFO line per note that applies to this dataset."""
+        if self.shuffles:
+            logger.info(
+                "dataset %r: caption_shuffle: %d images have %d captions in all, each caption followed by its shuffled "
+                "copies; each is encoded once and every draw of an image trains on one of them, chosen from the seed "
+                '(kohya shuffles anew at every use; see documentation/DATA_SOURCES.md, "Caption shuffling")',
+                self.dataset_id,
+                self.num_captions,
+                self.num_shuffled,
+            )
         if self.num_multiline:
             logger.info(
                 "dataset %r: %d of %d caption files have several lines (e.g. %s): each line is a caption of its "

@@ -202,12 +202,14 @@ def prepare_image(
     crop_style: str,
     crop_seed: int,
     canvas: tuple[int, int] | None = None,
+    resample: Image.Resampling | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Resize ``image`` to cover ``bucket`` (keeping its aspect), crop to it, make a tensor.
 
     ``crop_style``: ``"center"``, ``"random"`` (offset from ``random.Random(crop_seed)``: same seed, same pixels)
     or ``"corner"`` (top left). ``canvas`` ``(w, h)``: resize to this instead (a large image's downsample,
-    :attr:`~simpletuner.data_backend.geometry.CropPlan.canvas`; a side below the bucket's is raised).
+    :attr:`~simpletuner.data_backend.geometry.CropPlan.canvas`; a side below the bucket's is raised). ``resample``:
+    the Pillow filter (None: ``LANCZOS`` to shrink, ``BICUBIC`` to enlarge; a mask takes ``BOX``).
     Returns ``(pixels, info)``: float32 ``[3, H, W]`` in ``[-1, 1]`` with ``(W, H) == bucket``; ``info`` holds
     ``crop_top`` / ``crop_left`` (in the resized image's pixels), ``original_size`` (after EXIF orientation for
     :func:`load_rgb`'s), ``resized_size`` and ``target_size``.
@@ -237,7 +239,8 @@ def prepare_image(
         rng = random.Random(crop_seed)
         left = rng.randint(0, resized_w - target_w)
         top = rng.randint(0, resized_h - target_h)
-    resample = Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC
+    if resample is None:
+        resample = Image.Resampling.LANCZOS if scale < 1 else Image.Resampling.BICUBIC
     if resized_w * resized_h > MAX_RESIZE_OVERSHOOT * target_w * target_h:
         # A strip far beyond MAX_ASPECT_RATIO: resizing all of it would build a huge
         # intermediate (a 4000x1 strip in a 2048x512 bucket: ~1 G pixels), so resample only

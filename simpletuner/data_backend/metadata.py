@@ -25,12 +25,14 @@ from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES
 from simpletuner.data_backend.bad_files import check_bad_files, format_bad, report_after_fill, warn_skipped
 from simpletuner.data_backend.base import IMAGE_EXTENSIONS, DataBackend
 from simpletuner.data_backend.caption_files import load_caption_table
+from simpletuner.data_backend.caption_shuffle import is_shuffling
 from simpletuner.data_backend.captions import CaptionNotes, caption_file, captions_for
 from simpletuner.data_backend.captions import caption_for as caption_for
 from simpletuner.data_backend.captions import caption_from_filename as caption_from_filename
 from simpletuner.data_backend.captions import caption_from_filename_cleaned as caption_from_filename_cleaned
 from simpletuner.data_backend.geometry import CropPlan, Geometry, geometry_for
 from simpletuner.data_backend.images import image_size_reader
+from simpletuner.data_backend.masks import find_masks, has_masks
 from simpletuner.data_backend.pairs import aspect_problem, find_sources, has_sources
 from simpletuner.data_backend.size_rules import SizeRules as _SizeRules
 from simpletuner.data_backend.video import (
@@ -84,6 +86,10 @@ class Sample:
     #: the first. Each draw trains on one (:func:`~simpletuner.data_backend.captions.caption_line_index`). Empty:
     #: ``caption`` is the only one.
     caption_lines: tuple[str, ...] = ()
+    #: Masked loss: the absolute path of the sample's mask (:mod:`simpletuner.data_backend.masks`), or None.
+    mask: str | None = None
+    #: How the mask weights the loss (the dataset's ``mask_type``): ``mask`` or ``segmentation``.
+    mask_type: str = "mask"
 
     @property
     def captions(self) -> tuple[str, ...]:
@@ -271,7 +277,7 @@ class _Scan:
             num_files=len(listing.paths) + len(listing.failed), bad_files=list(listing.failed), noun=self.noun
         )
         self.caption_sources: Counter[str] = Counter()
-        self.notes = CaptionNotes(backend.id)
+        self.notes = CaptionNotes(backend.id, shuffles=is_shuffling(dataset_cfg.caption_shuffle))
         self.unique: list[Sample] = []
         self.too_short: list[tuple[str, int]] = []
         self.bad_pairs: list[tuple[str, str]] = []
@@ -280,6 +286,7 @@ class _Scan:
         is_table = dataset_cfg.caption_strategy in METADATA_CAPTION_STRATEGIES
         self.table = load_caption_table(dataset_cfg, backend.id) if is_table else None  # before any image is read
         self.sources = self._find_sources()
+        self.masks = self._find_masks()
         self.size_of = image_size_reader(backend)
         self.shared: dict[Any, Any] = {}  # one object for each distinct caption, size, bucket and canvas
         self.plans: dict[tuple[int, int], CropPlan] = {}
@@ -296,6 +303,12 @@ class _Scan:
                 "still images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
             )
         return find_sources(self.dataset_cfg, self.listing.paths, self.table)
+
+    def _find_masks(self) -> dict[str, str] | None:
+        """Masked loss: every image's mask found (or the images without one named) before any is read."""
+        if not has_masks(self.dataset_cfg):
+            return None
+        return find_masks(self.dataset_cfg, self.listing.paths)
 
     def add(self, path: str, clip: Clip | None) -> None:
         """Scan one file: its name, caption row, size, frame count, size rules, caption and pair, in that order."""
@@ -326,6 +339,11 @@ class _Scan:
             pair_problem = aspect_problem((width, height), self.sources[path])
             if pair_problem is not None:
                 self.bad_pairs.append((shown, pair_problem))
+                return
+        if self.masks is not None:
+            mask_problem = aspect_problem((width, height), self.masks[path], "mask")
+            if mask_problem is not None:
+                self.bad_pairs.append((shown, mask_problem))
                 return
         self.caption_sources[caption_source] += 1
         self.notes.add(path, shown, captions, caption_source, is_folder)
@@ -359,7 +377,9 @@ class _Scan:
         problem = _caption_problem(self.backend, path, self.dataset_cfg, self.unreadable, is_folder)
         if problem is None:
             try:
-                return captions_for(self.backend, path, self.dataset_cfg, is_folder=is_folder, table=self.table)
+                return captions_for(
+                    self.backend, path, self.dataset_cfg, is_folder=is_folder, table=self.table, seed=self.seed
+                )
             except OSError as exc:
                 text_path = caption_file(path, is_folder=is_folder)
                 problem = f"caption file {text_path} cannot be read: {exc.strerror or exc}"
@@ -389,6 +409,8 @@ class _Scan:
             canvas=plan.canvas if plan.canvas is None else shared.setdefault(plan.canvas, plan.canvas),
             is_regularisation_data=dataset_cfg.is_regularisation_data,
             source=self.sources[path] if self.sources is not None else None,
+            mask=self.masks[path] if self.masks is not None else None,
+            mask_type=dataset_cfg.mask_type or "mask",
             caption_lines=shared.setdefault(captions, captions) if len(captions) > 1 else (),
             **(_clip_fields(clip, self.listing.num_frames, dataset_cfg.frame_stride) if clip else {}),
         )
@@ -401,9 +423,9 @@ class _Scan:
         if self.table is not None:
             self.table.report(backend_id, root, result.num_files)
         if self.bad_pairs:
+            noun = "edit pair(s)" if self.sources is not None else "image(s) with masks"
             raise ValueError(
-                f"dataset {backend_id!r}: {len(self.bad_pairs)} edit pair(s) cannot be used:\n"
-                f"{format_bad(self.bad_pairs)}"
+                f"dataset {backend_id!r}: {len(self.bad_pairs)} {noun} cannot be used:\n{format_bad(self.bad_pairs)}"
             )
         if self.too_short:
             raise too_short_error(

@@ -50,7 +50,7 @@ def _source_root(dataset_cfg: FolderDatasetConfig) -> Path:
     return Path(folder if folder is not None else dataset_cfg.instance_data_dir).expanduser()
 
 
-def _list_images(root: Path) -> list[str]:
+def list_images(root: Path) -> list[str]:
     """Relative POSIX paths of the images under ``root`` (recursive, hidden files and folders skipped)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -80,7 +80,7 @@ def find_sources(
     if table is not None and _table_column(dataset_cfg) is not None:
         return _table_sources(dataset_cfg, images, table, root, where)
     by_name: dict[str, list[str]] = {}
-    for path in _list_images(root):
+    for path in list_images(root):
         by_name.setdefault(strip_media_extension(path), []).append(path)
     ambiguous = [" and ".join(paths) for paths in by_name.values() if len(paths) > 1]
     if ambiguous:
@@ -150,18 +150,19 @@ def source_size(source: str) -> tuple[int, int]:
         return read_image_size(handle.read())
 
 
-def aspect_problem(image_size: tuple[int, int], source: str) -> str | None:
-    """Why the source at ``source`` cannot pair with an image of ``image_size``, or None: unreadable, or
-    aspect ratios more than :data:`MAX_ASPECT_MISMATCH` apart (resizing it to the image would distort it)."""
+def aspect_problem(image_size: tuple[int, int], source: str, what: str = "source") -> str | None:
+    """Why the ``what`` (an edit pair's source, a mask) at ``source`` cannot pair with an image of ``image_size``,
+    or None: unreadable, or aspect ratios more than :data:`MAX_ASPECT_MISMATCH` apart (resizing it to the image
+    would distort it)."""
     try:
         width, height = source_size(source)
     except (OSError, ValueError) as exc:
-        return f"its source {source} cannot be read ({exc})"
+        return f"its {what} {source} cannot be read ({exc})"
     ratio = (width / height) / (image_size[0] / image_size[1])
     if abs(ratio - 1) > MAX_ASPECT_MISMATCH:
         return (
-            f"its source {source} is {width}x{height}, the image {image_size[0]}x{image_size[1]}: aspect ratios "
-            f"{abs(ratio - 1):.0%} apart (at most {MAX_ASPECT_MISMATCH:.0%}); crop the source to the image's shape"
+            f"its {what} {source} is {width}x{height}, the image {image_size[0]}x{image_size[1]}: aspect ratios "
+            f"{abs(ratio - 1):.0%} apart (at most {MAX_ASPECT_MISMATCH:.0%}); crop the {what} to the image's shape"
         )
     return None
 

@@ -38,14 +38,23 @@ def read_estimated_config(config_path: str, overrides: Sequence[str]) -> Estimat
 
 def _hub_configs(config_path: str, overrides: Sequence[str]) -> list[str]:
     """A hub id's configs only (no weights) fetched into the Hub cache, and the ``--set`` item that points the
-    estimate at that snapshot folder; nothing for a local folder."""
-    from simpletuner.hub import HubError, resolve_config_model
+    estimate at that snapshot folder; nothing for a local folder. The same for a separate VAE's hub id (its config
+    gives the latents' shape and its size)."""
+    from simpletuner.hub import VAE_KEY, HubError, resolve_config_model, resolve_config_vae
 
-    try:
-        hub = resolve_config_model(read_raw_config(config_path, list(overrides)))
-    except HubError as exc:
-        raise ConfigError([f"pretrained_model_name_or_path: {exc}"], config_path) from None
-    return [] if hub is None else [f"pretrained_model_name_or_path={orjson.dumps(str(hub.folder)).decode()}"]
+    raw = read_raw_config(config_path, list(overrides))
+    items, problems = [], []
+    for key, resolve in (("pretrained_model_name_or_path", resolve_config_model), (VAE_KEY, resolve_config_vae)):
+        try:
+            hub = resolve(raw)
+        except HubError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
+        if hub is not None:
+            items.append(f"{key}={orjson.dumps(str(hub.folder)).decode()}")
+    if problems:
+        raise ConfigError(problems, config_path)
+    return items
 
 
 def _precision_in_force(config_path: str, overrides: list[str]) -> tuple[str, list[str]]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from simpletuner.memory.autocast import autocast_forward
+from simpletuner.memory.optimizer_state import named_optimizer_bytes
 from simpletuner.precision import run_dtype
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ FRAGMENTATION_FRACTION = 0.10
 #: exp_avg and exp_avg_sq (their ``step`` counters are CPU scalars unless capturable/fused).
 #: SGD: one momentum buffer (``build_optimizer`` always uses momentum 0.9). AdamW-bf16: exp_avg and
 #: exp_avg_sq in the parameter's dtype (2 bytes each on bf16 weights, 4 on fp32 ones).
-#: Prodigy's state depends on ``slice_p``: see :func:`prodigy_state_bytes`.
+#: Prodigy's state depends on ``slice_p``: see :func:`prodigy_state_bytes`; the optimizers named as SimpleTuner
+#: names them (optimi-*, bnb-*, torch-adafactor): :mod:`simpletuner.memory.optimizer_state`.
 OPTIMIZER_STATES_PER_ELEMENT = {"adamw": 2, "adam": 2, "sgd": 1, "adamw_bf16": 2}
 
 _DEVICE_KINDS = ("cuda", "cpu")
@@ -217,8 +219,11 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
     The family's spec gives the shapes (``ModelSpec.batch_shapes``, from the folder's configs):
     latents are cached in fp32 at the bucket of a square image (``resolution`` x
     ``resolution``, divided by the VAE's down factor); text embeddings in the autocast dtype,
-    padded to the tokenizer's max length.
+    padded to the tokenizer's max length; with masked loss (a trained dataset with ``mask_data_dir``)
+    one fp32 weight per latent pixel (``[B, 1, h, w]``), which the fake step's loss applies too.
     """
+    from simpletuner.configuration.cache_paths import is_trained
+    from simpletuner.data_backend.masks import MASK_KEY
     from simpletuner.models import get_model_spec
 
     try:
@@ -226,9 +231,10 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
     except NotImplementedError:
         raise ValueError(f"no batch shapes for model_family {config.model_family!r}") from None
     text_dtype = run_dtype(config, cuda=None)
-    return TensorShape(tuple(latents), torch.float32), {
-        k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()
-    }
+    shapes = {k: TensorShape(tuple(s), text_dtype) for k, s in conditioning.items()}
+    if any(ds.mask_data_dir is not None and is_trained(ds) for ds in config.datasets or []):
+        shapes[MASK_KEY] = TensorShape((latents[0], 1, *latents[-2:]), torch.float32)
+    return TensorShape(tuple(latents), torch.float32), shapes
 
 
 # --- the fake step ---------------------------------------------------------------------------
@@ -326,6 +332,9 @@ def optimizer_bytes(
     ``grad + wd * param`` (Adam, SGD; AdamW decays in place). On CPU the per-parameter loop
     needs as much for one tensor at a time.
     """
+    named = named_optimizer_bytes(config, trainable, device_kind)  # optimi-*, bnb-*, torch-adafactor
+    if named is not None:
+        return named
     if config.optimizer == "automagic":
         # Updated one parameter at a time: temporaries of about four fp32 copies of the largest.
         largest = max((p.numel() for p in trainable), default=0)

@@ -20,7 +20,7 @@ import torch
 
 from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.advice import VALIDATION_MODELS, format_bytes
-from simpletuner.memory.components import component_bytes
+from simpletuner.memory.components import component_bytes, vae_bytes
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -96,7 +96,6 @@ def host_estimate(
     if not on_gpu and root is not None:
         denoiser = "unet" if (root / "unet").is_dir() else "transformer"
         parts = {
-            "vae": torch.float32,
             "text_encoder": text_dtype,
             "text_encoder_2": text_dtype,
             "text_encoder_3": text_dtype,
@@ -107,6 +106,7 @@ def host_estimate(
             for name, dtype in parts.items()
             if (root / name).is_dir() and (b := component_bytes(root, name, dtype)) is not None
         )
+        model += vae_bytes(spec.vae_location(), torch.float32) or 0  # the model's vae/ or a separate VAE
         if model:
             est.host["models (weights)"] = model
     if not on_gpu:

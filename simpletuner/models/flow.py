@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from simpletuner.data_backend.masks import MASK_KEY
 from simpletuner.models import losses
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd import StableDiffusionSpec
@@ -74,19 +75,24 @@ class FlowMatchingSpec(StableDiffusionSpec):
         *,
         denoiser: nn.Module | None = None,
         is_regularisation_data: bool = False,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-sample flow-matching loss, shape [B]. Draw order from ``generator``: the noise
         (float32, the latents' shape), then the sigmas (``sample_sigmas``, by default
         :meth:`sample_sigmas`). ``layout`` rearranges the clean latents and the noise into the
         denoiser's layout before they are mixed (flux's packing); the loss is taken in that layout.
         A regularisation batch of an adapter run (``is_regularisation_data``) trains towards
-        ``predict`` with ``denoiser``'s adapters off (the base model), on the same noisy input."""
+        ``predict`` with ``denoiser``'s adapters off (the base model), on the same noisy input. ``loss_mask``
+        (``[B, 1, h, w]``, the batch's :data:`~simpletuner.data_backend.masks.MASK_KEY`) weights each latent pixel's
+        loss (:func:`~simpletuner.models.losses.mask_weights`), laid out as the latents."""
         cfg = self.config
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
         sigmas = (sample_sigmas or self.sample_sigmas)(latents.shape[0], generator)
         clean = latents.float()
+        weight = losses.mask_weights(loss_mask, latents.shape)
         if layout is not None:
             clean, noise = layout(clean), layout(noise)
+            weight = layout(weight) if weight is not None else None
         s = sigmas.view(-1, *([1] * (clean.ndim - 1))).to(latents.device)
         noisy = ((1 - s) * clean + s * noise).to(latents.dtype)
         target = noise - clean
@@ -96,7 +102,7 @@ class FlowMatchingSpec(StableDiffusionSpec):
             target = losses.parent_prediction(denoiser, lambda: predict(noisy, sigmas))
         pred = predict(noisy, sigmas)
         huber_c = losses.flow_huber_c(sigmas, cfg.huber_schedule, cfg.huber_c) if cfg.loss_type != "l2" else None
-        loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c)
+        loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c, weight)
         if cfg.loss_weighting in ("sigma_sqrt", "cosmap", "sigma_squared"):
             loss = loss * noise_lib.flow_weights(sigmas, cfg.loss_weighting).to(loss.device)
         return loss
@@ -108,5 +114,10 @@ class FlowMatchingSpec(StableDiffusionSpec):
             return self.predict(denoiser, noisy, self.timesteps_of(sigmas, latents.device), conditioning)
 
         return self.flow_loss(
-            latents, generator, predict, denoiser=denoiser, is_regularisation_data=is_regularisation_data
+            latents,
+            generator,
+            predict,
+            denoiser=denoiser,
+            is_regularisation_data=is_regularisation_data,
+            loss_mask=conditioning.get(MASK_KEY),
         )

@@ -63,6 +63,11 @@ class FluxSpec(PackedFlowSpec):
         patch = (self._component_config(self.denoiser_name) or {}).get("patch_size", 1)
         return self.latent_patch * (patch if isinstance(patch, int) and patch > 0 else 1)
 
+    def denoiser_latent_channels(self) -> int | None:
+        """The transformer's channels are of 2x2-packed latents (64 for Flux.1): a quarter of them per latent."""
+        packed = super().denoiser_latent_channels()
+        return None if packed is None else packed // (self.latent_patch * self.latent_patch)
+
     components = {
         "transformer": ("model", "diffusers", frozenset({"FluxTransformer2DModel"})),
         "vae": ("model", "diffusers", frozenset({"AutoencoderKL"})),

@@ -5,6 +5,8 @@ regularisation ("parent-student") target: the frozen base model's own prediction
 the same curve without the factor ``c`` (SimpleTuner's formula, not ``torch.nn.functional.smooth_l1_loss``).
 Each is taken element-wise and averaged over every dimension but the batch: the result is [B]. ``c`` follows
 ``huber_schedule`` over the noise level. See documentation/MODEL_FAMILIES.md, "Timesteps and loss types".
+Masked loss multiplies each element by its latent pixel's mask weight before the average (which still divides
+by every element, as SimpleTuner's ``loss * mask`` then ``mean``): :func:`mask_weights`, "Masked loss" there.
 """
 
 from __future__ import annotations
@@ -24,23 +26,51 @@ HUBER_SCHEDULES = ("snr", "exponential", "constant")
 
 
 def per_sample_loss(
-    pred: torch.Tensor, target: torch.Tensor, loss_type: str = "l2", huber_c: float | torch.Tensor | None = None
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    loss_type: str = "l2",
+    huber_c: float | torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The [B] loss of ``pred`` against ``target`` (float32): ``loss_type`` element-wise, averaged
-    over all but the first dimension. ``huber_c`` (``huber`` / ``smooth_l1`` only): a number, or one
-    per sample ([B])."""
+    """The [B] loss of ``pred`` against ``target`` (float32): ``loss_type`` element-wise, times ``weight``
+    (broadcast to ``pred``'s shape: a masked loss, :func:`mask_weights`; None: 1), averaged over all but the
+    first dimension. ``huber_c`` (``huber`` / ``smooth_l1`` only): a number, or one per sample ([B])."""
     dims = tuple(range(1, pred.ndim))
     if loss_type == "l2":
-        return F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=dims)
-    if loss_type not in ("huber", "smooth_l1"):
+        elements = F.mse_loss(pred.float(), target.float(), reduction="none")
+    elif loss_type in ("huber", "smooth_l1"):
+        assert huber_c is not None, "huber / smooth_l1 need a threshold"
+        if isinstance(huber_c, torch.Tensor):
+            huber_c = huber_c.to(device=pred.device, dtype=torch.float32).view(-1, *([1] * (pred.ndim - 1)))
+        diff = pred.float() - target.float()
+        curve = torch.sqrt(diff**2 + huber_c**2) - huber_c
+        elements = (2 * huber_c if loss_type == "huber" else 2.0) * curve
+    else:
         raise ValueError(f"loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
-    assert huber_c is not None, "huber / smooth_l1 need a threshold"
-    if isinstance(huber_c, torch.Tensor):
-        huber_c = huber_c.to(device=pred.device, dtype=torch.float32).view(-1, *([1] * (pred.ndim - 1)))
-    diff = pred.float() - target.float()
-    curve = torch.sqrt(diff**2 + huber_c**2) - huber_c
-    scale = 2 * huber_c if loss_type == "huber" else 2.0
-    return (scale * curve).mean(dim=dims)
+    if weight is not None:
+        elements = elements * weight.to(device=elements.device, dtype=torch.float32)
+    return elements.mean(dim=dims)
+
+
+def mask_weights(loss_mask: torch.Tensor | None, shape: torch.Size | tuple[int, ...]) -> torch.Tensor | None:
+    """The cached masks of a batch (``[B, 1, h, w]``, :data:`~simpletuner.data_backend.masks.MASK_KEY`) as an
+    element weight of latents shaped ``shape`` (``[B, C, h, w]``, or ``[B, C, F, h, w]``: every channel and
+    frame of a latent pixel weighs alike), contiguous so a family can lay it out as its latents (flux's
+    packing); None for a batch without masks.
+
+    Raises:
+        ValueError: the masks are not on the latents' grid (a cache written for another model).
+    """
+    if loss_mask is None:
+        return None
+    batch, height, width = shape[0], shape[-2], shape[-1]
+    if loss_mask.shape[0] != batch or tuple(loss_mask.shape[-2:]) != (height, width):
+        raise ValueError(
+            f"the batch's loss masks are {tuple(loss_mask.shape)}, its latents {tuple(shape)}: they do not share "
+            "the latent grid (a latent cache written for another model?); clear cache_dir_vae and cache again"
+        )
+    view = loss_mask.float().reshape(batch, 1, *([1] * (len(shape) - 4)), height, width)
+    return view.expand(*shape).contiguous()
 
 
 def ddpm_huber_c(timesteps: torch.Tensor, scheduler, schedule: str, huber_c: float) -> float | torch.Tensor:

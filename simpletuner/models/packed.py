@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from simpletuner.data_backend.masks import MASK_KEY
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.flow import FlowMatchingSpec
 
@@ -103,4 +104,5 @@ class PackedFlowSpec(FlowMatchingSpec):
             layout=pack_latents,
             denoiser=denoiser,
             is_regularisation_data=is_regularisation_data,
+            loss_mask=conditioning.get(MASK_KEY),
         )

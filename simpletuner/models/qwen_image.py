@@ -121,7 +121,7 @@ class QwenImageSpec(PackedFlowSpec):
         from diffusers import AutoencoderKLQwenImage
 
         vae = AutoencoderKLQwenImage.from_pretrained(
-            self.model_path, subfolder="vae", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+            **self.vae_location().pretrained_args(), torch_dtype=dtype, use_safetensors=True
         )
         return vae.to(device=device).requires_grad_(False).eval()
 

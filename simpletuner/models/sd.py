@@ -11,6 +11,7 @@ import torch
 
 from simpletuner.caching.fingerprint import fingerprint, folder_identity
 from simpletuner.configuration import TrainingConfig
+from simpletuner.data_backend.masks import MASK_KEY
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models import losses
 from simpletuner.models import noise as noise_lib
@@ -68,7 +69,7 @@ class StableDiffusionSpec(ModelSpec):
 
         # use_safetensors=True on every weights load: never unpickle a file we did not write.
         vae = AutoencoderKL.from_pretrained(
-            self.model_path, subfolder="vae", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+            **self.vae_location().pretrained_args(), torch_dtype=dtype, use_safetensors=True
         )
         return vae.to(device=device).requires_grad_(False).eval()
 
@@ -97,7 +98,15 @@ class StableDiffusionSpec(ModelSpec):
         return fingerprint(hub_id=self.model_path, revision=self.config.revision or "main", parts=list(subfolders))
 
     def image_encoder_identity(self) -> str:
-        return self._identity("vae")
+        """The VAE's files wherever it loads from (:meth:`vae_location`); for the model's own VAE the identity it
+        always had, so caches made before ``pretrained_vae_model_name_or_path`` existed stay valid."""
+        location = self.vae_location()
+        if not location.is_separate:
+            return self._identity("vae")
+        folder = location.local_folder
+        if folder is not None:
+            return fingerprint(parts={"vae": folder_identity(folder)})
+        return fingerprint(hub_id=location.path, revision="main", parts=[location.subfolder or "."])
 
     def text_encoder_identity(self) -> str:
         return self._identity("tokenizer", "text_encoder")
@@ -159,7 +168,8 @@ class StableDiffusionSpec(ModelSpec):
         if losses.uses_parent_target(cfg, is_regularisation_data):
             target = losses.parent_prediction(denoiser, lambda: self.predict(denoiser, noisy, timesteps, conditioning))
         pred = self.predict(denoiser, noisy, timesteps, conditioning)
-        loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c)
+        mask = losses.mask_weights(conditioning.get(MASK_KEY), latents.shape)  # masked loss: each latent pixel's weight
+        loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c, mask)
         return loss if weights is None else loss * weights.to(loss.device)
 
     def predict(self, denoiser, noisy, timesteps, conditioning):
@@ -171,7 +181,8 @@ class StableDiffusionSpec(ModelSpec):
         found = self.read_component_config(subfolder)
         if found is None:
             raise ValueError(
-                f"{self.model_path}/{subfolder}/config.json does not exist: the estimator needs it (configs are enough)"
+                f"{self.component_location(subfolder).describe()}/config.json does not exist: the estimator needs it "
+                "(configs are enough)"
             )
         return found
 
@@ -199,10 +210,12 @@ class StableDiffusionSpec(ModelSpec):
         return StableDiffusionPipeline
 
     def save_lora(self, output_dir, denoiser):
-        from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
+        # PEFT's keys as they are (lora_A / lora_B), which the pipeline's loader reads for any target module:
+        # convert_state_dict_to_diffusers renames only the attention projections to the old `lora.down` form, and a
+        # file mixing both forms (lora_target_modules with proj_in, say) loads only in part.
+        layers = get_peft_model_state_dict(denoiser)
         self.lora_pipeline_class().save_lora_weights(
             save_directory=str(output_dir),
             unet_lora_layers=layers,

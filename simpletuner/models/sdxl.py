@@ -67,7 +67,7 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         if self._vae_scale_factor is None:
             from diffusers import AutoencoderKL
 
-            vae_config = AutoencoderKL.load_config(self.model_path, subfolder="vae", **self._kwargs())
+            vae_config = AutoencoderKL.load_config(**self.vae_location().pretrained_args())
             self._vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
         return self._vae_scale_factor
 

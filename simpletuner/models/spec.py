@@ -21,13 +21,15 @@ import os
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Sequence
 
 import torch
 from torch import nn
 
 from simpletuner.configuration.families import FAMILY_LATENT_GRID
+from simpletuner.configuration.loader import COMPONENT_CONFIG, component_subfolder
 from simpletuner.configuration.rules import alignment_problem
 from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
 from simpletuner.file_modes import ordinary_permissions
@@ -144,6 +146,71 @@ def read_model_index(root: Path) -> dict[str, Any] | None:
     return index
 
 
+#: The config key naming a separate VAE (its messages name it).
+VAE_KEY = "pretrained_vae_model_name_or_path"
+
+
+@dataclass(frozen=True)
+class ComponentLocation:
+    """Where one component loads from: ``path`` (a local folder or a hub id) and the ``subfolder`` of it that holds
+    the component (None: its root), at the hub ``revision`` (None: the default branch; a local folder ignores it).
+    ``is_separate``: named by a key of its own (``pretrained_vae_model_name_or_path``), not the model folder's."""
+
+    path: str
+    subfolder: str | None
+    revision: str | None = None
+    is_separate: bool = False
+
+    @property
+    def local_folder(self) -> Path | None:
+        """The folder holding the component's ``config.json`` and weights when ``path`` is a local folder; None for
+        a hub id."""
+        root = Path(self.path).expanduser()
+        if not root.is_dir():
+            return None
+        return root / self.subfolder if self.subfolder else root
+
+    def pretrained_args(self) -> dict[str, Any]:
+        """The arguments of ``from_pretrained`` / ``load_config`` that name this place. A separate local folder is
+        named by the component's own folder: given a folder and a subfolder, diffusers reads the weights at the
+        folder's root when it has some (and the config from the subfolder)."""
+        folder = self.local_folder if self.is_separate else None
+        if folder is not None:
+            return {"pretrained_model_name_or_path": str(folder)}
+        args: dict[str, Any] = {"pretrained_model_name_or_path": self.path, "subfolder": self.subfolder}
+        if self.revision:
+            args["revision"] = self.revision
+        return args
+
+    def describe(self) -> str:
+        """``path/subfolder`` (``path`` for a root)."""
+        return f"{self.path}/{self.subfolder}" if self.subfolder else self.path
+
+
+def vae_location(config: "TrainingConfig") -> ComponentLocation:
+    """Where ``config``'s VAE loads from: ``pretrained_vae_model_name_or_path`` when set (its ``vae/`` subfolder when
+    it has ``vae/config.json``, else its root; a hub id the entry point did not resolve to its snapshot folder is
+    read as a component repo, its root), else the model folder's ``vae/`` at ``revision``. The one answer to "where
+    is the VAE": :meth:`ModelSpec.vae_location` and the memory estimate ask it."""
+    separate = config.pretrained_vae_model_name_or_path
+    if separate is None:
+        return ComponentLocation(config.pretrained_model_name_or_path, "vae", config.revision)
+    root = Path(separate).expanduser()
+    if not root.is_dir():
+        return ComponentLocation(separate, None, is_separate=True)
+    return ComponentLocation(str(root), component_subfolder(root, "vae"), is_separate=True)
+
+
+def vae_latent_channels(vae_config: dict[str, Any]) -> int | None:
+    """Channels of the latents a VAE config makes: ``latent_channels`` (AutoencoderKL) or ``z_dim`` (the Wan and
+    Qwen-Image VAEs); None when it says neither."""
+    for key in ("latent_channels", "z_dim"):
+        value = vae_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 class ModelSpec(abc.ABC):
     """One diffusion-model family. Instances are cheap (a look at the folder's
     ``model_index.json`` and file names); components load on request."""
@@ -202,6 +269,26 @@ class ModelSpec(abc.ABC):
         """Latents per token along a side for this folder's denoiser (:attr:`latent_patch` by default)."""
         return self.latent_patch
 
+    def vae_location(self) -> ComponentLocation:
+        """Where this run's VAE loads from (:func:`vae_location`): every VAE load and VAE config read goes here."""
+        return vae_location(self.config)
+
+    def component_location(self, name: str) -> ComponentLocation:
+        """Where component ``name`` loads from: :meth:`vae_location` for ``vae``, else the model folder's ``name/``."""
+        if name == "vae":
+            return self.vae_location()
+        return ComponentLocation(self.model_path, name, self.config.revision)
+
+    def denoiser_latent_channels(self) -> int | None:
+        """Channels of the latents the denoiser takes and predicts, from its config (``out_channels``, else
+        ``in_channels``; an image-conditioned model's input has more); None without a readable config."""
+        config = self._component_config(self.denoiser_name) or {}
+        for key in ("out_channels", "in_channels"):
+            value = config.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
     def _component_config(self, subfolder: str) -> dict[str, Any] | None:
         try:
             found = self.read_component_config(subfolder)
@@ -219,7 +306,8 @@ class ModelSpec(abc.ABC):
             ValueError: naming the folder's factors and the alignments that fit.
         """
         vae = self.vae_scale_from_folder()
-        where = f" of {self.local_root}" if vae is not None else ""
+        location = self.vae_location()
+        where = f" of {location.path if location.is_separate else self.local_root}" if vae is not None else ""
         if vae is None:
             vae = FAMILY_LATENT_GRID.get(self.family, (8, 1))[0]
         problem = alignment_problem(
@@ -271,7 +359,8 @@ class ModelSpec(abc.ABC):
 
     def check_model_folder(self) -> None:
         """Refuse a local folder whose ``model_index.json`` names, for a component this family
-        loads, a class off the allow-list, or whose weights are pickle files only.
+        loads, a class off the allow-list, or whose weights are pickle files only; and a separate
+        VAE that does not fit (:meth:`check_separate_vae`).
 
         Runs before anything loads; reads only JSON and file names. A hub id is checked by
         the libraries themselves (every load passes ``use_safetensors=True``).
@@ -279,6 +368,7 @@ class ModelSpec(abc.ABC):
         Raises:
             ValueError: naming the folder, the component and the fix.
         """
+        self.check_separate_vae()
         root = self.local_root
         if root is None:
             return
@@ -300,6 +390,55 @@ class ModelSpec(abc.ABC):
                     f"from_pretrained({str(root)!r}, subfolder={name!r}) and write it back with "
                     "save_pretrained(..., safe_serialization=True)"
                 )
+
+    def check_separate_vae(self) -> None:
+        """Refuse a separate VAE folder (``pretrained_vae_model_name_or_path``) whose ``config.json`` is missing or
+        names a class off the family's VAE allow-list, whose weights are pickle files only, or whose latents have
+        other channels than the denoiser's: the cache fill must never start with a VAE that does not fit. Reads
+        JSON and file names only; a hub id the entry point did not resolve is left to the loaders.
+
+        Raises:
+            ValueError: one line naming the key, the folder and the fix.
+        """
+        location = self.vae_location()
+        folder = location.local_folder
+        if not location.is_separate or folder is None:
+            return
+        fix = "or remove the key to use the model's own VAE"
+        config_file = folder / COMPONENT_CONFIG
+        try:
+            vae = json.loads(config_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(
+                f"{VAE_KEY}: {location.path} holds no VAE config (neither vae/config.json nor config.json): point it "
+                f"at a diffusers VAE folder, {fix}"
+            ) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{VAE_KEY}: {config_file} cannot be read as JSON ({exc}); {fix}") from None
+        _, library, allowed = self.components["vae"]
+        class_name = vae.get("_class_name") if isinstance(vae, dict) else None
+        if isinstance(allowed, re.Pattern):
+            ok, expected = isinstance(class_name, str) and allowed.fullmatch(class_name) is not None, allowed.pattern
+        else:
+            ok, expected = class_name in allowed, " or ".join(sorted(allowed))
+        if not ok:
+            raise ValueError(
+                f"{VAE_KEY}: {config_file} names {class_name!r}; model family {self.family!r} loads its VAE as "
+                f"{library}.{expected} and nothing else: point it at a {self.family} VAE, {fix}"
+            )
+        pickles = pickle_only_weights(folder)
+        if pickles:
+            raise ValueError(
+                f"{VAE_KEY}: {folder} holds only pickle weights ({', '.join(pickles)}) and no .safetensors; "
+                "simpletuner loads safetensors only (unpickling a file can run any code in it): convert it once with "
+                f"{class_name}.from_pretrained(...).save_pretrained(..., safe_serialization=True), {fix}"
+            )
+        channels, wanted = vae_latent_channels(vae), self.denoiser_latent_channels()
+        if channels is not None and wanted is not None and channels != wanted:
+            raise ValueError(
+                f"{VAE_KEY}: the VAE in {folder} makes {channels}-channel latents, but the {self.family} denoiser of "
+                f"{self.model_path} takes {wanted}-channel ones: point it at a VAE made for this model, {fix}"
+            )
 
     @functools.cached_property
     def model_index(self) -> dict[str, Any] | None:
@@ -405,17 +544,19 @@ class ModelSpec(abc.ABC):
         raise NotImplementedError(f"model family {self.family!r} does not describe its batch shapes")
 
     def read_component_config(self, subfolder: str, filename: str = "config.json") -> dict[str, Any] | None:
-        """A component's JSON config from the local model folder; None when the file is absent.
+        """A component's JSON config from the local folder it loads from (:meth:`component_location`: the model
+        folder, or a separate VAE's); None when the file is absent.
 
         Raises:
-            ValueError: ``pretrained_model_name_or_path`` is not a local folder.
+            ValueError: that folder is not a local folder (a hub id).
         """
-        root = self.local_root
-        if root is None:
+        location = self.component_location(subfolder)
+        folder = location.local_folder
+        if folder is None:
             raise ValueError(
-                f"{self.model_path} is not a local folder: shapes are read from a local diffusers-format folder"
+                f"{location.path} is not a local folder: shapes are read from a local diffusers-format folder"
             )
-        path = root / subfolder / filename
+        path = folder / filename
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
     @property
@@ -492,12 +633,14 @@ class ModelSpec(abc.ABC):
         output_dir = Path(output_dir)
         remove_final_save_leftovers(output_dir)  # of a save killed midway (this run holds the folder's lock)
         what = "the final model" if full else "the final adapter"
-        needed = _weights_bytes(denoiser, full)
+        exports = [] if full else [fmt for fmt in self.config.output_formats if fmt != "diffusers"]
+        needed = _weights_bytes(denoiser, full) * (1 + len(exports))
         require_space(output_dir, needed, what)
         temp = output_dir / f"{FINAL_SAVE_PREFIX}tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         temp.mkdir(parents=True)
         with disk_full_guard(output_dir, needed, what, cleanup=[temp]):
             written = self.save_full(temp, denoiser) if full else self.save_adapter(temp, denoiser)
+            self.write_exports(temp, denoiser, exports)
             inject_fault("final_save")  # tests: a disk that fills before the weights are complete
             _fsync_files(temp)
         names = sorted(entry.name for entry in temp.iterdir())
@@ -505,6 +648,51 @@ class ModelSpec(abc.ABC):
         if step is not None:
             _write_record(output_dir, {"step": step, "files": names})
         return output_dir / Path(written).relative_to(temp)
+
+    def check_exports(self, denoiser: nn.Module) -> None:
+        """Before training: refuse ``output_formats`` that this adapter's modules cannot be written in (a module a
+        format's reader would map elsewhere, say), which the final save could otherwise only log.
+
+        Raises:
+            ValueError: one line per format, naming the modules and why.
+        """
+        from diffusers.models.modeling_utils import ModelMixin
+
+        from simpletuner.models.adapters.export import ExportError, denoiser_config_of, export_state_dict, modules_of
+
+        formats = [fmt for fmt in self.config.output_formats if fmt != "diffusers"]
+        if not formats or self.config.training_type != "lora" or self.config.lora_type != "standard":
+            return
+        # one model, or Wan 2.2's experts (each a model of its own, one adapter file each)
+        parts = [denoiser] if isinstance(denoiser, ModelMixin) else list(denoiser.children())
+        problems = []
+        for part in parts:
+            modules = modules_of(part, self.denoiser_name, self.config.effective_lora_alpha)
+            for fmt in formats if modules else ():
+                try:
+                    export_state_dict(modules, self.family, fmt, denoiser_config_of(getattr(part, "config", None)))
+                except ExportError as exc:
+                    problems.append(f"output_formats {fmt!r}: {exc}")
+        if problems:
+            raise ValueError("\n".join(dict.fromkeys(problems)))
+
+    def write_exports(self, folder: Path, denoiser: nn.Module, formats: Sequence[str]) -> list[Path]:
+        """Beside each diffusers-format adapter file in ``folder``, the same adapter under each of ``formats``' names
+        (``output_formats``; models/adapters/export.py), ``<name>.<format>.safetensors``; returns the files written.
+        One that cannot be written is logged with the reason and left out: the diffusers file is the run's result."""
+        from simpletuner.models.adapters.export import ExportError, denoiser_config_of, export_file, export_name
+
+        written = []
+        sources = sorted(Path(folder).glob("*.safetensors"))
+        config = denoiser_config_of(getattr(denoiser, "config", None))
+        for fmt in formats:
+            for source in sources:
+                target = source.with_name(export_name(source.name, fmt))
+                try:
+                    written.append(export_file(source, target, self.family, fmt, config))
+                except ExportError as exc:
+                    logging.getLogger(__name__).error("output_formats %r: %s not written: %s", fmt, target.name, exc)
+        return written
 
 
 def _weights_bytes(denoiser: nn.Module, full: bool) -> int:

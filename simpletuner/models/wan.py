@@ -168,7 +168,7 @@ class WanSpec(FlowMatchingSpec):
         from diffusers import AutoencoderKLWan
 
         vae = AutoencoderKLWan.from_pretrained(
-            self.model_path, subfolder="vae", torch_dtype=dtype, use_safetensors=True, **self._kwargs()
+            **self.vae_location().pretrained_args(), torch_dtype=dtype, use_safetensors=True
         )
         return vae.to(device=device).requires_grad_(False).eval()
 

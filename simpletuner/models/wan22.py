@@ -18,6 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from simpletuner.configuration import TrainingConfig
+from simpletuner.data_backend.masks import MASK_KEY
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models.adapters import prepare_for_training, quantize_base
 from simpletuner.models.spec import save_transformer_lora
@@ -243,7 +244,12 @@ class Wan22Spec(WanSpec):
             return self.predict(denoiser, noisy, timesteps, conditioning, route=self.route(sigmas))
 
         return self.flow_loss(
-            latents, generator, predict, denoiser=denoiser, is_regularisation_data=is_regularisation_data
+            latents,
+            generator,
+            predict,
+            denoiser=denoiser,
+            is_regularisation_data=is_regularisation_data,
+            loss_mask=conditioning.get(MASK_KEY),
         )
 
     def sample_sigmas(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:

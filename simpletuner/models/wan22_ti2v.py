@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from simpletuner.configuration import TrainingConfig
+from simpletuner.data_backend.masks import MASK_KEY
 from simpletuner.models.wan import WanImageSampler, WanSpec
 from simpletuner.models.wan22_i2v import WanFirstFrameSampler
 
@@ -73,6 +74,7 @@ class Wan22TI2VSpec(WanSpec):
             layout=lambda x: x[:, :, 1:],
             denoiser=denoiser,
             is_regularisation_data=is_regularisation_data,
+            loss_mask=conditioning.get(MASK_KEY),
         )
 
     def build_pipeline(self, denoiser, vae, text_encoders):

@@ -15,6 +15,7 @@ from simpletuner.caching.keys import DROPPED_CAPTION, TextId, text_id
 from simpletuner.caching.reencode import DecodeThreads, EpochLatents, Reencoder
 from simpletuner.data_backend import Sample
 from simpletuner.data_backend.captions import caption_line_index
+from simpletuner.data_backend.masks import MASK_KEY, mask_draw
 from simpletuner.gh200.uvm import optimize_batch_for_gh200
 
 
@@ -72,6 +73,23 @@ class CaptionDropout:
         return CaptionDraw(dropped, captions)
 
 
+@dataclass(frozen=True)
+class MaskedLoss:
+    """``masked_loss_probability``: whether a training micro-batch of a ``mask_type: segmentation`` dataset has its
+    loss weighted by its masks; a ``mask`` dataset's masks always weight it (SimpleTuner, common.py:6409-6424).
+    A pure function of the run's ``seed`` and the batch's place in the data order (epoch, micro-batch), so a
+    resumed run and every process of a launch decide alike."""
+
+    seed: int
+    probability: float = 1.0
+
+    def uses_mask(self, sampler: Any, samples: list[Sample]) -> bool:
+        """Whether ``samples``, the micro-batch ``sampler`` has just yielded, keep their masks."""
+        if self.probability >= 1 or not any(s.mask is not None and s.mask_type == "segmentation" for s in samples):
+            return True
+        return mask_draw(self.seed, sampler.epoch, sampler.batch_index - 1) < self.probability
+
+
 @dataclass
 class Batch:
     """One micro-batch: latents, conditioning tensors, and the samples they came from.
@@ -102,7 +120,8 @@ class CachedData:
     augmentations in ``refresh_each_epoch`` / ``disable_cache`` mode, re-encoded while training
     (the VAE stays loaded: this object holds it). Text embeddings are always cached.
     ``caption_dropout``: the caption decisions of training batches (``iterate``), dropout and the line of a
-    caption file of several lines; None: every sample trains with its own ``caption``."""
+    caption file of several lines; None: every sample trains with its own ``caption``. ``masked_loss``: which
+    training batches of a ``segmentation`` dataset keep their masks (None: every one)."""
 
     def __init__(  # noqa: PLR0913
         self,
@@ -115,6 +134,7 @@ class CachedData:
         reencoder: Reencoder | None = None,
         dataset_vae_caches: Mapping[str, TensorCache] | None = None,
         caption_dropout: CaptionDropout | None = None,
+        masked_loss: MaskedLoss | None = None,
     ):
         self.vae_cache = vae_cache  # the default latent folder's cache (or the only one in use)
         self.dataset_vae_caches = dict(dataset_vae_caches or {})  # dataset id -> its latents' cache
@@ -125,9 +145,12 @@ class CachedData:
         self.mode = mode  # static | refresh_each_epoch | disable_cache
         self._reencoder = reencoder
         self.caption_dropout = caption_dropout
+        self.masked_loss = masked_loss
 
     @classmethod
-    def of(cls, filled: FilledCaches, caption_dropout: CaptionDropout | None) -> CachedData:
+    def of(
+        cls, filled: FilledCaches, caption_dropout: CaptionDropout | None, masked_loss: MaskedLoss | None = None
+    ) -> CachedData:
         """The data of a cache fill (:func:`simpletuner.caching.fill.fill_caches`)."""
         return cls(
             filled.vae_cache,
@@ -139,6 +162,7 @@ class CachedData:
             filled.reencoder,
             filled.dataset_vae_caches,
             caption_dropout,
+            masked_loss,
         )
 
     @property
@@ -157,6 +181,7 @@ class CachedData:
         samples: list[Sample],
         device: torch.device,
         draw: CaptionDraw = CaptionDraw(),
+        uses_mask: bool = True,
     ) -> Batch:
         """The one place a micro-batch is finished: stacked text embeddings joined to the stacked latent
         entries ``image`` (``latents``, and what a model conditioned on each image's size and crop keeps beside
@@ -165,7 +190,8 @@ class CachedData:
         ``device`` for those in managed memory, i.e. from a `unified_memory` cache; it returns at once when
         hints are off or there is no CUDA). A sample ``draw`` drops gets the empty caption's embeddings (its size
         and crop stay: the pipeline passes the same ones to both guidance branches), the others those of the
-        caption ``draw`` gives them (their own when it gives none)."""
+        caption ``draw`` gives them (their own when it gives none). Without ``uses_mask`` the batch's masks
+        (:data:`~simpletuner.data_backend.masks.MASK_KEY`) are left out: every latent pixel counts."""
         dropped, captions = draw
         ids = [
             text_id(s, DROPPED_CAPTION if dropped and dropped[i] else captions[i] if captions else None)
@@ -173,6 +199,8 @@ class CachedData:
         ]
         cond = self.text_cache.get_batch([self.text_keys[i] for i in ids])
         cond.update((name, values) for name, values in image.items() if name != "latents")
+        if not uses_mask:
+            cond.pop(MASK_KEY, None)
         latents = image["latents"].to(device, non_blocking=True)
         conditioning = {k: v.to(device, non_blocking=True) for k, v in cond.items()}
         optimize_batch_for_gh200({"latents": latents, "conditioning": conditioning}, device)
@@ -185,22 +213,29 @@ class CachedData:
         samples: list[Sample],
         device: torch.device,
         draw: CaptionDraw = CaptionDraw(),
+        uses_mask: bool = True,
     ) -> Batch:
-        return self._prepared(cache.get_batch([keys[s.key] for s in samples]), samples, device, draw)
+        return self._prepared(cache.get_batch([keys[s.key] for s in samples]), samples, device, draw, uses_mask)
 
     def _draw(self, sampler: Any, samples: list[Sample]) -> CaptionDraw:
         """The caption decisions of the training micro-batch ``samples`` ``sampler`` has just yielded."""
         return self.caption_dropout.of_batch(sampler, samples) if self.caption_dropout is not None else CaptionDraw()
 
-    def _cached_latents(self, samples: list[Sample], device: torch.device, draw: CaptionDraw = CaptionDraw()) -> Batch:
+    def _uses_mask(self, sampler: Any, samples: list[Sample]) -> bool:
+        """Whether the training micro-batch ``samples`` ``sampler`` has just yielded keeps its masks."""
+        return self.masked_loss is None or self.masked_loss.uses_mask(sampler, samples)
+
+    def _cached_latents(
+        self, samples: list[Sample], device: torch.device, draw: CaptionDraw = CaptionDraw(), uses_mask: bool = True
+    ) -> Batch:
         """``samples``' latents from the folder of their dataset (``cache_dir_vae``); a training batch
         holds one dataset, so one folder; samples of several are read folder by folder, order kept."""
         caches = [self.dataset_vae_caches.get(s.dataset_id, self.vae_cache) for s in samples]
         if all(c is caches[0] for c in caches):
-            return self._from_cache(caches[0], self.latent_keys, samples, device, draw)
+            return self._from_cache(caches[0], self.latent_keys, samples, device, draw, uses_mask)
         entries = [c.get_batch([self.latent_keys[s.key]]) for c, s in zip(caches, samples)]
         stacked = {name: torch.cat([entry[name] for entry in entries]) for name in entries[0]}
-        return self._prepared(stacked, samples, device, draw)
+        return self._prepared(stacked, samples, device, draw, uses_mask)
 
     def batch(self, samples: list[Sample], device: torch.device) -> Batch:
         """The micro-batch of ``samples`` outside the training order (evaluation, FLOP counting):
@@ -221,17 +256,22 @@ class CachedData:
             epoch = sampler.epoch + 1 if sampler.batch_index >= len(sampler) else sampler.epoch
             if self.mode == "disable_cache" and reencoder is not None:
                 for samples, image in reencoder.iterate_epoch(sampler, epoch, device):
-                    yield self._prepared(image, samples, device, self._draw(sampler, samples))
+                    yield self._prepared(
+                        image, samples, device, self._draw(sampler, samples), self._uses_mask(sampler, samples)
+                    )
                 continue
             if self.mode == "refresh_each_epoch" and epochs is not None:
                 keys = epochs.prepare(sampler, epoch)
                 cache = epochs.cache
                 assert cache is not None, "prepare opens the epoch cache"
                 for samples in sampler:
-                    yield self._from_cache(cache, keys, samples, device, self._draw(sampler, samples))
+                    draw, uses_mask = self._draw(sampler, samples), self._uses_mask(sampler, samples)
+                    yield self._from_cache(cache, keys, samples, device, draw, uses_mask)
                 continue
             for samples in sampler:
-                yield self._cached_latents(samples, device, self._draw(sampler, samples))
+                yield self._cached_latents(
+                    samples, device, self._draw(sampler, samples), self._uses_mask(sampler, samples)
+                )
 
     def close(self) -> None:
         """Stop the persistent decoding threads, if any."""

@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from huggingface_hub import ModelCardData
 
+from simpletuner.configuration.export_formats import export_format_of
 from simpletuner.configuration.families import FAMILIES
 
 if TYPE_CHECKING:
@@ -410,8 +411,8 @@ def diffusers_snippet(config: TrainingConfig, facts: CardFacts) -> str | None:
         lines += components
         load_args += [f"{name}={name}" for name in (line.split(" = ", 1)[0] for line in components)]
     lines.append(f"pipe = DiffusionPipeline.from_pretrained({', '.join(load_args)}, torch_dtype={dtype})")
-    if not full:
-        lines += adapter_lines(config, facts, facts.weight_files)
+    if not full:  # the diffusers files: the kohya / ComfyUI copies beside them (output_formats) hold the same
+        lines += adapter_lines(config, facts, tuple(f for f in facts.weight_files if export_format_of(f) is None))
     lines += [
         'pipe.to("cuda" if torch.cuda.is_available() else "cpu")',
         "",
@@ -441,6 +442,10 @@ def _usage(config: TrainingConfig, facts: CardFacts) -> str:
     lines = ["## Use it with diffusers", ""]
     if facts.weight_files:
         lines += [f"Weights: {files}.", ""]
+    exports = [f for f in facts.weight_files if export_format_of(f) is not None]
+    if exports:
+        named = ", ".join(f"{_code(f)} ({export_format_of(f)})" for f in exports)
+        lines += [f"The same adapter with the key names other tools load: {named}.", ""]
     if config.training_type != "full" and config.lora_type == "lycoris":
         lines += ["The adapter is in LyCORIS' own format: `pip install lycoris-lora` to apply it.", ""]
     lines += ["```python", snippet, "```"]

@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule from the config (an optimizer of ours is imported when a config names it)."""
+"""Optimizer and learning-rate schedule from the config (an optimizer module, and its library, is imported only when
+a config names it)."""
 
 from __future__ import annotations
 
@@ -99,6 +100,19 @@ def build_optimizer(
         # A number, checked with the config; null passes that check but torch's SGD refuses it as well.
         assert isinstance(momentum, (int, float)), f"optimizer_config.momentum {momentum!r}"
         return torch.optim.SGD(groups, lr=config.learning_rate, momentum=momentum, weight_decay=config.weight_decay)
+    if config.optimizer == "torch-adafactor":
+        # beta2_decay, d, eps1 / eps2: numbers (or null eps1), checked with the config.
+        settings: dict[str, Any] = dict(config.optimizer_config)
+        if "eps1" in settings or "eps2" in settings:  # torch's pair; (None, 1e-3) is its default
+            settings["eps"] = (settings.pop("eps1", None), settings.pop("eps2", 1e-3))
+        return torch.optim.Adafactor(groups, lr=config.learning_rate, weight_decay=config.weight_decay, **settings)
+    if config.optimizer.startswith(("optimi-", "bnb-")):
+        if config.optimizer.startswith("optimi-"):
+            from simpletuner.training.optimizers.optimi import build_optimi as build
+        else:
+            from simpletuner.training.optimizers.bnb import build_bnb as build
+        # optimizer_config holds the class's other settings (checked with the config, SimpleTuner's defaults filled).
+        return build(config, groups)
     if config.optimizer == "automagic":
         from simpletuner.training.optimizers.automagic import Automagic
 

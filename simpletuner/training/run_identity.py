@@ -13,15 +13,20 @@ from typing import Any
 import orjson
 import torch
 
+from simpletuner.hub import VAE_KEY, hub_cache_dir, snapshot_of
 from simpletuner.training.checkpoint_verify import ResumeRefused
 
 
 def run_identity(config, spec, denoiser_config: str | None, hub_model: str | None = None) -> dict[str, Any]:
     """The identity of a run of ``config`` with the ModelSpec ``spec``; ``denoiser_config`` is the
     :func:`denoiser_fingerprint` of the loaded denoiser (None before it is loaded); ``hub_model``: the
-    ``org/name@commit`` a hub id resolved to (None for a local folder, and then not recorded)."""
+    ``org/name@commit`` a hub id resolved to (None for a local folder, and then not recorded); ``hub_vae``, the same
+    for a separate VAE loaded from a Hub cache snapshot (:func:`hub_vae`)."""
     is_lora = config.training_type == "lora"
     hub = {"hub_model": hub_model} if hub_model is not None else {}
+    vae = hub_vae(spec)
+    if vae is not None:
+        hub["hub_vae"] = vae
     return {
         **hub,
         "model_family": config.model_family,
@@ -36,6 +41,14 @@ def run_identity(config, spec, denoiser_config: str | None, hub_model: str | Non
         "train_stages": config.train_stages,
         "seed": config.seed,  # another seed is another run: its checkpoints are refused, not continued
     }
+
+
+def hub_vae(spec) -> str | None:
+    """``org/name@commit`` of the separate VAE (``pretrained_vae_model_name_or_path``) where it loads from a Hub
+    cache snapshot folder (a hub id resolved by the entry point, or that folder named itself); None otherwise."""
+    location = spec.vae_location()
+    found = snapshot_of(location.path) if location.is_separate else None
+    return None if found is None else f"{found[0]}@{found[1]}"
 
 
 def denoiser_fingerprint(model: torch.nn.Module) -> str:
@@ -81,6 +94,14 @@ def check_compatible(state: dict[str, Any], identity: dict[str, Any], world_size
         if isinstance(saved_hub, str) and "@" in saved_hub and saved_hub != identity.get("hub_model"):
             fixes.append(
                 f"set `revision` to {saved_hub.rsplit('@', 1)[1]} to load the Hub snapshot the checkpoint used"
+            )
+        saved_vae = state.get("identity", {}).get("hub_vae")
+        if isinstance(saved_vae, str) and "@" in saved_vae and saved_vae != identity.get("hub_vae"):
+            repo, commit = saved_vae.rsplit("@", 1)
+            folder = hub_cache_dir() / f"models--{repo.replace('/', '--')}" / "snapshots" / commit
+            fixes.append(
+                f"set `{VAE_KEY}` to {folder} (the Hub cache's snapshot of {repo} at that commit, while it holds it) "
+                "to load the VAE the checkpoint used"
             )
         if len(problems) > (saved_world != world_size):
             fixes.append("put the settings above back to the checkpoint's values to continue it")

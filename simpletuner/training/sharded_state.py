@@ -104,6 +104,12 @@ def fsdp_problems(config) -> list[str]:
         )
     if config.low_vram:
         problems.append("low_vram: its offloading does not combine with FSDP's sharding; set low_vram: false")
+    if str(config.optimizer).startswith(("bnb-", "optimi-")):
+        problems.append(
+            f"optimizer {config.optimizer!r}: its state is kept per whole parameter (bitsandbytes' blockwise 8-bit "
+            "state, optimi's fused steps) and is not built for sharded DTensor parameters (SimpleTuner falls back "
+            "from these under FSDP2 too); use adamw, adamw_bf16 or prodigy with FSDP"
+        )
     return problems
 
 

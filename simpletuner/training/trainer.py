@@ -26,7 +26,7 @@ from simpletuner.state import StateTracker
 from simpletuner.training import checkpoint as ckpt
 from simpletuner.training import knobs, metrics, run_folder, runlog, sharded_state
 from simpletuner.training.accumulation import AccumulationPolicy, build_accumulation, count_steps
-from simpletuner.training.batches import Batch, CachedData, CaptionDropout, free_memory
+from simpletuner.training.batches import Batch, CachedData, CaptionDropout, MaskedLoss, free_memory
 from simpletuner.training.cpu_threads import CpuThreads, settle_cpu_threads
 from simpletuner.training.ema import EMA
 from simpletuner.training.launch import check_launch, check_shared_output_dir, make_accelerator
@@ -268,7 +268,11 @@ class Trainer:
             share=launch_share(acc),
             step=run_step,
         )
-        self.data = CachedData.of(filled, CaptionDropout(cfg.seed, cfg.caption_dropout_probability))
+        self.data = CachedData.of(
+            filled,
+            CaptionDropout(cfg.seed, cfg.caption_dropout_probability),
+            MaskedLoss(cfg.seed, cfg.masked_loss_probability),
+        )
         self.validator = None
         if cfg.validation_prompt_list and acc.is_main_process:
             from simpletuner.training.validation import Validator  # only runs with validation prompts import it
@@ -284,6 +288,7 @@ class Trainer:
         # LoRA trains fp32 adapters on a frozen base held in the autocast precision; full fine-tunes keep fp32 masters.
         denoiser = spec.load_denoiser(self.weight_dtype if cfg.training_type == "lora" else torch.float32)
         denoiser = spec.prepare_denoiser(denoiser, self.weight_dtype)
+        spec.check_exports(denoiser)  # output_formats: a module a format cannot hold is named before training
         # managed_memory frozen_weights: the frozen base lives in CPU memory, prefetched block by block.
         self.weight_prefetcher = place_weights(denoiser, managed)
         if cfg.low_vram:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from simpletuner.configuration.families import FAMILIES
+from simpletuner.configuration.optimizer_settings import NAMED_OPTIMIZER_DEFAULTS
 
 #: The SimpleTuner commit whose documentation, examples and defaults this table was written from.
 SIMPLETUNER_COMMIT = "bc8e6ab7738ce457a2ed8eb2d26cadd91c6442cb"
@@ -121,9 +122,11 @@ LYCORIS_KEYS = {
 OPTIMIZERS: dict[str, Optional[str]] = {
     "adamw_bf16": "adamw_bf16",
     "prodigy": "prodigy",
-    "optimi-adamw": "adamw",
-    "optimi-adam": "adam",
-    "optimi-sgd": "sgd",
+    "torch-adamw": "adamw",
+    "torch-adam": "adam",
+    "torch-sgd": "sgd",
+    # Named here as there: the same classes (optimi's, bitsandbytes', torch's Adafactor) with the same defaults.
+    **{name: name for name in NAMED_OPTIMIZER_DEFAULTS},
     **dict.fromkeys(
         (
             "ao-adamw8bit",
@@ -133,14 +136,18 @@ OPTIMIZERS: dict[str, Optional[str]] = {
             "adamw_schedulefree",
             "adamw_schedulefree+aggressive",
             "adamw_schedulefree+no_kahan",
-            "optimi-stableadamw",
-            "optimi-lion",
-            "optimi-radam",
-            "optimi-ranger",
-            "optimi-adan",
             "soap",
         )
     ),
+}
+
+#: Optimizer names SimpleTuner itself stops on, with its message (optimizer_param.py:878-882, cmd_args.py:959).
+SIMPLETUNER_REMOVED_OPTIMIZERS = {
+    "adafactor": "'Adafactor optimiser has been removed in favour of optimi-stableadamw'; its torch Adafactor is "
+    "`torch-adafactor`, there and here",
+    "adamw8bit": "'AdamW8Bit has been removed in favour of optimi-adamw optimiser'; bitsandbytes' 8-bit AdamW is "
+    "`bnb-adamw8bit`, there and here",
+    "dadaptation": "'D-adaptation optimiser has been removed due to issues with precision levels and convergence'",
 }
 
 
@@ -174,13 +181,13 @@ PRECISIONS: dict[str, Optional[str]] = {
     "no_change": "no_change",
     "int8-quanto": "qint8",
     "fp8-quanto": "qfloat8",
+    "int4-quanto": "qint4",
+    "int2-quanto": "qint2",
     "int8-torchao": "int8_torchao",
     "fp8-torchao": "fp8_torchao",
     "fp8wo-torchao": "fp8_torchao",
     **dict.fromkeys(
         (
-            "int4-quanto",
-            "int2-quanto",
             "int8dq-torchao",
             "int8dq-int4-torchao",
             "nf4-bnb",
@@ -259,6 +266,9 @@ SIMPLETUNER_DEFAULTS: dict[str, Any] = {
     "validation_num_inference_steps": 30,
     "num_train_epochs": 1,
     "caption_dropout_probability": 0.1,
+    # the field registry's default (sections/model.py:1126); the dialect row keeps it for sdxl only, as
+    # cmd_args.py:985-995 drops an sdxl VAE for every other family
+    "pretrained_vae_model_name_or_path": "madebyollin/sdxl-vae-fp16-fix",
 }
 
 
@@ -353,11 +363,20 @@ REFERENCE_CONDITIONING: dict[str, Optional[str]] = {
 }
 
 
+#: `conditioning_type` values of a mask dataset (masked loss): its folder becomes the training dataset's
+#: `mask_data_dir` and the value its `mask_type` (training/collate.py:28, models/common.py:6409-6424).
+MASK_CONDITIONING = ("mask", "segmentation")
+
+#: What differs where a mask dataset is read (`t.approx`): how the mask is resized.
+MASK_RESAMPLING = (
+    "the mask is resized with area averaging (Pillow BOX) where SimpleTuner resizes it with Lanczos "
+    "(image_manipulation/training_sample.py:745): weights differ only in latent pixels a mask edge crosses, "
+    "without Lanczos' overshoot; a mask whose aspect ratio is more than 2% off its image's stops the run, naming it"
+)
+
 #: Other `conditioning_type` values SimpleTuner knows, and why they do not train here.
 UNSUPPORTED_CONDITIONING_TYPES = {
     "controlnet": "ControlNet training is not supported",
-    "mask": "masked-loss training (a mask dataset) is not supported",
-    "segmentation": "masked-loss training (a segmentation dataset) is not supported",
 }
 
 
@@ -372,22 +391,13 @@ SIMPLETUNER_OPTIMIZER_DEFAULTS: dict[str, dict[str, tuple[Any, str]]] = {
         "weight_decay": (1e-2, "optimizer_param.py:195"),
         "adam_epsilon": (1e-6, "optimizer_param.py:196"),
     },
-    "optimi-adamw": {
-        "adam_beta1": (0.9, "optimizer_param.py:318"),
-        "adam_beta2": (0.99, "optimizer_param.py:318"),
-        "adam_epsilon": (1e-6, "optimizer_param.py:319"),
-        "weight_decay": (0.0, "optimizer_param.py:320"),
+    "torch-adam": {"weight_decay": (0.0, "optimizer_param.py:81")},
+    "torch-sgd": {
+        "optimizer_config.momentum": (0.0, "optimizer_param.py:100"),
+        "weight_decay": (0.0, "optimizer_param.py:101"),
     },
-    "optimi-adam": {
-        "adam_beta1": (0.9, "optimizer_param.py:385"),
-        "adam_beta2": (0.99, "optimizer_param.py:385"),
-        "adam_epsilon": (1e-6, "optimizer_param.py:386"),
-        "weight_decay": (0.0, "optimizer_param.py:387"),
-    },
-    "optimi-sgd": {
-        "optimizer_config.momentum": (0.0, "optimizer_param.py:398"),
-        "weight_decay": (0.0, "optimizer_param.py:399"),
-    },
+    # optimi-*, bnb-*, torch-adafactor: the same defaults as those names have in our own dialect.
+    **NAMED_OPTIMIZER_DEFAULTS,
     "prodigy": {
         "adam_beta1": (0.9, "optimizer_param.py:735"),
         "adam_beta2": (0.99, "optimizer_param.py:735"),

@@ -22,6 +22,7 @@ from simpletuner.configuration.simpletuner.facts import (
     OPTIMIZERS,
     PRECISIONS,
     SIMPLETUNER_FAMILIES,
+    SIMPLETUNER_REMOVED_OPTIMIZERS,
     SIMPLETUNER_UPLOAD_DEFAULTS,
 )
 from simpletuner.configuration.simpletuner.reading import (
@@ -96,6 +97,51 @@ def _model_path(t: Translation, value: Any, entry: DialectKey) -> None:
     t.put("pretrained_model_name_or_path", value, entry.key)
 
 
+#: SimpleTuner's families that keep a VAE whose path names `sdxl` (cmd_args.py:985-995 drops it for the others).
+_SDXL_VAE_FAMILIES = ("sdxl", "pixart_sigma", "kolors")
+#: SimpleTuner's default for `pretrained_vae_model_name_or_path` (its field registry, sections/model.py:1126): the
+#: SDXL fp16-fix VAE, which the rule above drops for every other family.
+_ST_DEFAULT_VAE = "madebyollin/sdxl-vae-fp16-fix"
+
+
+def _st_location(t: Translation, value: Any) -> Any:
+    """A model path as SimpleTuner's ``from_pretrained`` reads it: a folder from the working directory, made
+    absolute; an ``org/name`` that is not a folder there stays a hub id."""
+    if not isinstance(value, str) or not value:
+        return value
+    local = os.path.normpath(os.path.join(t.cwd, os.path.expanduser(value)))
+    return local if os.path.isdir(local) or not looks_like_hub_id(value) else value
+
+
+def _vae_path(t: Translation, value: Any, entry: DialectKey) -> None:
+    """SimpleTuner's ``vae_path`` (cmd_args.py:1070-1074): this key, else the model; load_vae (common.py:2690-2703)
+    reads ``subfolder="vae"`` first, then the root, as here. null, "" and "''" are not passed to its parser
+    (configuration/loader.py:139), so its default stands: :data:`_ST_DEFAULT_VAE`. A path naming `sdxl` with a family
+    other than sdxl is dropped with a warning (cmd_args.py:985-995): the model's own VAE, as is the model folder
+    itself. SimpleTuner passes `revision` to the VAE's repo too (common.py:2693); here `revision` is the model's and
+    a hub VAE loads at its default branch."""
+    is_default = is_inert(value) or value == "''"
+    vae = _ST_DEFAULT_VAE if is_default else str(value)
+    if "sdxl" in vae and t.family not in _SDXL_VAE_FAMILIES:
+        t.ignore(entry.key, f"{vae!r} names `sdxl`: SimpleTuner drops it for {t.family} and loads the model's own VAE")
+        return
+    model = t.bare.get("pretrained_model_name_or_path")
+    location = _st_location(t, vae)
+    if vae == model or location == _st_location(t, model):
+        t.ignore(entry.key, "the model folder itself: its own VAE")
+        return
+    revision = t.bare.get("revision")
+    if location == vae and not is_inert(revision) and str(revision) != "main":
+        t.approx(
+            entry.key,
+            f"the hub VAE {vae!r} loads at its default branch: SimpleTuner asks its repo for `revision` {revision!r} "
+            "too, which only a repo with that branch, tag or commit has",
+        )
+    t.put("pretrained_vae_model_name_or_path", location, entry.key)
+    if is_default:
+        t.report.defaults.append(f"`{entry.key}: {_ST_DEFAULT_VAE!r}` (SimpleTuner's default, for {value!r})")
+
+
 def _path_key(t: Translation, value: Any, entry: DialectKey) -> None:
     assert entry.ours is not None
     t.put(entry.ours, t.path(value, entry.key), entry.key)
@@ -147,7 +193,7 @@ def _flux_guidance(t: Translation, value: Any, entry: DialectKey) -> None:
 
 
 def _precision(t: Translation, value: Any, entry: DialectKey) -> None:
-    set_spelled(PRECISIONS, "8-bit quanto / torchao kinds only")(t, value, entry)
+    set_spelled(PRECISIONS, "quanto int8 / fp8 / int4 / int2 and torchao int8 / fp8 kinds")(t, value, entry)
     if str(value).strip() in APPROXIMATED_PRECISIONS:
         t.approx(f"{entry.key}: {value}", APPROXIMATED_PRECISIONS[str(value).strip()])
 
@@ -322,6 +368,22 @@ def _validation_prompt(t: Translation, value: Any, entry: DialectKey) -> None:
     t.put("validation_prompt", value, entry.key)
 
 
+def _lora_format(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`comfyui` (any case) saves a peft LoRA under ComfyUI's names, anything else in diffusers' format
+    (lora_format.py:17-28); SimpleTuner renames only the file `save_lora_weights` writes (common.py:2072-2122), so a
+    LyCORIS or full run keeps its format, here too."""
+    if not (isinstance(value, str) and value.strip().lower() == "comfyui"):
+        t.ignore(entry.key, "diffusers' format, as here")
+    elif str(t.bare.get("model_type", "lora")).strip().lower() != "lora" or (
+        str(t.bare.get("lora_type", "standard")).strip().lower() == "lycoris"
+    ):
+        t.ignore(entry.key, "SimpleTuner renames a peft LoRA's file only")
+    elif _is_on(t.bare.get("use_dora")):
+        t.ignore(entry.key, "a DoRA adapter gets no ComfyUI file here (its magnitudes have no ComfyUI names)")
+    else:
+        t.put("output_formats", ["diffusers", "comfyui"], entry.key)
+
+
 def _lycoris_config(t: Translation, value: Any, entry: DialectKey) -> None:
     """The LyCORIS JSON file becomes the `lycoris` table. SimpleTuner reads it only with `lora_type: lycoris`
     (cmd_args.py:1116), from the working directory, then beside the config file."""
@@ -368,6 +430,15 @@ def _same(key: str, ours: Optional[str] = None, note: str = "", **kw: Any) -> Di
     return key_row(key, "same", ours or key, note, **kw)
 
 
+def _optimizer(t: Translation, value: Any, entry: DialectKey) -> None:
+    removed = SIMPLETUNER_REMOVED_OPTIMIZERS.get(str(value).strip())
+    if removed is not None:
+        t.problems.append(f"`optimizer`: {value!r}: SimpleTuner itself stops on it ({removed})")
+        return
+    what = "optimi's, bitsandbytes' 8-bit AdamW / Lion, torch's AdamW / Adam / SGD / Adafactor, Prodigy, AdamW-bf16"
+    set_spelled(OPTIMIZERS, what)(t, value, entry)
+
+
 def _optimizer_config(t: Translation, value: Any, entry: DialectKey) -> None:
     """SimpleTuner's `key=value,...` string (or object); settings with a key of their own here move there."""
     try:
@@ -382,9 +453,11 @@ def _optimizer_config(t: Translation, value: Any, entry: DialectKey) -> None:
     for key, item in settings.items():
         if key in LIFTED_OPTIMIZER_SETTINGS:
             t.put(LIFTED_OPTIMIZER_SETTINGS[key], item, f"optimizer_config:{key}")
-        elif key == "betas" and isinstance(item, (list, tuple)) and len(item) == 2:
+        elif key == "betas" and isinstance(item, (list, tuple)) and len(item) in (2, 3):
             t.put("adam_beta1", item[0], "optimizer_config:betas")
             t.put("adam_beta2", item[1], "optimizer_config:betas")
+            if len(item) == 3:  # optimi-adan's third beta
+                rest["beta3"] = item[2]
         else:
             rest[key] = item
     if rest:
@@ -435,11 +508,12 @@ CORE: tuple[DialectKey, ...] = (
         note="text encoders are loaded from `pretrained_model_name_or_path`: put the T5 you want into that folder",
         apply=lambda t, v, e: _same_folder(t, v, e),
     ),
-    key_row(
+    _same(
         "pretrained_vae_model_name_or_path",
-        "unsupported",
-        note="the VAE is loaded from `pretrained_model_name_or_path`: put the VAE you want into that folder",
-        apply=lambda t, v, e: _same_folder(t, v, e),
+        note="a folder (from the working directory) or a hub id holding the VAE, its `vae/` subfolder first; null: "
+        f"SimpleTuner's default {_ST_DEFAULT_VAE}; a path naming `sdxl` with a family other than sdxl is dropped, as "
+        "SimpleTuner drops it (the model's own VAE)",
+        apply=_vae_path,
     ),
     key_row(
         "seed_for_each_device",
@@ -447,9 +521,15 @@ CORE: tuple[DialectKey, ...] = (
         note="each process draws its own noise here (its generator is seeded from `seed` and its rank)",
     ),
     _same("aspect_bucket_alignment"),
-    _same(
+    key_row(
         "base_model_precision",
-        note="`fp8-torchao` and `int8-torchao` approximated (another torchao kernel, said at start)",
+        "approximated",
+        "base_model_precision",
+        note="the same quanto / torchao kind, on other layers: every Linear layer outside the model's "
+        "`_keep_in_fp32_modules` is quantised here; SimpleTuner's quanto call also quantises Conv2d layers and keeps "
+        "per-family layers in full precision (sd3 / wan: norms, `proj_out`, embeddings, feed-forward; flux: norms, "
+        "`x_embedder`, `context_embedder`, `proj_out`; quantisation/__init__.py:474-540); `fp8-torchao` and "
+        "`int8-torchao` use another torchao kernel (said at start)",
         apply=lambda t, v, e: _precision(t, v, e),
     ),
     # --- schedule and optimisation ---
@@ -469,9 +549,11 @@ CORE: tuple[DialectKey, ...] = (
     _same("lr_power", note="read by `polynomial` (SimpleTuner's default 0.8 written); else ignored"),
     _same(
         "optimizer",
-        note="SimpleTuner's own defaults for it (betas, eps, weight decay, SGD momentum) are written where the config "
-        "does not set them",
-        apply=set_spelled(OPTIMIZERS, "AdamW-bf16, Prodigy and optimi's AdamW / Adam / SGD"),
+        note="SimpleTuner's own defaults for it (betas, eps, weight decay, its other settings) are written where the "
+        "config does not set them; `optimi-*`, `bnb-adamw8bit`, `bnb-adamw8bit-paged`, `bnb-lion8bit` and "
+        "`torch-adafactor` keep their names (the same library classes), `torch-adamw` / `torch-adam` / `torch-sgd` "
+        "are `adamw` / `adam` / `sgd`",
+        apply=_optimizer,
     ),
     _same(
         "optimizer_config",
@@ -562,11 +644,27 @@ CORE: tuple[DialectKey, ...] = (
         ),
     ),
     _same("use_dora", "lora_use_dora"),
+    key_row(
+        "lora_format",
+        "approximated",
+        "output_formats",
+        "`comfyui`: the final save also writes `<name>.comfyui.safetensors` beside the diffusers file (SimpleTuner "
+        "writes the ComfyUI file alone, under the diffusers name, at checkpoints too); its names are SimpleTuner's "
+        "for sd / sdxl / flux / qwen_image; wan's are Wan's own (SimpleTuner keeps diffusers' under "
+        "`diffusion_model.`, which ComfyUI's Wan loader does not map) and sd3's carry the scale in the weights "
+        "(diffusers refuses SimpleTuner's `.alpha` keys there)",
+        apply=lambda t, v, e: _lora_format(t, v, e),
+    ),
     _same("lycoris_config", "lycoris", "the JSON file's settings become the `lycoris` table", apply=_lycoris_config),
     # --- loss ---
     _same("loss_type"),
     _same("huber_schedule"),
     _same("huber_c"),
+    _same(
+        "masked_loss_probability",
+        note="the share of batches of a `conditioning_type: segmentation` dataset that mask their loss; a `mask` "
+        "dataset masks every batch, as in SimpleTuner",
+    ),
     _same("offset_noise", "noise_offset", "the switch of `noise_offset` (off: no offset); flow families take none"),
     _same("noise_offset", note="applied only with `offset_noise: true`, as in SimpleTuner"),
     _same("noise_offset_probability", note="applied only with `offset_noise: true`"),

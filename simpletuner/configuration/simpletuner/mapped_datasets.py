@@ -316,6 +316,29 @@ def _video(t: Translation, value: Any, entry: DialectKey) -> None:
             t.problems.append(f"{where}: not supported here (clips train on `num_frames` frames from their start)")
 
 
+#: Seconds of video SimpleTuner trains on when `video.num_frames` is left out (data_backend/factory.py:805-812), and
+#: the frame rate Wan's check_user_config sets when `framerate` is unset (wan/model.py:1555-1556).
+DEFAULT_VIDEO_SECONDS = 5
+WAN_DEFAULT_FRAMERATE = 15
+
+
+def default_video_frames(t: Translation, framerate: Any) -> None:
+    """A video dataset without `video.num_frames`: SimpleTuner's rule, with its warning instead of a refusal:
+    five seconds at `framerate` (Wan: 15 fps when unset), rounded down to Wan's 8k+1 (wan/model.py:458-464)."""
+    rate = plain(framerate)
+    rate = rate if isinstance(rate, int) and not isinstance(rate, bool) and rate > 0 else WAN_DEFAULT_FRAMERATE
+    frames = rate * DEFAULT_VIDEO_SECONDS
+    adjusted = max(1, (frames - 1) // 8 * 8 + 1) if t.our_family == "wan" else frames
+    t.put("num_frames", adjusted, "SimpleTuner's default video.num_frames")
+    where = "data_backend/factory.py:805-812" + (", wan/model.py:1555" if framerate is None else "")
+    rounded = ", rounded down to 8k+1 for Wan, wan/model.py:458-464" if adjusted != frames else ""
+    t.report.overridden.append(
+        f"`{t.dataset_label}.video.num_frames` left out -> {adjusted}: SimpleTuner trains {DEFAULT_VIDEO_SECONDS} s "
+        f"of each clip at {rate} fps ({frames} frames; {where}{rounded}); set `video.num_frames` to train on fewer "
+        "frames (less memory)"
+    )
+
+
 def _text_embeds_ref(t: Translation, value: Any, entry: DialectKey) -> None:
     t.report.notes.append(
         f"{t.dataset_label}: `text_embeds: {value}`: text embeddings share one folder here (entries are keyed by "
@@ -357,28 +380,57 @@ def _vae_clear(t: Translation, value: Any, entry: DialectKey) -> None:
 
 
 def _conditioning_data(t: Translation, value: Any, entry: DialectKey) -> None:
-    """A training dataset's `conditioning_data`: the id of one `dataset_type: conditioning` entry (or a list of
-    one); that entry's folder of source images becomes `conditioning_data_dir` (paired by file name)."""
+    """A training dataset's `conditioning_data`: the id of a `dataset_type: conditioning` entry (or a list): the
+    folder of one entry of source images becomes `conditioning_data_dir`, of one mask entry (`conditioning_type`
+    `mask` / `segmentation`) `mask_data_dir` with that `mask_type`; each paired by file name."""
     if is_inert(value):
         return
     ids = [value] if isinstance(value, str) else value
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise Problem(f"`{entry.key}` must be the `id` of a `dataset_type: conditioning` entry (or a list of one)")
-    if len(ids) > 1:
+        raise Problem(f"`{entry.key}` must be the `id` of a `dataset_type: conditioning` entry (or a list of them)")
+    masks = [name for name in ids if name in t.conditioning_masks]
+    sources = [name for name in ids if name not in t.conditioning_masks]
+    if len(sources) > 1:
         raise Problem(
-            f"`{entry.key}` names {len(ids)} conditioning datasets ({', '.join(ids)}): several source images per "
-            "sample (Qwen-Image-Edit Plus, multi-reference) are not supported; name one"
+            f"`{entry.key}` names {len(sources)} conditioning datasets ({', '.join(sources)}): several source images "
+            "per sample (Qwen-Image-Edit Plus, multi-reference) are not supported; name one"
         )
-    (name,) = ids
-    if name not in t.conditioning_sources:
-        known = ", ".join(repr(k) for k in t.conditioning_sources) or "none"
+    if len(masks) > 1:
         raise Problem(
-            f"`{entry.key}`: {name!r} is not the `id` of an enabled `dataset_type: conditioning` entry (those are: "
-            f"{known})"
+            f"`{entry.key}` names {len(masks)} mask datasets ({', '.join(masks)}): SimpleTuner weights the loss by "
+            "one of them (collate.py:901); name one"
         )
-    folder = t.conditioning_sources[name]
-    if folder is not None:
-        t.put("conditioning_data_dir", folder, f"{entry.key} ({name})")
+    if masks and sources:
+        t.approx(
+            f"{t.dataset_label}.{entry.key}",
+            "with Qwen-Image-Edit sources and a mask, SimpleTuner weights the loss by the first conditioning pixels "
+            "it collects, the source's (training/collate.py:953-974, models/common.py:4670-4671, 6412); here by the "
+            "mask",
+        )
+    for name in ids:
+        if name not in t.conditioning_sources:
+            known = ", ".join(repr(k) for k in t.conditioning_sources) or "none"
+            raise Problem(
+                f"`{entry.key}`: {name!r} is not the `id` of an enabled `dataset_type: conditioning` entry (those "
+                f"are: {known})"
+            )
+        folder = t.conditioning_sources[name]
+        if folder is None:
+            continue
+        if name in t.conditioning_masks:
+            t.put("mask_data_dir", folder, f"{entry.key} ({name})")
+            t.put("mask_type", t.conditioning_masks[name], f"{entry.key} ({name}).conditioning_type")
+        else:
+            t.put("conditioning_data_dir", folder, f"{entry.key} ({name})")
+
+
+def _caption_shuffle(t: Translation, value: Any, entry: DialectKey) -> None:
+    """`caption_shuffle` as it is; without its own `seed` SimpleTuner shuffles from the run's `--seed`, and from 0
+    when that is unset too (data_backend/factory.py:721-724, prompts.py:237), where the run's seed here is 42."""
+    if isinstance(value, dict) and "seed" not in value and is_inert(t.bare.get("seed")):
+        value = {**value, "seed": 0}
+        t.report.defaults.append(f"`{t.dataset_label}.caption_shuffle.seed: 0` (SimpleTuner's, with no `seed` set)")
+    t.put(entry.key, value, entry.key)
 
 
 def _conditioning_entry_key(t: Translation, value: Any, entry: DialectKey) -> None:
@@ -496,6 +548,12 @@ DATASET_CORE: tuple[DialectKey, ...] = (
     _ds("instance_prompt"),
     _ds("prepend_instance_prompt"),
     _ds(
+        "caption_shuffle",
+        note="`enable`, `count`, `seed` (unset: the run's `seed`, 0 without one), `split_on`, `position_start`, "
+        "`include_original`: the same shuffled copies, each encoded once, one drawn per use",
+        apply=_caption_shuffle,
+    ),
+    _ds(
         "only_instance_prompt",
         "same",
         "caption_strategy",
@@ -540,9 +598,10 @@ DATASET_CORE: tuple[DialectKey, ...] = (
         "conditioning_data",
         "same",
         "conditioning_data_dir",
-        "Qwen-Image-Edit pairs: the `id` of one `dataset_type: conditioning` entry (or a list of one); its "
-        "`instance_data_dir` becomes `conditioning_data_dir` and the entry is not a dataset of its own; several "
-        "are not supported (Edit Plus)",
+        "the `id` of a `dataset_type: conditioning` entry (or a list): Qwen-Image-Edit sources, whose "
+        "`instance_data_dir` becomes `conditioning_data_dir` (several are not supported: Edit Plus), and masks "
+        "(`conditioning_type` `mask` / `segmentation`), whose folder becomes `mask_data_dir`; the entry is not a "
+        "dataset of its own",
         apply=_conditioning_data,
     ),
     _ds(
@@ -551,7 +610,9 @@ DATASET_CORE: tuple[DialectKey, ...] = (
         "conditioning_data_dir",
         "of a `dataset_type: conditioning` entry: `reference_strict` (the source takes the edited image's crop) as "
         "there; `reference_loose` approximated (the source is resized to the edited image and takes its crop; "
-        "aspect ratios more than 2% apart stop the run); `controlnet`, `mask` and others are not supported",
+        "aspect ratios more than 2% apart stop the run); `mask` / `segmentation` -> `mask_type` of the dataset "
+        "whose `mask_data_dir` it becomes (approximated: the mask is resized with area averaging, not Lanczos); "
+        "`controlnet` and others are not supported",
         apply=_conditioning_entry_key,
     ),
     _ds(

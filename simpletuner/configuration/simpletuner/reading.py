@@ -194,6 +194,8 @@ class Translation:
     # `dataset_type: conditioning` entries by id -> their folder of source images (absolute; None: unreadable,
     # its problems are listed); a training dataset's `conditioning_data` names one
     conditioning_sources: dict[str, Optional[str]] = field(default_factory=dict)
+    # their `conditioning_type` where it is a mask's (`mask` / `segmentation`): the folder is a `mask_data_dir`
+    conditioning_masks: dict[str, str] = field(default_factory=dict)
 
     def put(self, ours: str, value: Any, source: str) -> None:
         """Set our key ``ours`` (dotted: nested) from ``source``; two sources that disagree are a problem."""

@@ -40,7 +40,7 @@ READ_HERE = (
 )
 
 #: Optimizers whose gradients SimpleTuner never clips, whatever `max_grad_norm` says (trainer.py:7138-7142).
-NEVER_CLIPPED = ("prodigy",)
+NEVER_CLIPPED = ("prodigy", "optimi-stableadamw")
 
 #: SimpleTuner's SD3 T5 length: its default and its ceiling (helpers/models/sd3/model.py:853-859).
 SIMPLETUNER_SD3_T5_LENGTH = 154

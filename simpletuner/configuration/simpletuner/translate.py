@@ -16,6 +16,8 @@ from simpletuner.configuration.simpletuner.facts import (
     DEFAULT_FLAVOURS,
     FEATURE_SWITCHES,
     FLAVOURS,
+    MASK_CONDITIONING,
+    MASK_RESAMPLING,
     REFERENCE_CONDITIONING,
     SIMPLETUNER_DATASET_DEFAULTS,
     SIMPLETUNER_DEFAULTS,
@@ -24,7 +26,7 @@ from simpletuner.configuration.simpletuner.facts import (
     UNSUPPORTED_DATASET_TYPES,
 )
 from simpletuner.configuration.simpletuner.mapped import CORE, resolve_flavour
-from simpletuner.configuration.simpletuner.mapped_datasets import DATASET_CORE, TOP_DATASET_KEYS
+from simpletuner.configuration.simpletuner.mapped_datasets import DATASET_CORE, TOP_DATASET_KEYS, default_video_frames
 from simpletuner.configuration.simpletuner.reading import (
     DialectError,
     DialectKey,
@@ -245,9 +247,34 @@ def _raw_key(entry: Mapping[str, Any], key: str) -> Any:
 
 
 def _conditioning_entry(t: Translation, entry: dict[str, Any], label: str) -> Optional[str]:
-    """A `dataset_type: conditioning` entry (Qwen-Image-Edit source images): its folder (absolute), or None with
-    the problems listed. Its other keys are reported: each source image follows its edited image here."""
+    """A `dataset_type: conditioning` entry (Qwen-Image-Edit source images, or the masks of masked loss): its
+    folder (absolute), or None with the problems listed. Its other keys are reported: each source image (mask)
+    follows its image here."""
     bare = _bare_keys(entry, t, label)
+    kind = bare.get("conditioning_type")
+    follows = (
+        "a mask follows its image: that dataset's crop and size apply"
+        if kind in MASK_CONDITIONING
+        else "a source image follows its edited image: that dataset's crop, size and captions apply"
+    )
+    _conditioning_keys(t, bare, label, follows)
+    storage = str(bare.get("type", "local")).strip()
+    if storage != "local":
+        t.problems.append(
+            f"{label}: `type: {storage}`: source images and masks are read from a local folder here: copy them to "
+            "one and use `type: local`"
+        )
+    _conditioning_type(t, kind, label)
+    folder = bare.get("instance_data_dir")
+    if not isinstance(folder, str) or not folder:
+        t.problems.append(f"{label}: `instance_data_dir` must name the folder of source images (or masks)")
+        return None
+    return t.path(folder, f"{label}.instance_data_dir")
+
+
+def _conditioning_keys(t: Translation, bare: dict[str, Any], label: str, follows: str) -> None:
+    """The keys of a `dataset_type: conditioning` entry other than its own: refused where unsupported and set,
+    otherwise reported as ignored (``follows`` says why)."""
     for name, value in bare.items():
         shown = f"{label}.{name}"
         if name in _CONDITIONING_OWN_KEYS:
@@ -262,15 +289,14 @@ def _conditioning_entry(t: Translation, entry: dict[str, Any], label: str) -> Op
         elif item.kind == "unsupported":
             t.ignore(shown, f"set to {value!r}, which does nothing")
         else:
-            t.ignore(shown, "a source image follows its edited image: that dataset's crop, size and captions apply")
-    storage = str(bare.get("type", "local")).strip()
-    if storage != "local":
-        t.problems.append(
-            f"{label}: `type: {storage}`: source images are read from a local folder here: copy them to one and use "
-            "`type: local`"
-        )
-    kind = bare.get("conditioning_type")
-    if isinstance(kind, str) and kind in REFERENCE_CONDITIONING:
+            t.ignore(shown, follows)
+
+
+def _conditioning_type(t: Translation, kind: Any, label: str) -> None:
+    """A conditioning entry's `conditioning_type`: read here (said where approximated), or a problem."""
+    if isinstance(kind, str) and kind in MASK_CONDITIONING:
+        t.approx(f"{label}.conditioning_type: {kind}", MASK_RESAMPLING)
+    elif isinstance(kind, str) and kind in REFERENCE_CONDITIONING:
         warning = REFERENCE_CONDITIONING[kind]
         if warning is not None:
             t.approx(f"{label}.conditioning_type: {kind}", warning)
@@ -283,13 +309,8 @@ def _conditioning_entry(t: Translation, entry: dict[str, Any], label: str) -> Op
         why = UNSUPPORTED_CONDITIONING_TYPES.get(str(kind), "not a kind of conditioning trained here")
         t.problems.append(
             f"{label}: `conditioning_type: {kind}`: {why}; source/edited image pairs (Qwen-Image-Edit `edit-v1`) use "
-            "`reference_strict` or `reference_loose`"
+            "`reference_strict` or `reference_loose`, masked loss `mask` or `segmentation`"
         )
-    folder = bare.get("instance_data_dir")
-    if not isinstance(folder, str) or not folder:
-        t.problems.append(f"{label}: `instance_data_dir` must name the folder of source images")
-        return None
-    return t.path(folder, f"{label}.instance_data_dir")
 
 
 def _read_conditioning(t: Translation, entries: list[Any]) -> None:
@@ -331,10 +352,19 @@ def _read_conditioning(t: Translation, entries: list[Any]) -> None:
                 f"(those are: {', '.join(map(repr, named_by[name]))}): set it to that one, or remove it"
             )
         t.conditioning_sources[name] = _conditioning_entry(t, entry, label)
-        t.report.mapped.append(
-            f"`{label}.instance_data_dir` -> `conditioning_data_dir` of {', '.join(map(repr, named_by[name]))} "
-            "(the entry is not a dataset of its own)"
-        )
+        _record_conditioning(t, entry, name, named_by[name], label)
+
+
+def _record_conditioning(t: Translation, entry: dict[str, Any], name: str, named_by: list[Any], label: str) -> None:
+    """Note a read conditioning entry: a mask's kind (its folder becomes a `mask_data_dir`) and the mapping."""
+    kind = _raw_key(entry, "conditioning_type")
+    if kind in MASK_CONDITIONING:
+        t.conditioning_masks[name] = kind
+    ours = "mask_data_dir" if kind in MASK_CONDITIONING else "conditioning_data_dir"
+    t.report.mapped.append(
+        f"`{label}.instance_data_dir` -> `{ours}` of {', '.join(map(repr, named_by))} (the entry is not a dataset "
+        "of its own)"
+    )
 
 
 def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any]) -> list[dict[str, Any]]:  # noqa: C901
@@ -379,6 +409,8 @@ def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any])
         for key, default in SIMPLETUNER_DATASET_DEFAULTS.items():
             if not t.is_set(key):
                 t.put(key, default, f"SimpleTuner's dataset default {key}")
+        if kind == "video" and not t.is_set("num_frames"):
+            default_video_frames(t, t.bare.get("framerate"))
         out.append(t.dataset)
         t.dataset, t.dataset_label, t.dataset_entry = None, "", None
     return out

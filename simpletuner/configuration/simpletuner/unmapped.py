@@ -128,7 +128,6 @@ _TOP_IGNORED = (
     *_ignored("webhook_config webhook_reporting_interval", _WEBHOOK),
     *_ignored("post_checkpoint_script", _HOOK_SCRIPT),
     *_ignored("modelspec_comment", "saved adapter files carry no model-spec comment; the weights are the same"),
-    *_ignored("lora_format", "adapters are saved in diffusers' format (`load_lora_weights`); the weights are the same"),
     *_ignored("debug_aspect_buckets debug_dataset_loader print_filenames print_sampler_statistics", _LOGGING),
     *_ignored("tracker_image_layout", _LOGGING),
     *_ignored(
@@ -216,9 +215,10 @@ _TOP_IGNORED = (
     ),
     *_ignored(
         "framerate",
-        "clips train on `num_frames` frames taken `frame_stride` apart; validation videos are written at the "
-        "family's rate (Wan: 16 fps; SimpleTuner writes Wan's at its `framerate`, which it sets to 15 when unset, "
-        "wan/model.py:1555-1556, validation.py:2539)",
+        "read only for the default `num_frames` of a video dataset without `video.num_frames` (5 s at it, as in "
+        "SimpleTuner); clips train on `num_frames` frames taken `frame_stride` apart, and validation videos are "
+        "written at the family's rate (Wan: 16 fps; SimpleTuner writes Wan's at its `framerate`, which it sets to 15 "
+        "when unset, wan/model.py:1555-1556, validation.py:2539)",
     ),
     *_ignored(
         "validation_adapter_config validation_adapter_mode validation_adapter_name validation_adapter_path "
@@ -306,7 +306,7 @@ _TOP_UNSUPPORTED = (
     ),
     *_unsupported("flow_schedule_auto_shift", "the flow shift is fixed here: set `flow_schedule_shift` instead"),
     *_unsupported("input_perturbation input_perturbation_steps", _NOISE_SCHEDULE),
-    *_unsupported("masked_loss_probability use_soft_min_snr soft_min_snr_sigma_data snr_weight", _LOSS),
+    *_unsupported("use_soft_min_snr soft_min_snr_sigma_data snr_weight", _LOSS),
     *_ignored(
         "lr_num_cycles",
         "SimpleTuner passes it only to diffusers schedules that do not read it (its cosine schedules are its own)",
@@ -429,7 +429,7 @@ _DATASET_UNSUPPORTED = (
     *_unsupported("audio", _AUDIO, "dataset"),
     *_unsupported("grounding", _GROUNDING, "dataset"),
     *_unsupported("delete_nsfw_images", _NSFW, "dataset"),
-    *_unsupported("caption_filter_list caption_shuffle", _CAPTION_EDIT, "dataset"),
+    *_unsupported("caption_filter_list", _CAPTION_EDIT, "dataset"),
     *_unsupported("start_epoch start_step end_epoch end_step", _DATASET_SCHEDULE, "dataset"),
     *_unsupported(
         "max_num_samples",
@@ -494,7 +494,6 @@ TAIL_DEFAULTS: dict[str, Any] = {
     "ltx_i2v_prob": 0.1,
     "ltx_partial_noise_fraction": 0.05,
     "ltx_train_mode": "i2v",
-    "masked_loss_probability": 1.0,
     "minimax_h3_sparse_attention": "disabled",
     "minimax_h3_sparse_block_shape": "1,8,16",
     "minimax_h3_sparse_video_kv_fraction": 0.5,

@@ -1,9 +1,10 @@
-"""Quantised frozen base weights (``base_model_precision``): 8-bit Linear weights under an fp32 adapter.
+"""Quantised frozen base weights (``base_model_precision``): 8-, 4- or 2-bit Linear weights under an fp32 adapter.
 
-Weight-only, through optimum-quanto (``qint8``, ``qfloat8``: each frozen ``nn.Linear`` becomes a ``QLinear``)
-or torchao (``int8_torchao``, ``fp8_torchao``: ``quantize_`` swaps the weight, the module stays an
-``nn.Linear``). Only Linear layers outside the model's ``_keep_in_fp32_modules`` are quantised, before the
-adapter is added: peft's LoRA wraps both kinds and LyCORIS runs them in bypass mode.
+Weight-only, through optimum-quanto (``qint8``, ``qfloat8``, ``qint4``, ``qint2``: each frozen ``nn.Linear``
+becomes a ``QLinear``; 4 and 2 bits keep a scale and shift per group of up to 128 weights) or torchao
+(``int8_torchao``, ``fp8_torchao``: ``quantize_`` swaps the weight, the module stays an ``nn.Linear``). Only
+Linear layers outside the model's ``_keep_in_fp32_modules`` are quantised, before the adapter is added: peft's
+LoRA wraps both kinds and LyCORIS runs them in bypass mode.
 See documentation/MEMORY.md, "LyCORIS and quantised base weights".
 """
 
@@ -19,14 +20,16 @@ from simpletuner.models.library_probes import torchao_in_use
 logger = logging.getLogger(__name__)
 
 #: base_model_precision -> (library, its extra)
-QUANTO_KINDS = ("qint8", "qfloat8")
+QUANTO_KINDS = ("qint8", "qfloat8", "qint4", "qint2")
 TORCHAO_KINDS = ("int8_torchao", "fp8_torchao")
+#: Bits per weight of optimum-quanto's packed (below 8 bits) kinds.
+_QBITS = {"qint4": 4, "qint2": 2}
 #: Bytes per output row besides the 8-bit data: the scale (and torchao int8's zero point).
 _ROW_BYTES = {"qint8": None, "qfloat8": None, "int8_torchao": 4 + 1, "fp8_torchao": 4}
 
 
 def is_quantized_precision(precision: str) -> bool:
-    """Whether ``base_model_precision`` asks for 8-bit base weights (anything but ``no_change``)."""
+    """Whether ``base_model_precision`` asks for quantised base weights (anything but ``no_change``)."""
     if precision == "no_change":
         return False
     if precision not in QUANTO_KINDS + TORCHAO_KINDS:
@@ -102,7 +105,7 @@ def quantize_base(model: nn.Module, precision: str, device: torch.device | None 
 
 def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: str, device) -> None:
     try:
-        from optimum.quanto import qfloat8, qint8
+        from optimum.quanto import qfloat8, qint2, qint4, qint8
         from optimum.quanto.nn import quantize_module
     except ImportError as exc:
         raise ValueError(
@@ -110,15 +113,20 @@ def _quantize_quanto(model: nn.Module, layers: dict[str, nn.Linear], precision: 
             "checkout (or pip install optimum-quanto) "
             f"(or use base_model_precision 'no_change')"
         ) from exc
-    weights = {"qint8": qint8, "qfloat8": qfloat8}[precision]
+    weights = {"qint8": qint8, "qfloat8": qfloat8, "qint4": qint4, "qint2": qint2}[precision]
     for name, layer in layers.items():
         if device is not None:
             layer.to(device)
         qlayer = quantize_module(layer, weights=weights)
-        qlayer.freeze()  # float weight -> 8-bit WeightQBytesTensor, one layer at a time
+        if _int4_cpu_packing_fails(qlayer):
+            _freeze_unpacked(qlayer)
+        else:
+            qlayer.freeze()  # float weight -> WeightQBytesTensor (8 bits) / WeightQBitsTensor, one layer at a time
         qlayer.requires_grad_(False)  # freeze() makes a new Parameter, which would train
         if precision == "qint8":
             qlayer.register_forward_pre_hook(_safe_int8_cpu_input)
+        elif precision in _QBITS:
+            qlayer.register_forward_pre_hook(_qbits_input)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qlayer)
 
@@ -145,6 +153,61 @@ def _safe_int8_cpu_input(module: nn.Linear, args: tuple):
     if module.in_features % _INT8_CPU_K_MULTIPLE:
         return (x.float(), *args[1:])
     return None if x.is_contiguous() else (x.contiguous(), *args[1:])
+
+
+#: torch's CPU int4 packing (``_convert_weight_to_int4pack_for_cpu``) needs out_features a multiple of this.
+_INT4_CPU_N_MULTIPLE = 16
+
+
+def _int4_cpu_packing_fails(qlayer: nn.Module) -> bool:
+    """Whether quanto would pack this qint4 layer for torch's CPU int4 kernel (its rule: bf16 weights on CPU,
+    groups of 128; ``WeightQBitsTensor.create``) where that packing raises: out_features not a multiple of 16.
+    Real models' layers are; the tiny test models' need not be."""
+    weight = qlayer.weight
+    return (
+        getattr(getattr(qlayer, "weight_qtype", None), "bits", 8) == 4
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and getattr(qlayer, "weight_group_size", None) == 128
+        and weight.shape[0] % _INT4_CPU_N_MULTIPLE != 0
+    )
+
+
+def _freeze_unpacked(qlayer) -> None:
+    """``qlayer.freeze()``, but keeping quanto's portable int4 tensor (a dequantising matmul) instead of packing it
+    for the CPU kernel: the same quantised values, scale and shift."""
+    from optimum.quanto import quantize_weight
+
+    scale, shift = qlayer.optimizer(
+        qlayer.weight, qtype=qlayer.weight_qtype, axis=0, group_size=qlayer.weight_group_size
+    )
+    qweight = quantize_weight(
+        qlayer.weight,
+        qtype=qlayer.weight_qtype,
+        axis=0,
+        scale=scale,
+        shift=shift,
+        group_size=qlayer.weight_group_size,
+        optimized=False,
+    )
+    qlayer.weight = nn.Parameter(qweight, requires_grad=False)
+
+
+def _qbits_input(module: nn.Module, args: tuple):
+    """Give a 4- / 2-bit layer its input in the weight's dtype, contiguous.
+
+    quanto's int4 kernels (torch's ``_weight_int4pack_mm`` on CPU and CUDA, for bf16 weights) run outside autocast
+    and refuse an fp32 input (what a LayerNorm returns under bf16 autocast) and a non-contiguous one; an autocast
+    ``nn.Linear`` would compute in the weight's dtype too. Measured on torch 2.13 CPU.
+    """
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    dtype = module.weight.dtype
+    assert isinstance(dtype, torch.dtype)  # a QLinear's weight: a quantised tensor in its float dtype
+    if x.dtype == dtype and x.is_contiguous():
+        return None
+    return (x.to(dtype).contiguous(), *args[1:])
 
 
 def _quantize_torchao(layers: dict[str, nn.Linear], precision: str, device) -> None:
@@ -196,14 +259,36 @@ def quantized_size(model: nn.Module, precision: str) -> tuple[int, int]:
 
     What the memory estimator uses on its meta-device model, where nothing is really quantised:
     one byte per weight element plus each output row's scale (quanto: one scale in the weight's
-    dtype; torchao int8: an fp32 scale and an int8 zero point; torchao fp8: an fp32 scale).
+    dtype; torchao int8: an fp32 scale and an int8 zero point; torchao fp8: an fp32 scale); for
+    ``qint4`` / ``qint2``, :func:`qbits_bytes`.
     """
     if not is_quantized_precision(precision):
         return 0, 0
     before = after = 0
     for layer in quantizable_linears(model).values():
         weight = layer.weight
-        row_bytes = _ROW_BYTES[precision] or weight.element_size()
         before += weight.nbytes
+        if precision in _QBITS:
+            after += qbits_bytes(weight, _QBITS[precision])
+            continue
+        row_bytes = _ROW_BYTES[precision] or weight.element_size()
         after += weight.numel() + weight.shape[0] * row_bytes
     return before, after
+
+
+def quanto_group_size(in_features: int) -> int | None:
+    """The group optimum-quanto gives a 4- / 2-bit Linear weight (``QModuleMixin.__init__``): the largest of 128,
+    96, 64, 32 dividing ``in_features`` when that is over 128; None (one group per output row) otherwise."""
+    if in_features <= 128:
+        return None
+    return next((size for size in (128, 96, 64, 32) if in_features % size == 0), None)
+
+
+def qbits_bytes(weight: torch.Tensor, bits: int) -> int:
+    """Bytes optimum-quanto keeps for a 4- / 2-bit ``weight`` (out x in): the values packed ``8 // bits`` to a byte
+    along the rows of its (groups x group size) view, and a scale and a shift per group in the weight's dtype."""
+    rows, columns = weight.shape[0], weight.numel() // weight.shape[0]
+    group = quanto_group_size(columns)
+    if group is not None:
+        rows, columns = weight.numel() // group, group
+    return -(-rows * bits // 8) * columns + 2 * rows * weight.element_size()

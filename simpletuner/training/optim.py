@@ -49,6 +49,13 @@ def build_optimizer(
     """The optimizer named by ``config.optimizer`` over ``params``: an iterable of parameters, or
     named groups (``ModelSpec.named_parameter_groups``), each group with its own learning rate
     (``high_noise_learning_rate`` ...) and Automagic bounds."""
+    return _make_optimizer(config, _trainable_groups(config, params))
+
+
+def _trainable_groups(
+    config: TrainingConfig, params: Iterable[torch.nn.Parameter] | Mapping[str, Iterable[torch.nn.Parameter]]
+) -> list[torch.nn.Parameter] | list[dict[str, Any]]:
+    """The parameters that require a gradient, as a list or as the named groups; ValueError when there are none."""
     groups: list[torch.nn.Parameter] | list[dict[str, Any]]
     if isinstance(params, Mapping):
         groups = _param_groups(config, params)
@@ -60,6 +67,11 @@ def build_optimizer(
         raise ValueError(
             "nothing to train: no parameter requires a gradient (check training_type and lora_target_modules)"
         )
+    return groups
+
+
+def _make_optimizer(config: TrainingConfig, groups: list) -> torch.optim.Optimizer:
+    """The class ``config.optimizer`` names, with the config's settings, over ``groups``."""
     adam = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(config.optimizer)
     if adam is not None:
         return adam(

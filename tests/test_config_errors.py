@@ -204,10 +204,10 @@ def test_lookalike_unknown_key_message_has_no_guess(make_config):
 
 
 def test_simpletuner_key_we_do_not_support_says_so(make_config):
-    problem = _one(_problems(make_config(tread_config={"routes": []})), "tread_config:")
+    problem = _one(_problems(make_config(distillation_config={"method": "dcm"})), "distillation_config:")
     assert problem == (
-        "tread_config: `tread_config` is a SimpleTuner key that this trainer does not support yet: TREAD token "
-        "routing is not implemented: remove `tread_config`; remove it"
+        "distillation_config: `distillation_config` is a SimpleTuner key that this trainer does not support yet: "
+        "distillation is not supported: train a LoRA or a full fine-tune without it; remove it"
     )
 
 
@@ -231,8 +231,8 @@ def test_renamed_keys_name_ours(make_config, key, value, ours):
 
 
 def test_shared_key_names_every_tool(make_config):
-    problem = _one(_problems(make_config(text_encoder_lr=1e-5)), "text_encoder_lr:")
-    assert "a SimpleTuner and kohya sd-scripts key that this trainer does not support yet" in problem
+    problem = _one(_problems(make_config(logging_dir="logs")), "logging_dir:")
+    assert "a SimpleTuner and kohya sd-scripts key with no effect here" in problem
 
 
 def test_approximated_and_ignored_keys(make_config):

@@ -175,7 +175,7 @@ def test_unsupported_keys_stop_with_the_key_and_the_fix_and_off_switches_do_not(
         tiny_sd,
         shapes_dir,
         {
-            "tread_config": {"routes": [{"selection_ratio": 0.1, "start_layer_idx": 2, "end_layer_idx": 8}]},
+            "distillation_method": "dcm",
             "controlnet": False,
             "--lr_scale": "true",
         },
@@ -185,7 +185,7 @@ def test_unsupported_keys_stop_with_the_key_and_the_fix_and_off_switches_do_not(
         load_config(path)
     text = str(err.value)
     assert "lr_scale" in text and "multiply `learning_rate` yourself" in text
-    assert "tread_config" in text
+    assert "distillation_method" in text
     assert "controlnet" not in text  # `false`: nothing to refuse
 
 

@@ -457,16 +457,12 @@ def test_flux_lora_with_regularisation_data(tmp_path, models, images, monkeypatc
 @pytest.mark.parametrize(
     "flavour, model", [(None, "wan"), ("i2v-14b-2.2-high", "wan22_i2v"), ("ti2v-5b-2.2", "wan22_ti2v")]
 )
-def test_wan_examples_stop_naming_only_what_is_unsupported(tmp_path, models, images, monkeypatch, flavour, model):
+def test_wan_examples_load_with_their_tread_routes(tmp_path, models, images, monkeypatch, flavour, model):
     path = _write(tmp_path, images, _wan(str(models[model]), flavour))
     monkeypatch.chdir(path.parent.parent)
-    with pytest.raises(ConfigError) as err:
-        load_config(path)
-    assert _named_keys(err.value) == {"tread_config"}, err.value.problems
-    # Without tread_config (and with what the example's video dataset lacks: num_frames, a folder, a size
-    # that fits the buckets) it loads with the flavour's meaning.
+    # With what the example's video dataset lacks (num_frames, a folder, a size that fits the buckets) it loads
+    # with the flavour's meaning and its TREAD routes (checked against the blocks when the model folder is read).
     raw = json.loads(path.read_text())
-    del raw["tread_config"]
     raw["resolution"] = 512
     path.write_text(json.dumps(raw))
     backends = path.parent / "multidatabackend.json"
@@ -477,6 +473,7 @@ def test_wan_examples_stop_naming_only_what_is_unsupported(tmp_path, models, ima
     config = load_config(path).config
     assert config.train_stages == ("high" if flavour == "i2v-14b-2.2-high" else "both")
     assert config.ti2v_first_frame == (flavour == "ti2v-5b-2.2")
+    assert config.tread_config is not None and config.tread_config.model_dump() == _TREAD
 
 
 def test_config_json_example_trains_its_meaning_with_its_hub_uploads(tmp_path, models, images, monkeypatch):

@@ -641,6 +641,27 @@ TOP_ROWS: dict[str, Row] = {
         ({"gradient_checkpointing": False}, {"gradient_checkpointing": False}),
         ({"gradient_checkpointing": "false"}, {"gradient_checkpointing": True}),
     ),
+    "tread_config": _row(
+        f"{H}configuration/cmd_args.py:761 {H}training/tread.py:82 {H}training/tread.py:93 {H}training/tread.py:153 "
+        f"{H}models/flux/transformer.py:1105 {H}models/flux/transformer.py:1121 {H}models/wan/transformer.py:1098",
+        "TREAD: from block start_layer_idx to end_layer_idx each sample keeps S - round(S * selection_ratio) random "
+        "tokens (their rotary rows with them), the others rejoin unchanged after it; negative indices count from the "
+        "end of all blocks (Flux: double then single); only while training with gradients; a string is read as a "
+        "Python literal",
+        (
+            {"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}},
+            {"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}},
+        ),
+        (
+            {"tread_config": "{'routes': [{'selection_ratio': 0.1, 'start_layer_idx': 2, 'end_layer_idx': 8}]}"},
+            {"tread_config.routes.0.selection_ratio": 0.1, "tread_config.routes.0.end_layer_idx": 8},
+        ),
+        ({"tread_config": None}, {"tread_config": UNSET}),
+        family="flux",
+        also="tests/test_tread.py::test_budget_and_block_numbering_are_simpletuners "
+        "tests/test_tread.py::test_ratio_zero_is_the_run_without_routing "
+        "tests/test_tread.py::test_eval_and_no_grad_see_every_token",
+    ),
     "lycoris_config": _row(
         f"{H}configuration/cmd_args.py:1116",
         "the LyCORIS settings file, read only with lora_type lycoris",

@@ -282,12 +282,16 @@ DATASET_ROWS: dict[str, Row] = {
     ),
     "conditioning_type": _row(
         f"{CFG}:224 {H}metadata/utils/duplicator.py:119 {H}training/collate.py:28 {H}models/common.py:6409 "
-        f"{H}models/common.py:6417",
+        f"{H}models/common.py:6417 {H}data_backend/factory.py:4529",
         "reference_strict: the source takes the edited image's size and crop keys; mask: the red channel weights "
         "each latent pixel's loss; segmentation: any non-black latent pixel counts, in masked_loss_probability of "
-        "batches",
+        "batches; an entry with a conditioning_type is a conditioning entry, `dataset_type` unset too",
         (
             {"conditioning_data": "sources", "__also__": [_SOURCES]},
+            {"conditioning_data_dir": "{cwd}/src", "@datasets.1": UNSET},
+        ),
+        (  # as SimpleTuner's Kontext quickstart writes its reference entry: no `dataset_type`
+            {"conditioning_data": "sources", "__also__": [{k: v for k, v in _SOURCES.items() if k != "dataset_type"}]},
             {"conditioning_data_dir": "{cwd}/src", "@datasets.1": UNSET},
         ),
         (

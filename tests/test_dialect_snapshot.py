@@ -248,9 +248,9 @@ def test_every_tail_entry_is_a_snapshot_key_with_a_kind_and_a_one_line_note():
         assert note and "\n" not in note and not note.endswith("."), key
         assert (key, section) not in seen, f"{key} ({section}) twice"
         seen.add((key, section))
-    assert {("csv_file", "dataset"), ("tread_config", "top"), ("post_upload_script", "top")} <= seen
+    assert {("csv_file", "dataset"), ("distillation_config", "top"), ("post_upload_script", "top")} <= seen
     kinds = {(key, section): kind for key, section, kind, _ in TAIL}
-    assert kinds[("tread_config", "top")] == "unsupported"
+    assert kinds[("distillation_config", "top")] == "unsupported"
     assert kinds[("attention_mechanism", "top")] == "ignored"
     assert kinds[("csv_file", "dataset")] == "unsupported"
 

@@ -133,6 +133,7 @@ class _Identities:
     """The encoder identities cache keys need, without a model."""
 
     conditions_on_size_crop = False  # no size/crop beside the latents (SDXL's)
+    prompt_sees_source = True  # Qwen-Image-Edit's prompt embedding sees the source (Flux Kontext's does not)
 
     def __init__(self, config):
         self.config = config

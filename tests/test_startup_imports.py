@@ -71,6 +71,8 @@ NOT_NEEDED = {
     "simpletuner.models.sdxl": "model_family sd",
     "simpletuner.models.sd3": "model_family sd",
     "simpletuner.models.flux": "model_family sd",
+    "simpletuner.models.flux_kontext": "model_family sd",
+    "simpletuner.models.edit_pairs": "model_family sd (edit models only)",
     "simpletuner.models.flow": "model_family sd (flow matching families only)",
     "simpletuner.models.packed": "model_family sd (packed-latent families only)",
     "simpletuner.models.wan": "model_family sd",

@@ -19,6 +19,9 @@ LISTED = {
     "models/wan22.py": ["arg-type", "call-arg"],
     # peft declares lora_alpha an int; it divides by r, and floats (SimpleTuner's alphas) work
     "models/adapters/peft_lora.py": ["arg-type"],
+    # transformers wraps PreTrainedModel.to with functools.wraps(Module.to), which drops `self` from its type; peft's
+    # lora_alpha as above
+    "models/text_encoder_lora.py": ["call-arg", "arg-type"],
     # typeshed's sys.modules admits no None, which is how Python marks a module as not importable
     "models/library_probes.py": ["assignment"],
     # transformers' T5Config signature omits decoder_start_token_id, which it accepts and saves; Qwen2Tokenizer

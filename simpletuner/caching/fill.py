@@ -46,6 +46,7 @@ class FilledCaches:
     reports: dict[str, FillReport]  # "latents" / "text": what each phase found and encoded
     mode: str  # the cache mode in effect: static, refresh_each_epoch or disable_cache
     reencoder: Reencoder | None  # the latents encoded while training (holds the VAE); None when static
+    prompt_sees_source: bool = True  # an edit pair's caption is keyed with its sample (``caching.keys.text_id``)
 
 
 def _latent_sources(verify: bool) -> SourceCheck:
@@ -242,7 +243,15 @@ class CacheFill:
         reports = {"latents": latents, "text": text}
         mode = self.plan.mode
         return FilledCaches(
-            default, by_dataset, self.text_cache, self.plan.keys.latents, self.text_keys, reports, mode, self.reencoder
+            default,
+            by_dataset,
+            self.text_cache,
+            self.plan.keys.latents,
+            self.text_keys,
+            reports,
+            mode,
+            self.reencoder,
+            self.plan.keys.prompt_sees_source,
         )
 
 

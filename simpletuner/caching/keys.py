@@ -44,11 +44,12 @@ class PairedCaption:
 TextId = str | PairedCaption
 
 
-def text_id(sample: Sample, caption: str | None = None) -> TextId:
+def text_id(sample: Sample, caption: str | None = None, prompt_sees_source: bool = True) -> TextId:
     """The text-cache id ``sample`` trains with: its caption (or ``caption``, e.g. the dropped one), paired
-    with the sample when it has a source image."""
+    with the sample when it has a source image the prompt embedding sees (``prompt_sees_source``: the model's
+    ``ModelSpec.prompt_sees_source``; Flux Kontext's prompt is the caption alone)."""
     caption = sample.caption if caption is None else caption
-    return caption if sample.source is None else PairedCaption(caption, sample.key)
+    return caption if sample.source is None or not prompt_sees_source else PairedCaption(caption, sample.key)
 
 
 def _id_order(item) -> tuple:
@@ -78,6 +79,9 @@ class EncoderIdentities(Protocol):
 
     @property
     def conditions_on_size_crop(self) -> bool: ...
+
+    @property
+    def prompt_sees_source(self) -> bool: ...
 
     def image_encoder_identity(self) -> str: ...
 
@@ -115,6 +119,7 @@ class CacheKeys:
         sources: sample key -> ``(dataset, sample)`` of each distinct sample (the first repeat).
         static_version: the augmentation version of the ``vae`` cache's latents (:func:`static_version`).
         has_dropped_caption: :data:`DROPPED_CAPTION` is in :attr:`texts` for caption dropout.
+        prompt_sees_source: an edit pair's text id pairs its caption with the sample (:func:`text_id`).
     """
 
     latents: dict[str, str]
@@ -122,6 +127,7 @@ class CacheKeys:
     sources: dict[str, Source]
     static_version: int | None
     has_dropped_caption: bool = False
+    prompt_sees_source: bool = True
 
     def needed(self) -> dict[str, set[str]]:
         """``{"vae": latent keys, "text": text keys}``: every entry these keys name, by cache."""
@@ -133,7 +139,7 @@ class CacheKeys:
 
     def texts_of(self, datasets: Iterable[Any]) -> dict[TextId, str]:
         """:attr:`texts` of the captions ``datasets`` still hold (after dropping undecodable images)."""
-        kept = _text_ids(datasets, self.has_dropped_caption)
+        kept = _text_ids(datasets, self.has_dropped_caption, self.prompt_sees_source)
         return {caption: key for caption, key in self.texts.items() if caption in kept}
 
 
@@ -160,28 +166,30 @@ def cache_keys(
         }
     text_identity = spec.text_encoder_identity()
     has_dropped = config.caption_dropout_probability > 0
+    sees_source = spec.prompt_sees_source
     texts: dict[TextId, str] = {}
-    for item in sorted(_text_ids(datasets, has_dropped), key=_id_order):
+    for item in sorted(_text_ids(datasets, has_dropped, sees_source), key=_id_order):
         if isinstance(item, str):
             texts[item] = caption_text_key(item, text_identity, text_dtype)
         else:
             view = source_view(sources[item.sample_key][1])
             texts[item] = caption_text_key(item.caption, text_identity, text_dtype, image=view)
-    return CacheKeys(latent_keys, texts, sources, static_version(config), has_dropped)
+    return CacheKeys(latent_keys, texts, sources, static_version(config), has_dropped, sees_source)
 
 
-def _text_ids(datasets: Iterable[Any], has_dropped: bool) -> set[TextId]:
-    """The text ids the samples of ``datasets`` train with (and the dropped caption's, with dropout)."""
+def _text_ids(datasets: Iterable[Any], has_dropped: bool, sees_source: bool = True) -> set[TextId]:
+    """The text ids the samples of ``datasets`` train with (and the dropped caption's, with dropout);
+    ``sees_source`` as :func:`text_id`'s ``prompt_sees_source``."""
     ids: set[TextId] = set()
     paired_only = True
     for ds in datasets:
         for sample in ds.samples:
-            ids.add(text_id(sample))
+            ids.add(text_id(sample, None, sees_source))
             for line in sample.caption_lines[1:]:  # a caption file's other lines: one draw each
-                ids.add(text_id(sample, line))
-            paired_only = paired_only and isinstance(text_id(sample), PairedCaption)
+                ids.add(text_id(sample, line, sees_source))
+            paired_only = paired_only and isinstance(text_id(sample, None, sees_source), PairedCaption)
             if has_dropped:
-                ids.add(text_id(sample, DROPPED_CAPTION))
+                ids.add(text_id(sample, DROPPED_CAPTION, sees_source))
     if has_dropped and not (ids and paired_only):
         ids.add(DROPPED_CAPTION)  # the empty caption alone (an edit model embeds no caption without its source)
     return ids

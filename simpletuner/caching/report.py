@@ -184,7 +184,7 @@ def note_unreadable(
     users: dict[Any, set[str]] = {}  # text id -> the samples that train with it
     for _, sample in keys.sources.values():
         for caption in [None, *sample.caption_lines[1:], DROPPED_CAPTION]:
-            users.setdefault(text_id(sample, caption), set()).add(sample.key)
+            users.setdefault(text_id(sample, caption, keys.prompt_sees_source), set()).add(sample.key)
     present = set(text_store.keys())
     for item, key in keys.texts.items():
         if key not in present and key in needed[-1] and item in users and users[item] <= bad_samples:

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sd",
         choices=list(TINY_MODELS),
         help="the model family (model_family in a config), or a variant: wan22 (Wan 2.2's two experts), "
-        "wan22_i2v, wan22_ti2v, qwen_image_edit (default: sd)",
+        "wan22_i2v, wan22_ti2v, qwen_image_edit, flux_kontext (default: sd)",
     )
     parser.add_argument(
         "--out", required=True, metavar="DIR", help="the folder to write (pretrained_model_name_or_path)"

@@ -51,7 +51,8 @@ class MetadataFileOptions(_Strict):
         default=None,
         min_length=1,
         description=(
-            "Edit models (Qwen-Image-Edit): column naming each row's source image, a path with its extension "
+            "Edit models (Qwen-Image-Edit, Flux Kontext): column naming each row's source image, a path with its "
+            "extension "
             "relative to the dataset's `conditioning_data_dir` (its `instance_data_dir` when that is unset), or "
             "absolute."
         ),
@@ -317,7 +318,8 @@ class FolderDatasetConfig(_Strict):
     conditioning_data_dir: Optional[PathText] = Field(
         default=None,
         description=(
-            "Edit models (Qwen-Image-Edit): folder of source (conditioning) images, one per image of "
+            "Edit models (Qwen-Image-Edit, Flux Kontext): folder of source (conditioning, reference) images, one per "
+            "image of "
             "`instance_data_dir` at the same relative path and file name (the extension may differ); the caption "
             "is the edit instruction."
         ),

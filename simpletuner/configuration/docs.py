@@ -39,7 +39,14 @@ from simpletuner.configuration.schema import (
     LocalDatasetConfig,
     TrainingConfig,
 )
-from simpletuner.configuration.sections import Augmentations, LycorisModuleOptions, LycorisOptions, LycorisPreset
+from simpletuner.configuration.sections import (
+    Augmentations,
+    LycorisModuleOptions,
+    LycorisOptions,
+    LycorisPreset,
+    TreadConfig,
+    TreadRoute,
+)
 from simpletuner.configuration.simpletuner import facts
 from simpletuner.configuration.simpletuner.translate import DIALECT
 
@@ -199,6 +206,8 @@ _MODELS: tuple[type[BaseModel], ...] = (
     LycorisOptions,
     LycorisPreset,
     LycorisModuleOptions,
+    TreadConfig,
+    TreadRoute,
     LocalDatasetConfig,
     InMemoryDatasetConfig,
     InMemoryOptions,

@@ -96,8 +96,8 @@ FAMILIES: dict[str, Family] = {
         ),
         Family(
             "flux",
-            "Flux.1 transformer, guidance embedding and packed latents: CLIP-L pooled + T5",
-            pipeline_classes=("FluxPipeline",),
+            "Flux.1 transformer (and Flux.1 Kontext), guidance embedding and packed latents: CLIP-L pooled + T5",
+            pipeline_classes=("FluxPipeline", "FluxKontextPipeline"),
             simpletuner_names=("flux",),
             flow_matching=True,
             video=False,

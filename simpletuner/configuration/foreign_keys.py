@@ -153,7 +153,6 @@ FOREIGN_KEYS: tuple[ForeignKey, ...] = (
     _kohya("max_train_epochs", "num_train_epochs", "same"),
     _kohya("optimizer_type", "optimizer", "approximated", "see `optimizer` for the choices (no 8-bit optimizers)"),
     _kohya("unet_lr", "learning_rate", "approximated", "only the denoiser trains, at `learning_rate`"),
-    _kohya("text_encoder_lr", None, "unsupported", "text encoders stay frozen (their outputs are cached)"),
     _kohya("min_snr_gamma", "snr_gamma", "approximated", 'also set `loss_weighting: "min_snr"`'),
     _kohya("caption_dropout_rate", "caption_dropout_probability", "same"),
     _kohya("sample_every_n_steps", "validation_steps", "approximated", "with `validation_prompt`"),

@@ -175,7 +175,7 @@ def _optimizer_config_fits(cfg) -> Iterator[str]:
 def _prodigy_learning_rate(cfg) -> Iterator[str]:
     if cfg.optimizer != "prodigy":
         return
-    for key in ("learning_rate", "high_noise_learning_rate", "low_noise_learning_rate"):
+    for key in ("learning_rate", "high_noise_learning_rate", "low_noise_learning_rate", "text_encoder_lr"):
         yield from prodigy_learning_rate_problems({key: getattr(cfg, key)})
 
 
@@ -202,6 +202,54 @@ def _ti2v_needs_wan(cfg) -> Iterator[str]:
         yield (
             f"ti2v_first_frame trains Wan 2.2 TI2V-5B's image-to-video mode, but model_family is "
             f"{cfg.model_family!r}: remove ti2v_first_frame, or use model_family 'wan' with a TI2V-5B folder"
+        )
+
+
+#: The families whose denoiser is a transformer TREAD routes (models/tread.py: LAYOUTS).
+TREAD_FAMILIES = ("sd3", "flux", "wan", "qwen_image")
+
+
+def _tread_needs_transformer(cfg) -> Iterator[str]:
+    if cfg.tread_config is not None and cfg.model_family not in TREAD_FAMILIES:
+        yield (
+            f"tread_config routes the tokens of a transformer's blocks, but model_family {cfg.model_family!r} is a "
+            f"UNet: remove tread_config (TREAD trains {', '.join(TREAD_FAMILIES)})"
+        )
+
+
+#: The families whose CLIP text encoders `train_text_encoder` trains a LoRA on (models/text_encoder_lora.py).
+TEXT_ENCODER_FAMILIES = ("sd", "sdxl")
+
+
+def _text_encoder_training_fits(cfg) -> Iterator[str]:
+    if cfg.text_encoder_lr is not None and not cfg.train_text_encoder:
+        yield (
+            "text_encoder_lr is the learning rate of the text encoders' LoRA, read only with train_text_encoder "
+            "true: remove it, or set train_text_encoder true"
+        )
+    if not cfg.train_text_encoder:
+        return
+    if cfg.model_family not in TEXT_ENCODER_FAMILIES:
+        yield (
+            f"train_text_encoder trains a LoRA on the CLIP text encoders of the UNet families "
+            f"({', '.join(TEXT_ENCODER_FAMILIES)}), but model_family {cfg.model_family!r}'s text encoders are not "
+            "trained here (their outputs are cached): remove train_text_encoder"
+        )
+    elif cfg.training_type != "lora":
+        yield (
+            "train_text_encoder adds a LoRA to the text encoders beside the UNet's; a full fine-tune of them is not "
+            "supported: use training_type 'lora', or remove train_text_encoder"
+        )
+    elif cfg.lora_type != "standard":
+        yield (
+            "train_text_encoder trains a peft LoRA on the text encoders, which LyCORIS runs do not combine with (as "
+            "in SimpleTuner): use lora_type 'standard', or remove train_text_encoder"
+        )
+    rate = cfg.text_encoder_lr
+    if cfg.optimizer == "automagic" and rate is not None and not cfg.min_lr <= rate <= cfg.max_lr:
+        yield (
+            f"text_encoder_lr {rate} is outside [min_lr {cfg.min_lr}, max_lr {cfg.max_lr}]: with optimizer "
+            "automagic it is each text-encoder element's starting learning rate"
         )
 
 
@@ -613,6 +661,8 @@ TRAINING_RULES: tuple[Rule, ...] = (
     schedule_problems,
     _stages_need_experts,
     _ti2v_needs_wan,
+    _tread_needs_transformer,
+    _text_encoder_training_fits,
     _full_not_quantised,
     _lycoris_merge_needs_plain_base,
     _video_needs_video_family,

@@ -35,6 +35,7 @@ from simpletuner.configuration.sections import (
     GH200Optimizations,
     LycorisOptions,
     PathText,
+    TreadConfig,
     _Strict,
 )
 
@@ -519,6 +520,15 @@ class TrainingConfig(_Strict):
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in the backward pass: less memory, ~30% more compute."
     )
+    tread_config: Optional[TreadConfig] = Field(
+        default=None,
+        description=(
+            'TREAD token routing (sd3, flux, wan, qwen_image): `{"routes": [{"selection_ratio": 0.5, '
+            '"start_layer_idx": 2, "end_layer_idx": -2}]}` lets half of each sample\'s image tokens skip blocks '
+            "2 to the one before last while training (less compute and activation memory in those blocks). See the "
+            'table below and MODEL_FAMILIES.md, "TREAD token routing".'
+        ),
+    )
     caption_dropout_probability: float = Field(
         default=0.0,
         ge=0,
@@ -561,6 +571,27 @@ class TrainingConfig(_Strict):
     )
     lora_target_modules: Optional[list[str]] = Field(
         default=None, description="Module names to adapt; default: the family's attention projections."
+    )
+    train_text_encoder: bool = Field(
+        default=False,
+        description=(
+            "sd / sdxl with a peft LoRA: also train a LoRA on the CLIP text encoders (sdxl: both) on their attention "
+            "projections (`q_proj`, `k_proj`, `v_proj`, `out_proj`; not in the last layer of sdxl's first encoder, "
+            "whose output SDXL never reads), with the UNet adapter's `lora_rank`, "
+            "`lora_alpha`, `lora_dropout` and DoRA setting, at `text_encoder_lr`. Their embeddings change every "
+            "step, so each step encodes its captions (the text cache keeps their token ids only; said at start). "
+            "The adapter file holds the encoders' LoRA under `text_encoder.` / `text_encoder_2.`, which the "
+            "pipeline's `load_lora_weights` loads with the UNet's."
+        ),
+    )
+    text_encoder_lr: Optional[float] = Field(
+        default=None,
+        gt=0,
+        le=MAX_LEARNING_RATE,
+        description=(
+            "The learning rate of the text encoders' LoRA (`train_text_encoder`), an optimizer group of its own "
+            "under the same schedule; unset: `learning_rate`."
+        ),
     )
     output_formats: list[OutputFormat] = Field(
         default=["diffusers"],
@@ -654,7 +685,8 @@ class TrainingConfig(_Strict):
     validation_image: Optional[Union[list[PathText], PathText]] = Field(
         default=None,
         description=(
-            "The image an image-conditioned family renders from (Qwen-Image-Edit: the source to edit; Wan 2.2 I2V "
+            "The image an image-conditioned family renders from (Qwen-Image-Edit: the source to edit; Flux Kontext: "
+            "the reference, scaled to each validation size's area; Wan 2.2 I2V "
             "/ TI2V with `ti2v_first_frame`: the first frame): one file for every validation prompt, or a list "
             "with one per prompt."
         ),

@@ -1,5 +1,5 @@
-"""The nested parts of the training configuration: datasets, caches, GH200 options, augmentations
-and LyCORIS options, and what every config model shares (``_Strict``, the checked path types).
+"""The nested parts of the training configuration: datasets, caches, GH200 options, augmentations,
+LyCORIS options and TREAD routes, and what every config model shares (``_Strict``, the checked path types).
 ``schema.py`` holds the top-level ``TrainingConfig`` built from them.
 """
 
@@ -333,4 +333,40 @@ class LycorisOptions(_Strict):
         default=None,
         gt=0,
         description="Alpha of Conv layers with a kernel larger than 1x1 (LyCORIS' `conv_alpha`; default `lora_alpha`).",
+    )
+
+
+class TreadRoute(_Strict):
+    """One TREAD route: the blocks from `start_layer_idx` to `end_layer_idx` (both included) see only the tokens
+    each sample keeps."""
+
+    selection_ratio: float = Field(
+        ge=0,
+        lt=1,
+        description=(
+            "The share of each sample's image tokens that skip the route's blocks (0.5: half of them go around); "
+            "drawn at random per sample and step. 0 routes nothing."
+        ),
+    )
+    start_layer_idx: int = Field(
+        description=(
+            "The first block of the route, 0-based over the transformer's blocks (Flux: the double-stream blocks, "
+            "then the single-stream ones); negative counts from the end (-1: the last block)."
+        )
+    )
+    end_layer_idx: int = Field(
+        description="The last block of the route (included); negative counts from the end (-2: the one before last)."
+    )
+
+
+class TreadConfig(_Strict):
+    """TREAD token routing (sd3, flux, wan, qwen_image; SimpleTuner's `tread_config`): while training, a random share
+    of each sample's image tokens skips a range of transformer blocks and rejoins the sequence after it unchanged, so
+    those blocks compute on fewer tokens. Validation and eval see every token; the loss covers every token."""
+
+    routes: list[TreadRoute] = Field(
+        description=(
+            "The routes, in block order, none overlapping another (checked against the transformer's blocks when "
+            "the model folder is read); an empty list routes nothing."
+        )
     )

@@ -218,12 +218,15 @@ class _ModelInputs(Protocol):
     def conditions_on_image(self) -> bool: ...
     @property
     def takes_validation_image(self) -> bool: ...
+    @property
+    def prompt_sees_source(self) -> bool: ...
 
 
 def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
     """Refuse, before any dataset is scanned, a config whose data does not fit what ``spec``'s model takes:
     an edit model (``spec.conditions_on_image``) needs every trained dataset to name source images and cannot
-    augment them (the source enters the cached prompt embedding); any other model refuses source images; a
+    augment them (the source is cached with its image, and in the prompt embedding where the prompt sees it); any
+    other model refuses source images; a
     model that renders from no image refuses ``validation_image``.
 
     Raises:
@@ -243,9 +246,10 @@ def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
                 "`conditioning_column` in its caption table"
             )
         if config.augmentations.is_enabled:
+            where = "with the latents and the prompt embedding" if spec.prompt_sees_source else "with the latents"
             problems.append(
-                "augmentations are not supported with an edit model: the source image enters the prompt embedding, "
-                "which is cached once per pair. Turn augmentations off"
+                f"augmentations are not supported with an edit model: the source image is cached {where} of each "
+                "pair, unaugmented. Turn augmentations off"
             )
     else:
         paired = [ds.id for ds in trained if has_sources(ds)]
@@ -254,7 +258,7 @@ def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
                 f"dataset(s) {', '.join(map(repr, paired))} name source images (conditioning_data_dir / "
                 f"conditioning_column), but model family {spec.family!r} at {config.pretrained_model_name_or_path} "
                 "is not an edit model and would not use them. Remove the key, or point pretrained_model_name_or_path "
-                "at an edit model's folder (a QwenImageEditPipeline)"
+                "at an edit model's folder (a QwenImageEditPipeline or a FluxKontextPipeline)"
             )
     if config.validation_image is not None and not spec.takes_validation_image:
         problems.append(

@@ -109,7 +109,8 @@ def _meta_module_bytes(root: Path, subfolder: str | None, library: Any, class_na
 
 def validation_model_bytes(config: "TrainingConfig") -> int | None:
     """The VAE (fp32) and text encoder (autocast dtype) the trainer keeps on the GPU for validation
-    images; 0 without validation prompts (they are released after caching), None when unknown."""
+    images; 0 without validation prompts (they are released after caching), None when unknown. With
+    ``train_text_encoder`` validation samples with the encoders being trained, counted in the model's weights."""
     import torch
 
     from simpletuner.models.spec import vae_location
@@ -118,5 +119,6 @@ def validation_model_bytes(config: "TrainingConfig") -> int | None:
         return 0
     root = Path(config.pretrained_model_name_or_path).expanduser()
     dtype = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[config.mixed_precision]
-    vae, text = vae_bytes(vae_location(config), torch.float32), component_bytes(root, "text_encoder", dtype)
+    vae = vae_bytes(vae_location(config), torch.float32)
+    text = 0 if config.train_text_encoder else component_bytes(root, "text_encoder", dtype)
     return None if vae is None or text is None else vae + text

@@ -75,10 +75,16 @@ def cache_bytes(
             sum(per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area for s in unique)
         )
     if cache.text_cache_type in _IN_RAM:
-        # an edit pair's caption is embedded with its source: one entry per pair (``caching.keys.text_id``)
-        # every line of a multi-line caption file is encoded (data_backend/captions.py)
-        captions = {c if s.source is None else (c, s.key) for s in unique for c in s.captions}
-        per_caption = sum(_numel(shape[1:]) for shape in conds.values()) * text_dtype.itemsize
+        # an edit pair's caption is embedded with its source where the prompt sees it (Qwen-Image-Edit): one entry
+        # per pair (``caching.keys.text_id``); every line of a multi-line caption file is encoded (captions.py)
+        per_pair = spec.prompt_sees_source
+        captions = {c if s.source is None or not per_pair else (c, s.key) for s in unique for c in s.captions}
+        from simpletuner.models.text_encoder_lora import is_token_ids  # train_text_encoder: int64 token ids
+
+        per_caption = sum(
+            _numel(shape[1:]) * (torch.int64.itemsize if is_token_ids(name) else text_dtype.itemsize)
+            for name, shape in conds.items()
+        )
         out[f"text-embedding cache ({cache.text_cache_type}, {len(captions)} captions)"] = per_caption * len(captions)
     return out
 

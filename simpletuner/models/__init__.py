@@ -17,6 +17,7 @@ quiet_model_libraries()  # before any model library loads: no torchao unless a c
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
     from simpletuner.models.flux import FluxSpec
+    from simpletuner.models.flux_kontext import FluxKontextSpec
     from simpletuner.models.qwen_image import QwenImageSpec
     from simpletuner.models.qwen_image_edit import QwenImageEditSpec
     from simpletuner.models.sd import StableDiffusionSpec
@@ -35,6 +36,7 @@ _SPEC_CLASSES: dict[str, str] = {
     "StableDiffusionXLSpec": "simpletuner.models.sdxl:StableDiffusionXLSpec",
     "StableDiffusion3Spec": "simpletuner.models.sd3:StableDiffusion3Spec",
     "FluxSpec": "simpletuner.models.flux:FluxSpec",
+    "FluxKontextSpec": "simpletuner.models.flux_kontext:FluxKontextSpec",
     "WanSpec": "simpletuner.models.wan:WanSpec",
     "Wan22Spec": "simpletuner.models.wan22:Wan22Spec",
     "Wan22I2VSpec": "simpletuner.models.wan22_i2v:Wan22I2VSpec",
@@ -145,10 +147,22 @@ def _qwen_image_variant(config: "TrainingConfig") -> type[ModelSpec]:
     return _spec_class("QwenImageEditSpec" if name == "QwenImageEditPipeline" else "QwenImageSpec")
 
 
+def _flux_variant(config: "TrainingConfig") -> type[ModelSpec]:
+    """From the folder's ``model_index.json``: Flux.1 Kontext (``FluxKontextPipeline``), else Flux.1."""
+    from pathlib import Path
+
+    from simpletuner.models.spec import read_model_index
+
+    root = Path(config.pretrained_model_name_or_path).expanduser()
+    name = ((read_model_index(root) if root.is_dir() else None) or {}).get("_class_name")
+    return _spec_class("FluxKontextSpec" if name == "FluxKontextPipeline" else "FluxSpec")
+
+
 #: Families with variants: family name -> the function choosing the class for a config's folder.
 FAMILY_VARIANTS: dict[str, Callable[["TrainingConfig"], type[ModelSpec]]] = {
     "wan": _wan_variant,
     "qwen_image": _qwen_image_variant,
+    "flux": _flux_variant,
 }
 
 
@@ -164,6 +178,7 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
 
 __all__ = [
     "MODEL_FAMILIES",
+    "FluxKontextSpec",
     "FluxSpec",
     "ModelSpec",
     "QwenImageEditSpec",

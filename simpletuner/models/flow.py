@@ -13,13 +13,14 @@ needed, how its latents are laid out for it (flux packs 2x2 patches) and how sig
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Callable
 
 import torch
 from torch import nn
 
 from simpletuner.data_backend.masks import MASK_KEY
-from simpletuner.models import losses
+from simpletuner.models import losses, tread
 from simpletuner.models import noise as noise_lib
 from simpletuner.models.sd import StableDiffusionSpec
 
@@ -84,7 +85,9 @@ class FlowMatchingSpec(StableDiffusionSpec):
         A regularisation batch of an adapter run (``is_regularisation_data``) trains towards
         ``predict`` with ``denoiser``'s adapters off (the base model), on the same noisy input. ``loss_mask``
         (``[B, 1, h, w]``, the batch's :data:`~simpletuner.data_backend.masks.MASK_KEY`) weights each latent pixel's
-        loss (:func:`~simpletuner.models.losses.mask_weights`), laid out as the latents."""
+        loss (:func:`~simpletuner.models.losses.mask_weights`), laid out as the latents. With ``tread_config`` the
+        prediction routes tokens (:mod:`~simpletuner.models.tread`): its draws come from ``generator`` after the
+        sigmas, and :meth:`kept_tokens` are never routed."""
         cfg = self.config
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents.device)
         sigmas = (sample_sigmas or self.sample_sigmas)(latents.shape[0], generator)
@@ -100,12 +103,27 @@ class FlowMatchingSpec(StableDiffusionSpec):
             if denoiser is None:
                 raise ValueError(f"{type(self).__name__}.flow_loss needs `denoiser` for a regularisation batch")
             target = losses.parent_prediction(denoiser, lambda: predict(noisy, sigmas))
-        pred = predict(noisy, sigmas)
+        with self.token_routing(denoiser, generator, self.kept_tokens(latents, loss_mask)):
+            pred = predict(noisy, sigmas)
         huber_c = losses.flow_huber_c(sigmas, cfg.huber_schedule, cfg.huber_c) if cfg.loss_type != "l2" else None
         loss = losses.per_sample_loss(pred, target, cfg.loss_type, huber_c, weight)
         if cfg.loss_weighting in ("sigma_sqrt", "cosmap", "sigma_squared"):
             loss = loss * noise_lib.flow_weights(sigmas, cfg.loss_weighting).to(loss.device)
         return loss
+
+    def kept_tokens(self, latents: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, S]`` (bool) the tokens TREAD never routes, over the first ``S`` tokens of the sequence: those a loss
+        mask covers (:func:`~simpletuner.models.tread.token_mask`); None: any."""
+        return tread.token_mask(loss_mask, self.latent_patch) if self.config.tread_config is not None else None
+
+    def token_routing(
+        self, denoiser: nn.Module | None, generator: torch.Generator, kept_tokens: torch.Tensor | None
+    ) -> AbstractContextManager[None]:
+        """Where ``denoiser``'s TREAD routing draws for one prediction and which tokens it keeps
+        (:func:`~simpletuner.models.tread.routing_draws`); nothing without ``tread_config``."""
+        if self.config.tread_config is None or denoiser is None:
+            return nullcontext()
+        return tread.routing_draws(denoiser, generator, kept_tokens)
 
     def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
         """Per-sample flow-matching loss (:meth:`flow_loss`) with the family's :meth:`predict`."""

@@ -16,6 +16,7 @@ import torch
 
 from simpletuner.caching.fingerprint import fingerprint
 from simpletuner.configuration import TrainingConfig
+from simpletuner.models.edit_pairs import PairedLatents
 from simpletuner.models.packed import pack_latents
 from simpletuner.models.qwen_image import QWEN_MAX_LENGTH, QwenImageSpec, _validation_pipeline_class
 from simpletuner.models.spec import save_transformer_lora
@@ -121,10 +122,12 @@ def _edit_validation_pipeline_class():
     return QwenImageEditValidationPipeline
 
 
-class QwenImageEditSpec(QwenImageSpec):
-    """Qwen-Image-Edit: edit pairs (target, source, instruction); see the module docstring."""
+class QwenImageEditSpec(PairedLatents, QwenImageSpec):
+    """Qwen-Image-Edit: edit pairs (target, source, instruction); see the module docstring. Latents are encoded
+    and split as :class:`~simpletuner.models.edit_pairs.PairedLatents` says (each half as the pipeline's
+    ``_encode_vae_image``: :meth:`QwenImageSpec.encode_images`)."""
 
-    conditions_on_image = True
+    edit_model_name = "Qwen-Image-Edit"
     components = {
         **QwenImageSpec.components,
         "processor": ("processor", "transformers", frozenset({PROCESSOR_CLASS})),
@@ -177,18 +180,6 @@ class QwenImageEditSpec(QwenImageSpec):
 
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_images(self, vae, pixels):
-        """``[B, 6, H, W]`` (target, then source, in [-1, 1]) -> ``[B, 2C, h, w]``: each half encoded as
-        the pipeline's ``_encode_vae_image`` (:meth:`QwenImageSpec.encode_images`), target first."""
-        if pixels.ndim != 4 or pixels.shape[1] != 6:
-            raise ValueError(
-                f"Qwen-Image-Edit encodes image pairs [B, 6, H, W] (target, then source), got {tuple(pixels.shape)}: "
-                "the dataset has no source images. Give each dataset its sources (`conditioning_data_dir` or a "
-                "`conditioning_column`)"
-            )
-        return torch.cat([super().encode_images(vae, pixels[:, :3]), super().encode_images(vae, pixels[:, 3:])], dim=1)
-
-    @torch.no_grad()
     def encode_prompts(self, text_encoders, captions, images=None):
         """One entry per caption, as ``QwenImageEditPipeline._get_qwen_prompt_embeds`` with its source
         image (``images``: one PIL RGB image per caption), padded to :func:`edit_prompt_length` of its
@@ -231,20 +222,10 @@ class QwenImageEditSpec(QwenImageSpec):
         return out
 
     # --- training ------------------------------------------------------------------------
-    def split_latents(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached ``[B, 2C, h, w]`` -> (target latents, source latents)."""
-        channels = 2 * self.z_dim
-        if latents.ndim != 4 or latents.shape[1] != channels:
-            raise ValueError(
-                f"Qwen-Image-Edit latents are [B, {channels}, h, w] (target and source), got {tuple(latents.shape)}: "
-                "the latent cache was written for another model; clear cache_dir_vae and cache again"
-            )
-        return latents[:, : channels // 2], latents[:, channels // 2 :]
-
     def training_loss(self, denoiser, latents, conditioning, generator, is_regularisation_data=False):
         """Qwen-Image's packed flow loss on the target latents; the transformer also sees the source
         latents, never noised (:meth:`predict`)."""
-        target, source = self.split_latents(latents)
+        target, source = self.split_pair(latents, self.z_dim)
         return super().training_loss(
             denoiser,
             target,
@@ -276,11 +257,6 @@ class QwenImageEditSpec(QwenImageSpec):
         return out[:, : noisy.shape[1]]
 
     # --- memory estimate -----------------------------------------------------------------
-    def latent_shape(self, batch_size: int) -> tuple[int, ...]:
-        """As cached: target and source latents (twice the VAE's channels)."""
-        b, c, h, w = super().latent_shape(batch_size)
-        return (b, 2 * c, h, w)
-
     def batch_shapes(self, batch_size):
         """The prompt at :func:`edit_prompt_length` for a ``resolution``-square source (its image tokens
         through the folder's processor settings): the most a caption takes at that size."""

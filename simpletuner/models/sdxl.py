@@ -1,7 +1,8 @@
 """Stable Diffusion XL: a ``text_time`` UNet2DConditionModel, AutoencoderKL, and two CLIP text encoders
 (CLIPTextModel + CLIPTextModelWithProjection).
 
-Conditioning is ``StableDiffusionXLPipeline.encode_prompt``'s (no clip skip), cached per caption. The six
+Conditioning is ``StableDiffusionXLPipeline.encode_prompt``'s (no clip skip), cached per caption (with
+``train_text_encoder`` its token ids are cached and each step embeds them: :mod:`.text_encoder_lora`). The six
 micro-conditioning time ids are made per image at training time, as diffusers'
 ``train_text_to_image_lora_sdxl.py`` makes them, from the size and crop cached with each latent
 (:mod:`simpletuner.caching.size_crop`); :meth:`time_ids` gives the pipeline's defaults to a batch without
@@ -11,13 +12,14 @@ them. Sources and where SimpleTuner differs: documentation/MODEL_FAMILIES.md, "S
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from simpletuner.caching.size_crop import SIZE_CROP
 from simpletuner.configuration import TrainingConfig
 from simpletuner.models.sd import StableDiffusionSpec
+from simpletuner.models.text_encoder_lora import token_ids_key
 
 
 class StableDiffusionXLSpec(StableDiffusionSpec):
@@ -38,29 +40,18 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         "tokenizer_2": ("tokenizer", "transformers", _tokenizers),
         "scheduler": ("scheduler", "diffusers", re.compile(r"[A-Z][A-Za-z0-9]*Scheduler")),
     }
+    text_encoder_classes: ClassVar[dict[str, str]] = {
+        "text_encoder": "CLIPTextModel",
+        "text_encoder_2": "CLIPTextModelWithProjection",
+    }
+    #: The first encoder's penultimate hidden state is its whole part (the second's pooled output reads its last).
+    unread_last_layer: ClassVar[frozenset[str]] = frozenset({"text_encoder"})
 
     def __init__(self, config: TrainingConfig):
         super().__init__(config)
         self._vae_scale_factor: int | None = None
 
     # --- loading -------------------------------------------------------------------------
-    def load_text_encoders(self, device, dtype):
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-        out: dict[str, Any] = {}
-        for suffix, encoder_class in (("", CLIPTextModel), ("_2", CLIPTextModelWithProjection)):
-            out["tokenizer" + suffix] = CLIPTokenizer.from_pretrained(
-                self.model_path, subfolder="tokenizer" + suffix, **self._kwargs()
-            )
-            encoder = encoder_class.from_pretrained(
-                self.model_path, subfolder="text_encoder" + suffix, dtype=dtype, use_safetensors=True, **self._kwargs()
-            )
-            out["text_encoder" + suffix] = encoder.to(device=device).requires_grad_(False).eval()
-        return out
-
-    def text_encoder_identity(self) -> str:
-        return self._identity("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
-
     @property
     def vae_scale_factor(self) -> int:
         """Pixels per latent along a side: 2 ** (number of VAE blocks - 1), from the VAE's config only."""
@@ -72,23 +63,17 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
         return self._vae_scale_factor
 
     # --- encoding ------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_prompts(self, text_encoders, captions):
+    def embed(self, encoders: Mapping[str, Any], ids: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``encode_prompt``'s conditioning (no clip skip): both encoders' penultimate hidden states, concatenated,
+        and the second's pooled projection."""
         hidden, pooled = [], None
-        for suffix in ("", "_2"):
-            tokenizer, encoder = text_encoders["tokenizer" + suffix], text_encoders["text_encoder" + suffix]
-            ids = tokenizer(
-                captions,
-                padding="max_length",
-                max_length=tokenizer.model_max_length,
-                truncation=True,
-                return_tensors="pt",
-            ).input_ids.to(encoder.device)
-            out = encoder(ids, output_hidden_states=True)
+        for name in self.text_encoder_classes:
+            encoder = encoders[name]
+            out = encoder(ids[token_ids_key(name)].to(encoder.device), output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
-            pooled = out.text_embeds if suffix == "_2" else pooled
-        embeds = torch.cat(hidden, dim=-1)
-        return [{"prompt_embeds": e, "pooled_prompt_embeds": p} for e, p in zip(embeds, pooled)]
+            pooled = out.text_embeds if name == "text_encoder_2" else pooled
+        assert pooled is not None  # text_encoder_2 is one of text_encoder_classes
+        return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
 
     # --- training ------------------------------------------------------------------------
     def time_ids(self, latents: torch.Tensor, size_crop: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,10 +90,10 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
             ids[:, :4] = size_crop
         return ids
 
-    def predict(self, denoiser, noisy, timesteps, conditioning):
+    def unet_predict(self, unet, noisy, timesteps, conditioning):
         time_ids = self.time_ids(noisy, conditioning.get(SIZE_CROP))
         added = {"text_embeds": conditioning["pooled_prompt_embeds"], "time_ids": time_ids}
-        return denoiser(noisy, timesteps, conditioning["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
+        return unet(noisy, timesteps, conditioning["prompt_embeds"], added_cond_kwargs=added, return_dict=False)[0]
 
     # --- memory estimate -----------------------------------------------------------------
     def batch_shapes(self, batch_size):
@@ -118,6 +103,8 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
             raise ValueError(
                 f"{self.model_path}: the two tokenizers pad to different lengths; SDXL concatenates their outputs"
             )
+        if self.config.train_text_encoder:
+            return self.latent_shape(batch_size), self._token_id_shapes(batch_size)
         return self.latent_shape(batch_size), {
             "prompt_embeds": (batch_size, max_length, text_1["hidden_size"] + text_2["hidden_size"]),
             "pooled_prompt_embeds": (batch_size, text_2["projection_dim"]),
@@ -132,6 +119,7 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
     def build_pipeline(self, denoiser, vae, text_encoders):
         from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
+        unet, text_encoders = self.pipeline_parts(denoiser, text_encoders)
         scheduler = EulerDiscreteScheduler.from_config(
             self.load_noise_scheduler().config, **self.sampling_scheduler_options()
         )
@@ -141,7 +129,7 @@ class StableDiffusionXLSpec(StableDiffusionSpec):
             text_encoder_2=text_encoders["text_encoder_2"],
             tokenizer=text_encoders["tokenizer"],
             tokenizer_2=text_encoders["tokenizer_2"],
-            unet=denoiser,
+            unet=unet,
             scheduler=scheduler,
             add_watermarker=False,
         )

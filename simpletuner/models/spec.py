@@ -33,6 +33,7 @@ from simpletuner.configuration.loader import COMPONENT_CONFIG, component_subfold
 from simpletuner.configuration.rules import alignment_problem
 from simpletuner.diskspace import disk_full_guard, inject_fault, require_space
 from simpletuner.file_modes import ordinary_permissions
+from simpletuner.models import tread
 from simpletuner.models.adapters import prepare_for_training
 
 if TYPE_CHECKING:
@@ -232,12 +233,16 @@ class ModelSpec(abc.ABC):
         self.check_model_folder()
         self.check_alignment()
         self.check_positions()
+        self.check_token_routing()
 
     #: Whether training pairs each image with a source (conditioning) image (an edit model: datasets need
     #: ``conditioning_data_dir`` or a ``conditioning_column``). Such a family's ``encode_images`` takes
-    #: ``[B, 6, H, W]`` (image, then source) and its ``encode_prompts`` a ``images=`` list of the sources
-    #: (PIL, at the image's size): the prompt embedding depends on the caption and the source.
+    #: ``[B, 6, H, W]`` (image, then source) and, when :attr:`prompt_sees_source`, its ``encode_prompts`` a
+    #: ``images=`` list of the sources (PIL, at the image's size).
     conditions_on_image: ClassVar[bool] = False
+    #: For an edit model: whether the prompt embedding depends on the source too (Qwen-Image-Edit's text encoder
+    #: sees it: one cached embedding per pair), or on the caption alone (Flux Kontext: one per caption).
+    prompt_sees_source: ClassVar[bool] = True
 
     #: Whether the denoiser is conditioned on each image's original size and crop offset (SDXL's micro-
     #: conditioning): its latent entries then hold them too (caching/size_crop.py).
@@ -349,6 +354,25 @@ class ModelSpec(abc.ABC):
                     f"denoiser in {self.model_path} has positions for {most} ({key} in its config): use a resolution "
                     f"of at most {most * step}, or a model made for larger images"
                 )
+
+    def check_token_routing(self) -> None:
+        """Refuse, before anything loads, ``tread_config`` routes that do not fit the denoiser's blocks (counted from
+        its ``config.json``; a hub id's are checked when it loads: ``tread.install_token_routing``).
+
+        Raises:
+            ValueError: one line per route that does not fit, naming it and the fix.
+        """
+        if self.config.tread_config is None:
+            return
+        config = self._component_config(self.denoiser_name) or {}
+        layout = tread.LAYOUTS.get(config.get("_class_name", ""))
+        num_blocks = tread.num_blocks_in(config, layout) if layout is not None else None
+        if num_blocks is None:  # a hub id, or a class the folder check refuses
+            return
+        where = f"the {self.family} transformer in {self.model_path}"
+        problems = tread.route_problems(self.config.tread_config.routes, num_blocks, where)
+        if problems:
+            raise ValueError("\n".join(problems))
 
     # --- safe loading --------------------------------------------------------------------
     @property
@@ -656,25 +680,32 @@ class ModelSpec(abc.ABC):
         Raises:
             ValueError: one line per format, naming the modules and why.
         """
-        from diffusers.models.modeling_utils import ModelMixin
-
-        from simpletuner.models.adapters.export import ExportError, denoiser_config_of, export_state_dict, modules_of
+        from simpletuner.models.adapters.export import ExportError, denoiser_config_of, export_state_dict
 
         formats = [fmt for fmt in self.config.output_formats if fmt != "diffusers"]
         if not formats or self.config.training_type != "lora" or self.config.lora_type != "standard":
             return
-        # one model, or Wan 2.2's experts (each a model of its own, one adapter file each)
-        parts = [denoiser] if isinstance(denoiser, ModelMixin) else list(denoiser.children())
+        config = denoiser_config_of(getattr(denoiser, "config", None))
         problems = []
-        for part in parts:
-            modules = modules_of(part, self.denoiser_name, self.config.effective_lora_alpha)
+        for modules in self.export_modules(denoiser):
             for fmt in formats if modules else ():
                 try:
-                    export_state_dict(modules, self.family, fmt, denoiser_config_of(getattr(part, "config", None)))
+                    export_state_dict(modules, self.family, fmt, config)
                 except ExportError as exc:
                     problems.append(f"output_formats {fmt!r}: {exc}")
         if problems:
             raise ValueError("\n".join(dict.fromkeys(problems)))
+
+    def export_modules(self, denoiser: nn.Module) -> list[dict[str, Any]]:
+        """The peft LoRA modules of each adapter file the final save writes, named as in the file
+        (``<component>.<module path>``; :func:`~simpletuner.models.adapters.export.modules_of`): one file, or one per
+        Wan 2.2 expert (each a model of its own)."""
+        from diffusers.models.modeling_utils import ModelMixin
+
+        from simpletuner.models.adapters.export import modules_of
+
+        parts = [denoiser] if isinstance(denoiser, ModelMixin) else list(denoiser.children())
+        return [modules_of(part, self.denoiser_name, self.config.effective_lora_alpha) for part in parts]
 
     def write_exports(self, folder: Path, denoiser: nn.Module, formats: Sequence[str]) -> list[Path]:
         """Beside each diffusers-format adapter file in ``folder``, the same adapter under each of ``formats``' names

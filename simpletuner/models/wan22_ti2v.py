@@ -77,6 +77,14 @@ class Wan22TI2VSpec(WanSpec):
             loss_mask=conditioning.get(MASK_KEY),
         )
 
+    def kept_tokens(self, latents: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """With ``ti2v_first_frame``, TREAD never routes the clean first frame's tokens, as SimpleTuner
+        (wan/model.py:779, 926-932)."""
+        if self.config.tread_config is None or not self.first_frame or latents.shape[2] < 2:
+            return super().kept_tokens(latents, loss_mask)
+        _, th, tw = self._token_grid(latents)
+        return torch.ones(latents.shape[0], th * tw, dtype=torch.bool, device=latents.device)
+
     def build_pipeline(self, denoiser, vae, text_encoders):
         """``WanPipeline`` with ``expand_timesteps`` (text-to-video), or with ``ti2v_first_frame``
         ``WanImageToVideoPipeline`` with ``expand_timesteps`` from a mid-grey first frame."""

@@ -463,18 +463,12 @@ TINY_FLUX_T5_WIDTH = 48
 TINY_FLUX_LATENT_CHANNELS = 16
 
 
-def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = True) -> Path:
-    """Write a tiny Flux.1-style pipeline: a FluxTransformer2DModel (one double and one single
-    block, guidance embedding as Flux dev, 64 packed input channels), a 16-channel VAE with
-    Flux's shift and scaling factors, a CLIPTextModel, a T5 encoder and a
-    FlowMatchEulerDiscreteScheduler configured as Flux dev's (``dynamic_shift=False``: static shift 3.0).
-    """
-    _quiet_model_libraries()
+def _tiny_flux_parts(seed: int, dynamic_shift: bool) -> dict:
+    """The components of the tiny Flux.1 pipelines, built in this order from the global RNG (seeded here)."""
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
-    out = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     t5_config = _tiny_t5_config(tokenizer_2, TINY_FLUX_T5_WIDTH, d_kv=12, num_layers=1)
@@ -506,7 +500,7 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
         base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
+    return dict(
         transformer=transformer,
         scheduler=scheduler,
         vae=vae,
@@ -515,7 +509,27 @@ def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = Tr
         text_encoder_2=T5EncoderModel(t5_config),
         tokenizer_2=tokenizer_2,
     )
-    return _save(pipe, out, "flux")
+
+
+def write_tiny_flux(out_dir: str | Path, seed: int = 0, dynamic_shift: bool = True) -> Path:
+    """Write a tiny Flux.1-style pipeline: a FluxTransformer2DModel (one double and one single
+    block, guidance embedding as Flux dev, 64 packed input channels), a 16-channel VAE with
+    Flux's shift and scaling factors, a CLIPTextModel, a T5 encoder and a
+    FlowMatchEulerDiscreteScheduler configured as Flux dev's (``dynamic_shift=False``: static shift 3.0).
+    """
+    _quiet_model_libraries()
+    from diffusers import FluxPipeline
+
+    return _save(FluxPipeline(**_tiny_flux_parts(seed, dynamic_shift)), Path(out_dir), "flux")
+
+
+def write_tiny_flux_kontext(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny Flux.1 Kontext pipeline (``FluxKontextPipeline``): the parts of :func:`write_tiny_flux`
+    (FLUX.1-Kontext-dev has Flux dev's components, guidance embedding and scheduler)."""
+    _quiet_model_libraries()
+    from diffusers import FluxKontextPipeline
+
+    return _save(FluxKontextPipeline(**_tiny_flux_parts(seed, True)), Path(out_dir), "flux kontext")
 
 
 #: The Qwen-Image prompt template's system prefix; the tiny tokenizer learns merges of its words so that it
@@ -700,6 +714,7 @@ TINY_MODELS: dict[str, Callable[..., Path]] = {
     "sdxl": write_tiny_sdxl,
     "sd3": write_tiny_sd3,
     "flux": write_tiny_flux,
+    "flux_kontext": write_tiny_flux_kontext,
     "wan": write_tiny_wan,
     "wan22": write_tiny_wan22,
     "wan22_i2v": write_tiny_wan22_i2v,

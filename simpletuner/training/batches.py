@@ -118,7 +118,8 @@ class Batch:
 class CachedData:
     """Maps samples to cache keys and reads batches: latents from the VAE cache, or, with
     augmentations in ``refresh_each_epoch`` / ``disable_cache`` mode, re-encoded while training
-    (the VAE stays loaded: this object holds it). Text embeddings are always cached.
+    (the VAE stays loaded: this object holds it). Text embeddings are always cached (with ``train_text_encoder``
+    the captions' token ids, which the model embeds in each step: models/text_encoder_lora.py).
     ``caption_dropout``: the caption decisions of training batches (``iterate``), dropout and the line of a
     caption file of several lines; None: every sample trains with its own ``caption``. ``masked_loss``: which
     training batches of a ``segmentation`` dataset keep their masks (None: every one)."""
@@ -135,6 +136,7 @@ class CachedData:
         dataset_vae_caches: Mapping[str, TensorCache] | None = None,
         caption_dropout: CaptionDropout | None = None,
         masked_loss: MaskedLoss | None = None,
+        prompt_sees_source: bool = True,
     ):
         self.vae_cache = vae_cache  # the default latent folder's cache (or the only one in use)
         self.dataset_vae_caches = dict(dataset_vae_caches or {})  # dataset id -> its latents' cache
@@ -146,6 +148,7 @@ class CachedData:
         self._reencoder = reencoder
         self.caption_dropout = caption_dropout
         self.masked_loss = masked_loss
+        self.prompt_sees_source = prompt_sees_source  # as the text ids were made (``caching.keys.text_id``)
 
     @classmethod
     def of(
@@ -163,6 +166,7 @@ class CachedData:
             filled.dataset_vae_caches,
             caption_dropout,
             masked_loss,
+            filled.prompt_sees_source,
         )
 
     @property
@@ -194,7 +198,11 @@ class CachedData:
         (:data:`~simpletuner.data_backend.masks.MASK_KEY`) are left out: every latent pixel counts."""
         dropped, captions = draw
         ids = [
-            text_id(s, DROPPED_CAPTION if dropped and dropped[i] else captions[i] if captions else None)
+            text_id(
+                s,
+                DROPPED_CAPTION if dropped and dropped[i] else captions[i] if captions else None,
+                self.prompt_sees_source,
+            )
             for i, s in enumerate(samples)
         ]
         cond = self.text_cache.get_batch([self.text_keys[i] for i in ids])

@@ -269,6 +269,7 @@ def _training(config: TrainingConfig, facts: CardFacts) -> str:
     if config.base_model_precision != "no_change":
         lines.append(f"- Base model precision: {config.base_model_precision}")
     lines += _adapter_lines(config)
+    lines.append(_text_encoder_line(config))
     lines += [
         f"- Resolution: {config.resolution}",
         f"- Caption dropout: {config.caption_dropout_probability:g}",
@@ -301,6 +302,18 @@ def _adapter_lines(config: TrainingConfig) -> list[str]:
     if config.lora_dropout:
         lines.append(f"- Dropout: {config.lora_dropout:g}")
     return lines
+
+
+def _text_encoder_line(config: TrainingConfig) -> str:
+    """Whether the text encoders were trained (SimpleTuner's cards say it too): with ``train_text_encoder`` the
+    adapter file holds their LoRA, which the pipeline must load with the UNet's."""
+    if not config.train_text_encoder:
+        return "- Text encoders: not trained (the base model's are used as they are)"
+    rate = config.text_encoder_lr if config.text_encoder_lr is not None else config.learning_rate
+    return (
+        f"- Text encoders: trained, a LoRA on each at learning rate {rate:g}; the adapter file holds it beside the "
+        "UNet's and `load_lora_weights` loads both: without the trained text encoders, results differ"
+    )
 
 
 def _datasets(config: TrainingConfig) -> str:

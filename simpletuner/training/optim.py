@@ -11,6 +11,7 @@ import torch
 from simpletuner.configuration import TrainingConfig, schedules
 from simpletuner.configuration.optimizer_settings import SGD_DEFAULT_MOMENTUM
 from simpletuner.configuration.schedules import SIMPLETUNER_COSINE_DEFAULT_PERIOD
+from simpletuner.models.text_encoder_lora import TEXT_ENCODER_GROUP
 
 #: Per-stage config keys (``{group}_{key}``) -> the optimizer group key they set.
 _STAGE_KEYS = {"learning_rate": "lr", "lr_bump": "lr_bump", "min_lr": "min_lr", "max_lr": "max_lr"}
@@ -18,12 +19,13 @@ _STAGE_KEYS = {"learning_rate": "lr", "lr_bump": "lr_bump", "min_lr": "min_lr", 
 
 def stage_bounds(config: TrainingConfig) -> dict[str, Any]:
     """The config's learning-rate settings under the names Automagic's groups use: ``lr``,
-    ``lr_bump``, ``min_lr``, ``max_lr`` and their ``high_noise_*`` / ``low_noise_*`` overrides."""
+    ``lr_bump``, ``min_lr``, ``max_lr``, their ``high_noise_*`` / ``low_noise_*`` overrides and ``text_encoder_lr``."""
     bounds: dict[str, Any] = {}
     for key, group_key in _STAGE_KEYS.items():
         bounds[group_key] = getattr(config, key)
         for stage in ("high_noise", "low_noise"):
             bounds[f"{stage}_{group_key}"] = getattr(config, f"{stage}_{key}")
+    bounds[f"{TEXT_ENCODER_GROUP}_lr"] = config.text_encoder_lr  # train_text_encoder's group (unset: learning_rate)
     return bounds
 
 

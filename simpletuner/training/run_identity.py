@@ -27,8 +27,11 @@ def run_identity(config, spec, denoiser_config: str | None, hub_model: str | Non
     vae = hub_vae(spec)
     if vae is not None:
         hub["hub_vae"] = vae
+    # recorded only when on: checkpoints from before the key stay resumable
+    text_encoders = {"train_text_encoder": True} if config.train_text_encoder else {}
     return {
         **hub,
+        **text_encoders,
         "model_family": config.model_family,
         "training_type": config.training_type,
         "lora_rank": config.lora_rank if is_lora else None,

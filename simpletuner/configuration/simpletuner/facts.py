@@ -93,7 +93,6 @@ FLAVOUR_UNSUPPORTED = {
     "i2v-14b-2.1": "Wan 2.1 image-to-video (with its CLIP image encoder) is not supported (Wan 2.2 I2V A14B is)",
     "flf2v": "first-last-frame-to-video training is not supported",
     "vace": "Wan VACE training is not supported",
-    "kontext": "Flux Kontext (image editing) training is not supported",
     "refiner": "the SDXL refiner is not supported (it has one text encoder and an aesthetic-score input)",
     "animegen": "AnimeGen expert weights are downloaded from URLs, which this trainer does not do",
     "edit-v2": "Qwen-Image-Edit-2509 is an Edit Plus model (several source images per sample), which is not "
@@ -437,6 +436,15 @@ FLAVOUR_FORCED: dict[tuple[str, str], dict[str, tuple[str, Any, str]]] = {
     ("wan", "i2v-14b-2.2-low"): _WAN_A14B_I2V,
     ("wan", "ti2v-5b-2.2"): {"aspect_bucket_alignment": ("aspect_bucket_alignment", 64, "wan/model.py:1529-1535")},
     ("flux", "fluxbooru"): {"flux_guidance_value": ("flux_guidance_value", 3.5, "flux/model.py:1197-1199")},
+}
+
+
+#: What a flavour trained here does differently from SimpleTuner (its code at SIMPLETUNER_COMMIT): flavour -> why.
+FLAVOUR_APPROXIMATED = {
+    "kontext": "the reference tokens share the target's timestep, as FluxKontextPipeline (diffusers' and "
+    "SimpleTuner's own, flux/pipeline.py:2448) samples; SimpleTuner trains them at timestep 0 (tokenwise: "
+    "flux/model.py:602-618, 773-781) through its own transformer, whose text stream then takes the mean of the "
+    "tokens' embeddings (flux/transformer.py:1068-1080), which diffusers' FluxTransformer2DModel has no form of",
 }
 
 

@@ -4,6 +4,7 @@ written into the native config.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ from simpletuner.configuration.model_folder import looks_like_hub_id, normalise_
 from simpletuner.configuration.optimizer_settings import parse_optimizer_config
 from simpletuner.configuration.simpletuner.facts import (
     APPROXIMATED_PRECISIONS,
+    FLAVOUR_APPROXIMATED,
     FLAVOUR_UNSUPPORTED,
     FLAVOURS,
     LIFTED_OPTIMIZER_SETTINGS,
@@ -54,7 +56,8 @@ def _model_family(t: Translation, value: Any, entry: DialectKey) -> None:
 
 def resolve_flavour(t: Translation, flavour: str, model_path: Any) -> None:
     """What ``model_flavour`` means here: Wan 2.2 ``-high`` / ``-low`` set ``train_stages`` and
-    ``ti2v-5b-2.2`` sets ``ti2v_first_frame``; a flavour of a kind not trained here stops; without
+    ``ti2v-5b-2.2`` sets ``ti2v_first_frame``; a flavour of a kind not trained here stops, one trained with a
+    difference is approximated (``kontext``: the model folder's FluxKontextPipeline picks the Kontext spec); without
     ``pretrained_model_name_or_path`` the model is the flavour's hub id, as SimpleTuner loads it."""
     family = t.family or ""
     table = FLAVOURS.get(family, {})
@@ -66,6 +69,8 @@ def resolve_flavour(t: Translation, flavour: str, model_path: Any) -> None:
         if flavour.startswith(marker):
             t.problems.append(f"`model_flavour`: {flavour!r}: {why}")
             return
+    if flavour in FLAVOUR_APPROXIMATED:
+        t.approx("model_flavour", f"{flavour!r}: {FLAVOUR_APPROXIMATED[flavour]}")
     if flavour.endswith("-high") or flavour.endswith("-low"):
         t.put("train_stages", flavour.rsplit("-", 1)[1], "model_flavour")
     if flavour.startswith("ti2v"):  # SimpleTuner trains TI2V-5B with the first frame as the condition
@@ -242,6 +247,36 @@ def _target_modules(t: Translation, value: Any, entry: DialectKey) -> None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise Problem(f"`{entry.key}` must be a list of module names")
     t.put("lora_target_modules", value, entry.key)
+
+
+#: The keys of a `tread_config` route SimpleTuner reads (helpers/models/wan/transformer.py:1013-1193).
+_TREAD_ROUTE_KEYS = ("selection_ratio", "start_layer_idx", "end_layer_idx")
+
+
+def _tread(t: Translation, value: Any, entry: DialectKey) -> None:
+    """SimpleTuner's `tread_config`: an object, or a Python-literal string of one (cmd_args.py:761-766 reads it with
+    ``ast.literal_eval``); each route's three keys, any other key unread (as there). null: no routing."""
+    if is_inert(value):
+        return
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = ast.literal_eval(text) if text.startswith("{") else None
+        except (ValueError, SyntaxError) as exc:
+            raise Problem(f"`{entry.key}`: {text!r} is not an object: {exc}") from None
+    if not isinstance(value, dict):
+        raise Problem(f'`{entry.key}` must be an object: {{"routes": [{{"selection_ratio": 0.5, ...}}]}}')
+    routes = value.get("routes")
+    if isinstance(routes, list):
+        kept = []
+        for i, route in enumerate(routes):
+            if isinstance(route, dict):
+                for key in sorted(set(route) - set(_TREAD_ROUTE_KEYS)):
+                    t.ignore(f"{entry.key}.routes[{i}].{key}", "SimpleTuner's router reads no such key")
+                route = {k: plain(v) for k, v in route.items() if k in _TREAD_ROUTE_KEYS}
+            kept.append(route)
+        value = {**value, "routes": kept}
+    t.put("tread_config", value, entry.key)
 
 
 def _epochs(t: Translation, value: Any, entry: DialectKey) -> None:
@@ -430,6 +465,18 @@ def _same(key: str, ours: Optional[str] = None, note: str = "", **kw: Any) -> Di
     return key_row(key, "same", ours or key, note, **kw)
 
 
+def _text_encoder_lr(t: Translation, value: Any, entry: DialectKey) -> None:
+    """Written with `train_text_encoder` on; without it SimpleTuner warns and drops the rate (trainer.py:4100-4101)."""
+    try:
+        trains = as_bool(t.bare.get("train_text_encoder", False), "train_text_encoder")
+    except Problem:  # its own row names the value
+        trains = False
+    if is_inert(value) or not trains:
+        t.ignore(entry.key, "no text encoder trains: `train_text_encoder` is off")
+        return
+    t.put("text_encoder_lr", as_number(value, entry.key), entry.key)
+
+
 def _optimizer(t: Translation, value: Any, entry: DialectKey) -> None:
     removed = SIMPLETUNER_REMOVED_OPTIMIZERS.get(str(value).strip())
     if removed is not None:
@@ -580,6 +627,13 @@ CORE: tuple[DialectKey, ...] = (
     ),
     _same("grad_clip_method"),
     _same("gradient_checkpointing"),
+    _same(
+        "tread_config",
+        note="TREAD routes (sd3, flux, wan, qwen_image), also as a Python-literal string; the route indices are "
+        "checked against the transformer's blocks; routes that overlap or run backwards, which SimpleTuner skips "
+        "silently, are refused",
+        apply=_tread,
+    ),
     key_row(
         "mixed_precision",
         "approximated",
@@ -644,6 +698,26 @@ CORE: tuple[DialectKey, ...] = (
         ),
     ),
     _same("use_dora", "lora_use_dora"),
+    key_row(
+        "train_text_encoder",
+        "approximated",
+        "train_text_encoder",
+        "sd / sdxl LoRA runs (other families stop, with the reason): here a LoRA with the UNet's rank, alpha and "
+        "dropout trains on each CLIP text encoder (`q_proj`, `k_proj`, `v_proj`, `out_proj`) and each step encodes "
+        "its captions; SimpleTuner adds no adapter to its text encoders (models/common.py:1049-1117 adapts the "
+        "denoiser only; models/common.py:3121-3126 freezes them), so its text-encoder parameter list stays empty "
+        "(trainer.py:4049-4057) and batches keep their cached embeddings (collate.py:1134-1135): it keeps the "
+        "encoders loaded (trainer.py:2930-2932) and trains none of their weights",
+    ),
+    key_row(
+        "text_encoder_lr",
+        "approximated",
+        "text_encoder_lr",
+        "the learning rate of the text encoders' optimizer group, as SimpleTuner builds it (trainer.py:4095-4099); "
+        "there that group never forms (no text-encoder weight trains, see `train_text_encoder`) and the rate is "
+        "dropped with a warning (trainer.py:4100-4101); without `train_text_encoder` it is dropped here too",
+        apply=lambda t, v, e: _text_encoder_lr(t, v, e),
+    ),
     key_row(
         "lora_format",
         "approximated",

@@ -598,8 +598,9 @@ DATASET_CORE: tuple[DialectKey, ...] = (
         "conditioning_data",
         "same",
         "conditioning_data_dir",
-        "the `id` of a `dataset_type: conditioning` entry (or a list): Qwen-Image-Edit sources, whose "
-        "`instance_data_dir` becomes `conditioning_data_dir` (several are not supported: Edit Plus), and masks "
+        "the `id` of a `dataset_type: conditioning` entry (or a list): edit sources (Qwen-Image-Edit, Flux Kontext's "
+        "references), whose `instance_data_dir` becomes `conditioning_data_dir` (several are not supported: Edit "
+        "Plus, multi-reference), and masks "
         "(`conditioning_type` `mask` / `segmentation`), whose folder becomes `mask_data_dir`; the entry is not a "
         "dataset of its own",
         apply=_conditioning_data,

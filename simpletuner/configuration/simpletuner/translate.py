@@ -246,6 +246,12 @@ def _raw_key(entry: Mapping[str, Any], key: str) -> Any:
     return entry.get(key, entry.get(f"--{key}"))
 
 
+def _is_conditioning(entry: Mapping[str, Any]) -> bool:
+    """A conditioning entry: `dataset_type: conditioning`, or any entry with a `conditioning_type`, which SimpleTuner
+    makes one (data_backend/factory.py:4529-4530; its Kontext quickstart writes the reference entry so)."""
+    return str(entry.get("dataset_type")) == "conditioning" or _raw_key(entry, "conditioning_type") is not None
+
+
 def _conditioning_entry(t: Translation, entry: dict[str, Any], label: str) -> Optional[str]:
     """A `dataset_type: conditioning` entry (Qwen-Image-Edit source images, or the masks of masked loss): its
     folder (absolute), or None with the problems listed. Its other keys are reported: each source image (mask)
@@ -319,13 +325,17 @@ def _read_conditioning(t: Translation, entries: list[Any]) -> None:
     set, must be that dataset."""
     named_by: dict[str, list[Any]] = {}
     for entry in entries:
-        if isinstance(entry, dict) and str(entry.get("dataset_type", "image")) in ("image", "video"):
+        if (
+            isinstance(entry, dict)
+            and str(entry.get("dataset_type", "image")) in ("image", "video")
+            and not _is_conditioning(entry)
+        ):
             names = _raw_key(entry, "conditioning_data")
             for name in [names] if isinstance(names, str) else names if isinstance(names, list) else []:
                 if isinstance(name, str):
                     named_by.setdefault(name, []).append(entry.get("id"))
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or str(entry.get("dataset_type")) != "conditioning":
+        if not isinstance(entry, dict) or not _is_conditioning(entry):
             continue
         name = entry.get("id")
         label = f"datasets[{i}] ({name})" if isinstance(name, str) else f"datasets[{i}]"
@@ -381,7 +391,7 @@ def _translate_datasets(t: Translation, entries: list[Any], top: dict[str, Any])
         if kind == "text_embeds":
             _text_embeds_entry(t, entry, label)
             continue
-        if kind == "conditioning":  # read by _read_conditioning; its folder is a training dataset's
+        if _is_conditioning(entry):  # read by _read_conditioning; its folder is a training dataset's
             continue
         if kind == "conditioning_image_embeds":
             t.ignore(label, _BY_KEY[("dataset", "conditioning_image_embeds")].note)

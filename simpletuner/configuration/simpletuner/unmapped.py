@@ -69,7 +69,6 @@ _EDIT_EMBEDS = (
     "Qwen-Image-Edit's prompt embedding is cached with the text embeddings, keyed by caption and source image "
     "(no separate folder)"
 )
-_TREAD = "TREAD token routing is not implemented: remove `tread_config`"
 _DISTILLATION = "distillation is not supported: train a LoRA or a full fine-tune without it"
 _DIFFUSION_BLOCKS = "block-wise (DiffusionBlocks) training is not supported: remove it"
 _CREPA = "CREPA (cross-frame representation alignment) is not implemented: remove the crepa_* keys"
@@ -86,7 +85,10 @@ _TIMESTEPS = "timesteps are drawn by `timestep_sampling` (uniform, logit_normal 
 _NOISE_SCHEDULE = "the model's own noise schedule is used unchanged: remove it"
 _LOSS = "the loss here is mean squared error weighted by `loss_weighting` (none, min_snr, ...): remove it"
 _LR_SCALE = "the learning rate is used as given: multiply `learning_rate` yourself"
-_TEXT_ENCODER = "text encoders stay frozen (their outputs are cached): remove it"
+_TEXT_ENCODER = (
+    "`train_text_encoder` trains a LoRA on every layer of the text encoders for the whole run; freezing some of "
+    "their layers or stopping early is not supported: remove it"
+)
 _PROMPT_ENCODING = "prompts are encoded with the model family's standard settings: remove it"
 _LORA_TARGETS = "the adapted modules are set by `lora_target_modules` (a list of module names): use it instead"
 _LORA_VARIANT = "only standard LoRA, DoRA and LyCORIS adapters are trained here: remove it"
@@ -263,7 +265,6 @@ _TOP_UNSUPPORTED = (
     *_unsupported("controlnet controlnet_custom_config controlnet_model_name_or_path", _CONTROLNET),
     *_unsupported("control", _CONTROL),
     *_unsupported("conditioning_multidataset_sampling", _CONDITIONING),
-    *_unsupported("tread_config", _TREAD),
     *_unsupported("distillation_config distillation_method", _DISTILLATION),
     *_unsupported("diffusion_blocks_config", _DIFFUSION_BLOCKS),
     *_unsupported(
@@ -318,8 +319,7 @@ _TOP_UNSUPPORTED = (
         "training stops at `max_train_steps`, or at `num_train_epochs` when that is unset: leave out `max_train_steps`",
     ),
     *_unsupported(
-        "train_text_encoder text_encoder_lr text_encoder_limit freeze_encoder_after freeze_encoder_before "
-        "freeze_encoder_strategy",
+        "text_encoder_limit freeze_encoder_after freeze_encoder_before freeze_encoder_strategy",
         _TEXT_ENCODER,
     ),
     *_unsupported("layer_freeze_strategy", "full training trains every denoiser weight here: remove it"),

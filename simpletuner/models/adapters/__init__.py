@@ -1,6 +1,6 @@
 """The denoiser's training set-up, applied by the model specs: a frozen base (optionally quantised,
 ``quantize.py``) under a peft LoRA (``peft_lora.py``) or a LyCORIS network (``lycoris.py``, imported by
-LyCORIS runs only), or full training; gradient checkpointing; train mode.
+LyCORIS runs only), or full training; gradient checkpointing; TREAD token routing; train mode.
 
 This is a model transformation, not loop code: ``models`` applies it, and ``training`` and ``memory``
 import it from here (the memory estimator runs :func:`prepare_for_training` on a meta-device model).
@@ -19,6 +19,7 @@ from simpletuner.models.adapters.quantize import (
     quantize_base,
     quantized_size,
 )
+from simpletuner.models.tread import install_token_routing
 
 
 def freeze_base(denoiser: nn.Module, base_dtype: torch.dtype) -> None:
@@ -37,7 +38,8 @@ def prepare_for_training(
 ) -> nn.Module:
     """The trainer's set-up of a loaded denoiser: an fp32 adapter (``lora_type``: peft LoRA or
     LyCORIS) on a frozen base in ``weight_dtype`` whose Linear weights ``base_model_precision`` may
-    quantise first, or every weight trainable (full); gradient checkpointing if configured; train mode.
+    quantise first, or every weight trainable (full); gradient checkpointing if configured; TREAD token routing
+    (``tread_config``, models/tread.py); train mode.
 
     ``device``: where quantised layers go as they are quantised (the GPU: fast, and the full-precision
     base never sits there whole); None quantises where the model is. The memory estimator calls
@@ -61,6 +63,8 @@ def prepare_for_training(
         denoiser.requires_grad_(True)
     if config.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
+    if config.tread_config is not None:
+        install_token_routing(denoiser, config.tread_config.routes)
     return denoiser.train()
 
 

@@ -25,6 +25,12 @@ REPORT_HINT = (
 )
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its class name when the message is empty), for one-line reports."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def report_internal_error(exc: BaseException, command: str, stream=None) -> int:
     """Print the traceback of an unexpected exception and what to report; returns INTERNAL_ERROR.
 

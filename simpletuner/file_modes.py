@@ -32,3 +32,18 @@ def ordinary_permissions(*paths: str | os.PathLike) -> None:
         for file in files:
             if (file.stat().st_mode & 0o777) != mode:
                 os.chmod(file, mode)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync, rename: readers see the old or the new file whole
+    (a failed write leaves no temporary file behind)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from simpletuner.configuration.model_folder import looks_like_hub_id
+from simpletuner.exit_codes import first_line
 
 #: What the config check, family detection and the estimator read: configs and tokenizer files, never weights.
 CONFIG_PATTERNS = ("model_index.json", "*/*.json", "*/*.txt", "*/*.model", "*/*.tiktoken")
@@ -295,9 +296,8 @@ def _download(
             f"(and HF_ENDPOINT), or set {key} to a local folder of the {'VAE' if key == VAE_KEY else 'model'}"
         ) from None
     except (HfHubHTTPError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HubError(
-            f"{repo_id}: downloading from {where} failed ({first}); try again, or use a local folder"
+            f"{repo_id}: downloading from {where} failed ({first_line(exc)}); try again, or use a local folder"
         ) from None
     path = Path(folder)
     return HubSnapshot(repo_id, revision, path.name, path)
@@ -365,17 +365,12 @@ def check_upload_access(repo_id: str, private: bool, environ: Mapping[str, str] 
                 "(another account's or an organization you cannot write to): set hub_model_id to a repo of your "
                 "account, or use a token with write access to it"
             ) from None
-        raise HubError(f"push_to_hub to {repo_id}: {where} answered {_first_line(exc)}: try again later") from None
+        raise HubError(f"push_to_hub to {repo_id}: {where} answered {first_line(exc)}: try again later") from None
     except HubError:
         raise
     except Exception as exc:  # noqa: BLE001 - no connection, a timeout: the transport's errors differ by client version
         raise HubError(
-            f"push_to_hub to {repo_id}: {where} cannot be reached ({type(exc).__name__}: {_first_line(exc)}): check "
+            f"push_to_hub to {repo_id}: {where} cannot be reached ({type(exc).__name__}: {first_line(exc)}): check "
             "the network and HF_ENDPOINT, or set push_to_hub false and upload later with `simpletuner push`"
         ) from None
     return UploadTarget(full_id, token, hub_endpoint(environ))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

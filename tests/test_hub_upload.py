@@ -248,3 +248,18 @@ def test_a_full_fine_tune_pushed_later_loads_from_the_repo(hub_server, make_conf
     unet = UNet2DConditionModel.from_pretrained(repo, subfolder="unet")  # from the server, as the card says
     mine = UNet2DConditionModel.from_pretrained(out / "unet")
     assert all((a == b).all() for a, b in zip(unet.state_dict().values(), mine.state_dict().values()))
+
+
+def test_only_rank_0_checks_the_upload(make_config, tmp_path, monkeypatch):
+    """Another rank (another node of a launch) needs no token and no network: only rank 0 uploads."""
+    from simpletuner.cli.train import _check_hub_upload
+    from simpletuner.configuration import ConfigError
+    from simpletuner.configuration.loader import load_config
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # uploads cannot work here
+    loaded = load_config(_config(make_config, tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert _check_hub_upload(loaded) is None
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        _check_hub_upload(loaded)

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from simpletuner.cli.arguments import add_config_arguments, add_log_level_argument
+from simpletuner.exit_codes import first_line
 from simpletuner.startup import StartupTimeline, quiet_gc_while_importing
 
 if TYPE_CHECKING:
@@ -213,9 +214,12 @@ def run_training(
 
 def _check_hub_upload(loaded) -> UploadTarget | None:
     """push_to_hub: a token that may write the repo (which is created, private unless model_card_private is
-    false), checked before anything is downloaded or written; ConfigError naming the repo and the fix."""
+    false), checked before anything is downloaded or written; ConfigError naming the repo and the fix.
+
+    Only rank 0 uploads, so only rank 0 checks (the other ranks, and the other nodes, need no token or network):
+    when it refuses, its error ends the launch."""
     config = loaded.config
-    if not config.push_to_hub:
+    if not config.push_to_hub or not _is_main_rank():
         return None
     from simpletuner.configuration import ConfigError
     from simpletuner.hub import HubError, check_upload_access
@@ -426,10 +430,9 @@ def _main(args: argparse.Namespace) -> int:
             print(f"stopped by {name} during {signals.received_in}: then {type(exc).__name__}: {exc}", file=sys.stderr)
             return 128 + signals.signum
         if _peer_stopped(exc):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             print(
                 "stopped: another process of this run stopped or failed first, so this one cannot go on (that "
-                f"process's message says why): {first}",
+                f"process's message says why): {first_line(exc)}",
                 file=sys.stderr,
             )
             return 1

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from simpletuner.configuration.cache_paths import is_trained
 from simpletuner.data_backend.hub_splits import data_files, parquet_splits, split_parquet_files
 from simpletuner.data_backend.parquet_shards import ParquetBackend, caption_column_read, check_file_columns
+from simpletuner.exit_codes import first_line
 from simpletuner.hub import HubError, hub_cache_dir, hub_endpoint, is_offline
 
 if TYPE_CHECKING:
@@ -211,10 +212,9 @@ class _Where:
                 f"network (and HF_ENDPOINT), or {self._fill()}"
             ) from None
         except (HfHubHTTPError, OSError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise HubDatasetError(
-                f"{self.name}: downloading from {hub} failed ({first}); run again (what was fetched stays in the "
-                f"cache {self.cache})"
+                f"{self.name}: downloading from {hub} failed ({first_line(exc)}); run again (what was fetched stays "
+                f"in the cache {self.cache})"
             ) from None
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from simpletuner.exit_codes import first_line
 from simpletuner.hardware.machine import detect_hardware
 from simpletuner.memory.autoconfig import DoesNotFit, plan_batch
 from simpletuner.memory.estimator import estimate_memory
@@ -26,8 +27,7 @@ def explain_out_of_memory(
     ``usable_bytes`` defaults to the detected device's usable memory. Estimating needs no GPU
     memory (meta and fake tensors), so it works right after the OOM.
     """
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    lines = [f"out of GPU memory during a training step ({first_line}). Nothing was saved from this step."]
+    lines = [f"out of GPU memory during a training step ({first_line(exc)}). Nothing was saved from this step."]
     try:
         if usable_bytes is None:
             usable_bytes = detect_hardware().usable_memory_bytes

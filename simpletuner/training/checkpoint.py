@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from simpletuner import diskspace
-from simpletuner.file_modes import ordinary_permissions
+from simpletuner.file_modes import ordinary_permissions, write_atomic
 from simpletuner.models.adapters import trainable_state
 from simpletuner.ranks import from_every_process, from_main_process
 from simpletuner.training.checkpoint_verify import (  # noqa: F401 - ResumeRefused, Damage: callers import them from here
@@ -65,20 +65,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file beside ``path``, fsync, rename: readers see the old or the new file whole."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a half-written pointer is never useful
-        raise
 
 
 # --- discovery ----------------------------------------------------------------------------
@@ -459,13 +445,13 @@ class _Save:
                 if f.is_file():
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
-            _write_atomic(tmp / MARKER, build_manifest(tmp, self.step))
+            write_atomic(tmp / MARKER, build_manifest(tmp, self.step))
             _fsync_dir(tmp)
         fault_point("checkpoint:marker_written")
         _move_into_place(tmp, final, self.checkpointer.token)
         fault_point("checkpoint:renamed")
         with diskspace.disk_full_guard(self.output_dir, self.needed, final.name):  # the new checkpoint is complete
-            _write_atomic(self.output_dir / LATEST, final.name.encode())
+            write_atomic(self.output_dir / LATEST, final.name.encode())
         fault_point("checkpoint:latest_written")
         apply_retention(self.output_dir, self.checkpointer.total_limit)
 

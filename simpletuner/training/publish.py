@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from simpletuner.exit_codes import first_line
+from simpletuner.file_modes import write_atomic
 from simpletuner.hub import UploadTarget
 from simpletuner.models.spec import FINAL_RECORD
 from simpletuner.training.ema import EMA_FOLDER
@@ -173,7 +175,7 @@ class Publisher:
             try:
                 url = self._commit(job)
             except Exception as exc:  # noqa: BLE001 - any failure of an upload is reported, never raised
-                reason = _first_line(exc)
+                reason = first_line(exc)
                 if attempt == attempts:
                     self._report_failure(job, f"{attempts} attempts failed; the last: {reason}")
                     return
@@ -272,7 +274,7 @@ def final_job(config, facts: RunFacts, repo_id: str, write_card: bool = True) ->
     media = [(path, f"assets/{path.name}") for path, _ in images] + ([(grid, f"assets/{grid.name}")] if grid else [])
     card = _card(config, facts, repo_id, step, tuple(name for _, name in weights), (images, grid), ema)
     if write_card:
-        _write_atomic(out / CARD, card)
+        write_atomic(out / CARD, card)
     files: list[tuple[Content, str]] = [*weights, *ema, *media, (card, CARD)]
     if (out / "config.json").is_file():
         files.append((out / "config.json", CONFIG_IN_REPO))
@@ -346,7 +348,7 @@ def read_final_record(output_dir: Path) -> tuple[int, list[str]]:
             "finish it (resume_from_checkpoint: latest), or upload a checkpoint folder with `hf upload`"
         ) from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path} cannot be read ({_first_line(exc)}): the final save did not complete") from None
+        raise ValueError(f"{path} cannot be read ({first_line(exc)}): the final save did not complete") from None
     return step, names
 
 
@@ -389,17 +391,6 @@ def _kind(config) -> str:
     if config.training_type != "lora":
         return "full fine-tune"
     return "LyCORIS adapter" if config.lora_type == "lycoris" else "LoRA"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temp.write_bytes(data)
-    os.replace(temp, path)
 
 
 class RunUploads:

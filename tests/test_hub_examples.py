@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from hub_fixtures import copy_folder_to_hub_cache, lay_out_hub_cache, repo_folder, use_hub_cache
 
 from simpletuner.cli import main
@@ -84,6 +85,20 @@ def _image_shard(images: Path) -> bytes:
     return out.getvalue()
 
 
+def _four_block_flux(tiny: Path, out: Path) -> Path:
+    """The tiny flux with two double-stream and two single-stream blocks (random weights, seed 0): the TREAD
+    example's route, blocks 2 to the one before last, is then one block (the first single-stream one)."""
+    from diffusers import FluxTransformer2DModel
+
+    shutil.copytree(tiny, out)
+    config = dict(FluxTransformer2DModel.load_config(out, subfolder="transformer"))
+    config.update(num_layers=2, num_single_layers=2)
+    shutil.rmtree(out / "transformer")
+    torch.manual_seed(0)
+    FluxTransformer2DModel.from_config(config).save_pretrained(out / "transformer", safe_serialization=True)
+    return out
+
+
 @pytest.fixture(scope="module")
 def hub_repos(tmp_path_factory, zoo) -> tuple[Path, dict[str, str]]:
     """A Hub cache holding every repo the examples below name, and ``{repo id: commit}`` (the tests read it only).
@@ -94,7 +109,9 @@ def hub_repos(tmp_path_factory, zoo) -> tuple[Path, dict[str, str]]:
 
     root = tmp_path_factory.mktemp("hub-examples")
     cache = root / "hub"
-    commits = {repo: copy_folder_to_hub_cache(cache, repo, zoo(name)) for repo, name in MODELS.items()}
+    folders = {name: zoo(name) for name in MODELS.values()}
+    folders["flux"] = _four_block_flux(folders["flux"], root / "flux")
+    commits = {repo: copy_folder_to_hub_cache(cache, repo, folders[name]) for repo, name in MODELS.items()}
     # SimpleTuner's default VAE (sdxl configs that leave pretrained_vae_model_name_or_path out train with it): a
     # component repo, config.json and weights at its root
     commits[SDXL_VAE] = copy_folder_to_hub_cache(cache, SDXL_VAE, zoo("sdxl") / "vae")
@@ -233,6 +250,29 @@ def test_flux_example_trains_its_familys_default_model_from_the_hub_cache(
     _check_the_validation_images(out, (1024, 1024))
     assert "base_model_precision qint8: quantised" in caplog.text
     _check_the_adapter_loads(FluxPipeline, model, hub_cache, out, "transformer", rank=16)
+
+
+@needs_checkout
+@pytest.mark.slow
+def test_flux_tread_example_trains_with_its_routes(tmp_path, hub_repos, hub_cache, monkeypatch, caplog):
+    """flux.peft-lora+TREAD: flux.peft-lora with `tread_config` (half of the image tokens skip blocks 2 to the one
+    before last), trained with its routes in place; the adapter covers every block, routed ones included."""
+    from diffusers import FluxPipeline
+
+    config = _project(tmp_path, "flux.peft-lora+TREAD", monkeypatch)
+    routes = json.loads(config.read_text())["tread_config"]["routes"]
+    assert routes == [{"end_layer_idx": -2, "selection_ratio": 0.5, "start_layer_idx": 2}]
+    out = _train(config, caplog)
+    assert json.loads((out / "config.json").read_text())["tread_config"] == {"routes": routes}
+    log = (out / "training.log").read_text()
+    assert "TREAD token routing in the FluxTransformer2DModel (4 blocks) while training: 50% of each sample's " in log
+    assert "image tokens skip blocks 2-2" in log
+    model = "black-forest-labs/flux.1-krea-dev"
+    _check_the_adapter_loads(FluxPipeline, model, hub_cache, out, "transformer", rank=16)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "pytorch_lora_weights.safetensors")
+    assert any(key.startswith("transformer.single_transformer_blocks.0.") for key in weights)  # the routed block
 
 
 @needs_checkout

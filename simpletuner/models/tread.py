@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+
+logger = logging.getLogger(__name__)
 
 #: Where a transformer keeps its router (a plain attribute: not a submodule, not in the state dict).
 ROUTER_ATTRIBUTE = "_tread_router"
@@ -410,7 +413,16 @@ def install_token_routing(denoiser: nn.Module, routes: Sequence[RouteSettings]) 
                     attn.set_processor(PerSampleAttention(attn.processor))
         blocks[route.end].register_forward_hook(functools.partial(router.after_block, route.end), with_kwargs=True)
     setattr(denoiser, ROUTER_ATTRIBUTE, router)
+    logger.info("%s", describe_routes(resolved, len(blocks), type(denoiser).__name__))
     return router
+
+
+def describe_routes(routes: Sequence[Route], num_blocks: int, model: str) -> str:
+    """One line saying what the routes do, as logged at start (blocks numbered from 0, ends included)."""
+    parts = [
+        f"{r.selection_ratio:.0%} of each sample's image tokens skip blocks {r.start}-{r.end}" for r in routes
+    ] or ["no route"]
+    return f"TREAD token routing in the {model} ({num_blocks} blocks) while training: {'; '.join(parts)}"
 
 
 def routers_in(model: nn.Module) -> list[TokenRouter]:

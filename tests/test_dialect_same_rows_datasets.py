@@ -280,6 +280,26 @@ DATASET_ROWS: dict[str, Row] = {
         ),
         family="qwen_image",
     ),
+    "conditioning": _row(
+        f"{H}metadata/utils/duplicator.py:217 {H}metadata/utils/duplicator.py:224 "
+        f"{H}data_generation/sample_generator.py:498 {H}data_generation/sample_generator.py:499 "
+        f"{H}data_generation/sample_generator.py:522 {H}data_generation/sample_generator.py:524 "
+        f"{H}data_generation/sample_generator.py:526 {H}data_generation/conditioning.py:103 "
+        f"{H}training/collate.py:1031",
+        "a conditioning dataset generated from this one's images into <cache_dir>/conditioning_data/<id>_conditioning_"
+        "<type>: canny = trainingsample's grey then canny_py(low 50, high 100), as RGB, saved in the image's format; "
+        "one conditioning dataset trains on the images' captions",
+        (
+            {"conditioning": {"type": "canny", "conditioning_type": "controlnet", "captions": ["minecraft"]}},
+            {"conditioning": {"type": "canny"}},
+        ),
+        (
+            {"conditioning": [{"type": "canny", "low_threshold": 20, "high_threshold": 40}]},
+            {"conditioning.low_threshold": 20, "conditioning.high_threshold": 40},
+        ),
+        also="tests/test_canny.py::test_edges_equal_simpletuners_generator "
+        "tests/test_flux_kontext.py::test_the_published_kontext_example_trains_on_its_generated_canny_references",
+    ),
     "conditioning_type": _row(
         f"{CFG}:224 {H}metadata/utils/duplicator.py:119 {H}training/collate.py:28 {H}models/common.py:6409 "
         f"{H}models/common.py:6417 {H}data_backend/factory.py:4529",

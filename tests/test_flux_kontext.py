@@ -367,8 +367,12 @@ def test_simpletuners_kontext_flavour_loads_paired_and_says_what_differs(tmp_pat
     assert native["pretrained_model_name_or_path"] == "black-forest-labs/flux.1-kontext-dev"
 
 
-def test_the_published_kontext_example_stops_only_at_its_generated_conditioning(tmp_path, kontext, pairs):
-    # The example's dataloader (examples/multidatabackend-controlnet-512px.json) makes canny images from the dataset.
+def test_the_published_kontext_example_trains_on_its_generated_canny_references(tmp_path, kontext, pairs, monkeypatch):
+    """The example's dataloader (examples/multidatabackend-controlnet-512px.json) makes each image's reference from
+    the image itself, with `conditioning: {type: canny}`: generated at start, then paired as reference images are."""
+    from simpletuner.cli.train import main as train_main
+    from simpletuner.data_backend.canny import canny_image
+
     generated = {
         "id": "controlnet-512",
         "type": "local",
@@ -379,10 +383,19 @@ def test_the_published_kontext_example_stops_only_at_its_generated_conditioning(
         "conditioning": {"type": "canny", "conditioning_type": "controlnet", "captions": ["minecraft"]},
     }
     root, raw = _project(tmp_path, pairs, [generated], model=str(kontext))
-    with pytest.raises(dialect.DialectError) as err:
-        dialect.translate(raw, root / "config" / "config.json", root)
-    text = str(err.value)
-    assert "conditioning images generated from the dataset" in text and "model_flavour" not in text
+    native, report = dialect.translate(raw, root / "config" / "config.json", root)
+    assert native["datasets"][0]["conditioning"] == {"type": "canny"}
+    assert any("conditioning.captions" in line and "collate.py" in line for line in report.ignored)
+    raw.update(max_train_steps=1, validation_prompt=None, output_dir="output")
+    (root / "config" / "config.json").write_text(json.dumps(raw))
+    monkeypatch.chdir(root)
+    assert train_main(["--config", "config/config.json"]) == 0
+    made = root / "cache" / "conditioning_data" / "controlnet-512_conditioning_canny"
+    images = sorted((root / "datasets" / "edited-images").glob("*.png"))
+    assert sorted(p.name for p in made.glob("*.png")) == [p.name for p in images]
+    with Image.open(images[0]) as image, Image.open(made / images[0].name) as reference:
+        assert reference.convert("RGB").tobytes() == canny_image(image).tobytes()
+    assert (root / "output" / "pytorch_lora_weights.safetensors").is_file()
 
 
 def test_a_plain_flux_folder_refuses_reference_images(kontext_config, zoo, pairs):

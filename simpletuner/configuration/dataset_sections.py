@@ -128,6 +128,40 @@ class AspectBucket(_Strict):
     weight: float = Field(..., ge=0, description="Chance of this aspect with `crop_aspect: random`; all add up to 1.")
 
 
+class ConditioningGenerator(_Strict):
+    """Conditioning images made from each training image at start (SimpleTuner's dataset `conditioning` block): the
+    ControlNet control images or the edit models' sources, paired with their images as `conditioning_data_dir`'s."""
+
+    type: Literal["canny"] = Field(
+        description=(
+            "`canny`: the image's Canny edge map, as SimpleTuner's generator computes it (grey, Gaussian blur 1.4, "
+            "Sobel, thin, hysteresis between the two thresholds; white edges on black)."
+        )
+    )
+    low_threshold: float = Field(
+        default=50.0, gt=0, description="Edge strength that continues an edge found above `high_threshold`."
+    )
+    high_threshold: float = Field(
+        default=100.0, gt=0, description="Edge strength that starts an edge (at least `low_threshold`)."
+    )
+    instance_data_dir: Optional[PathText] = Field(
+        default=None,
+        description=(
+            "Where the generated images are written (the same relative paths and names as the images; a folder this "
+            "run owns: files without an image are removed); unset: `<cache_dir>/conditioning_data/<id>_conditioning_"
+            "<type>`, as SimpleTuner. Regenerated when an image or the settings change."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _thresholds_in_order(self):
+        if self.low_threshold > self.high_threshold:
+            raise ValueError(
+                f"low_threshold {self.low_threshold:g} is above high_threshold {self.high_threshold:g}: swap them"
+            )
+        return self
+
+
 class FolderDatasetConfig(_Strict):
     """Fields every folder-of-images dataset shares, whatever its storage backend."""
 
@@ -322,6 +356,14 @@ class FolderDatasetConfig(_Strict):
             "image of "
             "`instance_data_dir` at the same relative path and file name (the extension may differ); the caption "
             "is the edit instruction."
+        ),
+    )
+    conditioning: Optional[ConditioningGenerator] = Field(
+        default=None,
+        description=(
+            "ControlNet and edit models: generate each image's conditioning (source) image at start instead of "
+            'reading a `conditioning_data_dir`, e.g. `{"type": "canny"}` (SimpleTuner\'s `conditioning` block). Works '
+            "with every dataset type, Hub datasets included; generated once, kept on disk."
         ),
     )
     mask_data_dir: Optional[PathText] = Field(

@@ -86,6 +86,22 @@ def _masks(ds) -> Iterator[str]:
         yield "`mask_type` says how the masks of `mask_data_dir` are read: set `mask_data_dir` too, or remove it"
 
 
+def _generated_conditioning(ds) -> Iterator[str]:
+    if ds.conditioning is None:
+        return
+    tables = [getattr(ds, name) for name in ("parquet", "csv", "jsonl")]
+    if ds.conditioning_data_dir is not None or any(t is not None and t.conditioning_column for t in tables):
+        yield (
+            "`conditioning` generates each image's conditioning image, and `conditioning_data_dir` / "
+            "`conditioning_column` name files for them too: keep one of the two"
+        )
+    if ds.dataset_type == "video":
+        yield (
+            "`conditioning` generates conditioning images from still images only; this dataset is `dataset_type: "
+            "video`: remove the key, or use an image dataset"
+        )
+
+
 def _ramp_bounds(ramp) -> Iterator[str]:
     if not ramp.enable_batch_size_rampup:
         return
@@ -617,6 +633,7 @@ DATASET_RULES: tuple[Rule, ...] = (
     _prepend_needs_prompt,
     _video_frames,
     _masks,
+    _generated_conditioning,
     _resolution_units,
     _crop_settings,
     _aspect_range,

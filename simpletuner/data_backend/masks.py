@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from simpletuner.data_backend.augment import AugmentParams, jitter_crop
 from simpletuner.data_backend.caption_files import strip_media_extension
 from simpletuner.data_backend.images import load_rgb, prepare_image
-from simpletuner.data_backend.pairs import list_images
+from simpletuner.data_backend.pairs import list_images, listed
 
 if TYPE_CHECKING:
     from simpletuner.configuration.dataset_sections import FolderDatasetConfig
@@ -33,16 +33,9 @@ if TYPE_CHECKING:
 MASK_KEY = "loss_mask"
 #: Part of the cache key of a masked latent entry; bump when the mask arithmetic changes.
 MASK_VERSION = 1
-#: Images (or masks) named in an error message.
-NUM_SHOWN = 10
 #: ``mask_type`` values: ``mask`` weights by the mask's first (red) channel, ``segmentation`` keeps every latent
 #: pixel any non-black mask pixel falls in (common.py:6409-6424 at SIMPLETUNER_COMMIT).
 MASK_TYPES = ("mask", "segmentation")
-
-
-def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:NUM_SHOWN])
-    return shown + (f", ... ({len(items) - NUM_SHOWN} more)" if len(items) > NUM_SHOWN else "")
 
 
 def has_masks(dataset_cfg: FolderDatasetConfig) -> bool:
@@ -67,7 +60,7 @@ def find_masks(dataset_cfg: FolderDatasetConfig, image_paths: Iterable[str]) -> 
     ambiguous = [" and ".join(paths) for paths in by_name.values() if len(paths) > 1]
     if ambiguous:
         raise ValueError(
-            f"{where}: mask_data_dir {root} holds several masks for one image name: {_listed(ambiguous)}. Keep one "
+            f"{where}: mask_data_dir {root} holds several masks for one image name: {listed(ambiguous)}. Keep one "
             "mask per name"
         )
     names = {path: strip_media_extension(path) for path in image_paths}
@@ -76,7 +69,7 @@ def find_masks(dataset_cfg: FolderDatasetConfig, image_paths: Iterable[str]) -> 
         raise ValueError(
             f"{where} trains with masked loss, each image with the mask of the same relative path and name (any "
             f"image extension) in mask_data_dir {root}, but {len(missing)} image(s) have no mask there: "
-            f"{_listed(missing)}. Add their masks (an all-white mask keeps the whole image), or move those images out"
+            f"{listed(missing)}. Add their masks (an all-white mask keeps the whole image), or move those images out"
         )
     return {path: str(root / by_name[name][0]) for path, name in names.items()}
 

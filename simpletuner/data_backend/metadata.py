@@ -16,7 +16,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import repeat
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from tqdm.auto import tqdm
@@ -30,6 +30,7 @@ from simpletuner.data_backend.captions import CaptionNotes, caption_file, captio
 from simpletuner.data_backend.captions import caption_for as caption_for
 from simpletuner.data_backend.captions import caption_from_filename as caption_from_filename
 from simpletuner.data_backend.captions import caption_from_filename_cleaned as caption_from_filename_cleaned
+from simpletuner.data_backend.generated_conditioning import generate_conditioning
 from simpletuner.data_backend.geometry import CropPlan, Geometry, geometry_for
 from simpletuner.data_backend.images import image_size_reader
 from simpletuner.data_backend.masks import find_masks, has_masks
@@ -205,6 +206,11 @@ def build_metadata(
     root = _describe_root(backend, dataset_cfg)
     geometry = geometry_for(dataset_cfg, config)
     listing = _list_media(backend, dataset_cfg, root, unreadable)
+    if dataset_cfg.conditioning is not None and not listing.is_video:  # video: refused by the config's rules
+        listing.generated, failed = generate_conditioning(backend, dataset_cfg, config, listing.paths)
+        if failed:  # unreadable images: bad files, as the scan would have found them
+            listing.paths = [path for path in listing.paths if path not in failed]
+            listing.failed = sorted([*listing.failed, *((display_path(p), why) for p, why in failed.items())])
     scan = _Scan(backend, dataset_cfg, config, seed, unreadable, listing, geometry, root)
     scanning = tqdm(listing.paths, desc=f"scanning {backend.id}", unit=scan.unit, disable=None)
     for path, clip in zip(scanning, listing.clips):
@@ -223,6 +229,7 @@ class _Listing:
     is_video: bool
     num_frames: int = 1  # a clip's frames per sample (video)
     needed: int = 1  # the source frames that takes at `frame_stride`
+    generated: Path | None = None  # the folder of the generated conditioning images (`conditioning`)
 
 
 def _list_media(
@@ -302,7 +309,7 @@ class _Scan:
                 f"dataset {self.backend.id!r}: source images (conditioning_data_dir / conditioning_column) pair with "
                 "still images only; this dataset is `dataset_type: video`. Remove the key, or use an image dataset"
             )
-        return find_sources(self.dataset_cfg, self.listing.paths, self.table)
+        return find_sources(self.dataset_cfg, self.listing.paths, self.table, root=self.listing.generated)
 
     def _find_masks(self) -> dict[str, str] | None:
         """Masked loss: every image's mask found (or the images without one named) before any is read."""

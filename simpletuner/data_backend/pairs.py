@@ -30,14 +30,19 @@ NUM_SHOWN = 10
 MAX_ASPECT_MISMATCH = 0.02
 
 
-def _listed(items: list[str]) -> str:
+def listed(items: list[str]) -> str:
     shown = ", ".join(items[:NUM_SHOWN])
     return shown + (f", ... ({len(items) - NUM_SHOWN} more)" if len(items) > NUM_SHOWN else "")
 
 
 def has_sources(dataset_cfg: FolderDatasetConfig) -> bool:
-    """Whether ``dataset_cfg`` names source images (``conditioning_data_dir`` or a ``conditioning_column``)."""
-    return dataset_cfg.conditioning_data_dir is not None or _table_column(dataset_cfg) is not None
+    """Whether ``dataset_cfg`` has source images (``conditioning_data_dir``, a ``conditioning_column``, or generated
+    ones: ``conditioning``)."""
+    return (
+        dataset_cfg.conditioning_data_dir is not None
+        or _table_column(dataset_cfg) is not None
+        or dataset_cfg.conditioning is not None
+    )
 
 
 def _table_column(dataset_cfg: FolderDatasetConfig) -> str | None:
@@ -62,20 +67,23 @@ def list_images(root: Path) -> list[str]:
 
 
 def find_sources(
-    dataset_cfg: FolderDatasetConfig, image_paths: Iterable[str], table: CaptionTable | None = None
+    dataset_cfg: FolderDatasetConfig,
+    image_paths: Iterable[str],
+    table: CaptionTable | None = None,
+    root: Path | None = None,
 ) -> dict[str, str]:
     """``{image path: absolute path of its source}`` for every image of the dataset.
 
     ``image_paths`` are relative to ``instance_data_dir``; ``table`` is the dataset's
     :class:`~simpletuner.data_backend.caption_files.CaptionTable` with ``conditioning_column``, or None to pair
-    by file name in ``conditioning_data_dir``.
+    by file name in ``conditioning_data_dir`` (``root``: in that folder instead, e.g. the generated sources').
 
     Raises:
         ValueError: images without a source, sources without an image (folder pairing), two sources for one
             image name, or table sources that are not files: each named, with how to fix it.
     """
     images = list(image_paths)
-    root = _source_root(dataset_cfg)
+    root = _source_root(dataset_cfg) if root is None else root
     where = f"dataset {dataset_cfg.id!r}"
     if table is not None and _table_column(dataset_cfg) is not None:
         return _table_sources(dataset_cfg, images, table, root, where)
@@ -86,17 +94,17 @@ def find_sources(
     if ambiguous:
         raise ValueError(
             f"{where}: conditioning_data_dir {root} holds several source images for one image name: "
-            f"{_listed(ambiguous)}. Keep one source per name"
+            f"{listed(ambiguous)}. Keep one source per name"
         )
     names = {strip_media_extension(path): path for path in images}
     missing = [path for name, path in names.items() if name not in by_name]
     extra = [paths[0] for name, paths in by_name.items() if name not in names]
     problems = []
     if missing:
-        problems.append(f"{len(missing)} image(s) have no source image in {root}: {_listed(missing)}")
+        problems.append(f"{len(missing)} image(s) have no source image in {root}: {listed(missing)}")
     if extra:
         problems.append(
-            f"{len(extra)} source image(s) in {root} have no image in {dataset_cfg.instance_data_dir}: {_listed(extra)}"
+            f"{len(extra)} source image(s) in {root} have no image in {dataset_cfg.instance_data_dir}: {listed(extra)}"
         )
     if problems:
         raise ValueError(
@@ -128,9 +136,9 @@ def _table_sources(
         sources[path] = str(full)
     problems = []
     if missing:
-        problems.append(f"{len(missing)} captioned image(s) have no `{column}` value: {_listed(missing)}")
+        problems.append(f"{len(missing)} captioned image(s) have no `{column}` value: {listed(missing)}")
     if absent:
-        problems.append(f"{len(absent)} source image(s) named there are not files: {_listed(absent)}")
+        problems.append(f"{len(absent)} source image(s) named there are not files: {listed(absent)}")
     if problems:
         raise ValueError(
             f"{where}: {table.strategy} file {table.source} pairs each image with the source image in column "
@@ -242,8 +250,8 @@ def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
             problems.append(
                 f"the model at {config.pretrained_model_name_or_path} is an edit model: it trains on pairs of an "
                 f"image and the source image its caption edits, and dataset(s) {', '.join(map(repr, unpaired))} name "
-                "no sources. Give each a `conditioning_data_dir` (sources with the images' file names) or a "
-                "`conditioning_column` in its caption table"
+                "no sources. Give each a `conditioning_data_dir` (sources with the images' file names), a "
+                "`conditioning_column` in its caption table, or a `conditioning` block that generates them"
             )
         if config.augmentations.is_enabled:
             where = "with the latents and the prompt embedding" if spec.prompt_sees_source else "with the latents"
@@ -256,9 +264,10 @@ def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
         if paired:
             problems.append(
                 f"dataset(s) {', '.join(map(repr, paired))} name source images (conditioning_data_dir / "
-                f"conditioning_column), but model family {spec.family!r} at {config.pretrained_model_name_or_path} "
-                "is not an edit model and would not use them. Remove the key, or point pretrained_model_name_or_path "
-                "at an edit model's folder (a QwenImageEditPipeline or a FluxKontextPipeline)"
+                f"conditioning_column / conditioning), but model family {spec.family!r} at "
+                f"{config.pretrained_model_name_or_path} is not an edit model and would not use them. Remove the key, "
+                "or point pretrained_model_name_or_path at an edit model's folder (a QwenImageEditPipeline or a "
+                "FluxKontextPipeline)"
             )
     if config.validation_image is not None and not spec.takes_validation_image:
         problems.append(

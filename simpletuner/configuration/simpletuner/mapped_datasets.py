@@ -289,6 +289,51 @@ def _parquet(t: Translation, value: Any, entry: DialectKey) -> None:
     t.put("parquet", block, entry.key)
 
 
+#: SimpleTuner's `conditioning` generators this trainer runs (helpers/data_generation/sample_generator.py).
+GENERATED_TYPES = ("canny",)
+
+
+def _conditioning_block(t: Translation, value: Any, entry: DialectKey) -> None:
+    """A training dataset's `conditioning` block (a dict, or a list of one): conditioning images generated from its
+    own images at start (SimpleTuner's `DatasetDuplicator`, metadata/utils/duplicator.py:170-260)."""
+    blocks = value if isinstance(value, list) else [value]
+    if len(blocks) != 1 or not isinstance(blocks[0], dict):
+        t.problems.append(
+            f"{t.dataset_label}.conditioning: one block of generated conditioning images is supported here "
+            f"(an object, or a list of one), got {len(blocks) if isinstance(value, list) else type(value).__name__}"
+        )
+        return
+    ours: dict[str, Any] = {}
+    for key, item in blocks[0].items():
+        where = f"{t.dataset_label}.conditioning.{key}"
+        if key == "type":
+            if item not in GENERATED_TYPES:
+                t.problems.append(
+                    f"`{where}: {item}`: only {', '.join(GENERATED_TYPES)} conditioning is generated here: make the "
+                    "conditioning images yourself and name their folder in a `dataset_type: conditioning` entry"
+                )
+            ours["type"] = item
+        elif key in ("low_threshold", "high_threshold", "instance_data_dir"):
+            ours[key] = t.path(item, where) if key == "instance_data_dir" and isinstance(item, str) else plain(item)
+        elif key == "conditioning_type":
+            if item not in ("controlnet", "reference_strict"):
+                t.problems.append(
+                    f"`{where}: {item}`: generated conditioning images follow their image's crop and size here "
+                    "(`reference_strict`, `controlnet`); use one of those"
+                )
+        elif key == "captions":
+            t.ignore(
+                where,
+                "with one conditioning dataset SimpleTuner trains on the images' own captions (collate.py:1031-1036)",
+            )
+        else:
+            t.problems.append(f"`{where}`: not a setting of SimpleTuner's {blocks[0].get('type')} generator")
+    if "type" not in ours:
+        t.problems.append(f"{t.dataset_label}.conditioning: `type` is missing (e.g. `canny`)")
+        return
+    t.put("conditioning", ours, entry.key)
+
+
 def _video(t: Translation, value: Any, entry: DialectKey) -> None:
     """SimpleTuner's ``video`` sub-table: ``num_frames`` maps; the rest is refused or ignored by name."""
     if not isinstance(value, dict):
@@ -604,6 +649,16 @@ DATASET_CORE: tuple[DialectKey, ...] = (
         "(`conditioning_type` `mask` / `segmentation`), whose folder becomes `mask_data_dir`; the entry is not a "
         "dataset of its own",
         apply=_conditioning_data,
+    ),
+    _ds(
+        "conditioning",
+        "same",
+        "conditioning",
+        "generated conditioning images (one block): `type: canny` with `low_threshold` / `high_threshold` (imageproc's "
+        "Canny, as SimpleTuner's generator runs it) and `instance_data_dir`; `conditioning_type` `controlnet` / "
+        "`reference_strict` (the image's crop); `captions` ignored (one conditioning dataset trains on the images' "
+        "captions); other generators are not supported",
+        apply=_conditioning_block,
     ),
     _ds(
         "conditioning_type",

@@ -262,7 +262,7 @@ def _conditioning_entry(t: Translation, entry: dict[str, Any], label: str) -> Op
         "a mask follows its image: that dataset's crop and size apply"
         if kind in MASK_CONDITIONING
         else "a source image follows its edited image: that dataset's crop, size and captions apply"
-    )  # captions too as in SimpleTuner: with one conditioning dataset it reads the training captions (collate.py:1033)
+    )  # captions too as in SimpleTuner: with one conditioning dataset it reads the training captions (collate.py:1031)
     _conditioning_keys(t, bare, label, follows)
     storage = str(bare.get("type", "local")).strip()
     if storage != "local":

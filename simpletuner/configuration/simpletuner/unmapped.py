@@ -61,10 +61,6 @@ _CONDITIONING = (
     "several conditioning datasets for one training dataset (Edit Plus, multi-reference) are not supported: name one "
     "`dataset_type: conditioning` entry in `conditioning_data`"
 )
-_GENERATED_CONDITIONING = (
-    "conditioning images generated from the dataset (superresolution, canny, depth, ...) are not supported: make the "
-    "source images yourself and name their folder in a `dataset_type: conditioning` entry"
-)
 _EDIT_EMBEDS = (
     "Qwen-Image-Edit's prompt embedding is cached with the text embeddings, keyed by caption and source image "
     "(no separate folder)"
@@ -425,7 +421,6 @@ _DATASET_UNSUPPORTED = (
     *_unsupported(
         "source metadata webshart webshart_optimise_captions webshart_optimize_captions", _WEBSHART, "dataset"
     ),
-    *_unsupported("conditioning", _GENERATED_CONDITIONING, "dataset"),
     *_unsupported("audio", _AUDIO, "dataset"),
     *_unsupported("grounding", _GROUNDING, "dataset"),
     *_unsupported("delete_nsfw_images", _NSFW, "dataset"),

@@ -37,11 +37,15 @@ needs_checkout = pytest.mark.skipif(
 
 #: The Hub dataset every dreambooth example trains on (multidatabackend-small-dreambooth-{512,1024}px.json).
 DATASET = "RareConcepts/Domokun"
+#: The Hub dataset of the ControlNet dataloaders (multidatabackend-controlnet-{128,512,1024}px.json), which the
+#: Kontext example trains on too.
+CONTROLNET_DATASET = "keras-dreambooth/minercraft"
 #: The Hub models the examples below name: by `pretrained_model_name_or_path`, or by their family's default
 #: flavour where they name none (flux: `krea`; sdxl: `base-1.0`) -> the tiny zoo model standing in for it.
 MODELS = {
     "Lykon/dreamshaper-8": "sd",
     "black-forest-labs/flux.1-krea-dev": "flux",
+    "black-forest-labs/flux.1-kontext-dev": "flux_kontext",
     "stabilityai/stable-diffusion-xl-base-1.0": "sdxl",
 }
 
@@ -122,6 +126,9 @@ def hub_repos(tmp_path_factory, zoo) -> tuple[Path, dict[str, str]]:
         "data/train-00000-of-00001.parquet": _image_shard(images),
     }
     commits[DATASET] = lay_out_hub_cache(cache, DATASET, files, repo_type="dataset")
+    blocks = write_shapes_dataset(root / "blocks", num_images=2, seed=3, sizes=((640, 512), (512, 512)))
+    files = {**files, "data/train-00000-of-00001.parquet": _image_shard(blocks)}
+    commits[CONTROLNET_DATASET] = lay_out_hub_cache(cache, CONTROLNET_DATASET, files, repo_type="dataset")
     return cache, commits
 
 
@@ -273,6 +280,28 @@ def test_flux_tread_example_trains_with_its_routes(tmp_path, hub_repos, hub_cach
 
     weights = load_file(out / "pytorch_lora_weights.safetensors")
     assert any(key.startswith("transformer.single_transformer_blocks.0.") for key in weights)  # the routed block
+
+
+@needs_checkout
+@pytest.mark.slow
+def test_kontext_example_trains_on_references_generated_from_a_hub_dataset(
+    tmp_path, hub_repos, hub_cache, monkeypatch, caplog
+):
+    """kontext.peft-lora: `model_flavour: kontext` (`black-forest-labs/flux.1-kontext-dev`), int8 weights,
+    optimi-lion, and the 512 px ControlNet dataloader over `keras-dreambooth/minercraft`, whose references are the
+    images' canny edge maps, generated at start (`conditioning: {type: canny}`) from the Hub dataset's rows."""
+    from diffusers import FluxKontextPipeline
+
+    config = _project(tmp_path, "kontext.peft-lora", monkeypatch)
+    out = _train(config, caplog)
+    made = Path("cache/conditioning_data/controlnet-512_conditioning_canny").resolve()
+    shard = made / "data" / "train-00000-of-00001.parquet"
+    assert sorted(p.name for p in shard.iterdir()) == ["000.png", "001.png"]  # the rows' own names, as PNGs
+    assert "generated 2 canny conditioning image(s)" in caplog.text
+    assert "base_model_precision qint8: quantised" in caplog.text
+    _check_the_adapter_loads(
+        FluxKontextPipeline, "black-forest-labs/flux.1-kontext-dev", hub_cache, out, "transformer", 16
+    )
 
 
 @needs_checkout

@@ -405,9 +405,9 @@ def _scan(config) -> list:
     return build_datasets(config)
 
 
-def test_sd1x_dreambooth_trains_with_square_crops_and_the_instance_prompt(tmp_path, models, images, monkeypatch):
-    from simpletuner.cli import main
-
+def test_sd1x_dreambooth_reads_square_crops_and_the_instance_prompt(tmp_path, models, images, monkeypatch):
+    """The example's meaning as loaded; tests/test_hub_examples.py::test_sd1x_dreamshaper_example_trains_from_the_
+    hub_cache trains the same example with `simpletuner train`."""
     path = _write(tmp_path, images, _sd1x(str(models["sd"])))
     monkeypatch.chdir(path.parent.parent)
     config = load_config(path).config
@@ -421,10 +421,6 @@ def test_sd1x_dreambooth_trains_with_square_crops_and_the_instance_prompt(tmp_pa
     assert len(dataset.samples) == 4
     assert {s.bucket for s in dataset.samples} == {(512, 512)}
     assert {s.caption for s in dataset.samples} == {"🟫"}
-    overrides = ["--set", "max_train_steps=1", "--set", "validation_num_inference_steps=1"]
-    assert main(["train", "--config", str(path), *overrides]) == 0
-    out = path.parent.parent / "output" / "examples" / "sd1x-dreamshaper.peft-lora"
-    assert list(out.glob("*.safetensors"))
 
 
 def test_sdxl_lokr_reads_its_lycoris_file(tmp_path, models, images, monkeypatch):

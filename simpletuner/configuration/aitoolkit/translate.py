@@ -367,6 +367,8 @@ def _optimizer(job: Job, name: Any, params: Mapping[str, Any], where: str) -> No
         job.put("adam_epsilon", 1e-6, f"{where} (ai-toolkit passes eps=1e-6)")
     if lowered in ("adam", "automagic", "prodigy"):  # torch Adam, Automagic, Prodigy: weight decay 0 by default
         job.default("weight_decay", 0.0, f"{where} weight_decay")
+    elif lowered in ("adamw", "adamw8bit"):  # torch AdamW and bitsandbytes AdamW8bit: 0.01
+        job.default("weight_decay", 0.01, f"{where} weight_decay")
     if lowered == "automagic":
         job.approx(where, "Automagic keeps each element's learning rate on a 65,536-point grid here")
     elif lowered == "adafactor":

@@ -450,3 +450,12 @@ def test_square_and_16_9_buckets_match_ai_toolkits_and_the_warning_names_where_t
             assert ours == theirs, f"{w}x{h} at {res}: {ours} here, {theirs} in ai-toolkit"
     note = next(r.note for r in AIT_DIALECT if (r.section, r.key) == ("dataset", "resolution"))
     assert "576x448 there, 640x448 here" in note and "320x192 there" in note
+
+
+def test_migration_guide_is_generated_from_the_table():
+    from simpletuner.configuration.docs import render_migrating_ai_toolkit
+
+    doc = (Path(__file__).parent.parent / "documentation" / "MIGRATING_FROM_AI_TOOLKIT.md").read_text()
+    assert doc == render_migrating_ai_toolkit(), "run `python -m simpletuner.configuration.docs`"
+    for row in AIT_DIALECT:
+        assert f"| `{row.key}` | {row.kind} |" in doc, row

@@ -119,19 +119,43 @@ EXAMPLES = {
     ),
     "train_lora_wan22_14b_24gb": (
         "wan22",
-        "        arch: 'wan22_14b'\n        quantize: true\n        qtype: \"uint4|ostris/accuracy_recovery_adapters/wan22_14b_t2i_torchao_uint4.safetensors\"\n        low_vram: true\n        model_kwargs:\n          train_high_noise: true\n          train_low_noise: true",
-        "        timestep_type: 'linear'\n        optimizer: \"adamw8bit\"\n        lr: 1e-4\n        optimizer_params:\n          weight_decay: 1e-4\n        switch_boundary_every: 10\n        cache_text_embeddings: true",
+        (
+            "        arch: 'wan22_14b'\n"
+            "        quantize: true\n"
+            '        qtype: "uint4|ostris/accuracy_recovery_adapters/wan22_14b_t2i_torchao_uint4.safetensors"\n'
+            "        low_vram: true\n"
+            "        model_kwargs:\n"
+            "          train_high_noise: true\n"
+            "          train_low_noise: true"
+        ),
+        (
+            "        timestep_type: 'linear'\n"
+            '        optimizer: "adamw8bit"\n'
+            "        lr: 1e-4\n"
+            "        optimizer_params:\n"
+            "          weight_decay: 1e-4\n"
+            "        switch_boundary_every: 10\n"
+            "        cache_text_embeddings: true"
+        ),
         "model.qtype",
     ),
     "train_lora_qwen_image_24gb": (
         "qwen_image",
-        '        arch: "qwen_image"\n        quantize: true\n        qtype: "uint3|ostris/accuracy_recovery_adapters/qwen_image_torchao_uint3.safetensors"',
+        (
+            '        arch: "qwen_image"\n'
+            "        quantize: true\n"
+            '        qtype: "uint3|ostris/accuracy_recovery_adapters/qwen_image_torchao_uint3.safetensors"'
+        ),
         '        optimizer: "adamw8bit"\n        lr: 1e-4\n        cache_text_embeddings: true',
         "model.qtype",
     ),
     "train_lora_qwen_image_edit_32gb": (
         "qwen_image_edit",
-        '        arch: "qwen_image_edit"\n        quantize: true\n        qtype: "uint3|qwen_image_edit_torchao_uint3.safetensors"',
+        (
+            '        arch: "qwen_image_edit"\n'
+            "        quantize: true\n"
+            '        qtype: "uint3|qwen_image_edit_torchao_uint3.safetensors"'
+        ),
         '        timestep_type: "weighted"\n        optimizer: "adamw8bit"\n        lr: 1e-4',
         "model.qtype train.timestep_type",
     ),

@@ -31,12 +31,14 @@ def run(args: argparse.Namespace) -> int:
     from simpletuner.configuration.errors import ConfigError
     from simpletuner.configuration.loader import NATIVE_KEYS, read_config_file, validate_config
     from simpletuner.configuration.simpletuner import translate as dialect
+    from simpletuner.configuration.simpletuner.reading import Report
 
     source = Path(args.source)
     try:
         raw = read_config_file(source)
         if not isinstance(raw, dict):
             raise ConfigError(["the config must be a JSON object ({...})"], str(source))
+        report: Report
         if ait.looks_like_ai_toolkit(raw):
             native, report = ait.translate(raw, source)
         elif dialect.looks_like_simpletuner(raw, NATIVE_KEYS):

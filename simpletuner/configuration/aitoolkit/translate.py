@@ -81,6 +81,13 @@ class Job:
         self.problems.append(f"`{key}`: {message}")
 
 
+def _note(section: Section, key: str) -> str:
+    """The table's note on ``key`` (its warning, where approximated)."""
+    row = row_for(section, key)
+    assert row is not None, (section, key)
+    return row.note
+
+
 def _number(job: Job, value: Any, where: str) -> Any:
     try:
         return as_number(value, where)
@@ -270,7 +277,7 @@ def _network(job: Job, network: dict[str, Any]) -> None:  # noqa: C901
             job.put("lycoris.full_matrix", bool(full), "network.lokr_full_rank")
     else:
         job.stop("network.type", f"{kind!r}: only `lora`, `lokr` and `locon` train here")
-    job.approx("network.type", row_for("network", "type").note.split("; ", 2)[-1])  # type: ignore[union-attr]
+    job.approx("network.type", _note("network", "type").split("; ", 2)[-1])
     rank = network.get("linear", network.get("rank"))
     if rank is None:
         job.default("lora_rank", 4, "network.linear")
@@ -300,7 +307,7 @@ def _save(job: Job, save: dict[str, Any]) -> None:
     every = save.get("save_every", 1000)
     if (number := _number(job, every, "save.save_every")) is not None:
         job.put("checkpointing_steps", int(number), "save.save_every")
-        job.approx("save.save_every", row_for("save", "save_every").note.rsplit(". ", 1)[0])  # type: ignore[union-attr]
+        job.approx("save.save_every", _note("save", "save_every").rsplit(". ", 1)[0])
     keep = save.get("max_step_saves_to_keep", 5)
     if (number := _number(job, keep, "save.max_step_saves_to_keep")) is not None:
         job.put("checkpoints_total_limit", int(number), "save.max_step_saves_to_keep")
@@ -469,7 +476,7 @@ def _precision(job: Job, train: dict[str, Any]) -> None:
         return
     job.put("mixed_precision", ours, "train.dtype")
     if "dtype" in train and ours != "no":
-        job.approx("train.dtype", row_for("train", "dtype").note.split(". ")[0])  # type: ignore[union-attr]
+        job.approx("train.dtype", _note("train", "dtype").split(". ")[0])
 
 
 def _train_switches(job: Job, train: dict[str, Any]) -> None:  # noqa: C901
@@ -502,14 +509,14 @@ def _train_switches(job: Job, train: dict[str, Any]) -> None:  # noqa: C901
     else:
         job.stop("train.loss_type", f"{loss!r}: `mse` or `pseudo_huber` train here")
     if train.get("skip_first_sample"):
-        job.approx("train.skip_first_sample", row_for("train", "skip_first_sample").note)  # type: ignore[union-attr]
+        job.approx("train.skip_first_sample", _note("train", "skip_first_sample"))
     if train.get("unload_text_encoder"):
         job.out["__trigger_only__"] = True
-        job.approx("train.unload_text_encoder", row_for("train", "unload_text_encoder").note)  # type: ignore[union-attr]
+        job.approx("train.unload_text_encoder", _note("train", "unload_text_encoder"))
     if train.get("cache_text_embeddings"):
         job.ignore("train.cache_text_embeddings", "text embeddings are always cached here")
     if "switch_boundary_every" in train:
-        job.approx("train.switch_boundary_every", row_for("train", "switch_boundary_every").note)  # type: ignore[union-attr]
+        job.approx("train.switch_boundary_every", _note("train", "switch_boundary_every"))
 
 
 # --- sample -------------------------------------------------------------------------------------------------------

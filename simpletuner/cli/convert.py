@@ -1,10 +1,10 @@
-"""``simpletuner convert SRC [--out native.json]``: a SimpleTuner config written as a native one.
+"""``simpletuner convert SRC [--out native.json]``: a SimpleTuner config or an ai-toolkit job written as a native one.
 
 The translation is the one ``train`` and ``estimate`` apply when they are given a SimpleTuner config
-(simpletuner/configuration/simpletuner/): the same mapping report is printed, datasets from
-``data_backend_config`` are inlined, and paths (which SimpleTuner reads from the working directory)
-are written absolute, so training the converted file is the same run as training the original. The
-translation is validated as a native config before anything is written: convert writes only what loads.
+(simpletuner/configuration/simpletuner/) or an ai-toolkit job file, YAML or JSON (configuration/aitoolkit/): the
+same mapping report is printed, datasets from ``data_backend_config`` are inlined, and paths (which both tools read
+from the working directory) are written absolute, so training the converted file is the same run as training the
+original. The translation is validated as a native config before anything is written: convert writes only what loads.
 """
 
 from __future__ import annotations
@@ -17,30 +17,39 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Write a SimpleTuner config (config.json with its multidatabackend.json) as a native config and print "
-        "what each key became. Run it from the folder you run SimpleTuner from: its paths are relative to it."
+        "Write a SimpleTuner config (config.json with its multidatabackend.json) or an ai-toolkit job file (YAML or "
+        "JSON, one trainer process) as a native config and print what each key became. Run it from the folder you "
+        "run that tool from: its paths are relative to it."
     )
-    parser.add_argument("source", metavar="SRC", help="SimpleTuner config.json")
+    parser.add_argument("source", metavar="SRC", help="SimpleTuner config.json, or an ai-toolkit job (.yaml / .json)")
     parser.add_argument("--out", help="write the native config here (default: print it)")
     parser.add_argument("--force", action="store_true", help="overwrite --out when it exists (default: refuse)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from simpletuner.configuration.aitoolkit import translate as ait
     from simpletuner.configuration.errors import ConfigError
-    from simpletuner.configuration.loader import NATIVE_KEYS, _read_json, validate_config
+    from simpletuner.configuration.loader import NATIVE_KEYS, read_config_file, validate_config
     from simpletuner.configuration.simpletuner import translate as dialect
+    from simpletuner.configuration.simpletuner.reading import Report
 
     source = Path(args.source)
     try:
-        raw = _read_json(source, "config file")
+        raw = read_config_file(source)
         if not isinstance(raw, dict):
             raise ConfigError(["the config must be a JSON object ({...})"], str(source))
-        if not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
+        report: Report
+        if ait.looks_like_ai_toolkit(raw):
+            native, report = ait.translate(raw, source)
+        elif dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
+            native, report = dialect.translate(raw, source)
+        else:
             print(
-                f"{source} is already a native config (no SimpleTuner key in it): nothing to convert", file=sys.stderr
+                f"{source} is already a native config (neither a SimpleTuner key nor an ai-toolkit job in it): nothing "
+                "to convert",
+                file=sys.stderr,
             )
             return 2
-        native, report = dialect.translate(raw, source)
     except dialect.DialectError as exc:
         print(ConfigError(exc.problems, exc.source), file=sys.stderr)
         return 2
@@ -57,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     for line in report.approximated:
         print(f"warning: approximated: {line}", file=sys.stderr)
     for line in report.overridden:
-        print(f"warning: forced as in SimpleTuner: {line}", file=sys.stderr)
+        print(f"warning: forced as in the source tool: {line}", file=sys.stderr)
     text = json.dumps(native, indent=2, ensure_ascii=False) + "\n"
     if args.out is None:
         sys.stdout.write(text)

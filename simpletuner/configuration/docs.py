@@ -1,4 +1,4 @@
-"""Generate documentation/CONFIG.md and documentation/MIGRATING_FROM_SIMPLETUNER.md:
+"""Generate documentation/CONFIG.md, MIGRATING_FROM_SIMPLETUNER.md and MIGRATING_FROM_AI_TOOLKIT.md:
 ``python -m simpletuner.configuration.docs``.
 
 Each document is a template of the same name in ``templates/`` (the prose) whose ``{{name}}`` lines are
@@ -189,6 +189,19 @@ def value_spelling_table() -> str:
     return _table(("key", "SimpleTuner value", "here"), rows)
 
 
+def ait_table(*sections: str) -> str:
+    """Every key of an ai-toolkit trainer job in ``sections``, the named rows first, then the tail, each sorted."""
+    from simpletuner.configuration.aitoolkit.table import AIT_DIALECT
+
+    rows = (
+        f"| `{e.key}` | {e.kind} | {_here(e.ours)} | {_cell(e.note)} |"
+        for e in sorted(
+            (e for e in AIT_DIALECT if e.section in sections), key=lambda e: (e.note.startswith("not "), e.key)
+        )
+    )
+    return _table(("key", "kind", "here", "note"), rows)
+
+
 def dialect_table(section: str) -> str:
     """Every key of SimpleTuner's dialect in ``section`` (``top`` / ``dataset``), sorted."""
     rows = (
@@ -234,6 +247,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "value_spellings": value_spelling_table,
     "dialect_top": lambda: dialect_table("top"),
     "dialect_dataset": lambda: dialect_table("dataset"),
+    "ait_job": lambda: ait_table("job", "process"),
+    **{f"ait_{section}": partial(ait_table, section) for section in ("network", "save", "dataset", "train", "model")},
+    "ait_sample": lambda: ait_table("sample"),
 }
 
 _PLACEHOLDER = re.compile(r"^\{\{(\w+)\}\}$", re.MULTILINE)
@@ -259,8 +275,17 @@ def render_migrating() -> str:
     return fill(template("MIGRATING_FROM_SIMPLETUNER.md"))
 
 
+def render_migrating_ai_toolkit() -> str:
+    """documentation/MIGRATING_FROM_AI_TOOLKIT.md."""
+    return fill(template("MIGRATING_FROM_AI_TOOLKIT.md"))
+
+
 #: Each generated document and its renderer.
-DOCUMENTS = {"CONFIG.md": render, "MIGRATING_FROM_SIMPLETUNER.md": render_migrating}
+DOCUMENTS = {
+    "CONFIG.md": render,
+    "MIGRATING_FROM_SIMPLETUNER.md": render_migrating,
+    "MIGRATING_FROM_AI_TOOLKIT.md": render_migrating_ai_toolkit,
+}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

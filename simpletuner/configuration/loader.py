@@ -60,6 +60,27 @@ def _read_json(path: Path, what: str) -> Any:
         raise ConfigError([f"{what} {path} is not valid JSON: {exc}"]) from None
 
 
+def read_config_file(path: Path) -> Any:
+    """The config file's content: JSON, or YAML for a ``.yaml`` / ``.yml`` file (an ai-toolkit job); an ai-toolkit
+    job's ``${NAME}`` environment variables filled in as ai-toolkit fills them (configuration/aitoolkit/reading.py)."""
+    from simpletuner.configuration.aitoolkit import reading as ait_reading
+
+    if not ait_reading.is_yaml_path(path):
+        raw = _read_json(path, "config file")
+        if not (ait_reading.looks_like_ai_toolkit(raw) and "${" in path.read_text(encoding="utf-8")):
+            return raw
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"config file {path} does not exist"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"config file {path} cannot be read: {exc}"]) from None
+    try:
+        return ait_reading.parse_job_text(text, ait_reading.is_yaml_path(path), str(path))
+    except dialect.DialectError as exc:
+        raise ConfigError(exc.problems, exc.source) from None
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b=3`` -> (['a', 'b'], 3). Values are JSON when they parse as JSON, else strings."""
     if "=" not in item:
@@ -455,7 +476,7 @@ def read_raw_config(path: str | os.PathLike, overrides: Iterable[str] = ()) -> d
     config is translated first (configuration/simpletuner/; its report is logged once per file), so the
     overrides, like everything after, use our key names."""
     p = Path(path)
-    raw = _read_json(p, "config file")
+    raw = read_config_file(p)
     if not isinstance(raw, dict):
         raise ConfigError(["the config must be a JSON object ({...})"], str(p))
     return apply_overrides(native_config(raw, p), overrides)
@@ -466,12 +487,16 @@ _REPORTED: set[Path] = set()
 
 
 def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
-    """``raw`` itself when it is a native config; a SimpleTuner config translated (and its report logged:
-    the summary and mapping at INFO, each approximation as a warning)."""
-    if not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
+    """``raw`` itself when it is a native config; a SimpleTuner config or an ai-toolkit job translated (and its
+    report logged: the summary and mapping at INFO, each approximation as a warning)."""
+    from simpletuner.configuration.aitoolkit import translate as ait
+
+    is_job = ait.looks_like_ai_toolkit(raw)
+    if not is_job and not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
         return raw
+    tool = "ai-toolkit" if is_job else "SimpleTuner"
     try:
-        native, report = dialect.translate(raw, path)
+        native, report = ait.translate(raw, path) if is_job else dialect.translate(raw, path)
     except dialect.DialectError as exc:
         raise ConfigError(exc.problems, exc.source) from None
     key = path.resolve() if path is not None else None
@@ -481,11 +506,11 @@ def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, An
         for line in report.lines(mapped=False):
             logger.info("%s", line)
         for line in report.mapped:
-            logger.debug("SimpleTuner key mapped: %s", line)
+            logger.debug("%s key mapped: %s", tool, line)
         for line in report.approximated:
-            logger.warning("SimpleTuner key approximated: %s", line)
+            logger.warning("%s key approximated: %s", tool, line)
         for line in report.overridden:
-            logger.warning("SimpleTuner setting forced: %s", line)
+            logger.warning("%s setting forced: %s", tool, line)
     return native
 
 

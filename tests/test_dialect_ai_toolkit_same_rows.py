@@ -1,0 +1,461 @@
+"""Every `same` row of the ai-toolkit table, backed by figures taken from ai-toolkit's code (commit AIT_COMMIT).
+
+Each row of :data:`ROWS` names the ai-toolkit lines that give the key its meaning, says in a sentence what
+ai-toolkit does with it, and lists job fragments (dotted paths into the trainer process) with the native values
+the translation must write. Where the meaning is a behaviour (a timestep draw, a bucket size, an optimizer), a
+test below computes ai-toolkit's figure from the formula at the cited lines and holds ours to it (or, where the
+two differ, the row is `approximated` and the figure that differs is in its warning).
+:func:`test_every_same_row_has_evidence` keeps the table honest: a `same` row with no evidence here fails.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from simpletuner.configuration import validate_config
+from simpletuner.configuration.aitoolkit import translate as ait
+from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT
+from simpletuner.configuration.aitoolkit.table import AIT_DIALECT
+from simpletuner.data_backend.buckets import bucket_for
+from simpletuner.models import noise
+
+#: A bare mirror of ostris/ai-toolkit, when present: cited lines are checked to exist at AIT_COMMIT.
+MIRROR = Path("/work/.mirror/ostris+ai-toolkit/repo")
+UNSET = object()
+CM = "toolkit/config_modules.py"
+BASE = "jobs/process/BaseSDTrainProcess.py"
+
+
+@dataclass(frozen=True)
+class Row:
+    where: tuple[str, ...]
+    does: str
+    cases: tuple[tuple[dict, dict], ...]
+
+
+def _row(where: str, does: str, *cases: tuple[dict, dict]) -> Row:
+    return Row(tuple(where.split()), does, cases)
+
+
+def job(fragment: dict[str, Any]) -> dict:
+    """A flux trainer job with one dataset, ``fragment``'s dotted paths set in its process (None: removed)."""
+    process: dict[str, Any] = {
+        "type": "sd_trainer",
+        "training_folder": "out",
+        "model": {"name_or_path": "model", "arch": "flux"},
+        "network": {"type": "lora", "linear": 16, "linear_alpha": 16},
+        "datasets": [{"folder_path": "data", "caption_ext": "txt", "resolution": 512}],
+        "train": {"steps": 10, "lr": 1e-4, "optimizer": "adamw", "noise_scheduler": "flowmatch"},
+        "sample": {"prompts": ["a cat"]},
+    }
+    for dotted, value in fragment.items():
+        node = process
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return {"job": "extension", "config": {"name": "run", "process": [process]}}
+
+
+def translated(tmp_path: Path, fragment: dict[str, Any]) -> dict:
+    native, _ = ait.translate(job(fragment), None, tmp_path)
+    validate_config(native, check_files=False)
+    return native
+
+
+def lookup(native: dict, dotted: str) -> Any:
+    node: Any = native
+    for part in dotted.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return UNSET
+    return node
+
+
+ROWS: dict[tuple[str, str], Row] = {
+    ("job", "job"): _row(
+        "toolkit/job.py:27 extensions_built_in/sd_trainer/__init__.py:8",
+        "`job: extension` runs the extension process named by each process's `type`",
+        ({}, {"model_family": "flux"}),
+    ),
+    ("job", "config.name"): _row(
+        "toolkit/config.py:38 jobs/process/BaseTrainProcess.py:35",
+        "the run's folder is training_folder/name",
+        ({}, {"output_dir": "{cwd}/out/run"}),
+    ),
+    ("job", "config.process"): _row(
+        "jobs/BaseJob.py:40",
+        "each entry of config.process is a process run in turn (one here)",
+        ({}, {"datasets.0.id": "dataset0"}),
+    ),
+    ("process", "type"): _row(
+        "extensions_built_in/sd_trainer/__init__.py:8 extensions_built_in/sd_trainer/__init__.py:26",
+        "sd_trainer / ui_trainer run SDTrainer",
+        ({"type": "ui_trainer"}, {"model_family": "flux"}),
+    ),
+    ("process", "training_folder"): _row(
+        "jobs/process/BaseTrainProcess.py:35",
+        "the folder the run's folder is made in, from the working directory",
+        ({"training_folder": "runs"}, {"output_dir": "{cwd}/runs/run"}),
+    ),
+    ("process", "dataset"): _row(
+        f"{CM}:1095",
+        "the GH200 fork's one-dataset block (seed 001, 8.3) is one dataset entry",
+        ({"datasets": None, "dataset": {"folder_path": "data", "resolution": 256}}, {"datasets.0.resolution": 256}),
+    ),
+    ("process", "optimizer"): _row(
+        "toolkit/optimizer.py:97",
+        "the GH200 fork's `optimizer: {name, ...}` (seed 001, 8.3): name and settings",
+        (
+            {"train.optimizer": None, "optimizer": {"name": "automagic", "high_noise_lr_bump": 1e-6}},
+            {"optimizer": "automagic", "high_noise_lr_bump": 1e-6, "weight_decay": 0.0},
+        ),
+    ),
+    ("network", "linear"): _row(
+        f"{CM}:172 {CM}:178",
+        "the LoRA rank",
+        ({"network.linear": 8}, {"lora_rank": 8}),
+        ({"network.linear": None}, {"lora_rank": 4}),
+    ),
+    ("network", "rank"): _row(
+        f"{CM}:175", "the older name of linear", ({"network.linear": None, "network.rank": 8}, {"lora_rank": 8})
+    ),
+    ("network", "linear_alpha"): _row(
+        f"{CM}:185",
+        "the LoRA alpha (scale alpha / rank); default `alpha`, 1.0",
+        ({"network.linear_alpha": 4}, {"lora_alpha": 4.0}),
+        ({"network.linear_alpha": None}, {"lora_alpha": 1.0}),
+    ),
+    ("network", "alpha"): _row(
+        f"{CM}:184",
+        "alpha where linear_alpha is unset",
+        ({"network.linear_alpha": None, "network.alpha": 8}, {"lora_alpha": 8.0}),
+    ),
+    ("network", "dropout"): _row(
+        f"{CM}:187", "dropout on the LoRA path", ({"network.dropout": 0.1}, {"lora_dropout": 0.1})
+    ),
+    ("save", "max_step_saves_to_keep"): _row(
+        f"{CM}:27",
+        "step saves kept; default 5",
+        ({}, {"checkpoints_total_limit": 5}),
+        ({"save.max_step_saves_to_keep": 2}, {"checkpoints_total_limit": 2}),
+    ),
+    ("save", "save_format"): _row(
+        f"{CM}:28", "safetensors: the adapter file", ({"save.save_format": "safetensors"}, {"lora_type": "standard"})
+    ),
+    ("save", "push_to_hub"): _row(
+        f"{CM}:31",
+        "upload at the end",
+        ({"save.push_to_hub": True, "save.hf_repo_id": "me/run"}, {"push_to_hub": True, "model_card_private": False}),
+    ),
+    ("save", "hf_repo_id"): _row(
+        f"{CM}:32",
+        "the repo uploaded to",
+        ({"save.push_to_hub": True, "save.hf_repo_id": "me/run"}, {"hub_model_id": "me/run"}),
+    ),
+    ("save", "hf_private"): _row(
+        f"{CM}:33",
+        "a private repo; default false",
+        (
+            {"save.push_to_hub": True, "save.hf_repo_id": "me/run", "save.hf_private": True},
+            {"model_card_private": True},
+        ),
+    ),
+    ("dataset", "folder_path"): _row(
+        f"{CM}:921 toolkit/config.py:14",
+        "the image folder, from the working directory",
+        ({}, {"datasets.0.instance_data_dir": "{cwd}/data"}),
+    ),
+    ("dataset", "caption_ext"): _row(
+        f"{CM}:941 toolkit/dataloader_mixins.py:153 toolkit/dataloader_mixins.py:99",
+        "each image's .txt file read whole (clean_caption keeps it as it is)",
+        (
+            {"datasets.0.caption_ext": ".txt"},
+            {"datasets.0.caption_strategy": "textfile", "datasets.0.disable_multiline_split": True},
+        ),
+    ),
+    ("dataset", "caption_dropout_rate"): _row(
+        f"{CM}:956 toolkit/dataloader_mixins.py:403",
+        "the empty caption with this chance, unless text embeddings are cached",
+        ({"datasets.0.caption_dropout_rate": 0.05}, {"caption_dropout_probability": 0.05}),
+        (
+            {"datasets.0.caption_dropout_rate": 0.05, "train.cache_text_embeddings": True},
+            {"caption_dropout_probability": 0.0},
+        ),
+    ),
+    ("dataset", "num_repeats"): _row(
+        f"{CM}:1002", "the dataset N times per epoch", ({"datasets.0.num_repeats": 3}, {"datasets.0.repeats": 2})
+    ),
+    ("dataset", "buckets"): _row(
+        f"{CM}:949", "aspect buckets on (the default)", ({"datasets.0.buckets": True}, {"datasets.0.crop": UNSET})
+    ),
+    ("dataset", "augmentations_cache_mode"): _row(
+        "toolkit/dataloader_mixins.py:1",
+        "the GH200 fork's augmentation cache modes (seed 001, 4.1 / 4.3)",
+        (
+            {"datasets.0.augmentations_cache_mode": "refresh_each_epoch"},
+            {"augmentations_cache_mode": "refresh_each_epoch"},
+        ),
+    ),
+    ("dataset", "type"): _row(
+        f"{CM}:919", "an image dataset", ({"datasets.0.type": "image"}, {"datasets.0.dataset_type": UNSET})
+    ),
+    ("train", "batch_size"): _row(f"{CM}:393", "the micro-batch", ({"train.batch_size": 2}, {"train_batch_size": 2})),
+    ("train", "steps"): _row(
+        f"{CM}:380", "optimizer steps; default 1000", ({"train.steps": None}, {"max_train_steps": 1000})
+    ),
+    ("train", "lr"): _row(
+        f"{CM}:381 toolkit/optimizer.py:79",
+        "the learning rate; default 1e-6",
+        ({"train.lr": None}, {"learning_rate": 1e-6}),
+        ({"train.lr": "3e-4"}, {"learning_rate": 3e-4}),
+    ),
+    ("train", "unet_lr"): _row(
+        f"{CM}:382", "the denoiser's rate, default lr", ({"train.unet_lr": 5e-5}, {"learning_rate": 5e-5})
+    ),
+    ("train", "text_encoder_lr"): _row(
+        f"{CM}:383",
+        "the text encoder's rate",
+        (
+            {
+                "model.arch": "sdxl",
+                "train.noise_scheduler": "ddpm",
+                "train.train_text_encoder": True,
+                "train.text_encoder_lr": 5e-5,
+            },
+            {"text_encoder_lr": 5e-5},
+        ),
+    ),
+    ("train", "optimizer"): _row(
+        "toolkit/optimizer.py:79 toolkit/optimizer.py:77",
+        "torch AdamW / Adam with eps=1e-6 and torch's own defaults (weight decay 0.01 / 0)",
+        ({}, {"optimizer": "adamw", "adam_epsilon": 1e-6, "weight_decay": 0.01, "adam_beta1": UNSET}),
+        ({"train.optimizer": "adam"}, {"optimizer": "adam", "adam_epsilon": 1e-6, "weight_decay": 0.0}),
+    ),
+    ("train", "optimizer_params"): _row(
+        "toolkit/optimizer.py:79",
+        "keyword arguments of the optimizer",
+        (
+            {"train.optimizer_params": {"weight_decay": 1e-4, "betas": [0.9, 0.99]}},
+            {"weight_decay": 1e-4, "adam_beta2": 0.99},
+        ),
+    ),
+    ("train", "gradient_accumulation_steps"): _row(
+        f"{CM}:456",
+        "micro-batches per step",
+        ({"train.gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2}),
+    ),
+    ("train", "gradient_accumulation"): _row(
+        f"{CM}:460", "micro-batches per step", ({"train.gradient_accumulation": 4}, {"gradient_accumulation_steps": 4})
+    ),
+    ("train", "gradient_checkpointing"): _row(f"{CM}:413", "default true", ({}, {"gradient_checkpointing": True})),
+    ("train", "noise_scheduler"): _row(f"{BASE}:1195", "flowmatch for flow models", ({}, {"model_family": "flux"})),
+    ("train", "timestep_type"): _row(
+        f"{CM}:556 {BASE}:1196 {BASE}:1301 toolkit/samplers/custom_flowmatch_sampler.py:116",
+        "linear: sigma uniform; sigmoid (default): sigma = 1 - sigmoid(N(0, 1)); both unshifted",
+        ({"train.timestep_type": "linear"}, {"timestep_sampling": "uniform", "flow_shift": 1.0}),
+        ({}, {"timestep_sampling": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0, "flow_shift": 1.0}),
+    ),
+    ("train", "content_or_style"): _row(
+        f"{BASE}:1301",
+        "balanced: the timestep_type draw",
+        ({"train.content_or_style": "balanced"}, {"timestep_sampling": "logit_normal"}),
+    ),
+    ("train", "mixed_precision"): _row(
+        f"{CM}:395",
+        "the GH200 fork's spelling of the training precision (seed 001, 10.3)",
+        ({"train.mixed_precision": "bf16"}, {"mixed_precision": "bf16"}),
+    ),
+    ("train", "train_unet"): _row(
+        f"{CM}:399", "the denoiser trains", ({"train.train_unet": True}, {"training_type": UNSET})
+    ),
+    ("train", "max_grad_norm"): _row(
+        f"{CM}:417", "clip the total gradient norm", ({"train.max_grad_norm": 0.5}, {"max_grad_norm": 0.5})
+    ),
+    ("train", "loss_type"): _row(f"{CM}:517", "mse", ({"train.loss_type": "mse"}, {"loss_type": "l2"})),
+    ("train", "disable_sampling"): _row(
+        f"{CM}:559", "no samples", ({"train.disable_sampling": True}, {"validation_prompts": UNSET})
+    ),
+    ("model", "name_or_path"): _row(f"{CM}:628", "the model", ({}, {"pretrained_model_name_or_path": "model"})),
+    ("model", "arch"): _row(
+        f"{CM}:732 {CM}:756",
+        "the architecture",
+        ({"model.arch": "wan22_14b"}, {"model_family": "wan"}),
+        ({"model.arch": "sdxl", "train.noise_scheduler": "ddpm"}, {"model_family": "sdxl"}),
+    ),
+    ("model", "is_flux"): _row(
+        f"{CM}:639 {CM}:790",
+        "flux where arch is unset",
+        ({"model.arch": None, "model.is_flux": True}, {"model_family": "flux"}),
+    ),
+    ("model", "is_xl"): _row(
+        f"{CM}:632 {CM}:782",
+        "sdxl where arch is unset",
+        ({"model.arch": None, "model.is_xl": True, "train.noise_scheduler": "ddpm"}, {"model_family": "sdxl"}),
+    ),
+    ("model", "is_v3"): _row(
+        f"{CM}:638 {CM}:780",
+        "sd3 where arch is unset",
+        ({"model.arch": None, "model.is_v3": True}, {"model_family": "sd3"}),
+    ),
+    ("model", "is_v2"): _row(
+        f"{CM}:631 {CM}:778",
+        "sd2 where arch is unset",
+        ({"model.arch": None, "model.is_v2": True, "train.noise_scheduler": "ddpm"}, {"model_family": "sd"}),
+    ),
+    ("model", "model_kwargs"): _row(
+        "extensions_built_in/diffusion_models/wan22/wan22_14b_model.py:196",
+        "train_high_noise / train_low_noise pick the experts",
+        (
+            {"model.arch": "wan22_14b", "model.model_kwargs": {"train_high_noise": True, "train_low_noise": False}},
+            {"train_stages": "high"},
+        ),
+    ),
+    ("model", "vae_path"): _row(
+        f"{CM}:647", "a separate VAE", ({"model.vae_path": "vae"}, {"pretrained_vae_model_name_or_path": "vae"})
+    ),
+    ("model", "is_v_pred"): _row(
+        f"{CM}:645",
+        "v-prediction",
+        (
+            {"model.arch": "sdxl", "train.noise_scheduler": "ddpm", "model.is_v_pred": True},
+            {"prediction_type": "v_prediction"},
+        ),
+    ),
+    ("model", "extras_name_or_path"): _row(
+        f"{CM}:719",
+        "default name_or_path",
+        ({"model.extras_name_or_path": "model"}, {"pretrained_model_name_or_path": "model"}),
+    ),
+    ("sample", "prompts"): _row(
+        f"{CM}:104",
+        "the sample prompts",
+        ({"sample.prompts": ["[trigger] cat"], "trigger_word": "sks"}, {"validation_prompts": ["sks cat"]}),
+    ),
+    ("sample", "sample_every"): _row(f"{CM}:82", "every N steps; default 100", ({}, {"validation_steps": 100})),
+    ("sample", "sample_steps"): _row(
+        f"{CM}:90", "sampler steps; default 20", ({}, {"validation_num_inference_steps": 20})
+    ),
+    ("sample", "guidance_scale"): _row(f"{CM}:89", "guidance; default 7", ({}, {"validation_guidance_scale": 7})),
+    ("sample", "width"): _row(
+        f"{CM}:84", "width; default 512", ({"sample.width": 768}, {"validation_resolution": "768x512"})
+    ),
+    ("sample", "height"): _row(
+        f"{CM}:85", "height; default 512", ({"sample.height": 256}, {"validation_resolution": "512x256"})
+    ),
+    ("sample", "neg"): _row(
+        f"{CM}:86",
+        "the negative prompt",
+        ({"sample.neg": "blurry"}, {"validation_negative_prompt": "blurry"}),
+        ({"sample.neg": ""}, {"validation_negative_prompt": UNSET}),
+    ),
+    ("sample", "seed"): _row(f"{CM}:87", "the sample seed; default 0", ({}, {"validation_seed": 0})),
+    ("sample", "num_frames"): _row(
+        f"{CM}:98",
+        "frames of a sample video",
+        ({"model.arch": "wan21", "sample.num_frames": 5}, {"validation_num_video_frames": 5}),
+    ),
+    ("sample", "guidance_rescale"): _row(
+        f"{CM}:92",
+        "guidance rescale",
+        (
+            {"model.arch": "sdxl", "train.noise_scheduler": "ddpm", "sample.guidance_rescale": 0.7},
+            {"validation_guidance_rescale": 0.7},
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("row,index", [(k, i) for k, r in ROWS.items() for i in range(len(r.cases))], ids=str)
+def test_same_row_translates_to_ai_toolkits_meaning(tmp_path, row, index):
+    fragment, expect = ROWS[row].cases[index]
+    native = translated(tmp_path, fragment)
+    for key, want in expect.items():
+        got = lookup(native, key)
+        if isinstance(want, str) and "{cwd}" in want:
+            want = want.replace("{cwd}", str(tmp_path))
+        assert got is want if want is UNSET else got == want, f"{key}: {got!r}, ai-toolkit's figure {want!r}"
+
+
+def test_every_same_row_has_evidence():
+    same = {(row.section, row.key) for row in AIT_DIALECT if row.kind == "same"}
+    missing = sorted(same - set(ROWS))
+    assert not missing, f"`same` rows without evidence (write it, or mark them approximated): {missing}"
+    assert not sorted(set(ROWS) - same), "evidence for rows that are not `same`"
+
+
+def test_evidence_cites_ai_toolkit_lines():
+    assert AIT_COMMIT == "27a03a91"
+    for key, row in ROWS.items():
+        for place in row.where:
+            match = re.fullmatch(r"([\w/.]+\.py):(\d+)", place)
+            assert match, f"{key}: {place!r} is not path:line"
+            if MIRROR.is_dir():
+                text = subprocess.run(
+                    ["git", "-C", str(MIRROR), "show", f"{AIT_COMMIT}:{match[1]}"], capture_output=True, text=True
+                ).stdout
+                assert int(match[2]) <= len(text.splitlines()), f"{key}: {place} is not a line of ai-toolkit"
+
+
+# --- behaviours, against figures computed from ai-toolkit's formulas --------------------------------------------------
+
+
+def test_timestep_draws_are_ai_toolkits():
+    # sigmoid (custom_flowmatch_sampler.py:120-133 + BaseSDTrainProcess.py:1312): sigma = 1 - sigmoid(z), z ~ N(0, 1),
+    # one of 1000 sorted draws picked uniformly: P(sigma < 0.5) = 0.5, P(sigma < sigmoid(-1) = 0.268941) = 0.158655.
+    u = noise.sample_u(200_000, torch.Generator().manual_seed(0), "logit_normal", 0.0, 1.0)
+    assert abs(float((u < 0.5).float().mean()) - 0.5) < 0.005
+    assert abs(float((u < 0.268941).float().mean()) - 0.158655) < 0.005
+    # linear (custom_flowmatch_sampler.py:116-119): sigma = linspace(1000, 1, 1000)[randint(0, 999)] / 1000, so its
+    # mean is 0.501 and P(sigma < 0.25) = 0.249; ours draws sigma uniform in (0, 1): the same within 1/1000.
+    grid = torch.linspace(1000, 1, 1000)[:999] / 1000
+    assert math.isclose(float(grid.mean()), 0.501, abs_tol=1e-4)
+    u = noise.sample_u(200_000, torch.Generator().manual_seed(1), "uniform")
+    assert abs(float(u.mean()) - float(grid.mean())) < 0.005
+    assert abs(float((u < 0.25).float().mean()) - float((grid < 0.25).float().mean())) < 0.005
+
+
+#: ai-toolkit's get_bucket_for_image_size (toolkit/buckets.py:17-47) at divisibility 64, computed from its formula:
+#: (width, height, resolution) -> its bucket. The row `resolution` is approximated: ours differs where shown.
+AIT_BUCKETS = {
+    (1024, 1024, 512): (512, 512),
+    (1024, 1024, 1024): (1024, 1024),
+    (1920, 1080, 768): (1024, 576),
+    (1920, 1080, 1024): (1344, 768),
+    (1200, 800, 512): (576, 448),
+    (300, 200, 512): (320, 192),
+}
+
+
+def test_square_and_16_9_buckets_match_ai_toolkits_and_the_warning_names_where_they_differ():
+    for (w, h, res), theirs in AIT_BUCKETS.items():
+        ours = bucket_for(w, h, res, 64)
+        if (w, h) in ((1200, 800), (300, 200)):
+            assert ours != theirs  # named in the `resolution` row's warning
+        else:
+            assert ours == theirs, f"{w}x{h} at {res}: {ours} here, {theirs} in ai-toolkit"
+    note = next(r.note for r in AIT_DIALECT if (r.section, r.key) == ("dataset", "resolution"))
+    assert "576x448 there, 640x448 here" in note and "320x192 there" in note
+
+
+def test_migration_guide_is_generated_from_the_table():
+    from simpletuner.configuration.docs import render_migrating_ai_toolkit
+
+    doc = (Path(__file__).parent.parent / "documentation" / "MIGRATING_FROM_AI_TOOLKIT.md").read_text()
+    assert doc == render_migrating_ai_toolkit(), "run `python -m simpletuner.configuration.docs`"
+    for row in AIT_DIALECT:
+        assert f"| `{row.key}` | {row.kind} |" in doc, row

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from simpletuner.models.sd import StableDiffusionSpec
     from simpletuner.models.sd3 import StableDiffusion3Spec
     from simpletuner.models.sdxl import StableDiffusionXLSpec
+    from simpletuner.models.sdxl_controlnet import StableDiffusionXLControlNetSpec
     from simpletuner.models.spec import ModelSpec
     from simpletuner.models.wan import WanSpec
     from simpletuner.models.wan22 import Wan22Spec
@@ -34,6 +35,7 @@ _SPEC_CLASSES: dict[str, str] = {
     "ModelSpec": "simpletuner.models.spec:ModelSpec",
     "StableDiffusionSpec": "simpletuner.models.sd:StableDiffusionSpec",
     "StableDiffusionXLSpec": "simpletuner.models.sdxl:StableDiffusionXLSpec",
+    "StableDiffusionXLControlNetSpec": "simpletuner.models.sdxl_controlnet:StableDiffusionXLControlNetSpec",
     "StableDiffusion3Spec": "simpletuner.models.sd3:StableDiffusion3Spec",
     "FluxSpec": "simpletuner.models.flux:FluxSpec",
     "FluxKontextSpec": "simpletuner.models.flux_kontext:FluxKontextSpec",
@@ -148,14 +150,31 @@ def _qwen_image_variant(config: "TrainingConfig") -> type[ModelSpec]:
 
 
 def _flux_variant(config: "TrainingConfig") -> type[ModelSpec]:
-    """From the folder's ``model_index.json``: Flux.1 Kontext (``FluxKontextPipeline``), else Flux.1."""
+    """From the folder's ``model_index.json``: Flux.1 Kontext (``FluxKontextPipeline``), else Flux.1; with
+    ``controlnet``, Flux.1 with a ControlNet.
+
+    Raises:
+        ValueError: ``controlnet`` with a Kontext folder.
+    """
     from pathlib import Path
 
     from simpletuner.models.spec import read_model_index
 
     root = Path(config.pretrained_model_name_or_path).expanduser()
     name = ((read_model_index(root) if root.is_dir() else None) or {}).get("_class_name")
+    if config.controlnet:
+        if name == "FluxKontextPipeline":
+            raise ValueError(
+                f"controlnet: {root / 'model_index.json'} is a FluxKontextPipeline (an edit model), for which no "
+                "ControlNet trains here: point pretrained_model_name_or_path at a Flux.1 folder, or remove controlnet"
+            )
+        raise ValueError("controlnet: Flux ControlNet training is not supported yet")
     return _spec_class("FluxKontextSpec" if name == "FluxKontextPipeline" else "FluxSpec")
+
+
+def _sdxl_variant(config: "TrainingConfig") -> type[ModelSpec]:
+    """SDXL, or with ``controlnet`` SDXL with a ControlNet."""
+    return _spec_class("StableDiffusionXLControlNetSpec" if config.controlnet else "StableDiffusionXLSpec")
 
 
 #: Families with variants: family name -> the function choosing the class for a config's folder.
@@ -163,6 +182,7 @@ FAMILY_VARIANTS: dict[str, Callable[["TrainingConfig"], type[ModelSpec]]] = {
     "wan": _wan_variant,
     "qwen_image": _qwen_image_variant,
     "flux": _flux_variant,
+    "sdxl": _sdxl_variant,
 }
 
 
@@ -185,6 +205,7 @@ __all__ = [
     "QwenImageSpec",
     "StableDiffusion3Spec",
     "StableDiffusionSpec",
+    "StableDiffusionXLControlNetSpec",
     "StableDiffusionXLSpec",
     "Wan22I2VSpec",
     "Wan22Spec",

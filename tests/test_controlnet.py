@@ -1,0 +1,266 @@
+"""ControlNet training (``controlnet: true``) for SDXL and Flux on their tiny zoo models: the conditioning image
+reaches the ControlNet and its residuals the frozen base; a fresh ControlNet (from_unet / from_transformer) gives
+the base's own loss at step 0; full and LoRA runs write what diffusers' ControlNet pipelines load and render with;
+validation renders with the control image; pairing errors stop before caching; resume; the refusals; SimpleTuner's
+ControlNet config shape through the dialect."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from training_helpers import config_problems, train
+
+from simpletuner.configuration import validate_config
+from simpletuner.models import get_model_spec
+from simpletuner.models.controlnet import CONTROLNET_FOLDER, LORA_FILE, LORA_PREFIX, ControlledDenoiser
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Four 64 px images, each with a conditioning image of the same name (the edit-pair demo's shapes)."""
+    from simpletuner.cli.demo import write_edit_pairs
+
+    return write_edit_pairs(tmp_path_factory.mktemp("controlnet_pairs"), num_pairs=4, sizes=((64, 64),))
+
+
+def _datasets(pairs) -> list[dict]:
+    images, sources = pairs
+    return [{"id": "pairs", "type": "local", "instance_data_dir": str(images), "conditioning_data_dir": str(sources)}]
+
+
+@pytest.fixture
+def sdxl_config(zoo_config, pairs):
+    def make(**overrides):
+        raw = zoo_config(
+            "sdxl",
+            controlnet=True,
+            training_type="full",
+            datasets=_datasets(pairs),
+            max_train_steps=1,
+            learning_rate=1e-3,
+            mixed_precision="no",
+        )
+        raw.update(overrides)
+        return raw
+
+    return make
+
+
+def _sdxl_batch(seed: int = 0, side: int = 32):
+    from simpletuner.models.sdxl_controlnet import CONTROL_PIXELS
+    from simpletuner.testing.zoo import TINY_SDXL_HIDDEN, TINY_SDXL_PROJECTION
+
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(2, 4, side // 8, side // 8, generator=g)
+    cond = {
+        "prompt_embeds": torch.randn(2, 77, sum(TINY_SDXL_HIDDEN), generator=g),
+        "pooled_prompt_embeds": torch.randn(2, TINY_SDXL_PROJECTION, generator=g),
+        CONTROL_PIXELS: torch.randint(0, 256, (2, 3, side, side), generator=g, dtype=torch.uint8),
+    }
+    return latents, cond
+
+
+# --- SDXL ----------------------------------------------------------------------------------------------------------
+
+
+def test_sdxl_step0_is_the_base_loss_and_the_control_image_reaches_the_unet(sdxl_config):
+    from simpletuner.models.sdxl_controlnet import CONTROL_PIXELS, StableDiffusionXLControlNetSpec
+
+    spec = get_model_spec(validate_config(sdxl_config()))
+    assert type(spec) is StableDiffusionXLControlNetSpec and spec.conditions_on_image
+    model = spec.prepare_denoiser(spec.load_denoiser(), torch.float32)
+    assert isinstance(model, ControlledDenoiser)
+    assert not any(p.requires_grad for p in model.base.parameters())
+    assert all(p.requires_grad for p in model.controlnet.parameters())
+    latents, cond = _sdxl_batch()
+    plain = get_model_spec(validate_config(sdxl_config(controlnet=False)))
+    with torch.no_grad():
+        got = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
+        base = plain.training_loss(model.base, latents, cond, torch.Generator().manual_seed(3))
+    assert torch.equal(got, base)  # zero convolutions: a fresh ControlNet adds nothing
+    trained = (model.controlnet.controlnet_down_blocks, model.controlnet.controlnet_cond_embedding.conv_out)
+    for p in (p for part in trained for p in part.parameters()):  # zero-initialised: as after some training
+        p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    other = {**cond, CONTROL_PIXELS: 255 - cond[CONTROL_PIXELS]}
+    loss = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        changed = spec.training_loss(model, latents, other, torch.Generator().manual_seed(3))
+    assert (loss - changed).abs().max() > 1e-4, (loss, changed)  # the conditioning image reaches the ControlNet
+    loss.sum().backward()
+    assert model.controlnet.controlnet_cond_embedding.conv_in.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.base.parameters())  # the base stays frozen
+
+
+def _render_sdxl(model_folder: Path, controlnet, control: Image.Image):
+    from diffusers import StableDiffusionXLControlNetPipeline
+
+    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(
+        str(model_folder), controlnet=controlnet, use_safetensors=True, add_watermarker=False
+    )
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        "a circle",
+        image=control,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0),
+        output_type="pt",
+    )
+    return out.images
+
+
+@pytest.fixture(scope="module")
+def sdxl_full_run(zoo, pairs, tmp_path_factory):
+    """One full ControlNet step with validation from `validation_image` and a checkpoint."""
+    from training_helpers import tiny_config
+
+    root = tmp_path_factory.mktemp("sdxl_controlnet_full")
+    raw = tiny_config(
+        zoo("sdxl"),
+        pairs[0],
+        root,
+        model_family="sdxl",
+        controlnet=True,
+        training_type="full",
+        datasets=_datasets(pairs),
+        max_train_steps=2,
+        checkpointing_steps=1,
+        learning_rate=1e-3,
+        mixed_precision="no",
+        validation_prompt="a circle",
+        validation_image=str(pairs[1] / "000.png"),
+        validation_num_inference_steps=1,
+        validation_steps=2,
+    )
+    return raw, *train(raw)
+
+
+def test_sdxl_full_run_saves_the_controlnet_folder_the_pipeline_renders_with(sdxl_full_run, zoo, pairs):
+    from diffusers import ControlNetModel
+
+    raw, trainer, result = sdxl_full_run
+    assert result.global_step == 2 and all(math.isfinite(x) for x in result.losses)
+    out = Path(raw["output_dir"])
+    folder = out / CONTROLNET_FOLDER
+    assert result.output_path == folder and (folder / "config.json").is_file()
+    assert not (out / "unet").exists()  # the base is not written
+    loaded = ControlNetModel.from_pretrained(str(folder), use_safetensors=True)
+    trained = trainer.accelerator.unwrap_model(trainer.model).controlnet
+    for name, value in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    fresh = get_model_spec(validate_config(raw)).load_denoiser().controlnet
+    assert not torch.equal(fresh.controlnet_mid_block.weight, loaded.controlnet_mid_block.weight)  # it trained
+    control = Image.open(pairs[1] / "000.png").convert("RGB")
+    image = _render_sdxl(zoo("sdxl"), loaded, control)
+    assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
+    # A checkpoint holds the ControlNet folder too.
+    checkpoint = sorted(out.glob("checkpoint-*"))[0]
+    assert (checkpoint / CONTROLNET_FOLDER / "config.json").is_file()
+
+
+def test_sdxl_validation_renders_with_the_control_image(sdxl_full_run, pairs):
+    _, trainer, result = sdxl_full_run
+    assert sorted(p.name for p in result.validation_images) == ["step_000000_0.png", "step_000002_0.png"]
+    assert Image.open(result.validation_images[-1]).size == (64, 64)
+    # The validator renders from validation_image (the second pair's image here, not the first pair's control).
+    control = Image.open(pairs[1] / "000.png").convert("RGB")
+    assert [list(i.getdata()) for i in trainer.validator.images] == [list(control.getdata())]
+    spec, model = trainer.spec, trainer.accelerator.unwrap_model(trainer.model)
+    sampler = spec.build_pipeline(model, trainer.validator.vae, trainer.validator.text_encoders)
+    sampler.set_progress_bar_config(disable=True)
+
+    def render(image):
+        args = dict(height=64, width=64, num_inference_steps=1, output_type="pt")
+        return sampler("a circle", image=image, generator=torch.Generator().manual_seed(0), **args).images
+
+    assert not torch.allclose(render(control), render(control.transpose(Image.Transpose.FLIP_LEFT_RIGHT)))
+
+
+def test_sdxl_lora_run_writes_the_adapter_and_the_merged_controlnet(zoo, pairs, sdxl_config, tmp_path):
+    from diffusers import ControlNetModel
+
+    raw = sdxl_config(training_type="lora", lora_rank=4, learning_rate=5e-2, output_dir=str(tmp_path / "out"))
+    trainer, result = train(raw)
+    out = Path(raw["output_dir"])
+    assert result.output_path == out / LORA_FILE
+    from safetensors import safe_open
+
+    with safe_open(str(out / LORA_FILE), "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and all(k.startswith(LORA_PREFIX + ".") and ".lora_" in k for k in keys)
+    assert any("controlnet_down_blocks" in k for k in keys) and any("conv_in" in k for k in keys)
+    trained = trainer.accelerator.unwrap_model(trainer.model).controlnet.eval()
+    latents, cond = _sdxl_batch(5, 64)
+    from simpletuner.models.sdxl_controlnet import CONTROL_PIXELS
+
+    inputs = (latents, torch.tensor([10, 500]), cond["prompt_embeds"])
+    kwargs = dict(
+        added_cond_kwargs={"text_embeds": cond["pooled_prompt_embeds"], "time_ids": torch.ones(2, 6)},
+        controlnet_cond=cond[CONTROL_PIXELS].float() / 255,
+        return_dict=False,
+    )
+    with torch.no_grad():
+        want = trained(*inputs, **kwargs)
+        # The merged folder, as a plain ControlNet.
+        merged = ControlNetModel.from_pretrained(str(out / CONTROLNET_FOLDER), use_safetensors=True).eval()
+        for a, b in zip(merged(*inputs, **kwargs)[0], want[0]):
+            assert torch.allclose(a, b, atol=1e-5)
+        # The adapter file on the ControlNet it was trained on (the fresh one from_unet under the seed).
+        base = get_model_spec(validate_config(raw)).load_denoiser().controlnet.eval()
+        untrained = base(*inputs, **kwargs)
+        base.load_lora_adapter(str(out / LORA_FILE), prefix=LORA_PREFIX)
+        for a, b in zip(base(*inputs, **kwargs)[0], want[0]):
+            assert torch.allclose(a, b, atol=1e-5)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(untrained[0], want[0]))  # the LoRA trained
+    image = _render_sdxl(zoo("sdxl"), merged, Image.open(pairs[1] / "000.png").convert("RGB"))
+    assert image.shape == (1, 3, 64, 64)
+
+
+def test_sdxl_resume_continues_the_controlnet(sdxl_config, tmp_path):
+    from training_helpers import straight_and_resumed
+
+    (a, _), (b, _) = straight_and_resumed(sdxl_config, tmp_path, steps=2, resume_at=1)
+    for (name, x), (_, y) in zip(
+        a.accelerator.unwrap_model(a.model).controlnet.state_dict().items(),
+        b.accelerator.unwrap_model(b.model).controlnet.state_dict().items(),
+    ):
+        assert torch.allclose(x, y, atol=1e-6), name
+
+
+def test_a_missing_conditioning_image_stops_before_caching(sdxl_config, pairs, tmp_path):
+    import shutil
+
+    images, sources = pairs
+    partial = tmp_path / "sources"
+    shutil.copytree(sources, partial)
+    (partial / "002.png").unlink()
+    raw = sdxl_config(
+        datasets=[
+            {"id": "pairs", "type": "local", "instance_data_dir": str(images), "conditioning_data_dir": str(partial)}
+        ],
+        output_dir=str(tmp_path / "out"),
+        cache_config={"cache_dir": str(tmp_path / "cache")},
+    )
+    with pytest.raises(ValueError, match=r"have no source image in .*: 002\.png"):
+        train(raw)
+    assert not any((tmp_path / "cache").rglob("*.safetensors"))  # nothing was cached
+
+
+def test_controlnet_refusals(zoo_config, sdxl_config, pairs, zoo):
+    sd = config_problems(zoo_config("sd", controlnet=True))
+    assert "ControlNet for model families sdxl only, not 'sd'" in sd
+    assert "set controlnet true" in config_problems(sdxl_config(controlnet=False, controlnet_model_name_or_path="x"))
+    assert "remove train_text_encoder" in config_problems(sdxl_config(training_type="lora", train_text_encoder=True))
+    assert "lora_type 'lycoris' is not supported" in config_problems(
+        sdxl_config(training_type="lora", lora_type="lycoris")
+    )
+    assert "output_formats ['diffusers']" in config_problems(
+        sdxl_config(training_type="lora", output_formats=["diffusers", "kohya"])
+    )

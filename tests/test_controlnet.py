@@ -253,9 +253,122 @@ def test_a_missing_conditioning_image_stops_before_caching(sdxl_config, pairs, t
     assert not any((tmp_path / "cache").rglob("*.safetensors"))  # nothing was cached
 
 
+# --- Flux ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def flux_config(zoo_config, pairs):
+    def make(**overrides):
+        raw = zoo_config(
+            "flux",
+            controlnet=True,
+            training_type="full",
+            datasets=_datasets(pairs),
+            max_train_steps=1,
+            learning_rate=1e-3,
+            mixed_precision="no",
+        )
+        raw.update(overrides)
+        return raw
+
+    return make
+
+
+def _flux_batch(seed: int = 0):
+    from simpletuner.testing.zoo import TINY_FLUX_CLIP_HIDDEN, TINY_FLUX_LATENT_CHANNELS, TINY_FLUX_T5_WIDTH
+
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(2, 2 * TINY_FLUX_LATENT_CHANNELS, 8, 8, generator=g)  # image, then conditioning latents
+    cond = {
+        "prompt_embeds": torch.randn(2, 5, TINY_FLUX_T5_WIDTH, generator=g),
+        "pooled_prompt_embeds": torch.randn(2, TINY_FLUX_CLIP_HIDDEN, generator=g),
+    }
+    return latents, cond
+
+
+def test_flux_step0_is_the_base_loss_and_the_conditioning_latents_reach_the_transformer(flux_config):
+    from simpletuner.models.flux_controlnet import FluxControlNetSpec
+    from simpletuner.testing.zoo import TINY_FLUX_LATENT_CHANNELS as C
+
+    spec = get_model_spec(validate_config(flux_config()))
+    assert type(spec) is FluxControlNetSpec and spec.conditions_on_image and not spec.prompt_sees_source
+    model = spec.prepare_denoiser(spec.load_denoiser(), torch.float32)
+    base_config = model.base.config
+    assert model.controlnet.config.num_layers == min(4, base_config.num_layers)
+    assert model.controlnet.config.num_single_layers == min(10, base_config.num_single_layers)
+    assert not any(p.requires_grad for p in model.base.parameters())
+    latents, cond = _flux_batch()
+    plain = get_model_spec(validate_config(flux_config(controlnet=False)))
+    with torch.no_grad():
+        got = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
+        base = plain.training_loss(model.base, latents[:, :C], cond, torch.Generator().manual_seed(3))
+    assert torch.equal(got, base)  # zero-initialised output linears: a fresh ControlNet adds nothing
+    zeroed = (model.controlnet.controlnet_blocks, model.controlnet.controlnet_single_blocks)
+    for p in (p for part in zeroed for p in part.parameters()):
+        p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    model.controlnet.controlnet_x_embedder.weight.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    loss = spec.training_loss(model, latents, cond, torch.Generator().manual_seed(3))
+    other = torch.cat([latents[:, :C], latents[:, C:].flip(-1)], 1)
+    with torch.no_grad():
+        changed = spec.training_loss(model, other, cond, torch.Generator().manual_seed(3))
+    assert (loss - changed).abs().max() > 1e-4  # the conditioning latents reach the ControlNet
+    loss.sum().backward()
+    assert model.controlnet.controlnet_x_embedder.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in model.base.parameters())
+
+
+def _render_flux(model_folder: Path, controlnet, control: Image.Image):
+    from diffusers import FluxControlNetPipeline
+
+    pipe = FluxControlNetPipeline.from_pretrained(str(model_folder), controlnet=controlnet, use_safetensors=True)
+    pipe.set_progress_bar_config(disable=True)
+    args = dict(height=64, width=64, num_inference_steps=1, output_type="pt", max_sequence_length=16)
+    return pipe("a circle", control_image=control, generator=torch.Generator().manual_seed(0), **args).images
+
+
+@pytest.mark.parametrize("training_type", ["full", "lora"])
+def test_flux_run_writes_what_the_controlnet_pipeline_loads(flux_config, zoo, pairs, tmp_path, training_type):
+    from diffusers import FluxControlNetModel
+
+    extra = {"lora_rank": 4, "learning_rate": 5e-2} if training_type == "lora" else {}
+    raw = flux_config(
+        training_type=training_type,
+        output_dir=str(tmp_path / "out"),
+        validation_prompt="a circle",
+        validation_num_inference_steps=1,
+        validation_steps=1,
+        **extra,
+    )
+    trainer, result = train(raw)
+    assert result.global_step == 1 and all(math.isfinite(x) for x in result.losses)
+    assert [p.name for p in result.validation_images][-1] == "step_000001_0.png"  # from the first pair's control
+    out = Path(raw["output_dir"])
+    folder = out / CONTROLNET_FOLDER
+    loaded = FluxControlNetModel.from_pretrained(str(folder), use_safetensors=True).eval()
+    trained = trainer.accelerator.unwrap_model(trainer.model).controlnet.eval()
+    if training_type == "full":
+        assert result.output_path == folder
+        for name, value in trained.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), name
+    else:
+        assert result.output_path == out / LORA_FILE
+        base = get_model_spec(validate_config(raw)).load_denoiser().controlnet.eval()
+        base.load_lora_adapter(str(out / LORA_FILE), prefix=LORA_PREFIX)
+        merged = dict(loaded.named_parameters())
+        for name, module in base.named_modules():  # the adapter on the fresh ControlNet = the merged folder
+            if name in ("controlnet_x_embedder", "controlnet_blocks.0", "controlnet_single_blocks.0"):
+                x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
+                with torch.no_grad():
+                    want = x @ merged[name + ".weight"].T + merged[name + ".bias"]
+                    assert torch.allclose(module(x), want, atol=1e-5), name
+                    assert torch.allclose(trained.get_submodule(name)(x), want, atol=1e-5), name
+    image = _render_flux(zoo("flux"), loaded, Image.open(pairs[1] / "000.png").convert("RGB"))
+    assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
+
+
 def test_controlnet_refusals(zoo_config, sdxl_config, pairs, zoo):
     sd = config_problems(zoo_config("sd", controlnet=True))
-    assert "ControlNet for model families sdxl only, not 'sd'" in sd
+    assert "ControlNet for model families sdxl, flux only, not 'sd'" in sd
     assert "set controlnet true" in config_problems(sdxl_config(controlnet=False, controlnet_model_name_or_path="x"))
     assert "remove train_text_encoder" in config_problems(sdxl_config(training_type="lora", train_text_encoder=True))
     assert "lora_type 'lycoris' is not supported" in config_problems(
@@ -264,3 +377,8 @@ def test_controlnet_refusals(zoo_config, sdxl_config, pairs, zoo):
     assert "output_formats ['diffusers']" in config_problems(
         sdxl_config(training_type="lora", output_formats=["diffusers", "kohya"])
     )
+    tread = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 0}]}
+    assert "remove tread_config" in config_problems(zoo_config("flux", controlnet=True, tread_config=tread))
+    kontext = validate_config(zoo_config("flux_kontext", "flux", controlnet=True, datasets=_datasets(pairs)))
+    with pytest.raises(ValueError, match="FluxKontextPipeline .* no ControlNet trains here"):
+        get_model_spec(kontext)

@@ -254,7 +254,7 @@ def _text_encoder_training_fits(cfg) -> Iterator[str]:
 
 
 #: The families a ControlNet trains for (`controlnet`; models/sdxl_controlnet.py, models/flux_controlnet.py).
-CONTROLNET_FAMILIES = ("sdxl",)
+CONTROLNET_FAMILIES = ("sdxl", "flux")
 
 
 def _controlnet_fits(cfg) -> Iterator[str]:

@@ -17,6 +17,7 @@ quiet_model_libraries()  # before any model library loads: no torchao unless a c
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
     from simpletuner.models.flux import FluxSpec
+    from simpletuner.models.flux_controlnet import FluxControlNetSpec
     from simpletuner.models.flux_kontext import FluxKontextSpec
     from simpletuner.models.qwen_image import QwenImageSpec
     from simpletuner.models.qwen_image_edit import QwenImageEditSpec
@@ -39,6 +40,7 @@ _SPEC_CLASSES: dict[str, str] = {
     "StableDiffusion3Spec": "simpletuner.models.sd3:StableDiffusion3Spec",
     "FluxSpec": "simpletuner.models.flux:FluxSpec",
     "FluxKontextSpec": "simpletuner.models.flux_kontext:FluxKontextSpec",
+    "FluxControlNetSpec": "simpletuner.models.flux_controlnet:FluxControlNetSpec",
     "WanSpec": "simpletuner.models.wan:WanSpec",
     "Wan22Spec": "simpletuner.models.wan22:Wan22Spec",
     "Wan22I2VSpec": "simpletuner.models.wan22_i2v:Wan22I2VSpec",
@@ -168,7 +170,7 @@ def _flux_variant(config: "TrainingConfig") -> type[ModelSpec]:
                 f"controlnet: {root / 'model_index.json'} is a FluxKontextPipeline (an edit model), for which no "
                 "ControlNet trains here: point pretrained_model_name_or_path at a Flux.1 folder, or remove controlnet"
             )
-        raise ValueError("controlnet: Flux ControlNet training is not supported yet")
+        return _spec_class("FluxControlNetSpec")
     return _spec_class("FluxKontextSpec" if name == "FluxKontextPipeline" else "FluxSpec")
 
 
@@ -198,6 +200,7 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
 
 __all__ = [
     "MODEL_FAMILIES",
+    "FluxControlNetSpec",
     "FluxKontextSpec",
     "FluxSpec",
     "ModelSpec",

@@ -6,7 +6,9 @@ ControlNet config shape through the dialect."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -366,6 +368,26 @@ def test_flux_run_writes_what_the_controlnet_pipeline_loads(flux_config, zoo, pa
     assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
 
 
+@pytest.mark.parametrize("family", ["sdxl", "flux"])
+def test_memory_estimate_counts_the_frozen_base_and_the_trained_controlnet(sdxl_config, flux_config, family):
+    from simpletuner.memory.estimator import batch_shapes, estimate_memory
+    from simpletuner.models.sdxl_controlnet import CONTROL_PIXELS
+
+    cfg = validate_config((sdxl_config if family == "sdxl" else flux_config)())
+    est = estimate_memory(cfg, device_kind="cpu")
+    model = get_model_spec(cfg).load_denoiser()
+    num_base = sum(p.numel() for p in model.base.parameters())
+    num_controlnet = sum(p.numel() for p in model.controlnet.parameters())
+    assert est.weights == 4 * (num_base + num_controlnet)  # fp32 here (mixed_precision no)
+    assert est.gradients == 4 * num_controlnet and est.optimizer_state == 8 * num_controlnet  # AdamW: two moments
+    _, cond = batch_shapes(cfg, 2)
+    if family == "sdxl":  # the conditioning image rides with the latents as uint8 pixels: 3 bytes a pixel cached
+        assert cond[CONTROL_PIXELS].shape == (2, 3, 64, 64) and cond[CONTROL_PIXELS].dtype == torch.uint8
+        assert get_model_spec(cfg).pixel_entry_bytes(64, 32) == 3 * 64 * 32 + 100
+    else:  # Flux's conditioning latents are cached with the image's: twice the channels
+        assert CONTROL_PIXELS not in cond and est.latent_shape[0] == 2 * model.base.config.in_channels // 4
+
+
 def test_controlnet_refusals(zoo_config, sdxl_config, pairs, zoo):
     sd = config_problems(zoo_config("sd", controlnet=True))
     assert "ControlNet for model families sdxl, flux only, not 'sd'" in sd
@@ -382,3 +404,102 @@ def test_controlnet_refusals(zoo_config, sdxl_config, pairs, zoo):
     kontext = validate_config(zoo_config("flux_kontext", "flux", controlnet=True, datasets=_datasets(pairs)))
     with pytest.raises(ValueError, match="FluxKontextPipeline .* no ControlNet trains here"):
         get_model_spec(kontext)
+
+
+# --- SimpleTuner's configs ---------------------------------------------------------------------------------------
+
+
+def _st_controlnet_project(tmp_path: Path, pairs, model: Path) -> Path:
+    """SimpleTuner's simpletuner/examples/sdxl.peft-controlnet-lora/config.json (commit bc8e6ab; the keys that decide
+    what is trained) with documentation/CONTROLNET.md's dataloader (`conditioning_data` naming a `dataset_type:
+    conditioning` entry), paths and sizes swapped for tiny ones."""
+
+    root = tmp_path / "project"
+    (root / "config").mkdir(parents=True)
+    (root / "datasets").mkdir()
+    os.symlink(pairs[0], root / "datasets" / "antelope-data")
+    os.symlink(pairs[1], root / "datasets" / "antelope-conditioning")
+    common = {
+        "type": "local",
+        "caption_strategy": "instanceprompt",
+        "instance_prompt": "an antelope",
+        "metadata_backend": "discovery",
+        "crop": True,
+        "crop_aspect": "square",
+        "crop_style": "center",
+        "resolution": 64,
+        "resolution_type": "pixel_area",
+        "cache_file_suffix": "controlnet-sdxl",
+    }
+    datasets = [
+        {
+            "id": "antelope-data",
+            "dataset_type": "image",
+            "conditioning_data": "antelope-conditioning",
+            "instance_data_dir": "datasets/antelope-data",
+            "cache_dir_vae": "cache/vae/sdxl/antelope-data",
+            **common,
+        },
+        {
+            "id": "antelope-conditioning",
+            "dataset_type": "conditioning",
+            "instance_data_dir": "datasets/antelope-conditioning",
+            **common,
+        },
+        {
+            "id": "an example backend for text embeds.",
+            "dataset_type": "text_embeds",
+            "default": True,
+            "type": "local",
+            "cache_dir": "cache/text/sdxl-base/controlnet",
+        },
+    ]
+    (root / "config" / "multidatabackend.json").write_text(json.dumps(datasets))
+    raw = {
+        "controlnet": True,
+        "data_backend_config": "config/multidatabackend.json",
+        "gradient_checkpointing": True,
+        "learning_rate": 1e-4,
+        "lora_rank": 4,
+        "lora_alpha": 4,
+        "lr_scheduler": "constant_with_warmup",
+        "lr_warmup_steps": 0,
+        "max_train_steps": 1,
+        "mixed_precision": "no",
+        "model_family": "sdxl",
+        "model_type": "lora",
+        "num_train_epochs": 0,
+        "optimizer": "adamw_bf16",
+        "output_dir": "output/examples/sdxl.peft-controlnet-lora",
+        "pretrained_model_name_or_path": str(model),
+        "pretrained_vae_model_name_or_path": str(model),  # its own VAE (SimpleTuner's sdxl default is a Hub one)
+        "resolution": 64,
+        "resolution_type": "pixel_area",
+        "seed": 42,
+        "train_batch_size": 1,
+        "validation_prompt": "an antelope",
+        "validation_num_inference_steps": 1,
+        "validation_resolution": "64x64",
+        "validation_steps": 50,
+        "report_to": "none",
+    }
+    (root / "config" / "config.json").write_text(json.dumps(raw))
+    return root
+
+
+def test_the_simpletuner_controlnet_example_trains(tmp_path, pairs, zoo, monkeypatch):
+
+    from simpletuner.cli import main
+    from simpletuner.configuration.simpletuner import translate as dialect
+
+    root = _st_controlnet_project(tmp_path, pairs, zoo("sdxl"))
+    raw = json.loads((root / "config" / "config.json").read_text())
+    native, report = dialect.translate(raw, root / "config" / "config.json", root)
+    assert native["controlnet"] is True and "lora_target_modules" not in native
+    (dataset,) = native["datasets"]
+    assert dataset["conditioning_data_dir"] == os.path.join(root, "datasets", "antelope-conditioning")
+    assert any(line.startswith("`controlnet`") and "[0, 1]" in line for line in report.approximated)
+    monkeypatch.chdir(root)
+    assert main(["train", "--config", str(root / "config" / "config.json")]) == 0
+    out = root / "output" / "examples" / "sdxl.peft-controlnet-lora"
+    assert (out / LORA_FILE).is_file() and (out / CONTROLNET_FOLDER / "config.json").is_file()

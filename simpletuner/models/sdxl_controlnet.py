@@ -61,10 +61,11 @@ CONTROLNET_LORA_TARGETS = [
 
 
 def controlnet_folder_args(path: str) -> dict[str, str]:
-    """``from_pretrained`` arguments of ``controlnet_model_name_or_path``: its ``controlnet/`` subfolder when it has
-    one with a config (a run's output folder, a checkpoint), else the path itself."""
+    """``from_pretrained`` arguments of ``controlnet_model_name_or_path``: the path itself (a folder or a hub id, as
+    SimpleTuner's ``from_pretrained(path)``), or its ``controlnet/`` subfolder when the folder has no ``config.json``
+    of its own but that subfolder has one (a run's output folder, a checkpoint)."""
     root = Path(path).expanduser()
-    if (root / CONTROLNET_FOLDER / "config.json").is_file():
+    if not (root / "config.json").is_file() and (root / CONTROLNET_FOLDER / "config.json").is_file():
         return {"pretrained_model_name_or_path": str(root), "subfolder": CONTROLNET_FOLDER}
     return {"pretrained_model_name_or_path": str(root) if root.is_dir() else path}
 
@@ -180,10 +181,9 @@ class StableDiffusionXLControlNetSpec(StableDiffusionXLSpec):
         )[0]
 
     # --- memory estimate -----------------------------------------------------------------
-    def batch_shapes(self, batch_size):
-        latents, conditioning = super().batch_shapes(batch_size)
+    def pixel_entry_shapes(self, batch_size):
         side = self.config.resolution
-        return latents, {**conditioning, CONTROL_PIXELS: (batch_size, 3, side, side)}
+        return {CONTROL_PIXELS: ((batch_size, 3, side, side), torch.uint8)}
 
     # --- output --------------------------------------------------------------------------
     def save_lora(self, output_dir, denoiser):

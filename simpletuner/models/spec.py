@@ -258,6 +258,11 @@ class ModelSpec(abc.ABC):
         """Bytes of :meth:`pixel_entries` for one ``width`` x ``height`` image (the cache's size estimate)."""
         return 0
 
+    def pixel_entry_shapes(self, batch_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each :meth:`pixel_entries` tensor of a micro-batch at a square ``resolution`` bucket
+        (the memory estimate's batch; :meth:`batch_shapes` gives the rest)."""
+        return {}
+
     @property
     def takes_validation_image(self) -> bool:
         """Whether validation renders from an image (``validation_image``): an edit model's source, an

@@ -185,6 +185,32 @@ def test_sdxl_validation_renders_with_the_control_image(sdxl_full_run, pairs):
     assert not torch.allclose(render(control), render(control.transpose(Image.Transpose.FLIP_LEFT_RIGHT)))
 
 
+def test_sdxl_trains_on_a_hub_controlnet_from_the_hub_cache(sdxl_full_run, sdxl_config, tmp_path, monkeypatch):
+    from hub_fixtures import folder_files, lay_out_hub_cache, use_hub_cache
+
+    from simpletuner.cli.train import main as train_main
+
+    raw, _, _ = sdxl_full_run
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub = use_hub_cache(monkeypatch, tmp_path / "hub")
+    repo = "tiny-org/tiny-controlnet"
+    commit = lay_out_hub_cache(hub, repo, folder_files(Path(raw["output_dir"]) / CONTROLNET_FOLDER))
+    config = tmp_path / "cfg.json"
+    out = tmp_path / "out"
+    cfg = sdxl_config(controlnet_model_name_or_path=repo, output_dir=str(out), checkpointing_steps=1)
+    config.write_text(json.dumps(cfg))
+    assert train_main(["--config", str(config)]) == 0
+    snapshot = hub / "models--tiny-org--tiny-controlnet" / "snapshots" / commit
+    assert (
+        f"controlnet_model_name_or_path '{repo}' (revision main): the Hub snapshot"
+        in (out / "training.log").read_text()
+    )
+    state = json.loads((out / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["identity"]["hub_controlnet"] == f"{repo}@{commit}" and state["identity"]["controlnet"] is True
+    assert json.loads((out / "config.json").read_text())["controlnet_model_name_or_path"] == repo
+    assert (snapshot / "diffusion_pytorch_model.safetensors").exists()
+
+
 def test_sdxl_lora_run_writes_the_adapter_and_the_merged_controlnet(zoo, pairs, sdxl_config, tmp_path):
     from diffusers import ControlNetModel
 

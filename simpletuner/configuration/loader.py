@@ -43,6 +43,8 @@ class LoadedConfig:
     hub: Any = None
     #: The same for ``pretrained_vae_model_name_or_path``: its snapshot where it is a hub id; None otherwise.
     hub_vae: Any = None
+    #: The same for ``controlnet_model_name_or_path``.
+    hub_controlnet: Any = None
 
 
 def _read_json(path: Path, what: str) -> Any:

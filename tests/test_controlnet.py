@@ -36,11 +36,12 @@ def _datasets(pairs) -> list[dict]:
     return [{"id": "pairs", "type": "local", "instance_data_dir": str(images), "conditioning_data_dir": str(sources)}]
 
 
-@pytest.fixture
-def sdxl_config(zoo_config, pairs):
+def _controlnet_config(zoo_config, pairs, family: str):
+    """``family``'s tiny model training a full ControlNet for one step on the pairs; keyword overrides replace keys."""
+
     def make(**overrides):
         raw = zoo_config(
-            "sdxl",
+            family,
             controlnet=True,
             training_type="full",
             datasets=_datasets(pairs),
@@ -52,6 +53,11 @@ def sdxl_config(zoo_config, pairs):
         return raw
 
     return make
+
+
+@pytest.fixture
+def sdxl_config(zoo_config, pairs):
+    return _controlnet_config(zoo_config, pairs, "sdxl")
 
 
 def _sdxl_batch(seed: int = 0, side: int = 32):
@@ -286,20 +292,7 @@ def test_a_missing_conditioning_image_stops_before_caching(sdxl_config, pairs, t
 
 @pytest.fixture
 def flux_config(zoo_config, pairs):
-    def make(**overrides):
-        raw = zoo_config(
-            "flux",
-            controlnet=True,
-            training_type="full",
-            datasets=_datasets(pairs),
-            max_train_steps=1,
-            learning_rate=1e-3,
-            mixed_precision="no",
-        )
-        raw.update(overrides)
-        return raw
-
-    return make
+    return _controlnet_config(zoo_config, pairs, "flux")
 
 
 def _flux_batch(seed: int = 0):

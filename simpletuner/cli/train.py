@@ -202,10 +202,9 @@ def run_training(
     timeline.mark("config")
     if loaded.hub is not None:  # the weights of the components the family loads, once the config is known good
         loaded = _download_hub_weights(loaded)
-    if loaded.hub_vae is not None:
-        loaded = _download_hub_vae_weights(loaded)
-    if loaded.hub_controlnet is not None:
-        loaded = _download_hub_controlnet_weights(loaded)
+    for field in ("hub_vae", "hub_controlnet"):
+        if getattr(loaded, field) is not None:
+            loaded = _download_hub_component_weights(loaded, field)
     if loaded.hub is not None or loaded.hub_vae is not None or loaded.hub_controlnet is not None:
         timeline.mark("download")
     # Only now torch and the model libraries (seconds to import): a config error is answered without them.
@@ -266,34 +265,21 @@ def _download_hub_weights(loaded):
     return dataclasses.replace(loaded, hub=snapshot)
 
 
-def _download_hub_controlnet_weights(loaded):
-    """``loaded`` with its hub ControlNet's weights in the Hub cache (the snapshot its config came from)."""
+def _download_hub_component_weights(loaded, field: str):
+    """``loaded`` with the weights of the one-component hub repo in its ``field`` (``hub_vae``: the separate VAE,
+    ``hub_controlnet``: the ControlNet) in the Hub cache (the snapshot its config came from)."""
     import dataclasses
 
     from simpletuner.configuration import ConfigError
-    from simpletuner.hub import CONTROLNET_KEY, HubError, resolve_controlnet
+    from simpletuner.hub import CONTROLNET_KEY, VAE_KEY, HubError, resolve_controlnet, resolve_vae
 
-    hub = loaded.hub_controlnet
+    key, resolve = (VAE_KEY, resolve_vae) if field == "hub_vae" else (CONTROLNET_KEY, resolve_controlnet)
+    hub = getattr(loaded, field)
     try:
-        snapshot = resolve_controlnet(hub.repo_id, hub.commit, weights=True)
+        snapshot = resolve(hub.repo_id, hub.commit, weights=True)
     except HubError as exc:
-        raise ConfigError([f"{CONTROLNET_KEY}: {exc}"], str(loaded.path)) from None
-    return dataclasses.replace(loaded, hub_controlnet=dataclasses.replace(snapshot, revision=hub.revision))
-
-
-def _download_hub_vae_weights(loaded):
-    """``loaded`` with its hub VAE's weights in the Hub cache (the snapshot its config came from)."""
-    import dataclasses
-
-    from simpletuner.configuration import ConfigError
-    from simpletuner.hub import VAE_KEY, HubError, resolve_vae
-
-    hub = loaded.hub_vae
-    try:
-        snapshot = resolve_vae(hub.repo_id, hub.commit, weights=True)
-    except HubError as exc:
-        raise ConfigError([f"{VAE_KEY}: {exc}"], str(loaded.path)) from None
-    return dataclasses.replace(loaded, hub_vae=dataclasses.replace(snapshot, revision=hub.revision))
+        raise ConfigError([f"{key}: {exc}"], str(loaded.path)) from None
+    return dataclasses.replace(loaded, **{field: dataclasses.replace(snapshot, revision=hub.revision)})
 
 
 def _hub_line(hub: HubSnapshot, key: str = "pretrained_model_name_or_path") -> str:

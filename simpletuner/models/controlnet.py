@@ -22,6 +22,7 @@ from torch import nn
 
 from simpletuner.file_modes import ordinary_permissions
 from simpletuner.models.adapters import freeze_base, prepare_for_training, quantize_base
+from simpletuner.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from diffusers.models.modeling_utils import ModelMixin
@@ -147,3 +148,28 @@ def save_controlled(output_dir: Path, model: nn.Module, full: bool) -> Path:
     assert isinstance(model, ControlledDenoiser)  # what the ControlNet specs train
     folder = save_controlnet_folder(output_dir, model.controlnet)
     return folder if full else save_controlnet_lora(output_dir, model.controlnet)
+
+
+class ControlNetTraining(ModelSpec):
+    """What the ControlNet specs share, first in their bases (``class StableDiffusionXLControlNetSpec(
+    ControlNetTraining, StableDiffusionXLSpec)``): image pairs (the conditioning image, never in the prompt), the
+    frozen base and the trained ControlNet (:func:`prepare_controlled`), and what a run writes
+    (:func:`save_controlled`; checkpoints hold the ControlNet folder too)."""
+
+    conditions_on_image = True  # each image pairs with a conditioning image (the data and validation contract)
+    prompt_sees_source = False  # the prompt is the caption alone
+    checkpoints_hold_full_weights = True  # checkpoint-N/controlnet, as SimpleTuner's save hooks write it
+
+    def prepare_denoiser(self, denoiser, weight_dtype):
+        """The base frozen, the ControlNet trained (:func:`prepare_controlled`)."""
+        assert isinstance(denoiser, ControlledDenoiser)  # what the ControlNet specs load
+        return prepare_controlled(denoiser, self.lora_targets, self.config, weight_dtype)
+
+    def save_lora(self, output_dir, denoiser):
+        return save_controlled(output_dir, denoiser, full=False)
+
+    def save_full(self, output_dir, denoiser):
+        return save_controlled(output_dir, denoiser, full=True)
+
+    def export_modules(self, denoiser):
+        return []  # output_formats other than diffusers are refused for a ControlNet (configuration rules)

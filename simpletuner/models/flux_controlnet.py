@@ -18,9 +18,9 @@ from typing import ClassVar
 import torch
 
 from simpletuner.caching.fingerprint import fingerprint
-from simpletuner.models.controlnet import ControlledDenoiser, prepare_controlled, save_controlled, seeded
+from simpletuner.models.controlnet import ControlledDenoiser, ControlNetTraining, seeded
 from simpletuner.models.edit_pairs import PairedLatents
-from simpletuner.models.flux import GUIDANCE_KEY, FluxSpec, latent_image_ids
+from simpletuner.models.flux import FluxSpec
 from simpletuner.models.packed import pack_latents
 from simpletuner.models.sdxl_controlnet import controlnet_folder_args
 
@@ -58,14 +58,12 @@ def _validation_pipeline_class():
     return FluxControlNetValidationPipeline
 
 
-class FluxControlNetSpec(PairedLatents, FluxSpec):
+class FluxControlNetSpec(ControlNetTraining, PairedLatents, FluxSpec):
     """Flux.1 with a ControlNet trained on conditioning images (see the module docstring)."""
 
     edit_model_name = "Flux ControlNet"
     source_noun = "conditioning"
-    prompt_sees_source = False  # Flux's prompt: the caption alone
     default_lora_targets: ClassVar[list[str]] = CONTROLNET_LORA_TARGETS
-    checkpoints_hold_full_weights = True  # checkpoint-N/controlnet, as SimpleTuner's save hooks write it
 
     # --- loading -------------------------------------------------------------------------
     def load_denoiser(self, dtype=torch.float32):
@@ -114,10 +112,6 @@ class FluxControlNetSpec(PairedLatents, FluxSpec):
             controlnet = self._from_transformer(transformer, False)
         return ControlledDenoiser(transformer, controlnet, self.controlled_predict)
 
-    def prepare_denoiser(self, denoiser, weight_dtype):
-        """The transformer frozen, the ControlNet trained (models/controlnet.py, :func:`prepare_controlled`)."""
-        return prepare_controlled(denoiser, self.lora_targets, self.config, weight_dtype)
-
     # --- identities ----------------------------------------------------------------------
     def image_encoder_identity(self) -> str:
         # Cached latents carry the conditioning image's too: never shared with a text-to-image run on the same VAE.
@@ -142,37 +136,12 @@ class FluxControlNetSpec(PairedLatents, FluxSpec):
         """The transformer's packed prediction given the ControlNet's residuals of the packed conditioning latents
         (``FluxControlNetPipeline.__call__``'s two calls, at conditioning scale 1: the same timestep, guidance,
         prompt and ids for both)."""
-        embeds = conditioning["prompt_embeds"]
-        dtype = noisy.dtype
-        guidance = None
-        if transformer.config.guidance_embeds:  # as FluxSpec.predict
-            guidance = conditioning.get(GUIDANCE_KEY)
-            if guidance is None:
-                guidance = self.training_guidance(noisy.shape[0], None, noisy.device)
-        inputs = dict(
-            hidden_states=noisy,
-            timestep=timesteps.to(dtype),
-            guidance=guidance,
-            pooled_projections=conditioning["pooled_prompt_embeds"],
-            encoder_hidden_states=embeds,
-            txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
-            img_ids=latent_image_ids(*latent_size, noisy.device, dtype),
-            return_dict=False,
-        )
-        control = pack_latents(conditioning[CONTROL_LATENTS_KEY]).to(dtype)
+        inputs = self.transformer_inputs(transformer, noisy, timesteps, conditioning, latent_size)
+        control = pack_latents(conditioning[CONTROL_LATENTS_KEY]).to(noisy.dtype)
         blocks, single_blocks = controlnet(controlnet_cond=control, conditioning_scale=1.0, **inputs)
         return transformer(controlnet_block_samples=blocks, controlnet_single_block_samples=single_blocks, **inputs)[0]
 
     # --- output --------------------------------------------------------------------------
-    def save_lora(self, output_dir, denoiser):
-        return save_controlled(output_dir, denoiser, full=False)
-
-    def save_full(self, output_dir, denoiser):
-        return save_controlled(output_dir, denoiser, full=True)
-
-    def export_modules(self, denoiser):
-        return []  # output_formats other than diffusers are refused for a ControlNet (configuration rules)
-
     def build_pipeline(self, denoiser, vae, text_encoders):
         """Flux's sampling scheduler and components (:meth:`FluxSpec.build_pipeline`) with the ControlNet being
         trained, as a FluxControlNetPipeline called ``(prompt, image=PIL control image, ...)``."""

@@ -18,13 +18,7 @@ import torch
 
 from simpletuner.caching.fingerprint import fingerprint
 from simpletuner.caching.size_crop import SIZE_CROP
-from simpletuner.models.controlnet import (
-    CONTROLNET_FOLDER,
-    ControlledDenoiser,
-    prepare_controlled,
-    save_controlled,
-    seeded,
-)
+from simpletuner.models.controlnet import CONTROLNET_FOLDER, ControlledDenoiser, ControlNetTraining, seeded
 from simpletuner.models.sdxl import StableDiffusionXLSpec
 
 #: The latent entry's conditioning image: ``[3, H, W]`` uint8 at the image's pixel size (then the batch's
@@ -70,13 +64,10 @@ def controlnet_folder_args(path: str) -> dict[str, str]:
     return {"pretrained_model_name_or_path": str(root) if root.is_dir() else path}
 
 
-class StableDiffusionXLControlNetSpec(StableDiffusionXLSpec):
+class StableDiffusionXLControlNetSpec(ControlNetTraining, StableDiffusionXLSpec):
     """SDXL with a ControlNet trained on conditioning images (see the module docstring)."""
 
-    conditions_on_image = True  # each image pairs with a conditioning image (the data and validation contract)
-    prompt_sees_source = False  # the prompt is the caption alone
     default_lora_targets: ClassVar[list[str]] = CONTROLNET_LORA_TARGETS
-    checkpoints_hold_full_weights = True  # checkpoint-N/controlnet, as SimpleTuner's save hooks write it
 
     # --- loading -------------------------------------------------------------------------
     def load_denoiser(self, dtype=torch.float32):
@@ -110,10 +101,6 @@ class StableDiffusionXLControlNetSpec(StableDiffusionXLSpec):
         else:
             controlnet = ControlNetModel.from_unet(unet, load_weights_from_unet=False)
         return ControlledDenoiser(unet, controlnet, self.controlled_predict)
-
-    def prepare_denoiser(self, denoiser, weight_dtype):
-        """The UNet frozen, the ControlNet trained (:func:`~simpletuner.models.controlnet.prepare_controlled`)."""
-        return prepare_controlled(denoiser, self.lora_targets, self.config, weight_dtype)
 
     # --- identities ----------------------------------------------------------------------
     def image_encoder_identity(self) -> str:
@@ -186,15 +173,6 @@ class StableDiffusionXLControlNetSpec(StableDiffusionXLSpec):
         return {CONTROL_PIXELS: ((batch_size, 3, side, side), torch.uint8)}
 
     # --- output --------------------------------------------------------------------------
-    def save_lora(self, output_dir, denoiser):
-        return save_controlled(output_dir, denoiser, full=False)
-
-    def save_full(self, output_dir, denoiser):
-        return save_controlled(output_dir, denoiser, full=True)
-
-    def export_modules(self, denoiser):
-        return []  # output_formats other than diffusers are refused for a ControlNet (configuration rules)
-
     def build_pipeline(self, denoiser, vae, text_encoders):
         """A ``StableDiffusionXLControlNetPipeline`` with the frozen UNet and the ControlNet being trained, called
         ``(prompt, image=PIL control image, ...)``; the scheduler as :meth:`StableDiffusionXLSpec.build_pipeline`'s."""

@@ -41,8 +41,6 @@ IGNORED_WEIGHTS = (
     "*.bf16.safetensors.index.json",
 )
 _TRUE = ("1", "on", "yes", "true")
-#: What a separate VAE's checks read: its config at the root (a component repo) or in ``vae/`` (a pipeline repo).
-VAE_CONFIG_PATTERNS = ("config.json", "vae/config.json")
 #: The weights diffusers' ``from_pretrained(use_safetensors=True)`` reads from one component's folder: one file, or
 #: an index and its shards (no precision variants: IGNORED_WEIGHTS; no single-file checkpoints beside them).
 DIFFUSERS_WEIGHTS = (
@@ -51,6 +49,8 @@ DIFFUSERS_WEIGHTS = (
     "diffusion_pytorch_model-*.safetensors",
 )
 VAE_KEY = "pretrained_vae_model_name_or_path"
+#: The key naming a ControlNet to train on (``controlnet: true``).
+CONTROLNET_KEY = "controlnet_model_name_or_path"
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
@@ -123,6 +123,19 @@ def resolve_config_vae(raw: Mapping[str, Any], environ: Mapping[str, str] = os.e
     return resolve_vae(vae, environ=environ)
 
 
+def resolve_config_controlnet(raw: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> HubSnapshot | None:
+    """Where a raw config's ``controlnet_model_name_or_path`` is a hub id: its config in the Hub cache (no weights)
+    at the repo's default branch; None when unset or a local path.
+
+    Raises:
+        HubError: as :func:`resolve_controlnet`.
+    """
+    controlnet = raw.get(CONTROLNET_KEY)
+    if not isinstance(controlnet, str) or not is_hub_model(controlnet):
+        return None
+    return resolve_controlnet(controlnet, environ=environ)
+
+
 def resolve_vae(
     repo_id: str, revision: str | None = None, weights: bool = False, environ: Mapping[str, str] = os.environ
 ) -> HubSnapshot:
@@ -135,21 +148,46 @@ def resolve_vae(
     Raises:
         HubError: as :func:`resolve_model`; a repo with neither config, or (``weights``) without safetensors weights.
     """
-    configs = _download(repo_id, revision, list(VAE_CONFIG_PATTERNS), None, environ, key=VAE_KEY)
-    if (configs.folder / "vae" / "config.json").is_file():
-        subfolder = "vae/"
-    elif (configs.folder / "config.json").is_file():
-        subfolder = ""
-    else:
+    fix = f"set {VAE_KEY} to the diffusers version of the VAE, or remove it to use the model's own VAE"
+    return _resolve_component(repo_id, revision, weights, environ, VAE_KEY, ("vae/", ""), "VAE", fix)
+
+
+def resolve_controlnet(
+    repo_id: str, revision: str | None = None, weights: bool = False, environ: Mapping[str, str] = os.environ
+) -> HubSnapshot:
+    """As :func:`resolve_vae`, for the ControlNet repo ``controlnet_model_name_or_path`` names: its root
+    ``config.json`` (a ControlNet repo, as SimpleTuner's ``from_pretrained(repo)`` reads it), else
+    ``controlnet/config.json``."""
+    fix = f"set {CONTROLNET_KEY} to a diffusers ControlNet repo or folder, or remove it to make one from the model"
+    return _resolve_component(
+        repo_id, revision, weights, environ, CONTROLNET_KEY, ("", "controlnet/"), "ControlNet", fix
+    )
+
+
+def _resolve_component(
+    repo_id: str,
+    revision: str | None,
+    weights: bool,
+    environ: Mapping[str, str],
+    key: str,
+    subfolders: tuple[str, ...],
+    what: str,
+    fix: str,
+) -> HubSnapshot:
+    """The snapshot of a one-component repo named by ``key``: the first of ``subfolders`` (``""``: the root) holding
+    a ``config.json``, and with ``weights`` its diffusers safetensors."""
+    configs = _download(repo_id, revision, [f"{sub}config.json" for sub in subfolders], None, environ, key=key)
+    subfolder = next((sub for sub in subfolders if (configs.folder / sub / "config.json").is_file()), None)
+    if subfolder is None:
+        names = " or ".join(sorted(f"{sub}config.json" for sub in subfolders))
         raise HubError(
-            f"{repo_id} has no config.json or vae/config.json in {configs.folder}: it is not a diffusers VAE repo (a "
-            f"single-file checkpoint?); set {VAE_KEY} to the diffusers version of the VAE, or remove it to use the "
-            "model's own VAE"
+            f"{repo_id} has no {names} in {configs.folder}: it is not a diffusers {what} repo (a single-file "
+            f"checkpoint?); {fix}"
         )
     if not weights:
         return configs
     allow = [subfolder + name for name in DIFFUSERS_WEIGHTS]
-    found = _download(repo_id, configs.commit, allow, list(IGNORED_WEIGHTS), environ, key=VAE_KEY)
+    found = _download(repo_id, configs.commit, allow, list(IGNORED_WEIGHTS), environ, key=key)
     folder = found.folder / subfolder if subfolder else found.folder
     if not any((folder / name).is_file() for name in DIFFUSERS_WEIGHTS[:2]):
         raise HubError(

@@ -139,15 +139,20 @@ def test_reference_loose_is_approximated_with_a_warning(tmp_path):
     assert "datasets[1] (my-reference-images)" in warning and "2%" in warning
 
 
-@pytest.mark.parametrize(
-    ("kind", "why"),
-    [("canny", "not a kind of conditioning trained here"), ("controlnet", "ControlNet training is not supported")],
-)
-def test_other_conditioning_types_stop(tmp_path, kind, why):
-    root, raw = _project(tmp_path, _edit_v1_datasets(kind))
+def test_other_conditioning_types_stop(tmp_path):
+    root, raw = _project(tmp_path, _edit_v1_datasets("canny"))
     text = _problems(raw, root)
-    assert f"datasets[1] (my-reference-images): `conditioning_type: {kind}`: {why}" in text
+    assert (
+        "datasets[1] (my-reference-images): `conditioning_type: canny`: not a kind of conditioning trained here" in text
+    )
     assert "reference_strict" in text
+
+
+def test_controlnet_conditioning_without_controlnet_stops(tmp_path):
+    root, raw = _project(tmp_path, _edit_v1_datasets("controlnet"))
+    text = _problems(raw, root)
+    assert "datasets[1] (my-reference-images): `conditioning_type: controlnet` names a ControlNet's" in text
+    assert "set `controlnet: true`" in text
 
 
 def test_two_conditioning_datasets_for_one_dataset_stop(tmp_path):
@@ -186,5 +191,5 @@ def test_a_name_that_is_no_conditioning_entry_stops(tmp_path):
 def test_the_loader_reports_the_refusal_as_a_config_error(tmp_path, monkeypatch):
     root, _ = _project(tmp_path, _edit_v1_datasets("controlnet"))
     monkeypatch.chdir(root)
-    with pytest.raises(ConfigError, match="ControlNet training is not supported"):
+    with pytest.raises(ConfigError, match="but `controlnet` is not true"):
         load_config(root / "config" / "config.json", check_files=False)

@@ -154,6 +154,23 @@ TOP_ROWS: dict[str, Row] = {
         ({"model_family": "sd1x"}, {"pretrained_vae_model_name_or_path": UNSET}),
         also="tests/test_separate_vae.py::test_a_pipeline_folder_gives_its_vae_subfolder_before_its_root",
     ),
+    "controlnet_model_name_or_path": _row(
+        f"{H}models/sdxl/model.py:242 {H}models/sdxl/model.py:244 {H}models/flux/model.py:281 "
+        f"{H}models/flux/model.py:283",
+        "with controlnet, the ControlNet is ControlNetModel / FluxControlNetModel.from_pretrained(this path): a "
+        "folder from the working directory or a hub id; unset, one made from the model",
+        (
+            {"model_family": "sdxl", "controlnet": True, "controlnet_model_name_or_path": "cn"},
+            {"controlnet": True, "controlnet_model_name_or_path": "{cwd}/cn"},
+        ),
+        (
+            {"model_family": "sdxl", "controlnet": True, "controlnet_model_name_or_path": "org/controlnet"},
+            {"controlnet_model_name_or_path": "org/controlnet"},
+        ),
+        ({"model_family": "sdxl", "controlnet": True}, {"controlnet_model_name_or_path": UNSET}),
+        family="sdxl",
+        also="tests/test_controlnet.py::test_the_simpletuner_controlnet_example_trains",
+    ),
     "aspect_bucket_alignment": _row(
         f"{H}models/sdxl/model.py:648 {H}models/wan/model.py:1529 {H}multiaspect/image.py:93",
         "each family forces its own alignment (SDXL 64, Wan 32) whatever the config says",

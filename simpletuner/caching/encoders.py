@@ -36,6 +36,10 @@ class CacheEncoders(EncoderIdentities, Protocol):
 
     def batch_shapes(self, batch_size: int) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]: ...
 
+    def pixel_entries(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def pixel_entry_bytes(self, width: int, height: int) -> int: ...
+
 
 class PairedPromptEncoder(Protocol):
     """An edit model's prompt encoder (``ModelSpec.conditions_on_image``): each prompt with its source image."""

@@ -81,7 +81,8 @@ def _latent_entry_bytes(spec: CacheEncoders) -> Callable[[tuple], int] | None:
         frames = math.ceil(latent_frames * max(sample.num_frames, 1) / longest)
         cells = math.ceil(width / factor) * math.ceil(height / factor)
         mask = cells * 4 + HEADER_BYTES_PER_TENSOR if sample.mask is not None else 0  # one float32 per latent pixel
-        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR + extras + mask
+        pixels = spec.pixel_entry_bytes(width, height)  # what the model keeps of the pixels (an SDXL ControlNet's)
+        return channels * frames * cells * 4 + HEADER_BYTES_PER_TENSOR + extras + mask + pixels
 
     return estimate
 

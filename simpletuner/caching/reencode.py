@@ -142,7 +142,8 @@ class PixelLoader:
 
 def latent_extras(spec: CacheEncoders, loaded: Loaded, latents: torch.Tensor) -> dict[str, torch.Tensor]:
     """What a latent entry of ``spec`` holds beside ``latents`` (the batch's, encoded), stacked for the decoded
-    payloads of ``loaded``: :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, and
+    payloads of ``loaded``: :data:`~simpletuner.caching.size_crop.SIZE_CROP` for a model conditioned on it, what the
+    model keeps of the pixels themselves (``spec.pixel_entries``), and
     :data:`~simpletuner.data_backend.masks.MASK_KEY` (``[N, 1, h, w]`` on the latents' grid) when a payload has a
     mask (one without trains on all of its pixels: weight 1)."""
     if loaded.pixels is None:
@@ -150,6 +151,7 @@ def latent_extras(spec: CacheEncoders, loaded: Loaded, latents: torch.Tensor) ->
     extras: dict[str, torch.Tensor] = {}
     if spec.conditions_on_size_crop:
         extras[SIZE_CROP] = size_crop_tensor(loaded.size_crops)
+    extras.update(spec.pixel_entries(loaded.pixels))  # e.g. an SDXL ControlNet's conditioning image, as uint8
     if any(mask is not None for mask in loaded.masks):
         size = loaded.pixels.shape[-2:]
         weights = torch.stack([mask[0] if mask is not None else torch.ones(1, *size) for mask in loaded.masks])

@@ -92,6 +92,7 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     problems: list[str] = []
     checked, hub = _hub_model_configs(raw, environ, problems)
     vae_checked, hub_vae = _hub_model_configs(raw, environ, problems, "pretrained_vae_model_name_or_path")
+    cn_checked, hub_controlnet = _hub_model_configs(raw, environ, problems, "controlnet_model_name_or_path")
     command = launcher_command_from_environment(environ) if launch_command == "auto" else launch_command
     sources: dict[str, str] = {}
     try:
@@ -107,13 +108,22 @@ def prepare_config(config_path: str, overrides=(), environ=None, launch_command=
     problems += check_alloc_conf(environ.get(ALLOC_CONF_VAR)).errors()  # its warnings: Trainer._log_settings_in_force
     try:
         # a hub id is checked as its snapshot folder (family, components); the run's raw config keeps the id
-        config = validate_config({**raw, **checked, **vae_checked}, base_dir=path.parent, source=str(path))
+        config = validate_config(
+            {**raw, **checked, **vae_checked, **cn_checked}, base_dir=path.parent, source=str(path)
+        )
     except ConfigError as exc:
         problems += exc.problems
     if problems:
         raise ConfigError(problems, str(path))
     _check_hub_datasets(config, environ, path)
-    loaded = LoadedConfig(config=config, raw=with_settled_family(raw, config), path=path, hub=hub, hub_vae=hub_vae)
+    loaded = LoadedConfig(
+        config=config,
+        raw=with_settled_family(raw, config),
+        path=path,
+        hub=hub,
+        hub_vae=hub_vae,
+        hub_controlnet=hub_controlnet,
+    )
     return loaded, sources, notes
 
 
@@ -148,13 +158,21 @@ def _check_hub_datasets(config, environ, path) -> None:
 def _hub_model_configs(
     raw: dict, environ, problems: list[str], key: str = "pretrained_model_name_or_path"
 ) -> tuple[dict, HubSnapshot | None]:
-    """Where ``key`` (``pretrained_model_name_or_path``, or ``pretrained_vae_model_name_or_path``) is a hub id: its
-    configs fetched into the Hub cache (no weights yet) and the key pointing at that snapshot for the checks; else
-    nothing. A failure joins ``problems``."""
-    from simpletuner.hub import VAE_KEY, HubError, resolve_config_model, resolve_config_vae
+    """Where ``key`` (``pretrained_model_name_or_path``, ``pretrained_vae_model_name_or_path`` or
+    ``controlnet_model_name_or_path``) is a hub id: its configs fetched into the Hub cache (no weights yet) and the
+    key pointing at that snapshot for the checks; else nothing. A failure joins ``problems``."""
+    from simpletuner.hub import (
+        CONTROLNET_KEY,
+        VAE_KEY,
+        HubError,
+        resolve_config_controlnet,
+        resolve_config_model,
+        resolve_config_vae,
+    )
 
+    resolvers = {VAE_KEY: resolve_config_vae, CONTROLNET_KEY: resolve_config_controlnet}
     try:
-        hub = (resolve_config_vae if key == VAE_KEY else resolve_config_model)(raw, environ)
+        hub = resolvers.get(key, resolve_config_model)(raw, environ)
     except HubError as exc:
         problems.append(f"{key}: {exc}")
         return {}, None
@@ -185,9 +203,10 @@ def run_training(
     timeline.mark("config")
     if loaded.hub is not None:  # the weights of the components the family loads, once the config is known good
         loaded = _download_hub_weights(loaded)
-    if loaded.hub_vae is not None:
-        loaded = _download_hub_vae_weights(loaded)
-    if loaded.hub is not None or loaded.hub_vae is not None:
+    for field in ("hub_vae", "hub_controlnet"):
+        if getattr(loaded, field) is not None:
+            loaded = _download_hub_component_weights(loaded, field)
+    if loaded.hub is not None or loaded.hub_vae is not None or loaded.hub_controlnet is not None:
         timeline.mark("download")
     # Only now torch and the model libraries (seconds to import): a config error is answered without them.
     with quiet_gc_while_importing():
@@ -206,6 +225,8 @@ def run_training(
         state.startup_notes.insert(
             int(loaded.hub is not None), _hub_line(loaded.hub_vae, "pretrained_vae_model_name_or_path")
         )
+    if loaded.hub_controlnet is not None:  # as the VAE's: its commit is in the run identity
+        state.startup_notes.append(_hub_line(loaded.hub_controlnet, "controlnet_model_name_or_path"))
     trainer = Trainer(state, peak_tflops=peak_tflops, overwrite=overwrite, startup=timeline)
     if not _is_single_process():
         _KEEP_ALIVE.append(trainer)  # freed by the process's end, not here: see end_process
@@ -248,19 +269,21 @@ def _download_hub_weights(loaded):
     return dataclasses.replace(loaded, hub=snapshot)
 
 
-def _download_hub_vae_weights(loaded):
-    """``loaded`` with its hub VAE's weights in the Hub cache (the snapshot its config came from)."""
+def _download_hub_component_weights(loaded, field: str):
+    """``loaded`` with the weights of the one-component hub repo in its ``field`` (``hub_vae``: the separate VAE,
+    ``hub_controlnet``: the ControlNet) in the Hub cache (the snapshot its config came from)."""
     import dataclasses
 
     from simpletuner.configuration import ConfigError
-    from simpletuner.hub import VAE_KEY, HubError, resolve_vae
+    from simpletuner.hub import CONTROLNET_KEY, VAE_KEY, HubError, resolve_controlnet, resolve_vae
 
-    hub = loaded.hub_vae
+    key, resolve = (VAE_KEY, resolve_vae) if field == "hub_vae" else (CONTROLNET_KEY, resolve_controlnet)
+    hub = getattr(loaded, field)
     try:
-        snapshot = resolve_vae(hub.repo_id, hub.commit, weights=True)
+        snapshot = resolve(hub.repo_id, hub.commit, weights=True)
     except HubError as exc:
-        raise ConfigError([f"{VAE_KEY}: {exc}"], str(loaded.path)) from None
-    return dataclasses.replace(loaded, hub_vae=dataclasses.replace(snapshot, revision=hub.revision))
+        raise ConfigError([f"{key}: {exc}"], str(loaded.path)) from None
+    return dataclasses.replace(loaded, **{field: dataclasses.replace(snapshot, revision=hub.revision)})
 
 
 def _hub_line(hub: HubSnapshot, key: str = "pretrained_model_name_or_path") -> str:

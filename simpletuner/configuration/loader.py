@@ -43,6 +43,8 @@ class LoadedConfig:
     hub: Any = None
     #: The same for ``pretrained_vae_model_name_or_path``: its snapshot where it is a hub id; None otherwise.
     hub_vae: Any = None
+    #: The same for ``controlnet_model_name_or_path``.
+    hub_controlnet: Any = None
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -381,7 +383,7 @@ def _resolve_relative_paths(raw: dict[str, Any], base_dir: Path | None) -> dict[
     if base_dir is None:
         return raw
     out = dict(raw)
-    for key in ("pretrained_model_name_or_path", "pretrained_vae_model_name_or_path"):
+    for key in ("pretrained_model_name_or_path", "pretrained_vae_model_name_or_path", "controlnet_model_name_or_path"):
         if isinstance(out.get(key), str):
             out[key] = _model_from_base(out[key], base_dir)
     out["output_dir"] = _from_base(out.get("output_dir", _DEFAULT_OUTPUT_DIR), base_dir)

@@ -269,6 +269,45 @@ def _text_encoder_training_fits(cfg) -> Iterator[str]:
         )
 
 
+#: The families a ControlNet trains for (`controlnet`; models/sdxl_controlnet.py, models/flux_controlnet.py).
+CONTROLNET_FAMILIES = ("sdxl", "flux")
+
+
+def _controlnet_fits(cfg) -> Iterator[str]:
+    if cfg.controlnet_model_name_or_path is not None and not cfg.controlnet:
+        yield (
+            "controlnet_model_name_or_path names the ControlNet a `controlnet: true` run trains: set controlnet true, "
+            "or remove it"
+        )
+    if not cfg.controlnet:
+        return
+    if cfg.model_family not in CONTROLNET_FAMILIES:
+        yield (
+            f"controlnet trains a ControlNet for model families {', '.join(CONTROLNET_FAMILIES)} only, not "
+            f"{cfg.model_family!r}: remove controlnet, or train an {' or '.join(CONTROLNET_FAMILIES)} model"
+        )
+    if cfg.train_text_encoder:
+        yield (
+            "controlnet trains the ControlNet alone (the model and its text encoders stay frozen): remove "
+            "train_text_encoder"
+        )
+    if cfg.tread_config is not None:
+        yield (
+            "tread_config routes tokens past the trained transformer's blocks, which a ControlNet run does not train "
+            "(its residuals enter every block): remove tread_config"
+        )
+    if cfg.training_type == "lora" and cfg.lora_type != "standard":
+        yield (
+            "controlnet with lora_type 'lycoris' is not supported: a ControlNet LoRA is a peft LoRA here "
+            "(lora_type 'standard'), or train the whole ControlNet (training_type 'full')"
+        )
+    if any(fmt != "diffusers" for fmt in cfg.output_formats):
+        yield (
+            "output_formats kohya / comfyui have no key names for a ControlNet's adapter: a ControlNet run writes the "
+            "diffusers ControlNet folder (and the adapter file): use output_formats ['diffusers']"
+        )
+
+
 def _full_not_quantised(cfg) -> Iterator[str]:
     if cfg.training_type == "full" and cfg.base_model_precision != "no_change":
         yield (
@@ -680,6 +719,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     _ti2v_needs_wan,
     _tread_needs_transformer,
     _text_encoder_training_fits,
+    _controlnet_fits,
     _full_not_quantised,
     _lycoris_merge_needs_plain_base,
     _video_needs_video_family,

@@ -87,6 +87,27 @@ class TrainingConfig(_Strict):
             "and its latent channels the denoiser's; the latent cache is keyed by it, so another VAE re-encodes."
         ),
     )
+    controlnet: bool = Field(
+        default=False,
+        description=(
+            "sdxl / flux: train a ControlNet beside the frozen model (`training_type: full`), or a peft LoRA on one "
+            "(`lora`), on images paired by file name with conditioning images (each dataset's "
+            "`conditioning_data_dir`); validation renders with `validation_image` as the control image. The "
+            "ControlNet is `controlnet_model_name_or_path`, else made from the model (`ControlNetModel.from_unet` / "
+            "`FluxControlNetModel.from_transformer`: 4 double and 10 single blocks, fewer where the transformer has "
+            "fewer) under `seed`. Writes `controlnet/` (the diffusers folder the ControlNet pipelines load; a LoRA "
+            'merged in) and, for a LoRA, `pytorch_lora_weights.safetensors` (keys `controlnet.`). See "ControlNet" '
+            "in MODEL_FAMILIES.md."
+        ),
+    )
+    controlnet_model_name_or_path: Optional[PathText] = Field(
+        default=None,
+        description=(
+            "With `controlnet`: the ControlNet to train on, a local diffusers folder (its `controlnet/` subfolder "
+            "when it has one) or a hub id; relative paths as `pretrained_model_name_or_path`. Unset: a fresh one "
+            "made from the model."
+        ),
+    )
     model_family: FamilyName = Field(
         default=None,
         validate_default=True,

@@ -248,10 +248,11 @@ def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
         unpaired = [ds.id for ds in trained if not has_sources(ds)]
         if unpaired:
             problems.append(
-                f"the model at {config.pretrained_model_name_or_path} is an edit model: it trains on pairs of an "
-                f"image and the source image its caption edits, and dataset(s) {', '.join(map(repr, unpaired))} name "
-                "no sources. Give each a `conditioning_data_dir` (sources with the images' file names), a "
-                "`conditioning_column` in its caption table, or a `conditioning` block that generates them"
+                f"the model at {config.pretrained_model_name_or_path} trains on pairs of an image and its source "
+                "(the image its caption edits, or a ControlNet's conditioning image), and dataset(s) "
+                f"{', '.join(map(repr, unpaired))} name no sources. Give each a `conditioning_data_dir` (sources with "
+                "the images' file names), a `conditioning_column` in its caption table, or a `conditioning` block "
+                "that generates them"
             )
         if config.augmentations.is_enabled:
             where = "with the latents and the prompt embedding" if spec.prompt_sees_source else "with the latents"
@@ -266,13 +267,13 @@ def check_model_inputs(spec: _ModelInputs, config: TrainingConfig) -> None:
                 f"dataset(s) {', '.join(map(repr, paired))} name source images (conditioning_data_dir / "
                 f"conditioning_column / conditioning), but model family {spec.family!r} at "
                 f"{config.pretrained_model_name_or_path} is not an edit model and would not use them. Remove the key, "
-                "or point pretrained_model_name_or_path at an edit model's folder (a QwenImageEditPipeline or a "
-                "FluxKontextPipeline)"
+                "point pretrained_model_name_or_path at an edit model's folder (a QwenImageEditPipeline or a "
+                "FluxKontextPipeline), or set `controlnet: true` (sdxl, flux) to train a ControlNet on them"
             )
     if config.validation_image is not None and not spec.takes_validation_image:
         problems.append(
             f"validation_image is set, but the model at {config.pretrained_model_name_or_path} renders from no image "
-            "(only edit models and image-to-video models do). Remove validation_image"
+            "(only edit models, ControlNets and image-to-video models do). Remove validation_image"
         )
     if problems:
         raise ValueError("\n".join(problems))

@@ -221,19 +221,23 @@ def batch_shapes(config: "TrainingConfig", batch_size: int) -> tuple[TensorShape
     ``resolution``, divided by the VAE's down factor); text embeddings in the autocast dtype,
     padded to the tokenizer's max length (with ``train_text_encoder`` int64 token ids instead, which
     the fake step's text encoders embed); with masked loss (a trained dataset with ``mask_data_dir``)
-    one fp32 weight per latent pixel (``[B, 1, h, w]``), which the fake step's loss applies too.
+    one fp32 weight per latent pixel (``[B, 1, h, w]``), which the fake step's loss applies too; and what the latent
+    entries keep of the pixels (``ModelSpec.pixel_entry_shapes``: an SDXL ControlNet's uint8 conditioning image).
     """
     from simpletuner.configuration.cache_paths import is_trained
     from simpletuner.data_backend.masks import MASK_KEY
     from simpletuner.models import get_model_spec
     from simpletuner.models.text_encoder_lora import is_token_ids
 
+    spec = get_model_spec(config)
     try:
-        latents, conditioning = get_model_spec(config).batch_shapes(batch_size)
+        latents, conditioning = spec.batch_shapes(batch_size)
     except NotImplementedError:
         raise ValueError(f"no batch shapes for model_family {config.model_family!r}") from None
     text_dtype = run_dtype(config, cuda=None)
     shapes = {k: TensorShape(tuple(s), torch.int64 if is_token_ids(k) else text_dtype) for k, s in conditioning.items()}
+    # what the latent entries keep of the pixels (an SDXL ControlNet's uint8 conditioning image)
+    shapes.update({k: TensorShape(s, dtype) for k, (s, dtype) in spec.pixel_entry_shapes(batch_size).items()})
     if any(ds.mask_data_dir is not None and is_trained(ds) for ds in config.datasets or []):
         shapes[MASK_KEY] = TensorShape((latents[0], 1, *latents[-2:]), torch.float32)
     return TensorShape(tuple(latents), torch.float32), shapes

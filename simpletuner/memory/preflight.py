@@ -72,7 +72,10 @@ def cache_bytes(
     if cache.vae_cache_type in _IN_RAM:
         area = float(config.resolution) ** 2
         out[f"latent cache ({cache.vae_cache_type}, {len(unique)} images)"] = int(
-            sum(per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area for s in unique)
+            sum(
+                per_latent_at_resolution * s.bucket[0] * s.bucket[1] / area + spec.pixel_entry_bytes(*s.bucket)
+                for s in unique
+            )
         )
     if cache.text_cache_type in _IN_RAM:
         # an edit pair's caption is embedded with its source where the prompt sees it (Qwen-Image-Edit): one entry

@@ -17,12 +17,14 @@ quiet_model_libraries()  # before any model library loads: no torchao unless a c
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
     from simpletuner.models.flux import FluxSpec
+    from simpletuner.models.flux_controlnet import FluxControlNetSpec
     from simpletuner.models.flux_kontext import FluxKontextSpec
     from simpletuner.models.qwen_image import QwenImageSpec
     from simpletuner.models.qwen_image_edit import QwenImageEditSpec
     from simpletuner.models.sd import StableDiffusionSpec
     from simpletuner.models.sd3 import StableDiffusion3Spec
     from simpletuner.models.sdxl import StableDiffusionXLSpec
+    from simpletuner.models.sdxl_controlnet import StableDiffusionXLControlNetSpec
     from simpletuner.models.spec import ModelSpec
     from simpletuner.models.wan import WanSpec
     from simpletuner.models.wan22 import Wan22Spec
@@ -34,9 +36,11 @@ _SPEC_CLASSES: dict[str, str] = {
     "ModelSpec": "simpletuner.models.spec:ModelSpec",
     "StableDiffusionSpec": "simpletuner.models.sd:StableDiffusionSpec",
     "StableDiffusionXLSpec": "simpletuner.models.sdxl:StableDiffusionXLSpec",
+    "StableDiffusionXLControlNetSpec": "simpletuner.models.sdxl_controlnet:StableDiffusionXLControlNetSpec",
     "StableDiffusion3Spec": "simpletuner.models.sd3:StableDiffusion3Spec",
     "FluxSpec": "simpletuner.models.flux:FluxSpec",
     "FluxKontextSpec": "simpletuner.models.flux_kontext:FluxKontextSpec",
+    "FluxControlNetSpec": "simpletuner.models.flux_controlnet:FluxControlNetSpec",
     "WanSpec": "simpletuner.models.wan:WanSpec",
     "Wan22Spec": "simpletuner.models.wan22:Wan22Spec",
     "Wan22I2VSpec": "simpletuner.models.wan22_i2v:Wan22I2VSpec",
@@ -148,14 +152,31 @@ def _qwen_image_variant(config: "TrainingConfig") -> type[ModelSpec]:
 
 
 def _flux_variant(config: "TrainingConfig") -> type[ModelSpec]:
-    """From the folder's ``model_index.json``: Flux.1 Kontext (``FluxKontextPipeline``), else Flux.1."""
+    """From the folder's ``model_index.json``: Flux.1 Kontext (``FluxKontextPipeline``), else Flux.1; with
+    ``controlnet``, Flux.1 with a ControlNet.
+
+    Raises:
+        ValueError: ``controlnet`` with a Kontext folder.
+    """
     from pathlib import Path
 
     from simpletuner.models.spec import read_model_index
 
     root = Path(config.pretrained_model_name_or_path).expanduser()
     name = ((read_model_index(root) if root.is_dir() else None) or {}).get("_class_name")
+    if config.controlnet:
+        if name == "FluxKontextPipeline":
+            raise ValueError(
+                f"controlnet: {root / 'model_index.json'} is a FluxKontextPipeline (an edit model), for which no "
+                "ControlNet trains here: point pretrained_model_name_or_path at a Flux.1 folder, or remove controlnet"
+            )
+        return _spec_class("FluxControlNetSpec")
     return _spec_class("FluxKontextSpec" if name == "FluxKontextPipeline" else "FluxSpec")
+
+
+def _sdxl_variant(config: "TrainingConfig") -> type[ModelSpec]:
+    """SDXL, or with ``controlnet`` SDXL with a ControlNet."""
+    return _spec_class("StableDiffusionXLControlNetSpec" if config.controlnet else "StableDiffusionXLSpec")
 
 
 #: Families with variants: family name -> the function choosing the class for a config's folder.
@@ -163,6 +184,7 @@ FAMILY_VARIANTS: dict[str, Callable[["TrainingConfig"], type[ModelSpec]]] = {
     "wan": _wan_variant,
     "qwen_image": _qwen_image_variant,
     "flux": _flux_variant,
+    "sdxl": _sdxl_variant,
 }
 
 
@@ -178,6 +200,7 @@ def get_model_spec(config: "TrainingConfig") -> ModelSpec:
 
 __all__ = [
     "MODEL_FAMILIES",
+    "FluxControlNetSpec",
     "FluxKontextSpec",
     "FluxSpec",
     "ModelSpec",
@@ -185,6 +208,7 @@ __all__ = [
     "QwenImageSpec",
     "StableDiffusion3Spec",
     "StableDiffusionSpec",
+    "StableDiffusionXLControlNetSpec",
     "StableDiffusionXLSpec",
     "Wan22I2VSpec",
     "Wan22Spec",

@@ -176,26 +176,34 @@ class FluxSpec(PackedFlowSpec):
         return super().training_loss(denoiser, latents, conditioning, generator, is_regularisation_data)
 
     def predict(self, denoiser, noisy, timesteps, conditioning, latent_size):
-        """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1). A guidance-distilled
-        transformer takes ``conditioning[GUIDANCE_KEY]`` when :meth:`training_loss` put it there, else
-        the constant :meth:`training_guidance` (nothing is drawn then)."""
+        """The transformer's packed prediction; ``timesteps`` are sigmas in (0, 1)
+        (:meth:`transformer_inputs`)."""
+        return denoiser(**self.transformer_inputs(denoiser, noisy, timesteps, conditioning, latent_size))[0]
+
+    def transformer_inputs(
+        self, transformer, noisy, timesteps, conditioning, latent_size: tuple[int, int]
+    ) -> dict[str, Any]:
+        """The keyword arguments of one transformer call on the packed ``noisy`` tokens of latent sides
+        ``latent_size``, as FluxPipeline makes them. A guidance-distilled transformer takes
+        ``conditioning[GUIDANCE_KEY]`` when :meth:`training_loss` put it there, else the constant
+        :meth:`training_guidance` (nothing is drawn then)."""
         embeds = conditioning["prompt_embeds"]
         dtype = noisy.dtype
         guidance = None
-        if denoiser.config.guidance_embeds:
+        if transformer.config.guidance_embeds:
             guidance = conditioning.get(GUIDANCE_KEY)
             if guidance is None:  # constant: made on the device, no copy
                 guidance = self.training_guidance(noisy.shape[0], None, noisy.device)
-        return denoiser(
+        return dict(
             hidden_states=noisy,
             timestep=timesteps.to(dtype),
             guidance=guidance,
             pooled_projections=conditioning["pooled_prompt_embeds"],
             encoder_hidden_states=embeds,
             txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
-            img_ids=latent_image_ids(*latent_size, noisy.device, dtype),
+            img_ids=latent_image_ids(latent_size[0], latent_size[1], noisy.device, dtype),
             return_dict=False,
-        )[0]
+        )
 
     # --- memory estimate -----------------------------------------------------------------
     def batch_shapes(self, batch_size):

@@ -18,7 +18,7 @@ import torch
 
 from simpletuner.caching.fingerprint import fingerprint
 from simpletuner.models.edit_pairs import PairedLatents
-from simpletuner.models.flux import GUIDANCE_KEY, FluxSpec, latent_image_ids
+from simpletuner.models.flux import FluxSpec, latent_image_ids
 from simpletuner.models.packed import pack_latents
 from simpletuner.models.spec import save_transformer_lora
 
@@ -105,29 +105,12 @@ class FluxKontextSpec(PairedLatents, FluxSpec):
         after them on the sequence axis with their ids (first id 1), one timestep for both, as the pipeline's
         denoising loop; only the target's tokens are returned."""
         reference = conditioning[REFERENCE_KEY]
-        embeds = conditioning["prompt_embeds"]
+        inputs = self.transformer_inputs(denoiser, noisy, timesteps, conditioning, latent_size)
         dtype = noisy.dtype
-        guidance = None
-        if denoiser.config.guidance_embeds:  # as FluxSpec.predict
-            guidance = conditioning.get(GUIDANCE_KEY)
-            if guidance is None:
-                guidance = self.training_guidance(noisy.shape[0], None, noisy.device)
-        img_ids = torch.cat(
-            [
-                latent_image_ids(*latent_size, noisy.device, dtype),
-                reference_image_ids(reference.shape[2], reference.shape[3], noisy.device, dtype),
-            ]
-        )
-        out = denoiser(
-            hidden_states=torch.cat([noisy, pack_latents(reference).to(dtype)], dim=1),
-            timestep=timesteps.to(dtype),
-            guidance=guidance,
-            pooled_projections=conditioning["pooled_prompt_embeds"],
-            encoder_hidden_states=embeds,
-            txt_ids=torch.zeros(embeds.shape[1], 3, device=noisy.device, dtype=dtype),
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
+        inputs["hidden_states"] = torch.cat([noisy, pack_latents(reference).to(dtype)], dim=1)
+        ids = reference_image_ids(reference.shape[2], reference.shape[3], noisy.device, dtype)
+        inputs["img_ids"] = torch.cat([inputs["img_ids"], ids])
+        out = denoiser(**inputs)[0]
         return out[:, : noisy.shape[1]]
 
     # --- output --------------------------------------------------------------------------

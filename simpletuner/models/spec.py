@@ -248,6 +248,21 @@ class ModelSpec(abc.ABC):
     #: conditioning): its latent entries then hold them too (caching/size_crop.py).
     conditions_on_size_crop: ClassVar[bool] = False
 
+    def pixel_entries(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a latent entry keeps of a batch's pixels themselves (``[B, C, H, W]`` as :meth:`encode_images` takes
+        them), by name, batch first; they join the batch's conditioning. None by default: an SDXL ControlNet keeps
+        its conditioning image (models/sdxl_controlnet.py)."""
+        return {}
+
+    def pixel_entry_bytes(self, width: int, height: int) -> int:
+        """Bytes of :meth:`pixel_entries` for one ``width`` x ``height`` image (the cache's size estimate)."""
+        return 0
+
+    def pixel_entry_shapes(self, batch_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each :meth:`pixel_entries` tensor of a micro-batch at a square ``resolution`` bucket
+        (the memory estimate's batch; :meth:`batch_shapes` gives the rest)."""
+        return {}
+
     @property
     def takes_validation_image(self) -> bool:
         """Whether validation renders from an image (``validation_image``): an edit model's source, an
@@ -590,6 +605,9 @@ class ModelSpec(abc.ABC):
     # --- set-up the trainer and the estimator share -------------------------------------
     #: True for a model with several denoisers (Wan 2.2's experts), each with its own adapter.
     has_experts: ClassVar[bool] = False
+    #: Whether a full run's checkpoints also hold :meth:`save_full`'s folder (a ControlNet's: the trained part is
+    #: small beside the frozen base, and SimpleTuner's checkpoints hold it); otherwise ``trainable.safetensors`` only.
+    checkpoints_hold_full_weights: ClassVar[bool] = False
 
     def denoiser_from_config(self) -> nn.Module:
         """The denoiser built from its config alone, without weights (the caller picks the device,

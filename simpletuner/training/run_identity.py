@@ -27,11 +27,16 @@ def run_identity(config, spec, denoiser_config: str | None, hub_model: str | Non
     vae = hub_vae(spec)
     if vae is not None:
         hub["hub_vae"] = vae
+    controlnet = snapshot_of(config.controlnet_model_name_or_path) if config.controlnet_model_name_or_path else None
+    if controlnet is not None:
+        hub["hub_controlnet"] = f"{controlnet[0]}@{controlnet[1]}"
     # recorded only when on: checkpoints from before the key stay resumable
     text_encoders = {"train_text_encoder": True} if config.train_text_encoder else {}
+    controlled = {"controlnet": True} if config.controlnet else {}
     return {
         **hub,
         **text_encoders,
+        **controlled,
         "model_family": config.model_family,
         "training_type": config.training_type,
         "lora_rank": config.lora_rank if is_lora else None,

@@ -410,15 +410,20 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """A resumable checkpoint of this step (collective); LoRA runs also get the adapter the final save
         writes (``spec.save_adapter``), loadable as it is. Full fine-tunes get none: ``trainable.safetensors``
-        already holds the whole denoiser, and a second copy would double the checkpoint."""
+        already holds the whole denoiser, and a second copy would double the checkpoint; except where the family
+        asks for it (``spec.checkpoints_hold_full_weights``: a ControlNet's folder, as SimpleTuner writes it)."""
         parts = self._checkpoint_parts()
-        is_lora = self.config.training_type == "lora"
+        write = None
+        if self.config.training_type == "lora":
+            write = lambda folder: self.spec.save_adapter(folder, parts.model)  # noqa: E731
+        elif self.spec.checkpoints_hold_full_weights:
+            write = lambda folder: self.spec.save_full(folder, parts.model)  # noqa: E731
         self._last_saved_path = self.checkpointer.save(
             self.progress.global_step,
             parts,
             run_id=self.run_id,
             identity=self._identity(),
-            write_adapter=(lambda folder: self.spec.save_adapter(folder, parts.model)) if is_lora else None,
+            write_adapter=write,
         )
         self._last_saved_step = self.progress.global_step  # once it is complete: a failed save saved nothing
         return self._last_saved_path

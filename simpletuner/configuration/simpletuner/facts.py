@@ -373,10 +373,12 @@ MASK_RESAMPLING = (
     "without Lanczos' overshoot; a mask whose aspect ratio is more than 2% off its image's stops the run, naming it"
 )
 
+#: The `conditioning_type` of a ControlNet's conditioning images (with `controlnet: true`; SimpleTuner's CONTROLNET.md
+#: example leaves it unset): each follows its image's crop and size, as `reference_strict`.
+CONTROLNET_CONDITIONING = "controlnet"
+
 #: Other `conditioning_type` values SimpleTuner knows, and why they do not train here.
-UNSUPPORTED_CONDITIONING_TYPES = {
-    "controlnet": "ControlNet training is not supported",
-}
+UNSUPPORTED_CONDITIONING_TYPES: dict[str, str] = {}
 
 
 #: Each SimpleTuner optimizer's own defaults (its `default_settings`, helpers/training/optimizer_param.py at

@@ -719,6 +719,27 @@ CORE: tuple[DialectKey, ...] = (
         apply=lambda t, v, e: _text_encoder_lr(t, v, e),
     ),
     key_row(
+        "controlnet",
+        "approximated",
+        "controlnet",
+        "sdxl / flux (other families stop, with the reason): a ControlNet (`model_type: full`) or a peft LoRA on one "
+        "beside the frozen model, from `controlnet_model_name_or_path` or made from the model (`from_unet` / "
+        "`from_transformer`, as models/sdxl/model.py:240-248 and flux/model.py:277-287); the residuals go into the "
+        "frozen model as there (sdxl/model.py:260-300, flux/model.py:948-1090). It differs: SDXL's conditioning "
+        "image reaches the ControlNet in [0, 1], as diffusers' StableDiffusionXLControlNetPipeline preprocesses it, "
+        "where SimpleTuner's image transforms give [-1, 1] (models/common.py:1802-1806); an SDXL LoRA is a peft "
+        "LoRA (rank, alpha) on SimpleTuner's targets (models/common.py:465-500), where SimpleTuner trains a LoHa "
+        "with `use_effective_conv2d` (models/common.py:1049-1062); Flux's conditioning latents are the VAE "
+        "distribution's mode; a fresh ControlNet's random layers are drawn under `seed`",
+    ),
+    _same(
+        "controlnet_model_name_or_path",
+        note="a folder (from the working directory) or a hub id, loaded with `from_pretrained(path)` as "
+        "sdxl/model.py:241-243 and flux/model.py:281-283; a folder without a `config.json` of its own is read at "
+        "its `controlnet/` subfolder (a run's output)",
+        apply=lambda t, v, e: t.put("controlnet_model_name_or_path", _st_location(t, v), e.key),
+    ),
+    key_row(
         "lora_format",
         "approximated",
         "output_formats",

@@ -644,8 +644,8 @@ DATASET_CORE: tuple[DialectKey, ...] = (
         "same",
         "conditioning_data_dir",
         "the `id` of a `dataset_type: conditioning` entry (or a list): edit sources (Qwen-Image-Edit, Flux Kontext's "
-        "references), whose `instance_data_dir` becomes `conditioning_data_dir` (several are not supported: Edit "
-        "Plus, multi-reference), and masks "
+        "references) and a ControlNet's conditioning images, whose `instance_data_dir` becomes "
+        "`conditioning_data_dir` (several are not supported: Edit Plus, multi-reference), and masks "
         "(`conditioning_type` `mask` / `segmentation`), whose folder becomes `mask_data_dir`; the entry is not a "
         "dataset of its own",
         apply=_conditioning_data,
@@ -668,7 +668,8 @@ DATASET_CORE: tuple[DialectKey, ...] = (
         "there; `reference_loose` approximated (the source is resized to the edited image and takes its crop; "
         "aspect ratios more than 2% apart stop the run); `mask` / `segmentation` -> `mask_type` of the dataset "
         "whose `mask_data_dir` it becomes (approximated: the mask is resized with area averaging, not Lanczos); "
-        "`controlnet` and others are not supported",
+        "`controlnet` (or unset) with `controlnet: true`: the ControlNet's conditioning images, each taking its "
+        "image's crop and size as there (collate.py:255-290); others are not supported",
         apply=_conditioning_entry_key,
     ),
     _ds(

@@ -333,6 +333,10 @@ def flux_lora_target(t: Translation, bare: Mapping[str, Any]) -> None:
         if "flux_lora_target" in bare:
             t.ignore("flux_lora_target", "the LyCORIS preset or `peft_lora_target_modules` picks the layers")
         return
+    if t.out.get("controlnet"):  # SimpleTuner sets `controlnet` whatever is given (flux/model.py:1242-1247)
+        if "flux_lora_target" in bare:
+            t.ignore("flux_lora_target", "a ControlNet LoRA adapts the ControlNet's layers, SimpleTuner's `controlnet`")
+        return
     name = str(bare.get("flux_lora_target", "all"))
     if name not in FLUX_LORA_TARGETS:
         t.problems.append(

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional
 
 from simpletuner.configuration.families import FLOW_MATCHING_FAMILIES
 from simpletuner.configuration.simpletuner.facts import (
+    CONTROLNET_CONDITIONING,
     DATASET_DEFAULTS_FROM_TOP,
     DEFAULT_FLAVOURS,
     FEATURE_SWITCHES,
@@ -298,9 +299,25 @@ def _conditioning_keys(t: Translation, bare: dict[str, Any], label: str, follows
             t.ignore(shown, follows)
 
 
+def _trains_controlnet(t: Translation) -> bool:
+    try:
+        return as_bool(t.bare.get("controlnet", False), "controlnet")
+    except Problem:  # its own row names the value
+        return False
+
+
 def _conditioning_type(t: Translation, kind: Any, label: str) -> None:
-    """A conditioning entry's `conditioning_type`: read here (said where approximated), or a problem."""
-    if isinstance(kind, str) and kind in MASK_CONDITIONING:
+    """A conditioning entry's `conditioning_type`: read here (said where approximated), or a problem. With
+    `controlnet: true`, `controlnet` or unset (SimpleTuner's CONTROLNET.md example) names the ControlNet's
+    conditioning images, which follow their images' crop and size (collate.py:255-290, `prepare_like`)."""
+    if _trains_controlnet(t) and kind in (None, CONTROLNET_CONDITIONING):
+        return
+    if kind == CONTROLNET_CONDITIONING:
+        t.problems.append(
+            f"{label}: `conditioning_type: controlnet` names a ControlNet's conditioning images, but `controlnet` is "
+            "not true: set `controlnet: true` (sdxl, flux), or remove the entry"
+        )
+    elif isinstance(kind, str) and kind in MASK_CONDITIONING:
         t.approx(f"{label}.conditioning_type: {kind}", MASK_RESAMPLING)
     elif isinstance(kind, str) and kind in REFERENCE_CONDITIONING:
         warning = REFERENCE_CONDITIONING[kind]
@@ -348,9 +365,8 @@ def _read_conditioning(t: Translation, entries: list[Any]) -> None:
         if not isinstance(name, str) or name not in named_by:
             t.problems.append(
                 f"{label}: a `dataset_type: conditioning` entry that no training dataset names in `conditioning_data`, "
-                "so no image is paired with its sources (SimpleTuner uses such entries for ControlNet, not supported "
-                "here). Name its `id` in the `conditioning_data` of the dataset whose images edit its sources, or "
-                "remove it"
+                "so no image is paired with its sources. Name its `id` in the `conditioning_data` of the dataset "
+                "whose images it conditions, or remove it"
             )
             if isinstance(name, str):
                 t.conditioning_sources[name] = None  # listed where a misspelt name is refused

@@ -55,7 +55,10 @@ _MEMORY_BACKEND = "tmpfs cache backends: set `cache_config.vae_cache_type` / `te
 # --- unsupported: would change what is trained ---------------------------------------------------
 _CSV = "URL-list (CSV) datasets are not downloaded here: fetch the images to a local folder and use type local"
 _WEBSHART = "Webshart shard datasets are not supported: unpack the images to a local folder and use type local"
-_CONTROLNET = "ControlNet training is not supported: train a LoRA without it"
+_CONTROLNET = (
+    "read by SimpleTuner's HiDream ControlNet only (models/hidream/model.py:307); its sdxl and flux ControlNets, "
+    "the ones trained here, never read it"
+)
 _CONTROL = "channel-wise control training is not supported: remove it"
 _CONDITIONING = (
     "several conditioning datasets for one training dataset (Edit Plus, multi-reference) are not supported: name one "
@@ -121,6 +124,7 @@ def _unsupported(keys: str, note: str, section: Section = "top") -> tuple[Entry,
 
 
 _TOP_IGNORED = (
+    *_ignored("controlnet_custom_config", _CONTROLNET),
     *_ignored("post_upload_script", _UPLOAD_HOOK),
     *_ignored("publishing_config", _PUBLISH),
     *_ignored("webhook_config webhook_reporting_interval", _WEBHOOK),
@@ -258,7 +262,6 @@ _TOP_IGNORED = (
 )
 
 _TOP_UNSUPPORTED = (
-    *_unsupported("controlnet controlnet_custom_config controlnet_model_name_or_path", _CONTROLNET),
     *_unsupported("control", _CONTROL),
     *_unsupported("conditioning_multidataset_sampling", _CONDITIONING),
     *_unsupported("distillation_config distillation_method", _DISTILLATION),

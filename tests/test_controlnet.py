@@ -347,11 +347,17 @@ def _render_flux(model_folder: Path, controlnet, control: Image.Image):
     return pipe("a circle", control_image=control, generator=torch.Generator().manual_seed(0), **args).images
 
 
-@pytest.mark.parametrize("training_type", ["full", "lora"])
-def test_flux_run_writes_what_the_controlnet_pipeline_loads(flux_config, zoo, pairs, tmp_path, training_type):
+@pytest.mark.parametrize("training_type, precision", [("full", None), ("lora", None), ("lora", "qint8")])
+def test_flux_run_writes_what_the_controlnet_pipeline_loads(
+    flux_config, zoo, pairs, tmp_path, training_type, precision
+):
+    """The folder holds the trained ControlNet; a LoRA run's, the LoRA merged (with an int8 base, as SimpleTuner
+    quantises the ControlNet's frozen layers too, merged onto their dequantised weights)."""
     from diffusers import FluxControlNetModel
 
     extra = {"lora_rank": 4, "learning_rate": 5e-2} if training_type == "lora" else {}
+    if precision is not None:
+        extra["base_model_precision"] = precision
     raw = flux_config(
         training_type=training_type,
         output_dir=str(tmp_path / "out"),
@@ -381,8 +387,9 @@ def test_flux_run_writes_what_the_controlnet_pipeline_loads(flux_config, zoo, pa
                 x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(0))
                 with torch.no_grad():
                     want = x @ merged[name + ".weight"].T + merged[name + ".bias"]
-                    assert torch.allclose(module(x), want, atol=1e-5), name
-                    assert torch.allclose(trained.get_submodule(name)(x), want, atol=1e-5), name
+                    if precision is None:  # the fresh ControlNet's float weights are the merged folder's base
+                        assert torch.allclose(module(x), want, atol=1e-5), name
+                    assert torch.allclose(trained.get_submodule(name)(x), want, atol=1e-4), name
     image = _render_flux(zoo("flux"), loaded, Image.open(pairs[1] / "000.png").convert("RGB"))
     assert image.shape == (1, 3, 64, 64) and torch.isfinite(image).all()
 

@@ -305,6 +305,43 @@ def test_kontext_example_trains_on_references_generated_from_a_hub_dataset(
 
 
 @needs_checkout
+@pytest.mark.slow
+def test_flux_controlnet_example_trains_on_canny_maps_of_a_hub_dataset(
+    tmp_path, hub_repos, hub_cache, monkeypatch, caplog
+):
+    """flux.peft-controlnet-lora: `controlnet: true` with a LoRA on the ControlNet (`flux_lora_target:
+    controlnet`), int8 base weights, the 128 px ControlNet dataloader whose conditioning images are the canny maps
+    generated from `keras-dreambooth/minercraft`; the merged ControlNet folder loads in FluxControlNetModel."""
+    from diffusers import FluxControlNetModel
+    from safetensors.torch import load_file
+
+    config = _project(tmp_path, "flux.peft-controlnet-lora", monkeypatch)
+    out = _train(config, caplog)
+    assert "generated 2 canny conditioning image(s)" in caplog.text
+    weights = load_file(out / "pytorch_lora_weights.safetensors")
+    assert weights and all(key.startswith("controlnet.") for key in weights)
+    assert {t.shape[0] for key, t in weights.items() if "lora_A" in key} == {64}  # the example's lora_rank
+    controlnet = FluxControlNetModel.from_pretrained(out / "controlnet")
+    assert controlnet.config.num_layers >= 1 and _check_the_validation_images(out, (256, 256)) is None
+
+
+@needs_checkout
+def test_sdxl_controlnet_example_loads_with_canny_maps_of_a_hub_dataset(tmp_path, hub_repos, hub_cache, monkeypatch):
+    """sdxl.peft-controlnet-lora (1024 px: checked as `simpletuner train` checks it and its dataset scanned with the
+    generated conditioning, not trained: an SDXL step at 1024 px takes minutes on this CPU)."""
+    from simpletuner.cli.train import prepare_config
+    from simpletuner.data_backend import build_datasets
+
+    config = _project(tmp_path, "sdxl.peft-controlnet-lora", monkeypatch)
+    loaded, _, _ = prepare_config(str(config), launch_command=None)
+    assert loaded.config.controlnet and loaded.config.training_type == "lora"
+    assert loaded.config.datasets[0].conditioning is not None
+    (dataset,) = build_datasets(loaded.config)
+    made = Path("cache/conditioning_data/controlnet-1024_conditioning_canny").resolve()
+    assert {s.source for s in dataset.samples} == {str(p) for p in made.rglob("*.png")}
+
+
+@needs_checkout
 def test_sdxl_lokr_example_reads_its_model_and_dataset_from_the_hub_cache(tmp_path, hub_repos, hub_cache, monkeypatch):
     """sdxl.lycoris-lokr (its family's default, `stabilityai/stable-diffusion-xl-base-1.0`, LoKr from the example's
     lycoris_config.json, the 1024 px dataloader) is checked as `simpletuner train` checks it before training, and

@@ -12,7 +12,6 @@ documentation/MODEL_FAMILIES.md, "ControlNet".
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -105,22 +104,38 @@ def save_controlnet_folder(output_dir: Path, controlnet: "ModelMixin") -> Path:
 
 
 def merged_controlnet(controlnet: "ModelMixin") -> "ModelMixin":
-    """``controlnet`` itself when it has no adapter; else a copy (on the CPU) with its peft LoRA merged into the
-    weights (a new model of its class and config), which ``from_pretrained`` loads as a plain ControlNet."""
+    """``controlnet`` itself when it has no adapter; else a new model of its class and config (on the CPU) holding
+    its weights with the peft LoRA added in, which ``from_pretrained`` loads as a plain ControlNet. Weights that
+    ``base_model_precision`` quantised (the ControlNet's frozen layers are, as SimpleTuner quantises them) are
+    dequantised first: the folder holds plain weights in the model's dtype."""
     if not getattr(controlnet, "peft_config", None):
         return controlnet
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.lora import LoraLayer
 
-    merged = copy.deepcopy(controlnet).cpu()
-    for module in merged.modules():
-        if isinstance(module, BaseTunerLayer):
-            module.merge()
-    # The merged weights under the plain model's names: `x.base_layer.weight` is `x.weight`; the adapter's go.
-    state = {k.replace(".base_layer.", "."): v for k, v in merged.state_dict().items() if ".lora_" not in k}
     cls: Any = type(controlnet)  # a ConfigMixin too (ControlNetModel, FluxControlNetModel)
     plain = cls.from_config(controlnet.config)
-    plain.load_state_dict(state)
+    wanted = plain.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for module_name, module in controlnet.named_modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            key = f"{module_name}.{name}".replace(".base_layer.", ".").lstrip(".")
+            if key in wanted:  # not the adapter's own weights, nor a quantiser's scales
+                state[key] = _plain(tensor).to("cpu", wanted[key].dtype)
+    for module_name, module in controlnet.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            key = f"{module_name}.weight"
+            layer: Any = module  # get_delta_weight is each layer kind's (Linear, Conv2d), not LoraLayer's
+            delta = layer.get_delta_weight("default").detach()
+            state[key] = state[key] + delta.to("cpu", state[key].dtype)
+    plain.load_state_dict(state)  # strict: every weight of the plain model accounted for
     return plain
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached plain tensor of ``tensor``'s values (a quantised weight dequantised)."""
+    dequantize = getattr(tensor, "dequantize", None)
+    value = dequantize() if callable(dequantize) and type(tensor) not in (torch.Tensor, nn.Parameter) else tensor
+    return value.detach()
 
 
 def save_controlnet_lora(output_dir: Path, controlnet: "ModelMixin") -> Path:

@@ -22,8 +22,9 @@ import torch
 
 from simpletuner.configuration import validate_config
 from simpletuner.configuration.aitoolkit import translate as ait
-from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT, AIT_KEYS
+from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT, AIT_KEYS, OPTIMIZER_DIFFERENCES
 from simpletuner.configuration.aitoolkit.table import AIT_DIALECT
+from simpletuner.configuration.simpletuner.reading import DialectError
 from simpletuner.data_backend.buckets import bucket_for
 from simpletuner.models import noise
 
@@ -512,3 +513,95 @@ def test_migration_guide_is_generated_from_the_table():
     assert doc == render_migrating_ai_toolkit(), "run `python -m simpletuner.configuration.docs`"
     for row in AIT_DIALECT:
         assert f"| `{row.key}` | {row.kind} |" in doc, row
+
+
+# --- approximated rows: what the translation writes and the warning that says what differs ------------------------
+
+
+def _report(tmp_path: Path, fragment: dict[str, Any]) -> tuple[dict, str]:
+    native, report = ait.translate(job(fragment), None, tmp_path)
+    validate_config(native, check_files=False)
+    return native, "\n".join(report.approximated)
+
+
+#: ai-toolkit's optimizer name -> (fragment, what we must write). Figures from toolkit/optimizer.py at AIT_COMMIT:
+#: adamw / adam: torch's class, eps=1e-6 (optimizer.py:76-79), torch's weight decay 0.01 / 0; adamw8bit:
+#: bitsandbytes' AdamW8bit, eps=1e-6 (optimizer.py:70-71), its weight decay 0.01; prodigy: prodigyopt's Prodigy,
+#: eps=1e-6 and lr 1.0 when below 0.1 (optimizer.py:46-54), its weight decay 0; automagic: Automagic(lr, **params)
+#: (optimizer.py:97-99) with min_lr 1e-7, max_lr 1e-3, lr_bump 1e-6, weight_decay 0 and a start above 1e-3 reset to
+#: 1e-6 (toolkit/optimizers/automagic.py:12-26); adafactor: ai-toolkit's Adafactor with relative_step,
+#: scale_parameter, warmup_init off (optimizer.py:88-96) and no gradient clipping (SDTrainer.py:2278).
+OPTIMIZER_CASES = {
+    "adamw": ({}, {"optimizer": "adamw", "adam_epsilon": 1e-6, "weight_decay": 0.01, "learning_rate": 1e-4}),
+    "adam": ({}, {"optimizer": "adam", "adam_epsilon": 1e-6, "weight_decay": 0.0}),
+    "adamw8bit": ({}, {"optimizer": "bnb-adamw8bit", "adam_epsilon": 1e-6, "weight_decay": 0.01}),
+    "prodigy": ({}, {"optimizer": "prodigy", "adam_epsilon": 1e-6, "weight_decay": 0.0, "learning_rate": 1.0}),
+    "automagic": (
+        {"train.lr": 1e-2},
+        {"optimizer": "automagic", "weight_decay": 0.0, "learning_rate": 1e-6, "min_lr": 1e-7, "max_lr": 1e-3},
+    ),
+    "adafactor": ({}, {"optimizer": "torch-adafactor", "max_grad_norm": None, "learning_rate": 1e-4}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_CASES))
+def test_each_optimizer_gets_ai_toolkits_arguments_and_warns_what_differs(tmp_path, name):
+    fragment, expect = OPTIMIZER_CASES[name]
+    native, warned = _report(tmp_path, {"train.optimizer": name, **fragment})
+    config = validate_config(native, check_files=False)
+    for key, want in expect.items():
+        assert getattr(config, key) == want, f"{name}: {key} {getattr(config, key)!r}, ai-toolkit's {want!r}"
+    if name in ("adamw", "adam", "adamw8bit"):
+        assert "train.optimizer" not in warned  # the same class and arguments
+    else:
+        assert f"`train.optimizer`: {OPTIMIZER_DIFFERENCES[name]}" in warned
+
+
+def test_unload_text_encoder_trains_on_the_trigger_word_as_ai_toolkit_does(tmp_path):
+    # SDTrainer.py:1679-1688: without cached embeddings every image gets the trigger word's embedding
+    native, warned = _report(tmp_path, {"train.unload_text_encoder": True, "trigger_word": "sks"})
+    assert native["datasets"][0]["caption_strategy"] == "instance_prompt"
+    assert native["datasets"][0]["instance_prompt"] == "sks" and "`train.unload_text_encoder`" in warned
+    # SDTrainer.py:1673-1677: with cached text embeddings the captions train
+    native, _ = _report(
+        tmp_path, {"train.unload_text_encoder": True, "train.cache_text_embeddings": True, "trigger_word": "sks"}
+    )
+    assert native["datasets"][0]["caption_strategy"] == "textfile"
+    # without a trigger word ai-toolkit trains on the empty prompt: not trained here, it stops
+    with pytest.raises(DialectError, match="train.unload_text_encoder"):
+        ait.translate(job({"train.unload_text_encoder": True}), None, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fragment,expect,key",
+    [
+        (
+            {"datasets": None, "dataset": {"folder_path": "data", "resolution": 256}},
+            {"datasets.0.resolution": 256},
+            None,
+        ),
+        (
+            {"train.optimizer": None, "optimizer": {"name": "automagic", "high_noise_lr_bump": 1e-6}},
+            {"optimizer": "automagic", "high_noise_lr_bump": 1e-6, "weight_decay": 0.0},
+            "optimizer",
+        ),
+        (
+            {"datasets.0.augmentations_cache_mode": "refresh_each_epoch"},
+            {"augmentations_cache_mode": "refresh_each_epoch"},
+            None,
+        ),
+        ({"train.mixed_precision": "bf16"}, {"mixed_precision": "bf16"}, None),
+        (
+            {"train.gradient_accumulation_steps": 2},
+            {"gradient_accumulation_steps": 2, "max_train_steps": 10},
+            "train.gradient_accumulation_steps",
+        ),
+    ],
+    ids=["dataset", "optimizer", "augmentations_cache_mode", "mixed_precision", "gradient_accumulation_steps"],
+)
+def test_the_gh200_forks_keys_and_legacy_accumulation_translate_as_their_rows_say(tmp_path, fragment, expect, key):
+    native, warned = _report(tmp_path, fragment)
+    for dotted, want in expect.items():
+        assert lookup(native, dotted) == want, dotted
+    if key is not None:
+        assert f"`{key}`" in warned

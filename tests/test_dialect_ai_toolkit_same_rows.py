@@ -39,6 +39,7 @@ DM = "toolkit/dataloader_mixins.py"
 OPT = "toolkit/optimizer.py"
 SAMPLER = "toolkit/samplers/custom_flowmatch_sampler.py"
 WAN22 = "extensions_built_in/diffusion_models/wan22/wan22_14b_model.py"
+EXT = "extensions_built_in/sd_trainer/__init__.py"
 #: One citation: ``path:line`` or ``path:first-last``, ``=`` the text those lines hold.
 CITE = re.compile(r"([\w/.]+\.py):(\d+)(?:-(\d+))?=(.+?)(?= [\w/.]+\.py:\d|$)")
 
@@ -114,7 +115,8 @@ ROWS: dict[tuple[str, str], Row] = {
     ),
     ("job", "config.name"): _row(
         "toolkit/config.py:43-47=config.name jobs/BaseJob.py:18=get_conf('name', required=True) "
-        "jobs/process/BaseProcess.py:21=self.job.name jobs/process/BaseTrainProcess.py:45=self.training_folder, self.name",
+        "jobs/process/BaseProcess.py:21=self.job.name "
+        f"{BTP}:45=self.training_folder, self.name",
         "the run's folder is training_folder/name",
         ({}, {"output_dir": "{cwd}/out/run"}),
     ),
@@ -124,8 +126,8 @@ ROWS: dict[tuple[str, str], Row] = {
         ({}, {"datasets.0.id": "dataset0"}),
     ),
     ("process", "type"): _row(
-        "extensions_built_in/sd_trainer/__init__.py:8=sd_trainer extensions_built_in/sd_trainer/__init__.py:26=ui_trainer "
-        "extensions_built_in/sd_trainer/__init__.py:44=diffusion_trainer jobs/BaseJob.py:58-64=process_dict[process['type']]",
+        f"{EXT}:8=sd_trainer {EXT}:26=ui_trainer {EXT}:44=diffusion_trainer "
+        "jobs/BaseJob.py:58-64=process_dict[process['type']]",
         "sd_trainer / ui_trainer / diffusion_trainer run ai-toolkit's trainer",
         ({"type": "ui_trainer"}, {"model_family": "flux"}),
     ),

@@ -425,7 +425,8 @@ OPTIMIZER_DIFFERENCES: dict[str, str] = {
     ),
     "automagic": (
         "this trainer's Automagic, not ai-toolkit's (toolkit/optimizers/automagic.py): the same bounds and defaults "
-        "(min_lr 1e-7, max_lr 1e-3, lr_bump 1e-6, weight decay 0, a start above 1e-3 reset to 1e-6: automagic.py:12-26) "
+        "(min_lr 1e-7, max_lr 1e-3, lr_bump 1e-6, weight decay 0, a start above 1e-3 reset to 1e-6: "
+        "automagic.py:12-26) "
         "but each element's learning rate sits on a 65,536-point grid here, and ai-toolkit's `beta2`, `eps`, "
         "`clip_threshold` settings are not read (they stop)"
     ),

@@ -322,3 +322,14 @@ def test_a_translated_job_gets_no_foreign_key_pointers_but_a_flat_paste_does(tmp
     flat.write_text(json.dumps({"pretrained_model_name_or_path": str(models["wan22"]), "network": {"linear": 4}}))
     with pytest.raises(ConfigError, match="ai-toolkit key"):
         load_config(flat, check_files=False)
+
+
+def test_estimate_reads_an_ai_toolkit_job(tmp_path, models, images, monkeypatch, capsys):
+    family, arch, train, _ = EXAMPLES["train_lora_wan21_1b_24gb"]
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, _example(str(models[family]), arch, train), images)
+    assert main(["estimate", "--config", str(path), "--json"]) == 0
+    estimate = json.loads(capsys.readouterr().out)["estimate"]
+    # the job's figures, as translated: wan, bf16, micro-batch 1, gradient checkpointing on
+    assert (estimate["model_family"], estimate["mixed_precision"], estimate["micro_batch_size"]) == ("wan", "bf16", 1)
+    assert estimate["gradient_checkpointing"] is True

@@ -22,8 +22,9 @@ import torch
 
 from simpletuner.configuration import validate_config
 from simpletuner.configuration.aitoolkit import translate as ait
-from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT
+from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT, AIT_KEYS, OPTIMIZER_DIFFERENCES
 from simpletuner.configuration.aitoolkit.table import AIT_DIALECT
+from simpletuner.configuration.simpletuner.reading import DialectError
 from simpletuner.data_backend.buckets import bucket_for
 from simpletuner.models import noise
 
@@ -32,17 +33,37 @@ MIRROR = Path("/work/.mirror/ostris+ai-toolkit/repo")
 UNSET = object()
 CM = "toolkit/config_modules.py"
 BASE = "jobs/process/BaseSDTrainProcess.py"
+BTP = "jobs/process/BaseTrainProcess.py"
+SDT = "extensions_built_in/sd_trainer/SDTrainer.py"
+DM = "toolkit/dataloader_mixins.py"
+OPT = "toolkit/optimizer.py"
+SAMPLER = "toolkit/samplers/custom_flowmatch_sampler.py"
+WAN22 = "extensions_built_in/diffusion_models/wan22/wan22_14b_model.py"
+EXT = "extensions_built_in/sd_trainer/__init__.py"
+#: One citation: ``path:line`` or ``path:first-last``, ``=`` the text those lines hold.
+CITE = re.compile(r"([\w/.]+\.py):(\d+)(?:-(\d+))?=(.+?)(?= [\w/.]+\.py:\d|$)")
+
+
+@dataclass(frozen=True)
+class Cite:
+    path: str
+    first: int
+    last: int
+    shows: str  # text the cited lines hold: the code the row's claim rests on
 
 
 @dataclass(frozen=True)
 class Row:
-    where: tuple[str, ...]
+    where: tuple[Cite, ...]
     does: str
     cases: tuple[tuple[dict, dict], ...]
 
 
 def _row(where: str, does: str, *cases: tuple[dict, dict]) -> Row:
-    return Row(tuple(where.split()), does, cases)
+    """``where``: citations ``path:line=text`` or ``path:first-last=text``, separated by a space."""
+    cites = tuple(Cite(m[1], int(m[2]), int(m[3] or m[2]), m[4]) for m in CITE.finditer(where))
+    assert cites and " ".join(m[0] for m in CITE.finditer(where)) == where, f"unreadable citations: {where!r}"
+    return Row(cites, does, cases)
 
 
 def job(fragment: dict[str, Any]) -> dict:
@@ -88,87 +109,84 @@ def lookup(native: dict, dotted: str) -> Any:
 
 ROWS: dict[tuple[str, str], Row] = {
     ("job", "job"): _row(
-        "toolkit/job.py:27 extensions_built_in/sd_trainer/__init__.py:8",
-        "`job: extension` runs the extension process named by each process's `type`",
+        "toolkit/job.py:27-29=ExtensionJob jobs/ExtensionJob.py:21-22=process.run()",
+        "`job: extension` runs each process of config.process, as the extension its `type` names",
         ({}, {"model_family": "flux"}),
     ),
     ("job", "config.name"): _row(
-        "toolkit/config.py:38 jobs/process/BaseTrainProcess.py:35",
+        "toolkit/config.py:43-47=config.name jobs/BaseJob.py:18=get_conf('name', required=True) "
+        "jobs/process/BaseProcess.py:21=self.job.name "
+        f"{BTP}:45=self.training_folder, self.name",
         "the run's folder is training_folder/name",
         ({}, {"output_dir": "{cwd}/out/run"}),
     ),
     ("job", "config.process"): _row(
-        "jobs/BaseJob.py:40",
+        "jobs/BaseJob.py:53-64=self.config['process'] jobs/ExtensionJob.py:21-22=for process in self.process",
         "each entry of config.process is a process run in turn (one here)",
         ({}, {"datasets.0.id": "dataset0"}),
     ),
     ("process", "type"): _row(
-        "extensions_built_in/sd_trainer/__init__.py:8 extensions_built_in/sd_trainer/__init__.py:26",
-        "sd_trainer / ui_trainer run SDTrainer",
+        f"{EXT}:8=sd_trainer {EXT}:26=ui_trainer {EXT}:44=diffusion_trainer "
+        "jobs/BaseJob.py:58-64=process_dict[process['type']]",
+        "sd_trainer / ui_trainer / diffusion_trainer run ai-toolkit's trainer",
         ({"type": "ui_trainer"}, {"model_family": "flux"}),
     ),
     ("process", "training_folder"): _row(
-        "jobs/process/BaseTrainProcess.py:35",
+        f"{BTP}:43-45=self.training_folder, self.name",
         "the folder the run's folder is made in, from the working directory",
         ({"training_folder": "runs"}, {"output_dir": "{cwd}/runs/run"}),
     ),
-    ("process", "dataset"): _row(
-        f"{CM}:1095",
-        "the GH200 fork's one-dataset block (seed 001, 8.3) is one dataset entry",
-        ({"datasets": None, "dataset": {"folder_path": "data", "resolution": 256}}, {"datasets.0.resolution": 256}),
-    ),
-    ("process", "optimizer"): _row(
-        "toolkit/optimizer.py:97",
-        "the GH200 fork's `optimizer: {name, ...}` (seed 001, 8.3): name and settings",
-        (
-            {"train.optimizer": None, "optimizer": {"name": "automagic", "high_noise_lr_bump": 1e-6}},
-            {"optimizer": "automagic", "high_noise_lr_bump": 1e-6, "weight_decay": 0.0},
-        ),
-    ),
     ("network", "linear"): _row(
-        f"{CM}:172 {CM}:178",
-        "the LoRA rank",
+        f"{CM}:173=kwargs.get('linear', None) {CM}:177-182=self.linear: int = 4",
+        "the LoRA rank; default 4",
         ({"network.linear": 8}, {"lora_rank": 8}),
         ({"network.linear": None}, {"lora_rank": 4}),
     ),
     ("network", "rank"): _row(
-        f"{CM}:175", "the older name of linear", ({"network.linear": None, "network.rank": 8}, {"lora_rank": 8})
+        f"{CM}:172-176=rank for backward compatibility",
+        "the older name of linear; it wins where both are written",
+        ({"network.linear": None, "network.rank": 8}, {"lora_rank": 8}),
+        ({"network.linear": 16, "network.rank": 8}, {"lora_rank": 8}),
     ),
     ("network", "linear_alpha"): _row(
-        f"{CM}:185",
+        f"{CM}:185=kwargs.get('linear_alpha', self.alpha)",
         "the LoRA alpha (scale alpha / rank); default `alpha`, 1.0",
         ({"network.linear_alpha": 4}, {"lora_alpha": 4.0}),
         ({"network.linear_alpha": None}, {"lora_alpha": 1.0}),
     ),
     ("network", "alpha"): _row(
-        f"{CM}:184",
+        f"{CM}:184=kwargs.get('alpha', 1.0)",
         "alpha where linear_alpha is unset",
         ({"network.linear_alpha": None, "network.alpha": 8}, {"lora_alpha": 8.0}),
     ),
     ("network", "dropout"): _row(
-        f"{CM}:187", "dropout on the LoRA path", ({"network.dropout": 0.1}, {"lora_dropout": 0.1})
+        f"{CM}:187=kwargs.get('dropout', None)",
+        "dropout on the LoRA path",
+        ({"network.dropout": 0.1}, {"lora_dropout": 0.1}),
     ),
     ("save", "max_step_saves_to_keep"): _row(
-        f"{CM}:27",
+        f"{CM}:27=kwargs.get('max_step_saves_to_keep', 5)",
         "step saves kept; default 5",
         ({}, {"checkpoints_total_limit": 5}),
         ({"save.max_step_saves_to_keep": 2}, {"checkpoints_total_limit": 2}),
     ),
     ("save", "save_format"): _row(
-        f"{CM}:28", "safetensors: the adapter file", ({"save.save_format": "safetensors"}, {"lora_type": "standard"})
+        f"{CM}:28-30=['safetensors', 'diffusers']",
+        "safetensors: the adapter file",
+        ({"save.save_format": "safetensors"}, {"lora_type": "standard"}),
     ),
     ("save", "push_to_hub"): _row(
-        f"{CM}:31",
+        f'{CM}:31=kwargs.get("push_to_hub", False)',
         "upload at the end",
         ({"save.push_to_hub": True, "save.hf_repo_id": "me/run"}, {"push_to_hub": True, "model_card_private": False}),
     ),
     ("save", "hf_repo_id"): _row(
-        f"{CM}:32",
+        f'{CM}:32=kwargs.get("hf_repo_id", None)',
         "the repo uploaded to",
         ({"save.push_to_hub": True, "save.hf_repo_id": "me/run"}, {"hub_model_id": "me/run"}),
     ),
     ("save", "hf_private"): _row(
-        f"{CM}:33",
+        f'{CM}:33=kwargs.get("hf_private", False)',
         "a private repo; default false",
         (
             {"save.push_to_hub": True, "save.hf_repo_id": "me/run", "save.hf_private": True},
@@ -176,21 +194,23 @@ ROWS: dict[tuple[str, str], Row] = {
         ),
     ),
     ("dataset", "folder_path"): _row(
-        f"{CM}:921 toolkit/config.py:14",
-        "the image folder, from the working directory",
+        f"{CM}:921=kwargs.get('folder_path', None)",
+        "the image folder; a relative path is opened from the working directory",
         ({}, {"datasets.0.instance_data_dir": "{cwd}/data"}),
     ),
     ("dataset", "caption_ext"): _row(
-        f"{CM}:941 toolkit/dataloader_mixins.py:153 toolkit/dataloader_mixins.py:99",
-        "each image's .txt file read whole (clean_caption keeps it as it is)",
+        f"{CM}:941-944=self.caption_ext = '.' + self.caption_ext {DM}:345-354=prompt = clean_caption(prompt) "
+        f"{DM}:99-110=return caption",
+        "each image's .txt file read whole (clean_caption returns it as it is)",
         (
             {"datasets.0.caption_ext": ".txt"},
             {"datasets.0.caption_strategy": "textfile", "datasets.0.disable_multiline_split": True},
         ),
     ),
     ("dataset", "caption_dropout_rate"): _row(
-        f"{CM}:956 toolkit/dataloader_mixins.py:403",
-        "the empty caption with this chance, unless text embeddings are cached",
+        f"{CM}:956=kwargs.get('caption_dropout_rate', 0.0) {DM}:403-408=not self.dataset_config.cache_text_embeddings "
+        f"{BASE}:153-155=raw_dataset['cache_text_embeddings'] = True",
+        "the empty caption with this chance, unless text embeddings are cached (train's switch sets every dataset's)",
         ({"datasets.0.caption_dropout_rate": 0.05}, {"caption_dropout_probability": 0.05}),
         (
             {"datasets.0.caption_dropout_rate": 0.05, "train.cache_text_embeddings": True},
@@ -198,37 +218,41 @@ ROWS: dict[tuple[str, str], Row] = {
         ),
     ),
     ("dataset", "num_repeats"): _row(
-        f"{CM}:1002", "the dataset N times per epoch", ({"datasets.0.num_repeats": 3}, {"datasets.0.repeats": 2})
+        f"{CM}:1002=kwargs.get('num_repeats', 1)",
+        "the dataset N times per epoch",
+        ({"datasets.0.num_repeats": 3}, {"datasets.0.repeats": 2}),
     ),
     ("dataset", "buckets"): _row(
-        f"{CM}:949", "aspect buckets on (the default)", ({"datasets.0.buckets": True}, {"datasets.0.crop": UNSET})
-    ),
-    ("dataset", "augmentations_cache_mode"): _row(
-        "toolkit/dataloader_mixins.py:1",
-        "the GH200 fork's augmentation cache modes (seed 001, 4.1 / 4.3)",
-        (
-            {"datasets.0.augmentations_cache_mode": "refresh_each_epoch"},
-            {"augmentations_cache_mode": "refresh_each_epoch"},
-        ),
+        f"{CM}:949=kwargs.get('buckets', True)",
+        "aspect buckets on (the default)",
+        ({"datasets.0.buckets": True}, {"datasets.0.crop": UNSET}),
     ),
     ("dataset", "type"): _row(
-        f"{CM}:919", "an image dataset", ({"datasets.0.type": "image"}, {"datasets.0.dataset_type": UNSET})
+        f"{CM}:919=kwargs.get('type', 'image')",
+        "an image dataset",
+        ({"datasets.0.type": "image"}, {"datasets.0.dataset_type": UNSET}),
     ),
-    ("train", "batch_size"): _row(f"{CM}:393", "the micro-batch", ({"train.batch_size": 2}, {"train_batch_size": 2})),
+    ("train", "batch_size"): _row(
+        f"{CM}:393=kwargs.get('batch_size', 1)", "the micro-batch", ({"train.batch_size": 2}, {"train_batch_size": 2})
+    ),
     ("train", "steps"): _row(
-        f"{CM}:380", "optimizer steps; default 1000", ({"train.steps": None}, {"max_train_steps": 1000})
+        f"{CM}:380=kwargs.get('steps', 1000)",
+        "loop steps; default 1000",
+        ({"train.steps": None}, {"max_train_steps": 1000}),
     ),
     ("train", "lr"): _row(
-        f"{CM}:381 toolkit/optimizer.py:79",
+        f"{CM}:381=kwargs.get('lr', 1e-6) {OPT}:78-79=lr=float(learning_rate)",
         "the learning rate; default 1e-6",
         ({"train.lr": None}, {"learning_rate": 1e-6}),
         ({"train.lr": "3e-4"}, {"learning_rate": 3e-4}),
     ),
     ("train", "unet_lr"): _row(
-        f"{CM}:382", "the denoiser's rate, default lr", ({"train.unet_lr": 5e-5}, {"learning_rate": 5e-5})
+        f"{CM}:382=kwargs.get('unet_lr', self.lr)",
+        "the denoiser's rate, default lr",
+        ({"train.unet_lr": 5e-5}, {"learning_rate": 5e-5}),
     ),
     ("train", "text_encoder_lr"): _row(
-        f"{CM}:383",
+        f"{CM}:383=kwargs.get('text_encoder_lr', self.lr)",
         "the text encoder's rate",
         (
             {
@@ -240,96 +264,104 @@ ROWS: dict[tuple[str, str], Row] = {
             {"text_encoder_lr": 5e-5},
         ),
     ),
-    ("train", "optimizer"): _row(
-        "toolkit/optimizer.py:79 toolkit/optimizer.py:77",
-        "torch AdamW / Adam with eps=1e-6 and torch's own defaults (weight decay 0.01 / 0)",
-        ({}, {"optimizer": "adamw", "adam_epsilon": 1e-6, "weight_decay": 0.01, "adam_beta1": UNSET}),
-        ({"train.optimizer": "adam"}, {"optimizer": "adam", "adam_epsilon": 1e-6, "weight_decay": 0.0}),
-    ),
     ("train", "optimizer_params"): _row(
-        "toolkit/optimizer.py:79",
+        f"{CM}:388=kwargs.get('optimizer_params', {{}}) {OPT}:79=**optimizer_params",
         "keyword arguments of the optimizer",
         (
             {"train.optimizer_params": {"weight_decay": 1e-4, "betas": [0.9, 0.99]}},
             {"weight_decay": 1e-4, "adam_beta2": 0.99},
         ),
     ),
-    ("train", "gradient_accumulation_steps"): _row(
-        f"{CM}:456",
-        "micro-batches per step",
-        ({"train.gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2}),
-    ),
     ("train", "gradient_accumulation"): _row(
-        f"{CM}:460", "micro-batches per step", ({"train.gradient_accumulation": 4}, {"gradient_accumulation_steps": 4})
+        f"{CM}:460=kwargs.get('gradient_accumulation', 1) {BASE}:2565=range(self.train_config.gradient_accumulation)",
+        "micro-batches per step (one optimizer step per loop step)",
+        ({"train.gradient_accumulation": 4}, {"gradient_accumulation_steps": 4}),
     ),
-    ("train", "gradient_checkpointing"): _row(f"{CM}:413", "default true", ({}, {"gradient_checkpointing": True})),
-    ("train", "noise_scheduler"): _row(f"{BASE}:1195", "flowmatch for flow models", ({}, {"model_family": "flux"})),
+    ("train", "gradient_checkpointing"): _row(
+        f"{CM}:413=kwargs.get('gradient_checkpointing', True)", "default true", ({}, {"gradient_checkpointing": True})
+    ),
+    ("train", "noise_scheduler"): _row(
+        f"{CM}:377=kwargs.get('noise_scheduler', 'ddpm') {BASE}:1195=noise_scheduler == 'flowmatch'",
+        "flowmatch for flow models",
+        ({}, {"model_family": "flux"}),
+    ),
     ("train", "timestep_type"): _row(
-        f"{CM}:556 {BASE}:1196 {BASE}:1301 toolkit/samplers/custom_flowmatch_sampler.py:116",
+        f"{CM}:556=kwargs.get('timestep_type', 'sigmoid') {BASE}:1196-1205=timestep_type == 'linear' "
+        f"{BASE}:1312-1317=torch.randint {SAMPLER}:116-133=torch.sigmoid(torch.randn",
         "linear: sigma uniform; sigmoid (default): sigma = 1 - sigmoid(N(0, 1)); both unshifted",
         ({"train.timestep_type": "linear"}, {"timestep_sampling": "uniform", "flow_shift": 1.0}),
         ({}, {"timestep_sampling": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0, "flow_shift": 1.0}),
     ),
     ("train", "content_or_style"): _row(
-        f"{BASE}:1301",
+        f"{CM}:378=kwargs.get('content_or_style', 'balanced') {BASE}:1301-1317=content_or_style == 'balanced'",
         "balanced: the timestep_type draw",
         ({"train.content_or_style": "balanced"}, {"timestep_sampling": "logit_normal"}),
     ),
-    ("train", "mixed_precision"): _row(
-        f"{CM}:395",
-        "the GH200 fork's spelling of the training precision (seed 001, 10.3)",
-        ({"train.mixed_precision": "bf16"}, {"mixed_precision": "bf16"}),
-    ),
     ("train", "train_unet"): _row(
-        f"{CM}:399", "the denoiser trains", ({"train.train_unet": True}, {"training_type": UNSET})
+        f"{CM}:400=kwargs.get('train_unet', True)",
+        "the denoiser trains",
+        ({"train.train_unet": True}, {"training_type": UNSET}),
     ),
     ("train", "max_grad_norm"): _row(
-        f"{CM}:417", "clip the total gradient norm", ({"train.max_grad_norm": 0.5}, {"max_grad_norm": 0.5})
+        f"{CM}:417=kwargs.get('max_grad_norm', 1.0) {SDT}:2278-2283=clip_grad_norm_",
+        "clip the total gradient norm (every optimizer but adafactor)",
+        ({"train.max_grad_norm": 0.5}, {"max_grad_norm": 0.5}),
     ),
-    ("train", "loss_type"): _row(f"{CM}:517", "mse", ({"train.loss_type": "mse"}, {"loss_type": "l2"})),
+    ("train", "loss_type"): _row(
+        f"{CM}:524=kwargs.get('loss_type', 'mse') {SDT}:915-916=mse_loss",
+        "mse: the mean squared error",
+        ({"train.loss_type": "mse"}, {"loss_type": "l2"}),
+    ),
     ("train", "disable_sampling"): _row(
-        f"{CM}:559", "no samples", ({"train.disable_sampling": True}, {"validation_prompts": UNSET})
+        f"{CM}:560=kwargs.get('disable_sampling', False) {BASE}:2560-2561=is_sample_step = False",
+        "no samples",
+        ({"train.disable_sampling": True}, {"validation_prompts": UNSET}),
     ),
-    ("model", "name_or_path"): _row(f"{CM}:628", "the model", ({}, {"pretrained_model_name_or_path": "model"})),
+    ("model", "name_or_path"): _row(
+        f"{CM}:628=kwargs.get('name_or_path', None)", "the model", ({}, {"pretrained_model_name_or_path": "model"})
+    ),
     ("model", "arch"): _row(
-        f"{CM}:732 {CM}:756",
-        "the architecture",
+        f'{CM}:706=kwargs.get("arch", None) {CM}:770-771=self.arch = "flux"',
+        "the architecture (flex1 is read as flux)",
         ({"model.arch": "wan22_14b"}, {"model_family": "wan"}),
         ({"model.arch": "sdxl", "train.noise_scheduler": "ddpm"}, {"model_family": "sdxl"}),
+        ({"model.arch": "flex1"}, {"model_family": "flux"}),
     ),
     ("model", "is_flux"): _row(
-        f"{CM}:639 {CM}:790",
+        f"{CM}:637=kwargs.get('is_flux', False) {CM}:812-813=self.arch = 'flux'",
         "flux where arch is unset",
         ({"model.arch": None, "model.is_flux": True}, {"model_family": "flux"}),
     ),
     ("model", "is_xl"): _row(
-        f"{CM}:632 {CM}:782",
+        f"{CM}:632=kwargs.get('is_xl', False) {CM}:804-805=self.arch = 'sdxl'",
         "sdxl where arch is unset",
         ({"model.arch": None, "model.is_xl": True, "train.noise_scheduler": "ddpm"}, {"model_family": "sdxl"}),
     ),
     ("model", "is_v3"): _row(
-        f"{CM}:638 {CM}:780",
+        f"{CM}:636=kwargs.get('is_v3', False) {CM}:802-803=self.arch = 'sd3'",
         "sd3 where arch is unset",
         ({"model.arch": None, "model.is_v3": True}, {"model_family": "sd3"}),
     ),
     ("model", "is_v2"): _row(
-        f"{CM}:631 {CM}:778",
-        "sd2 where arch is unset",
+        f"{CM}:631=kwargs.get('is_v2', False) {CM}:800-801=self.arch = 'sd2'",
+        "sd2 where arch is unset (it wins over the other switches)",
         ({"model.arch": None, "model.is_v2": True, "train.noise_scheduler": "ddpm"}, {"model_family": "sd"}),
     ),
     ("model", "model_kwargs"): _row(
-        "extensions_built_in/diffusion_models/wan22/wan22_14b_model.py:196",
-        "train_high_noise / train_low_noise pick the experts",
+        f'{CM}:757=kwargs.get("model_kwargs", {{}}) {WAN22}:196-197=model_kwargs.get("train_high_noise", True)',
+        "train_high_noise / train_low_noise pick the experts; default both",
         (
             {"model.arch": "wan22_14b", "model.model_kwargs": {"train_high_noise": True, "train_low_noise": False}},
             {"train_stages": "high"},
         ),
     ),
     ("model", "vae_path"): _row(
-        f"{CM}:647", "a separate VAE", ({"model.vae_path": "vae"}, {"pretrained_vae_model_name_or_path": "vae"})
+        f"{CM}:646=kwargs.get('vae_path', None)",
+        "a separate VAE",
+        ({"model.vae_path": "vae"}, {"pretrained_vae_model_name_or_path": "vae"}),
     ),
     ("model", "is_v_pred"): _row(
-        f"{CM}:645",
+        f"{CM}:644=kwargs.get('is_v_pred', False)",
         "v-prediction",
         (
             {"model.arch": "sdxl", "train.noise_scheduler": "ddpm", "model.is_v_pred": True},
@@ -337,40 +369,52 @@ ROWS: dict[tuple[str, str], Row] = {
         ),
     ),
     ("model", "extras_name_or_path"): _row(
-        f"{CM}:719",
+        f'{CM}:736=kwargs.get("extras_name_or_path", self.name_or_path)',
         "default name_or_path",
         ({"model.extras_name_or_path": "model"}, {"pretrained_model_name_or_path": "model"}),
     ),
     ("sample", "prompts"): _row(
-        f"{CM}:104",
-        "the sample prompts",
+        f"{CM}:104-111=kwargs.get('prompts', [])",
+        "the sample prompts (each one a sample item)",
         ({"sample.prompts": ["[trigger] cat"], "trigger_word": "sks"}, {"validation_prompts": ["sks cat"]}),
     ),
-    ("sample", "sample_every"): _row(f"{CM}:82", "every N steps; default 100", ({}, {"validation_steps": 100})),
-    ("sample", "sample_steps"): _row(
-        f"{CM}:90", "sampler steps; default 20", ({}, {"validation_num_inference_steps": 20})
+    ("sample", "sample_every"): _row(
+        f"{CM}:82=kwargs.get('sample_every', 100)", "every N steps; default 100", ({}, {"validation_steps": 100})
     ),
-    ("sample", "guidance_scale"): _row(f"{CM}:89", "guidance; default 7", ({}, {"validation_guidance_scale": 7})),
+    ("sample", "sample_steps"): _row(
+        f"{CM}:90=kwargs.get('sample_steps', 20)",
+        "sampler steps; default 20",
+        ({}, {"validation_num_inference_steps": 20}),
+    ),
+    ("sample", "guidance_scale"): _row(
+        f"{CM}:89=kwargs.get('guidance_scale', 7)", "guidance; default 7", ({}, {"validation_guidance_scale": 7})
+    ),
     ("sample", "width"): _row(
-        f"{CM}:84", "width; default 512", ({"sample.width": 768}, {"validation_resolution": "768x512"})
+        f"{CM}:84=kwargs.get('width', 512)",
+        "width; default 512",
+        ({"sample.width": 768}, {"validation_resolution": "768x512"}),
     ),
     ("sample", "height"): _row(
-        f"{CM}:85", "height; default 512", ({"sample.height": 256}, {"validation_resolution": "512x256"})
+        f"{CM}:85=kwargs.get('height', 512)",
+        "height; default 512",
+        ({"sample.height": 256}, {"validation_resolution": "512x256"}),
     ),
     ("sample", "neg"): _row(
-        f"{CM}:86",
+        f"{CM}:86=kwargs.get('neg', False)",
         "the negative prompt",
         ({"sample.neg": "blurry"}, {"validation_negative_prompt": "blurry"}),
         ({"sample.neg": ""}, {"validation_negative_prompt": UNSET}),
     ),
-    ("sample", "seed"): _row(f"{CM}:87", "the sample seed; default 0", ({}, {"validation_seed": 0})),
+    ("sample", "seed"): _row(
+        f"{CM}:87=kwargs.get('seed', 0)", "the sample seed; default 0", ({}, {"validation_seed": 0})
+    ),
     ("sample", "num_frames"): _row(
-        f"{CM}:98",
+        f"{CM}:98=kwargs.get('num_frames', 1)",
         "frames of a sample video",
         ({"model.arch": "wan21", "sample.num_frames": 5}, {"validation_num_video_frames": 5}),
     ),
     ("sample", "guidance_rescale"): _row(
-        f"{CM}:92",
+        f"{CM}:92=kwargs.get('guidance_rescale', 0.0)",
         "guidance rescale",
         (
             {"model.arch": "sdxl", "train.noise_scheduler": "ddpm", "sample.guidance_rescale": 0.7},
@@ -398,17 +442,29 @@ def test_every_same_row_has_evidence():
     assert not sorted(set(ROWS) - same), "evidence for rows that are not `same`"
 
 
-def test_evidence_cites_ai_toolkit_lines():
+def _ait_source(path: str) -> list[str]:
+    shown = subprocess.run(["git", "-C", str(MIRROR), "show", f"{AIT_COMMIT}:{path}"], capture_output=True, text=True)
+    assert shown.returncode == 0, f"{path} is not a file of ai-toolkit at {AIT_COMMIT}"
+    return shown.stdout.splitlines()
+
+
+@pytest.mark.skipif(not MIRROR.is_dir(), reason="no mirror of ostris/ai-toolkit on this machine")
+def test_evidence_cites_the_ai_toolkit_lines_that_hold_the_code():
     assert AIT_COMMIT == "27a03a91"
+    sources: dict[str, list[str]] = {}
     for key, row in ROWS.items():
-        for place in row.where:
-            match = re.fullmatch(r"([\w/.]+\.py):(\d+)", place)
-            assert match, f"{key}: {place!r} is not path:line"
-            if MIRROR.is_dir():
-                text = subprocess.run(
-                    ["git", "-C", str(MIRROR), "show", f"{AIT_COMMIT}:{match[1]}"], capture_output=True, text=True
-                ).stdout
-                assert int(match[2]) <= len(text.splitlines()), f"{key}: {place} is not a line of ai-toolkit"
+        for cite in row.where:
+            source = sources.setdefault(cite.path, _ait_source(cite.path))
+            lines = "\n".join(source[cite.first - 1 : cite.last])
+            assert cite.shows in lines, f"{key}: {cite.path}:{cite.first}-{cite.last} does not hold {cite.shows!r}"
+
+
+@pytest.mark.skipif(not MIRROR.is_dir(), reason="no mirror of ostris/ai-toolkit on this machine")
+def test_ai_toolkit_key_lines_are_where_it_reads_each_key():
+    source = _ait_source("toolkit/config_modules.py")
+    for section, keys in AIT_KEYS.items():
+        for key, (line, _default) in keys.items():
+            assert f"'{key}'" in source[line - 1] or f'"{key}"' in source[line - 1], f"{section}.{key}: line {line}"
 
 
 # --- behaviours, against figures computed from ai-toolkit's formulas --------------------------------------------------
@@ -459,3 +515,95 @@ def test_migration_guide_is_generated_from_the_table():
     assert doc == render_migrating_ai_toolkit(), "run `python -m simpletuner.configuration.docs`"
     for row in AIT_DIALECT:
         assert f"| `{row.key}` | {row.kind} |" in doc, row
+
+
+# --- approximated rows: what the translation writes and the warning that says what differs ------------------------
+
+
+def _report(tmp_path: Path, fragment: dict[str, Any]) -> tuple[dict, str]:
+    native, report = ait.translate(job(fragment), None, tmp_path)
+    validate_config(native, check_files=False)
+    return native, "\n".join(report.approximated)
+
+
+#: ai-toolkit's optimizer name -> (fragment, what we must write). Figures from toolkit/optimizer.py at AIT_COMMIT:
+#: adamw / adam: torch's class, eps=1e-6 (optimizer.py:76-79), torch's weight decay 0.01 / 0; adamw8bit:
+#: bitsandbytes' AdamW8bit, eps=1e-6 (optimizer.py:70-71), its weight decay 0.01; prodigy: prodigyopt's Prodigy,
+#: eps=1e-6 and lr 1.0 when below 0.1 (optimizer.py:46-54), its weight decay 0; automagic: Automagic(lr, **params)
+#: (optimizer.py:97-99) with min_lr 1e-7, max_lr 1e-3, lr_bump 1e-6, weight_decay 0 and a start above 1e-3 reset to
+#: 1e-6 (toolkit/optimizers/automagic.py:12-26); adafactor: ai-toolkit's Adafactor with relative_step,
+#: scale_parameter, warmup_init off (optimizer.py:88-96) and no gradient clipping (SDTrainer.py:2278).
+OPTIMIZER_CASES = {
+    "adamw": ({}, {"optimizer": "adamw", "adam_epsilon": 1e-6, "weight_decay": 0.01, "learning_rate": 1e-4}),
+    "adam": ({}, {"optimizer": "adam", "adam_epsilon": 1e-6, "weight_decay": 0.0}),
+    "adamw8bit": ({}, {"optimizer": "bnb-adamw8bit", "adam_epsilon": 1e-6, "weight_decay": 0.01}),
+    "prodigy": ({}, {"optimizer": "prodigy", "adam_epsilon": 1e-6, "weight_decay": 0.0, "learning_rate": 1.0}),
+    "automagic": (
+        {"train.lr": 1e-2},
+        {"optimizer": "automagic", "weight_decay": 0.0, "learning_rate": 1e-6, "min_lr": 1e-7, "max_lr": 1e-3},
+    ),
+    "adafactor": ({}, {"optimizer": "torch-adafactor", "max_grad_norm": None, "learning_rate": 1e-4}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZER_CASES))
+def test_each_optimizer_gets_ai_toolkits_arguments_and_warns_what_differs(tmp_path, name):
+    fragment, expect = OPTIMIZER_CASES[name]
+    native, warned = _report(tmp_path, {"train.optimizer": name, **fragment})
+    config = validate_config(native, check_files=False)
+    for key, want in expect.items():
+        assert getattr(config, key) == want, f"{name}: {key} {getattr(config, key)!r}, ai-toolkit's {want!r}"
+    if name in ("adamw", "adam", "adamw8bit"):
+        assert "train.optimizer" not in warned  # the same class and arguments
+    else:
+        assert f"`train.optimizer`: {OPTIMIZER_DIFFERENCES[name]}" in warned
+
+
+def test_unload_text_encoder_trains_on_the_trigger_word_as_ai_toolkit_does(tmp_path):
+    # SDTrainer.py:1679-1688: without cached embeddings every image gets the trigger word's embedding
+    native, warned = _report(tmp_path, {"train.unload_text_encoder": True, "trigger_word": "sks"})
+    assert native["datasets"][0]["caption_strategy"] == "instance_prompt"
+    assert native["datasets"][0]["instance_prompt"] == "sks" and "`train.unload_text_encoder`" in warned
+    # SDTrainer.py:1673-1677: with cached text embeddings the captions train
+    native, _ = _report(
+        tmp_path, {"train.unload_text_encoder": True, "train.cache_text_embeddings": True, "trigger_word": "sks"}
+    )
+    assert native["datasets"][0]["caption_strategy"] == "textfile"
+    # without a trigger word ai-toolkit trains on the empty prompt: not trained here, it stops
+    with pytest.raises(DialectError, match="train.unload_text_encoder"):
+        ait.translate(job({"train.unload_text_encoder": True}), None, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "fragment,expect,key",
+    [
+        (
+            {"datasets": None, "dataset": {"folder_path": "data", "resolution": 256}},
+            {"datasets.0.resolution": 256},
+            None,
+        ),
+        (
+            {"train.optimizer": None, "optimizer": {"name": "automagic", "high_noise_lr_bump": 1e-6}},
+            {"optimizer": "automagic", "high_noise_lr_bump": 1e-6, "weight_decay": 0.0},
+            "optimizer",
+        ),
+        (
+            {"datasets.0.augmentations_cache_mode": "refresh_each_epoch"},
+            {"augmentations_cache_mode": "refresh_each_epoch"},
+            None,
+        ),
+        ({"train.mixed_precision": "bf16"}, {"mixed_precision": "bf16"}, None),
+        (
+            {"train.gradient_accumulation_steps": 2},
+            {"gradient_accumulation_steps": 2, "max_train_steps": 10},
+            "train.gradient_accumulation_steps",
+        ),
+    ],
+    ids=["dataset", "optimizer", "augmentations_cache_mode", "mixed_precision", "gradient_accumulation_steps"],
+)
+def test_the_gh200_forks_keys_and_legacy_accumulation_translate_as_their_rows_say(tmp_path, fragment, expect, key):
+    native, warned = _report(tmp_path, fragment)
+    for dotted, want in expect.items():
+        assert lookup(native, dotted) == want, dotted
+    if key is not None:
+        assert f"`{key}`" in warned

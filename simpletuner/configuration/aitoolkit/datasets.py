@@ -132,9 +132,16 @@ def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
         job.approx(f"{label}.num_frames", job_note("num_frames"))
     word = entry.get("trigger_word", trigger)
     default_caption = entry.get("default_caption")
-    if job.out.get("__trigger_only__") and word:
+    trigger_only = job.out.get("__trigger_only__") and not entry.get("cache_text_embeddings")
+    if trigger_only and word:  # the trigger word's embedding for every image (SDTrainer.py:1679-1688)
         ours["caption_strategy"] = "instance_prompt"
         ours["instance_prompt"] = word
+    elif trigger_only:
+        job.stop(
+            "train.unload_text_encoder",
+            "without a trigger word ai-toolkit trains every image on the empty prompt (SDTrainer.py:1679), which "
+            "is not trained here: set `trigger_word`, or remove `unload_text_encoder` to train on the captions",
+        )
     elif word:
         ours["instance_prompt"] = word
         ours["prepend_instance_prompt"] = True

@@ -413,8 +413,30 @@ OPTIMIZERS: dict[str, str] = {
     "adafactor": "torch-adafactor",
 }
 
-#: The optimizers whose ``eps`` ai-toolkit sets to 1e-6 (toolkit/optimizer.py:67-79).
-EPS_1E6 = ("adamw", "adam", "adamw8bit")
+#: The optimizers whose ``eps`` ai-toolkit sets to 1e-6 (toolkit/optimizer.py:54, 70-71, 76-79).
+EPS_1E6 = ("adamw", "adam", "adamw8bit", "prodigy")
+
+#: What differs between ai-toolkit's optimizer of that name (toolkit/optimizer.py) and the one it maps to here,
+#: as the translation warns it. adamw / adam / adamw8bit are the same class with the same arguments there and here.
+OPTIMIZER_DIFFERENCES: dict[str, str] = {
+    "prodigy": (
+        "prodigyopt's Prodigy with eps 1e-6 and lr 1.0 below 0.1 as there (optimizer.py:46-54); here each param "
+        "group estimates its own step size (`split_groups`: Wan 2.2's two experts differ, one group is the same)"
+    ),
+    "automagic": (
+        "this trainer's Automagic, not ai-toolkit's (toolkit/optimizers/automagic.py): the same bounds and defaults "
+        "(min_lr 1e-7, max_lr 1e-3, lr_bump 1e-6, weight decay 0, a start above 1e-3 reset to 1e-6: "
+        "automagic.py:12-26) "
+        "but each element's learning rate sits on a 65,536-point grid here, and ai-toolkit's `beta2`, `eps`, "
+        "`clip_threshold` settings are not read (they stop)"
+    ),
+    "adafactor": (
+        "torch's Adafactor here, ai-toolkit's own there (toolkit/optimizers/adafactor.py, with relative_step, "
+        "scale_parameter and warmup_init off: optimizer.py:88-96): torch's steps by min(lr, 1/sqrt(step)) times the "
+        "parameter's RMS, ai-toolkit's by lr alone, and rounds bf16 weights stochastically; no gradient clipping, as "
+        "there (SDTrainer.py:2278)"
+    ),
+}
 
 #: ``train.dtype`` spellings -> our ``mixed_precision``.
 DTYPES: dict[str, str] = {

@@ -93,18 +93,21 @@ _ROWS: tuple[AitKey, ...] = (
     _r(
         "process",
         "dataset",
-        "same",
+        "approximated",
         "datasets",
-        "the GH200 fork's one-dataset spelling (seed 001, 8.3): read as `datasets: [it]`",
+        "the GH200 fork's one-dataset spelling (seed 001, 8.3), read as `datasets: [it]`; stock ai-toolkit reads "
+        "only `datasets` (BaseSDTrainProcess.py:144) and the fork's code is not published, so its meaning there is "
+        "the seed's word",
         special=True,
     ),
     _r(
         "process",
         "optimizer",
-        "same",
+        "approximated",
         "optimizer",
-        "the GH200 fork's spelling (seed 001, 8.3): `name` is "
-        "`train.optimizer`, the other keys `train.optimizer_params`",
+        "the GH200 fork's spelling (seed 001, 8.3 and 6.1): `name` is read as `train.optimizer`, the other keys as "
+        "`train.optimizer_params`; stock ai-toolkit has no such block (only `train.optimizer`, "
+        "config_modules.py:387-388) and the fork's code is not published",
         special=True,
     ),
     # --- network ---
@@ -295,10 +298,11 @@ _ROWS: tuple[AitKey, ...] = (
     _r(
         "dataset",
         "augmentations_cache_mode",
-        "same",
+        "approximated",
         "augmentations_cache_mode",
-        "the GH200 fork's key (seed 001, "
-        "4.1 and 4.3: `disable_cache`, `static`, `refresh_each_epoch`); one top-level value here",
+        "the GH200 fork's key (seed 001, 4.1 and 4.3: `disable_cache`, `static`, `refresh_each_epoch`), not in stock "
+        "ai-toolkit; here this trainer's own modes of that name, one top-level value for all datasets; the fork's "
+        "code is not published, so what its modes do beyond the seed's words is not known",
         special=True,
     ),
     _r("dataset", "type", "same", None, "`image` (the default); another type stops", special=True),
@@ -311,11 +315,13 @@ _ROWS: tuple[AitKey, ...] = (
     _r(
         "train",
         "optimizer",
-        "same",
+        "approximated",
         "optimizer",
-        "`adamw` / `adam` (torch, eps 1e-6 as ai-toolkit sets it), "
-        "`adamw8bit` (bitsandbytes, eps 1e-6), `automagic`, `prodigy`, `adafactor`; each warns where it differs; "
-        "other names stop",
+        "`adamw` / `adam` (torch, eps 1e-6) and `adamw8bit` (bitsandbytes' AdamW8bit, eps 1e-6) are the class and "
+        "arguments ai-toolkit builds (optimizer.py:70-79); `prodigy` (eps 1e-6, lr 1.0 below 0.1 as there) differs "
+        "in one step size per param group here; `automagic` is this trainer's own (same bounds, a 65,536-point "
+        "learning-rate grid); `adafactor` is torch's (ai-toolkit's own steps by lr alone, torch's by "
+        "min(lr, 1/sqrt(step)) times the parameter's RMS); each warns; other names stop",
         special=True,
     ),
     _r(
@@ -340,9 +346,12 @@ _ROWS: tuple[AitKey, ...] = (
     _r(
         "train",
         "gradient_accumulation_steps",
-        "same",
+        "approximated",
         "gradient_accumulation_steps",
-        "-1 (a whole epoch) stops",
+        "the legacy spelling: ai-toolkit then counts `steps` (and `save_every`, `sample_every`) in batches, one "
+        "optimizer step every N of them (BaseSDTrainProcess.py:2604-2615, 2806); here `max_train_steps` counts "
+        "optimizer steps, so the run sees N times the batches: write `gradient_accumulation` (the same there) or "
+        "divide `steps` by N. -1 (a whole epoch) stops",
         special=True,
     ),
     _r("train", "gradient_accumulation", "same", "gradient_accumulation_steps", "the newer name", special=True),
@@ -388,9 +397,10 @@ _ROWS: tuple[AitKey, ...] = (
     _r(
         "train",
         "mixed_precision",
-        "same",
+        "approximated",
         "mixed_precision",
-        "the GH200 fork's spelling (seed 001, 10.3)",
+        "the GH200 fork's key (seed 001, 10.3: `fp16` or `bf16`), not in stock ai-toolkit (its precision is "
+        "`train.dtype`, config_modules.py:395); read here as our autocast precision, as `train.dtype` is",
         special=True,
     ),
     _r(
@@ -458,7 +468,9 @@ _ROWS: tuple[AitKey, ...] = (
         "unload_text_encoder",
         "approximated",
         None,
-        "ai-toolkit then trains every image on the trigger word alone: `caption_strategy: instance_prompt` here",
+        "ai-toolkit then trains every image on the trigger word alone (SDTrainer.py:1679-1688): "
+        "`caption_strategy: instance_prompt` here; without a trigger word (the empty prompt there) it stops; with "
+        "`cache_text_embeddings` the captions train, as there (SDTrainer.py:1673-1677)",
         special=True,
     ),
     _r(

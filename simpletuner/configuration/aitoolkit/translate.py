@@ -16,6 +16,7 @@ from simpletuner.configuration.aitoolkit.facts import (
     DTYPES,
     EPS_1E6,
     FLOW_FAMILIES,
+    OPTIMIZER_DIFFERENCES,
     OPTIMIZERS,
     QTYPES,
     TRAINER_PROCESSES,
@@ -278,7 +279,8 @@ def _network(job: Job, network: dict[str, Any]) -> None:  # noqa: C901
     else:
         job.stop("network.type", f"{kind!r}: only `lora`, `lokr` and `locon` train here")
     job.approx("network.type", _note("network", "type").split("; ", 2)[-1])
-    rank = network.get("linear", network.get("rank"))
+    # `rank` wins over `linear` where both are written (config_modules.py:172-179)
+    rank = network["rank"] if network.get("rank") is not None else network.get("linear")
     if rank is None:
         job.default("lora_rank", 4, "network.linear")
     elif (number := _number(job, rank, "network.linear")) is not None:
@@ -372,14 +374,21 @@ def _optimizer(job: Job, name: Any, params: Mapping[str, Any], where: str) -> No
     job.put("optimizer", ours, where)
     if lowered in EPS_1E6:
         job.put("adam_epsilon", 1e-6, f"{where} (ai-toolkit passes eps=1e-6)")
+    rate = job.out.get("learning_rate")
+    if lowered == "prodigy" and isinstance(rate, float) and rate < 0.1:  # optimizer.py:46-49
+        job.put("learning_rate", 1.0, f"{where}: prodigy (ai-toolkit runs Prodigy at lr 1.0 below 0.1)")
+    if lowered == "automagic" and isinstance(rate, float) and rate > 1e-3:  # automagic.py:24-26
+        job.put("learning_rate", 1e-6, f"{where}: automagic (ai-toolkit's Automagic starts at 1e-6 above 1e-3)")
+    if lowered == "adafactor":  # SDTrainer.py:2278: no gradient clipping with adafactor there
+        job.put("max_grad_norm", None, f"{where}: adafactor (ai-toolkit clips no gradient with it)")
     if lowered in ("adam", "automagic", "prodigy"):  # torch Adam, Automagic, Prodigy: weight decay 0 by default
         job.default("weight_decay", 0.0, f"{where} weight_decay")
     elif lowered in ("adamw", "adamw8bit"):  # torch AdamW and bitsandbytes AdamW8bit: 0.01
         job.default("weight_decay", 0.01, f"{where} weight_decay")
     if lowered == "automagic":
-        job.approx(where, "Automagic keeps each element's learning rate on a 65,536-point grid here")
-    elif lowered == "adafactor":
-        job.approx(where, "torch's Adafactor here; ai-toolkit's own Adafactor (toolkit/optimizers/adafactor.py)")
+        job.approx(where, OPTIMIZER_DIFFERENCES["automagic"])
+    elif lowered in OPTIMIZER_DIFFERENCES:
+        job.approx(where, OPTIMIZER_DIFFERENCES[lowered])
     extra: dict[str, Any] = {}
     for key, value in params.items():
         shown = f"{where.rsplit('.', 1)[0]}.optimizer_params.{key}" if where == "train.optimizer" else f"{where}.{key}"
@@ -436,6 +445,8 @@ def _train(job: Job, train: dict[str, Any], fork_optimizer: Optional[dict[str, A
             job.stop("train.gradient_accumulation_steps", "-1 (a whole epoch) is not read here: give a number")
         else:
             job.put("gradient_accumulation_steps", int(number), "train.gradient_accumulation")
+            if number > 1 and "gradient_accumulation" not in train:
+                job.approx("train.gradient_accumulation_steps", _note("train", "gradient_accumulation_steps"))
     checkpointing = train.get("gradient_checkpointing", True)
     job.put("gradient_checkpointing", bool(checkpointing), "train.gradient_checkpointing")
     _precision(job, train)
@@ -510,7 +521,8 @@ def _train_switches(job: Job, train: dict[str, Any]) -> None:  # noqa: C901
         job.stop("train.loss_type", f"{loss!r}: `mse` or `pseudo_huber` train here")
     if train.get("skip_first_sample"):
         job.approx("train.skip_first_sample", _note("train", "skip_first_sample"))
-    if train.get("unload_text_encoder"):
+    caching_text = bool(train.get("cache_text_embeddings"))
+    if train.get("unload_text_encoder") and not caching_text:  # cached embeddings: the captions (SDTrainer.py:1673)
         job.out["__trigger_only__"] = True
         job.approx("train.unload_text_encoder", _note("train", "unload_text_encoder"))
     if train.get("cache_text_embeddings"):

@@ -362,7 +362,7 @@ def ait_line(section: str, key: str) -> Optional[str]:
     return f"{CONFIG_MODULES}:{line_default[0]}" if line_default else None
 
 
-#: ai-toolkit's ``model.arch`` (or its ``is_*`` switches, config_modules.py:773-796) -> our ``model_family``; None:
+#: ai-toolkit's ``model.arch`` (or its ``is_*`` switches, config_modules.py:764-821) -> our ``model_family``; None:
 #: an architecture not trained here. The family's variant (Wan 2.2 experts, Qwen-Image-Edit, Flux Kontext) is read
 #: from the model folder, as for every native config.
 ARCHES: dict[str, Optional[str]] = {
@@ -385,7 +385,7 @@ ARCHES: dict[str, Optional[str]] = {
     "qwen_image_edit_plus": None,
 }
 
-#: The ``is_*`` switches of ModelConfig and the arch each means when ``arch`` is unset (config_modules.py:776-796).
+#: The ``is_*`` switches of ModelConfig and the arch each means when ``arch`` is unset (config_modules.py:799-821).
 ARCH_SWITCHES: dict[str, str] = {
     "is_v2": "sd2",
     "is_v3": "sd3",

@@ -258,7 +258,7 @@ _ROWS: tuple[AitKey, ...] = (
         "default_caption",
         "approximated",
         "instance_prompt",
-        "the caption of an image without a caption file; ai-toolkit also reads a folder's default.txt",
+        "the caption of an image whose caption file is missing or empty (dataloader_mixins.py:358-363)",
     ),
     _r(
         "dataset",

@@ -95,7 +95,7 @@ def job_note(key: str) -> str:
     return row.note if row is not None else ""
 
 
-def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
+def _entry(  # noqa: PLR0913
     job: "Job",
     entry: dict[str, Any],
     index: int,
@@ -105,7 +105,27 @@ def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
     text_cached: bool,
     trigger: Optional[str],
 ) -> Optional[dict[str, Any]]:
+    """One ai-toolkit dataset entry at one ``resolution`` -> our dataset entry (None when it names no folder); the
+    run-wide values it sets go into ``tops`` (key -> {value: where from})."""
     label = f"datasets[{index}]"
+    ours = _files(job, entry, label, resolution)
+    if ours is None:
+        return None
+    _captions(job, entry, label, ours, trigger)
+    _pairs_and_refusals(job, entry, label, ours)
+    _run_wide(job, entry, label, tops, text_cached)
+    if not split:
+        job.report.mapped.append(f"`{label}` -> `datasets[{index}]`")
+    for key, value in entry.items():
+        if key not in _OWN:
+            from simpletuner.configuration.aitoolkit.translate import _generic
+
+            _generic(job, "dataset", key, value, f"{label}.{key}", ours)
+    return ours
+
+
+def _files(job: "Job", entry: dict[str, Any], label: str, resolution: Any) -> Optional[dict[str, Any]]:
+    """The folder, caption files, resolution, repeats and frames of the entry; None without a folder."""
     ours: dict[str, Any] = {"type": "local"}
     folder = entry.get("folder_path")
     if not isinstance(folder, str) or not folder:
@@ -130,6 +150,11 @@ def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
         ours["dataset_type"] = "video"
         ours["num_frames"] = frames
         job.approx(f"{label}.num_frames", job_note("num_frames"))
+    return ours
+
+
+def _captions(job: "Job", entry: dict[str, Any], label: str, ours: dict[str, Any], trigger: Optional[str]) -> None:
+    """The trigger word, `default_caption`, `unload_text_encoder`'s trigger-only captions and token shuffling."""
     word = entry.get("trigger_word", trigger)
     default_caption = entry.get("default_caption")
     trigger_only = job.out.get("__trigger_only__") and not entry.get("cache_text_embeddings")
@@ -152,6 +177,10 @@ def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
     if entry.get("shuffle_tokens"):
         ours["caption_shuffle"] = {"enable": True, "count": SHUFFLED_COPIES, "split_on": "comma"}
         job.approx(f"{label}.shuffle_tokens", job_note("shuffle_tokens"))
+
+
+def _pairs_and_refusals(job: "Job", entry: dict[str, Any], label: str, ours: dict[str, Any]) -> None:
+    """`control_path` (edit sources), and what the entry asks that is not trained here."""
     control = entry.get("control_path")
     if isinstance(control, str) and control:
         ours["conditioning_data_dir"] = job.path(control)
@@ -167,6 +196,13 @@ def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
             "`is_regularisation_data` trains them toward the base model's own prediction: remove it, or use a native "
             "config with `is_regularisation_data`",
         )
+
+
+def _run_wide(
+    job: "Job", entry: dict[str, Any], label: str, tops: dict[str, dict[str, Any]], text_cached: bool
+) -> None:
+    """The entry's settings that are run-wide keys here (caption dropout, bucket tolerance, augmentation cache
+    mode, where latents are cached): recorded in ``tops`` for the caller to reconcile across entries."""
     rate = plain(entry.get("caption_dropout_rate", 0.0))
     if text_cached and rate:
         note = (
@@ -187,11 +223,3 @@ def _entry(  # noqa: C901, PLR0912, PLR0913, PLR0915
     tops.setdefault("cache_config.vae_cache_type", {}).setdefault(
         "memory" if in_memory else "disk", f"{label}.cache_latents"
     )
-    if not split:
-        job.report.mapped.append(f"`{label}` -> `datasets[{index}]`")
-    for key, value in entry.items():
-        if key not in _OWN:
-            from simpletuner.configuration.aitoolkit.translate import _generic
-
-            _generic(job, "dataset", key, value, f"{label}.{key}", ours)
-    return ours

@@ -24,6 +24,7 @@ from simpletuner.configuration.partial import InvalidInput, PartialModel, partia
 from simpletuner.configuration.schema import CacheConfig, TrainingConfig
 from simpletuner.configuration.sections import METADATA_CAPTION_STRATEGIES, metadata_file_format
 from simpletuner.configuration.simpletuner import translate as dialect
+from simpletuner.configuration.simpletuner.reading import Report
 
 logger = logging.getLogger(__name__)
 
@@ -491,14 +492,20 @@ _REPORTED: set[Path] = set()
 def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     """``raw`` itself when it is a native config; a SimpleTuner config or an ai-toolkit job translated (and its
     report logged: the summary and mapping at INFO, each approximation as a warning)."""
-    from simpletuner.configuration.aitoolkit import translate as ait
+    from simpletuner.configuration.aitoolkit.reading import looks_like_ai_toolkit
 
-    is_job = ait.looks_like_ai_toolkit(raw)
+    is_job = looks_like_ai_toolkit(raw)
     if not is_job and not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
         return raw
     tool = "ai-toolkit" if is_job else "SimpleTuner"
+    report: Report
     try:
-        native, report = ait.translate(raw, path) if is_job else dialect.translate(raw, path)
+        if is_job:  # its table is imported only for a job file (a native config's start never pays for it)
+            from simpletuner.configuration.aitoolkit import translate as ait
+
+            native, report = ait.translate(raw, path)
+        else:
+            native, report = dialect.translate(raw, path)
     except dialect.DialectError as exc:
         raise ConfigError(exc.problems, exc.source) from None
     key = path.resolve() if path is not None else None

@@ -1,165 +1,59 @@
-"""ai-toolkit job files read here: its published examples (commit 27a03a91 of ostris/ai-toolkit, config/examples/,
-copied below with only the model, the data folder and the resolutions swapped for the tiny local models) translate
-or stop naming the key; one trains end to end through `simpletuner train`; seed 001's blocks (sections 8.3 and
-10.3) train on the tiny Wan 2.2; `convert` writes a native config equal to the translation; the job's shape is
-checked; the foreign-key pointers stay for flat configs only.
+"""ai-toolkit job files read here: its published examples (ostris/ai-toolkit at commit 27a03a91,
+config/examples/train_lora_*.yaml for the families trained here, recorded as ai-toolkit reads them in
+tests/data/ai_toolkit_examples/, with only the model, data and control-image paths and the sizes swapped for tiny
+local ones) translate with ai-toolkit's meaning and train, or stop naming the key, and train once the stop's fix
+is made; seed 001's blocks (sections 8.3 and 10.3) train on the tiny Wan 2.2; `convert` writes a native config
+equal to the translation; the job's shape is checked; the foreign-key pointers stay for flat configs only.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from simpletuner.cli import main
-from simpletuner.cli.demo import write_shapes_dataset
+from simpletuner.cli.demo import write_edit_pairs, write_shapes_dataset
 from simpletuner.configuration import load_config
+from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT
+from simpletuner.configuration.aitoolkit.reading import parse_job_text
 from simpletuner.configuration.errors import ConfigError
 from simpletuner.configuration.loader import read_raw_config
 
-HEAD = """job: extension
-config:
-  name: "my_first_lora_v1"
-  process:
-    - type: 'sd_trainer'
-      training_folder: "output"
-      device: cuda:0
-"""
+PUBLISHED = Path(__file__).parent / "data" / "ai_toolkit_examples"
+#: A bare mirror of ostris/ai-toolkit, when present: the recorded examples are checked against its files.
+MIRROR = Path("/work/.mirror/ostris+ai-toolkit/repo")
 
-
-def _example(
-    model: str,
-    arch_lines: str,
-    train_lines: str,
-    network: str = 'type: "lora"\n        linear: 16\n        linear_alpha: 16',
-) -> str:
-    """The shape every published trainer example shares (train_lora_*_24gb.yaml), with its own model/train keys."""
-    return (
-        HEAD
-        + f"""      network:
-        {network}
-      save:
-        dtype: float16
-        save_every: 250
-        max_step_saves_to_keep: 4
-        push_to_hub: false
-      datasets:
-        - folder_path: "DATA"
-          caption_ext: "txt"
-          caption_dropout_rate: 0.05
-          shuffle_tokens: false
-          cache_latents_to_disk: true
-          resolution: [ 64, 128, 192 ]
-      train:
-        batch_size: 1
-        steps: 2000
-        gradient_accumulation_steps: 1
-        train_unet: true
-        train_text_encoder: false
-        gradient_checkpointing: true
-        noise_scheduler: "flowmatch"
-{train_lines}
-        dtype: bf16
-      model:
-        name_or_path: "{model}"
-{arch_lines}
-      sample:
-        sampler: "flowmatch"
-        sample_every: 250
-        width: 64
-        height: 64
-        prompts:
-          - "woman with red hair, playing chess at the park, bomb going off in the background"
-        neg: ""
-        seed: 42
-        walk_seed: true
-        guidance_scale: 4
-        sample_steps: 20
-meta:
-  name: "[name]"
-  version: '1.0'
-"""
-    )
-
-
-#: The published examples (model arch and train lines as in each file), and the key each one stops on, if any.
-EXAMPLES = {
-    "train_lora_flux_24gb": (
+#: Each published example: the tiny model it trains on, the keys it stops on (None: it trains as published), and
+#: the change each stop message asks for (which then trains).
+EXAMPLES: dict[str, tuple[str, str | None, dict[str, Any]]] = {
+    "train_lora_flux_24gb": ("flux", None, {}),
+    "train_lora_flux_kontext_24gb": ("flux_kontext", "train.timestep_type", {"train.timestep_type": "linear"}),
+    "train_lora_flux_schnell_24gb": ("flux", "model.assistant_lora_path", {"model.assistant_lora_path": None}),
+    "train_lora_flex_24gb": (
         "flux",
-        "        is_flux: true\n        quantize: true",
-        '        optimizer: "adamw8bit"\n        lr: 1e-4',
-        None,
+        "model.quantize_kwargs train.bypass_guidance_embedding",
+        {"model.quantize_kwargs": None, "train.bypass_guidance_embedding": None},
     ),
-    "train_lora_flux_kontext_24gb": (
-        "flux",
-        '        arch: "flux_kontext"\n        quantize: true',
-        '        optimizer: "adamw8bit"\n        lr: 1e-4\n        timestep_type: "weighted"',
-        "train.timestep_type",
-    ),
-    "train_lora_sd35_large_24gb": (
-        "sd3",
-        "        is_v3: true\n        quantize: true",
-        '        timestep_type: "linear"\n        optimizer: "adamw8bit"\n        lr: 1e-4',
-        None,
-    ),
-    "train_lora_wan21_1b_24gb": (
-        "wan",
-        "        arch: 'wan21'",
-        "        timestep_type: 'sigmoid'\n        optimizer: \"adamw8bit\"\n        lr: 1e-4",
-        None,
-    ),
-    "train_lora_wan21_14b_24gb": (
-        "wan",
-        "        arch: 'wan21'\n        quantize: true",
-        "        timestep_type: 'sigmoid'\n        optimizer: \"adamw8bit\"\n        lr: 1e-4",
-        None,
-    ),
-    "train_lora_wan22_14b_24gb": (
-        "wan22",
-        (
-            "        arch: 'wan22_14b'\n"
-            "        quantize: true\n"
-            '        qtype: "uint4|ostris/accuracy_recovery_adapters/wan22_14b_t2i_torchao_uint4.safetensors"\n'
-            "        low_vram: true\n"
-            "        model_kwargs:\n"
-            "          train_high_noise: true\n"
-            "          train_low_noise: true"
-        ),
-        (
-            "        timestep_type: 'linear'\n"
-            '        optimizer: "adamw8bit"\n'
-            "        lr: 1e-4\n"
-            "        optimizer_params:\n"
-            "          weight_decay: 1e-4\n"
-            "        switch_boundary_every: 10\n"
-            "        cache_text_embeddings: true"
-        ),
-        "model.qtype",
-    ),
-    "train_lora_qwen_image_24gb": (
-        "qwen_image",
-        (
-            '        arch: "qwen_image"\n'
-            "        quantize: true\n"
-            '        qtype: "uint3|ostris/accuracy_recovery_adapters/qwen_image_torchao_uint3.safetensors"'
-        ),
-        '        optimizer: "adamw8bit"\n        lr: 1e-4\n        cache_text_embeddings: true',
-        "model.qtype",
-    ),
+    "train_lora_sd35_large_24gb": ("sd3", None, {}),
+    "train_lora_wan21_1b_24gb": ("wan", None, {}),
+    "train_lora_wan21_14b_24gb": ("wan", None, {}),
+    "train_lora_wan22_14b_24gb": ("wan22", "model.qtype", {"model.qtype": "qfloat8"}),
+    "train_lora_qwen_image_24gb": ("qwen_image", "model.qtype", {"model.qtype": "qfloat8"}),
     "train_lora_qwen_image_edit_32gb": (
         "qwen_image_edit",
-        (
-            '        arch: "qwen_image_edit"\n'
-            "        quantize: true\n"
-            '        qtype: "uint3|qwen_image_edit_torchao_uint3.safetensors"'
-        ),
-        '        timestep_type: "weighted"\n        optimizer: "adamw8bit"\n        lr: 1e-4',
         "model.qtype train.timestep_type",
+        {"model.qtype": "qfloat8", "train.timestep_type": "linear"},
     ),
 }
+#: A CPU run of one step: the job's other keys stay as published.
+ONE_STEP = ["--set", "max_train_steps=1", "--set", "validation_num_inference_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -167,19 +61,67 @@ def models(tmp_path_factory):
     from simpletuner.testing.zoo import write_tiny_model
 
     root = tmp_path_factory.mktemp("ait-models")
-    return {f: write_tiny_model(f, root / f) for f in ("flux", "sd3", "wan", "wan22", "qwen_image", "qwen_image_edit")}
+    return {f: write_tiny_model(f, root / f) for f in sorted({family for family, _, _ in EXAMPLES.values()})}
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
+    # large enough for the three resolutions (64, 128, 192) a published resolution list becomes here
     return write_shapes_dataset(
-        tmp_path_factory.mktemp("ait-images") / "data", num_images=2, sizes=((96, 64), (64, 64))
+        tmp_path_factory.mktemp("ait-images") / "data", num_images=2, sizes=((288, 192), (192, 192))
     )
 
 
-def _write(tmp_path: Path, text: str, images: Path, name: str = "job.yaml") -> Path:
+@pytest.fixture(scope="module")
+def edits(tmp_path_factory):
+    """(edited images with their instructions, the sources they were made from): an edit model's dataset."""
+    return write_edit_pairs(tmp_path_factory.mktemp("ait-edits"), num_pairs=2, sizes=((288, 192), (192, 192)))
+
+
+def published(name: str) -> dict[str, Any]:
+    return json.loads((PUBLISHED / f"{name}.json").read_text())
+
+
+def swapped(raw: dict[str, Any], model: Path, images: Path, edits: tuple[Path, Path]) -> dict[str, Any]:
+    """The example with its paths pointing at the tiny local model and data, and its sizes at CPU scale: each
+    resolution of a list becomes 64, 128, 192..., the sample size 64 x 64. Nothing else changes."""
+    raw = copy.deepcopy(raw)
+    process = raw["config"]["process"][0]
+    process["model"]["name_or_path"] = str(model)
+    for dataset in process["datasets"]:
+        paired = "control_path" in dataset
+        dataset["folder_path"] = str(edits[0] if paired else images)
+        if paired:
+            dataset["control_path"] = str(edits[1])
+        size = dataset["resolution"]
+        dataset["resolution"] = [64 * (i + 1) for i in range(len(size))] if isinstance(size, list) else 64
+    sample = process["sample"]
+    sample.update(width=64, height=64)
+    source = str(edits[1] / "000.png")
+    sample["prompts"] = [re.sub(r"--ctrl_img \S+", f"--ctrl_img {source}", p) for p in sample.get("prompts", [])]
+    for item in sample.get("samples", []):
+        item["ctrl_img"] = source
+    return raw
+
+
+def changed(raw: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the dotted keys of its process set (None: removed)."""
+    raw = copy.deepcopy(raw)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = raw["config"]["process"][0]
+        for part in parents:
+            node = node[part]
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+    return raw
+
+
+def _job(tmp_path: Path, raw: dict[str, Any], name: str = "job.json") -> Path:
     path = tmp_path / name
-    path.write_text(text.replace("DATA", str(images)))
+    path.write_text(json.dumps(raw))
     return path
 
 
@@ -187,34 +129,73 @@ def _stops_on(error: ConfigError) -> set[str]:
     return {m.group(1) for line in error.problems if (m := re.match(r"`([\w.\[\]]+)", line))}
 
 
+@pytest.mark.skipif(not MIRROR.is_dir(), reason="no mirror of ostris/ai-toolkit on this machine")
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_published_examples_translate_or_stop_naming_the_key(tmp_path, models, images, monkeypatch, name):
-    family, arch, train, stops = EXAMPLES[name]
+def test_recorded_examples_are_ai_toolkits_files_as_it_reads_them(name):
+    shown = subprocess.run(
+        ["git", "-C", str(MIRROR), "show", f"{AIT_COMMIT}:config/examples/{name}.yaml"], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert parse_job_text(shown.stdout, True, name) == published(name)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_published_examples_translate_or_stop_naming_the_key_and_the_fix_translates(
+    tmp_path, models, images, edits, monkeypatch, name
+):
+    family, stops, fix = EXAMPLES[name]
     monkeypatch.chdir(tmp_path)
-    path = _write(tmp_path, _example(str(models[family]), arch, train), images)
+    raw = swapped(published(name), models[family], images, edits)
     if stops is not None:
         with pytest.raises(ConfigError) as caught:
-            load_config(path)
+            load_config(_job(tmp_path, raw))
         assert _stops_on(caught.value) == set(stops.split()), caught.value.problems
-        return
-    config = load_config(path).config
-    assert config.lora_rank == 16 and config.lora_alpha == 16 and config.max_train_steps == 2000
-    assert config.optimizer == "bnb-adamw8bit" and config.adam_epsilon == 1e-6 and config.learning_rate == 1e-4
-    assert [d.resolution for d in config.datasets] == [64, 128, 192] and config.caption_dropout_probability == 0.05
-    assert config.output_dir == str(tmp_path / "output" / "my_first_lora_v1")
-    assert config.flow_shift == 1.0 and config.checkpointing_steps == 250 and config.checkpoints_total_limit == 4
-    assert config.validation_prompts and config.validation_seed == 42 and config.mixed_precision == "bf16"
+        said = "\n".join(caught.value.problems)
+        assert all(str(v) in said for v in fix.values() if v is not None), said  # the message names the fix
+        raw = changed(raw, fix)
+    config = load_config(_job(tmp_path, raw)).config
+    process = raw["config"]["process"][0]
+    network, train, sample = process["network"], process["train"], process["sample"]
+    assert (config.lora_rank, config.lora_alpha) == (network["linear"], network["linear_alpha"])
+    assert config.max_train_steps == train["steps"] and config.learning_rate == train["lr"] == 1e-4
+    assert config.optimizer == "bnb-adamw8bit" and config.adam_epsilon == 1e-6  # optimizer.py: eps=1e-6
+    assert config.weight_decay == train.get("optimizer_params", {}).get("weight_decay", 0.01)
+    assert config.output_dir == str(tmp_path / "output" / raw["config"]["name"])
+    assert (config.checkpointing_steps, config.checkpoints_total_limit) == (250, 4)
+    assert config.mixed_precision == "bf16" and config.gradient_checkpointing
+    # cached text embeddings: ai-toolkit drops no caption (its dropout needs the text encoder at each step)
+    assert config.caption_dropout_probability == (0.0 if train.get("cache_text_embeddings") else 0.05)
+    sizes = process["datasets"][0]["resolution"]
+    assert [d.resolution for d in config.datasets] == (sizes if isinstance(sizes, list) else [sizes])
+    assert config.validation_seed == 42 and config.validation_guidance_scale == sample["guidance_scale"]
+    assert [p.split("--")[0].strip() for p in sample.get("prompts", [])] == config.validation_prompts[
+        : len(sample.get("prompts", []))
+    ]
+    assert config.validation_num_inference_steps == sample["sample_steps"]
+    assert config.use_ema == bool(train.get("ema_config", {}).get("use_ema"))
+    quantised = process["model"].get("quantize")
+    assert config.base_model_precision == (process["model"].get("qtype", "qfloat8") if quantised else "no_change")
+    if any("ctrl_img" in p for p in sample.get("prompts", [])) or sample.get("samples"):
+        assert config.validation_image == str(edits[1] / "000.png")
+    if "trigger_word" in process:
+        assert all(d.instance_prompt == process["trigger_word"] for d in config.datasets)
 
 
-def test_wan21_example_trains_through_simpletuner_train(tmp_path, models, images, monkeypatch):
-    family, arch, train, _ = EXAMPLES["train_lora_wan21_1b_24gb"]
+#: The examples trained end to end here (one step each, as published but for paths, sizes and the stop's fix):
+#: Flux (qfloat8 + EMA + a resolution list), Wan 2.1 14B (trigger word with unload_text_encoder, low_vram), Wan 2.2
+#: 14B (both experts). The others are read in full above; each trains the same way on those families.
+TRAINED = ["train_lora_flux_24gb", "train_lora_wan21_14b_24gb", "train_lora_wan22_14b_24gb"]
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_published_examples_train_through_simpletuner_train(tmp_path, models, images, edits, monkeypatch, name):
+    family, _, fix = EXAMPLES[name]
     monkeypatch.chdir(tmp_path)
-    path = _write(
-        tmp_path, _example(str(models[family]), arch, train).replace("[ 64, 128, 192 ]", "[ 64, 128 ]"), images
-    )
-    overrides = ["max_train_steps=1", "validation_num_inference_steps=1", "optimizer=adamw", "mixed_precision=no"]
-    assert main(["train", "--config", str(path), *[a for o in overrides for a in ("--set", o)]]) == 0
-    assert list((tmp_path / "output" / "my_first_lora_v1").glob("*.safetensors"))
+    path = _job(tmp_path, changed(swapped(published(name), models[family], images, edits), fix))
+    assert main(["train", "--config", str(path), *ONE_STEP]) == 0
+    run = tmp_path / "output" / published(name)["config"]["name"]
+    assert list(run.glob("*.safetensors"))  # Wan 2.2: one adapter file per expert
+    assert list((run / "validation").glob("step_000001_*.png"))
 
 
 SEED_8_3 = """
@@ -253,7 +234,7 @@ def _seed_job(model: Path, images: Path, network: dict) -> dict:
     return {"job": "extension", "config": {"name": "seed", "process": [process]}}
 
 
-def test_seed_blocks_train_dual_stage_lycoris_on_tiny_wan22(tmp_path, models, images, monkeypatch):
+def test_seed_blocks_train_dual_stage_lycoris_on_tiny_wan22(tmp_path, models, images, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     raw = _seed_job(models["wan22"], images, {"type": "lokr", "linear": 4, "linear_alpha": 4, "lokr_factor": 2})
     path = tmp_path / "seed.yaml"
@@ -265,6 +246,10 @@ def test_seed_blocks_train_dual_stage_lycoris_on_tiny_wan22(tmp_path, models, im
     assert config.augmentations_cache_mode == "static" and config.cache_config.vae_cache_type == "disk"
     assert (config.lora_type, config.lycoris.algo, config.gradient_checkpointing) == ("lycoris", "lokr", True)
     assert config.mixed_precision == "fp16" and config.train_batch_size == 1
+    # fp16 (section 10.3) needs CUDA's grad scaler: on this CPU the run says so before loading anything, and
+    # trains in fp32 when told to; the fp16 step itself is the GPU truth script's to check
+    assert main(["train", "--config", str(path)]) != 0
+    assert "mixed_precision 'fp16' needs a CUDA GPU" in capsys.readouterr().err
     assert main(["train", "--config", str(path), "--set", "mixed_precision=no"]) == 0
     assert list((tmp_path / "output" / "seed").glob("*.safetensors"))
 
@@ -282,10 +267,9 @@ def test_seed_uvm_allocator_settings_stop_with_the_stock_pytorch_replacement(tmp
     assert "use_uvm" in text and "managed_memory" in text and "uvm_oversubscription_ratio" in text
 
 
-def test_convert_writes_the_translation_which_trains_the_same_run(tmp_path, models, images, monkeypatch):
-    family, arch, train, _ = EXAMPLES["train_lora_flux_24gb"]
+def test_convert_writes_the_translation_which_trains_the_same_run(tmp_path, models, images, edits, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    path = _write(tmp_path, _example(str(models[family]), arch, train), images)
+    path = _job(tmp_path, swapped(published("train_lora_flux_24gb"), models["flux"], images, edits))
     out = tmp_path / "native.json"
     assert main(["convert", str(path), "--out", str(out)]) == 0
     native = json.loads(out.read_text())
@@ -324,10 +308,9 @@ def test_a_translated_job_gets_no_foreign_key_pointers_but_a_flat_paste_does(tmp
         load_config(flat, check_files=False)
 
 
-def test_estimate_reads_an_ai_toolkit_job(tmp_path, models, images, monkeypatch, capsys):
-    family, arch, train, _ = EXAMPLES["train_lora_wan21_1b_24gb"]
+def test_estimate_reads_an_ai_toolkit_job(tmp_path, models, images, edits, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    path = _write(tmp_path, _example(str(models[family]), arch, train), images)
+    path = _job(tmp_path, swapped(published("train_lora_wan21_1b_24gb"), models["wan"], images, edits))
     assert main(["estimate", "--config", str(path), "--json"]) == 0
     estimate = json.loads(capsys.readouterr().out)["estimate"]
     # the job's figures, as translated: wan, bf16, micro-batch 1, gradient checkpointing on

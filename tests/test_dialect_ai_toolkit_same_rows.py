@@ -136,6 +136,12 @@ ROWS: dict[tuple[str, str], Row] = {
         "the folder the run's folder is made in, from the working directory",
         ({"training_folder": "runs"}, {"output_dir": "{cwd}/runs/run"}),
     ),
+    ("process", "name"): _row(
+        "jobs/process/BaseProcess.py:21=self.name = self.get_conf('name', self.job.name) "
+        f"{BTP}:45=os.path.join(self.training_folder, self.name)",
+        "the process's own name, where set, names the run's folder in place of the job's",
+        ({"name": "stage1"}, {"output_dir": "{cwd}/out/stage1", "tracker_project_name": "run"}),
+    ),
     ("network", "linear"): _row(
         f"{CM}:173=kwargs.get('linear', None) {CM}:177-182=self.linear: int = 4",
         "the LoRA rank; default 4",
@@ -374,9 +380,15 @@ ROWS: dict[tuple[str, str], Row] = {
         ({"model.extras_name_or_path": "model"}, {"pretrained_model_name_or_path": "model"}),
     ),
     ("sample", "prompts"): _row(
-        f"{CM}:104-111=kwargs.get('prompts', [])",
-        "the sample prompts (each one a sample item)",
+        f"{CM}:104-111=kwargs.get('prompts', []) {CM}:1400-1401=p_split = prompt.split('--') "
+        f"{CM}:1452-1453=self.ctrl_img = content",
+        "the sample prompts (each one a sample item); a prompt's text ends at its first `--`, `--ctrl_img` "
+        "names the image an edit model renders from",
         ({"sample.prompts": ["[trigger] cat"], "trigger_word": "sks"}, {"validation_prompts": ["sks cat"]}),
+        (
+            {"sample.prompts": ["smile  --ctrl_img in/a.png", "frown --ctrl_img in/a.png"]},
+            {"validation_prompts": ["smile", "frown"], "validation_image": "{cwd}/in/a.png"},
+        ),
     ),
     ("sample", "sample_every"): _row(
         f"{CM}:82=kwargs.get('sample_every', 100)", "every N steps; default 100", ({}, {"validation_steps": 100})
@@ -409,9 +421,12 @@ ROWS: dict[tuple[str, str], Row] = {
         f"{CM}:87=kwargs.get('seed', 0)", "the sample seed; default 0", ({}, {"validation_seed": 0})
     ),
     ("sample", "num_frames"): _row(
-        f"{CM}:98=kwargs.get('num_frames', 1)",
-        "frames of a sample video",
+        f"{CM}:98=kwargs.get('num_frames', 1) toolkit/models/wan21/wan21.py:497-498=AggressiveWanUnloadPipeline(",
+        "frames of a sample video; diffusers' WanPipeline floors a count to 4k+1 (its pipeline_wan.py:494-498 in "
+        "diffusers 0.42.1), the low_vram pipeline skips that and renders (n - 1) // 4 latent frames + 1",
         ({"model.arch": "wan21", "sample.num_frames": 5}, {"validation_num_video_frames": 5}),
+        ({"model.arch": "wan21", "sample.num_frames": 40}, {"validation_num_video_frames": 41}),
+        ({"model.arch": "wan21", "model.low_vram": True, "sample.num_frames": 40}, {"validation_num_video_frames": 37}),
     ),
     ("sample", "guidance_rescale"): _row(
         f"{CM}:92=kwargs.get('guidance_rescale', 0.0)",

@@ -78,6 +78,14 @@ _ROWS: tuple[AitKey, ...] = (
     # --- the process's own keys ---
     _r("process", "type", "same", None, "a trainer process (see `job`)", special=True),
     _r("process", "training_folder", "same", "output_dir", "with `config.name` appended", special=True),
+    _r(
+        "process",
+        "name",
+        "same",
+        "output_dir",
+        "the run's folder inside `training_folder`, in place of `config.name` (which still names the run)",
+        special=True,
+    ),
     _r("process", "device", "ignored", None, "Accelerate picks the device"),
     _r("process", "performance_log_every", "ignored", None, "step timings are logged every `logging_steps`"),
     _r(
@@ -541,13 +549,21 @@ _ROWS: tuple[AitKey, ...] = (
     _r("model", "dtype", "ignored", None, "the frozen weights follow `mixed_precision` here"),
     _r("model", "extras_name_or_path", "same", None, "its default, `name_or_path`; another folder stops", special=True),
     # --- sample ---
-    _r("sample", "prompts", "same", "validation_prompts", "`[trigger]` becomes the trigger word", special=True),
+    _r(
+        "sample",
+        "prompts",
+        "same",
+        "validation_prompts",
+        "`[trigger]` becomes the trigger word; the text before the first `--` is the prompt and `--ctrl_img PATH` "
+        "its `validation_image`; the other flags ai-toolkit reads (`--w`, `--seed`, `--n`...) stop",
+        special=True,
+    ),
     _r(
         "sample",
         "samples",
         "approximated",
         "validation_prompts",
-        "each item's `prompt`; its other keys stop",
+        "each item's `prompt` (read as `prompts` are) and `ctrl_img` (`validation_image`); its other keys stop",
         special=True,
     ),
     _r("sample", "sample_every", "same", "validation_steps", "default 100, written", special=True),
@@ -565,7 +581,15 @@ _ROWS: tuple[AitKey, ...] = (
         "ai-toolkit adds the prompt's index to the seed; here every prompt starts from `validation_seed`",
     ),
     _r("sample", "sampler", "ignored", None, "validation samples with the model's own scheduler"),
-    _r("sample", "num_frames", "same", "validation_num_video_frames", "video families", special=True),
+    _r(
+        "sample",
+        "num_frames",
+        "same",
+        "validation_num_video_frames",
+        "video families; a count not of the form 4k+1 becomes the count ai-toolkit renders (40: 41 frames, 37 "
+        "with `low_vram`, whose pipeline skips diffusers' rounding)",
+        special=True,
+    ),
     _r("sample", "fps", "ignored", None, "validation videos are saved at the family's frame rate"),
     _r("sample", "guidance_rescale", "same", "validation_guidance_rescale"),
     _r("sample", "sample_start_step", "ignored", None, "validation renders from the start"),

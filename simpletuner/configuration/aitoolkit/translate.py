@@ -379,7 +379,7 @@ def _optimizer(job: Job, name: Any, params: Mapping[str, Any], where: str) -> No
         job.put("learning_rate", 1.0, f"{where}: prodigy (ai-toolkit runs Prodigy at lr 1.0 below 0.1)")
     if lowered == "automagic" and isinstance(rate, float) and rate > 1e-3:  # automagic.py:24-26
         job.put("learning_rate", 1e-6, f"{where}: automagic (ai-toolkit's Automagic starts at 1e-6 above 1e-3)")
-    if lowered == "adafactor":  # SDTrainer.py:2278: no gradient clipping with adafactor there
+    if name == "adafactor":  # SDTrainer.py:2278 compares the name as written: no gradient clipping with it there
         job.put("max_grad_norm", None, f"{where}: adafactor (ai-toolkit clips no gradient with it)")
     if lowered in ("adam", "automagic", "prodigy"):  # torch Adam, Automagic, Prodigy: weight decay 0 by default
         job.default("weight_decay", 0.0, f"{where} weight_decay")
@@ -456,6 +456,9 @@ def _train(job: Job, train: dict[str, Any], fork_optimizer: Optional[dict[str, A
     if job.family is not None and scheduler != wanted and not (wanted == "ddpm" and scheduler in ("ddpm", "euler")):
         job.stop("train.noise_scheduler", f"{scheduler!r}: this family trains with {wanted!r} here")
     _train_switches(job, train)
+    if "max_grad_norm" in train and name == "adafactor":
+        train = {k: v for k, v in train.items() if k != "max_grad_norm"}
+        job.ignore("train.max_grad_norm", "ai-toolkit clips no gradient with adafactor (SDTrainer.py:2278)")
     handled = {
         "steps", "lr", "unet_lr", "text_encoder_lr", "optimizer", "optimizer_params", "lr_scheduler",
         "lr_scheduler_params", "gradient_accumulation", "gradient_accumulation_steps", "gradient_checkpointing",
@@ -534,14 +537,68 @@ def _train_switches(job: Job, train: dict[str, Any]) -> None:  # noqa: C901
 # --- sample -------------------------------------------------------------------------------------------------------
 
 
-def _sample(job: Job, sample: dict[str, Any], disabled: bool, trigger: Optional[str]) -> None:  # noqa: C901
-    prompts = list(sample.get("prompts") or [])
+#: The per-prompt flags ai-toolkit reads from a prompt's text (config_modules.py:1396-1455); others it drops.
+PROMPT_FLAGS = frozenset(
+    "p2 n n2 w h d seed l cfg s steps m network_multiplier gr a ref ev extra_values frames num_frames fps ctrl_img "
+    "ctrl_idx".split()
+)
+
+
+def _prompt(job: Job, text: str, where: str) -> tuple[str, Optional[str]]:
+    """A sample prompt as ai-toolkit reads it (config_modules.py:1396-1455): the text before the first ``--``, then
+    ``--flag value`` pairs. ``--ctrl_img`` is returned (the image the edit renders from); the other flags set one
+    prompt's size, seed, guidance... which is not read here, so they stop; flags ai-toolkit does not know it drops."""
+    text, *flags = text.strip().split("--")
+    image = None
+    for flag in flags:
+        name = flag.split(" ")[0].strip()
+        value = flag[len(name) :].strip()
+        if name == "ctrl_img":
+            image = job.path(value)
+        elif name in PROMPT_FLAGS:
+            job.stop(f"{where} --{name}", "per-prompt settings are not read here: set it in `sample` for every prompt")
+        else:
+            job.ignore(f"{where} --{name}", "not a flag ai-toolkit reads (it drops it too)")
+    return text.strip(), image
+
+
+def _sample_prompts(job: Job, sample: dict[str, Any]) -> tuple[list[str], list[Optional[str]]]:
+    """The sample prompts (``prompts`` then ``samples``) and each one's control image."""
+    prompts: list[str] = []
+    images: list[Optional[str]] = []
+    for i, text in enumerate(sample.get("prompts") or []):
+        prompt, image = _prompt(job, str(text), f"sample.prompts[{i}]")
+        prompts.append(prompt)
+        images.append(image)
     for i, item in enumerate(sample.get("samples") or []):
-        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            prompts.append(item["prompt"])
-            for key in item:
-                if key != "prompt":
-                    job.stop(f"sample.samples[{i}].{key}", "per-prompt settings are not read here: remove it")
+        if not (isinstance(item, dict) and isinstance(item.get("prompt"), str)):
+            job.stop(f"sample.samples[{i}]", "must be a mapping with a `prompt`")
+            continue
+        prompt, image = _prompt(job, item["prompt"], f"sample.samples[{i}].prompt")
+        for key in item:  # ctrl_img_1 is ctrl_img where only one is given (config_modules.py:60-65)
+            if key in ("ctrl_img", "ctrl_img_1") and isinstance(item[key], str):
+                image = job.path(item[key])
+            elif key != "prompt":
+                job.stop(f"sample.samples[{i}].{key}", "per-prompt settings are not read here: remove it")
+        prompts.append(prompt)
+        images.append(image)
+    return prompts, images
+
+
+def _rendered_frames(frames: int, low_vram: bool) -> int:
+    """The frames a Wan sample of ``frames`` has in ai-toolkit: diffusers' WanPipeline floors the count to 4k+1
+    (its __call__, diffusers 0.42.1 pipeline_wan.py:494-498: 40 -> 41); with `low_vram` ai-toolkit samples through
+    its own AggressiveWanUnloadPipeline (wan21.py:497-498), which skips that rounding, and its latents hold
+    (frames - 1) // 4 + 1 frames (pipeline_wan.py:341: 40 -> 37)."""
+    if frames % 4 == 1:
+        return frames
+    return (frames - 1) // 4 * 4 + 1 if low_vram else frames // 4 * 4 + 1
+
+
+def _sample(  # noqa: C901
+    job: Job, sample: dict[str, Any], disabled: bool, trigger: Optional[str], low_vram: bool = False
+) -> None:
+    prompts, images = _sample_prompts(job, sample)
     if disabled or not prompts:
         if sample:
             job.ignore("sample", "sampling is disabled" if disabled else "no prompts")
@@ -549,6 +606,12 @@ def _sample(job: Job, sample: dict[str, Any], disabled: bool, trigger: Optional[
     if trigger:
         prompts = [p.replace("[trigger]", trigger) for p in prompts]
     job.put("validation_prompts", prompts, "sample.prompts")
+    given = [image for image in images if image is not None]
+    if given and len(given) < len(images):
+        job.stop("sample", "some prompts have a control image (`ctrl_img`) and some do not: give every prompt one")
+    elif given:
+        same = len(set(given)) == 1
+        job.put("validation_image", given[0] if same else given, "sample ctrl_img")
     values = {
         "validation_steps": ("sample_every", 100),
         "validation_num_inference_steps": ("sample_steps", 20),
@@ -565,7 +628,7 @@ def _sample(job: Job, sample: dict[str, Any], disabled: bool, trigger: Optional[
         job.put("validation_negative_prompt", neg, "sample.neg")
     frames = int(plain(sample.get("num_frames", 1)))
     if frames > 1:
-        job.put("validation_num_video_frames", frames, "sample.num_frames")
+        job.put("validation_num_video_frames", _rendered_frames(frames, low_vram), "sample.num_frames")
     handled = {"prompts", "samples", "neg", "width", "height", "num_frames", *(k for k, _ in values.values())}
     for key, value in sample.items():
         if key not in handled:
@@ -594,8 +657,12 @@ def translate(
         if key not in ("job", "config", "meta"):
             job.stop(key, "not a key of an ai-toolkit job (job, config, meta)")
     name = config.get("name")
+    # The run's folder is training_folder/<the process's name, else the job's> (BaseProcess.py:21,
+    # BaseTrainProcess.py:45); the job's name names the saved files and the run.
+    folder_name = process.get("name", name)
     folder = job.path(process.get("training_folder", "output"))
-    job.put("output_dir", os.path.join(folder, str(name)) if name else folder, "training_folder + config.name")
+    named = "training_folder + name" if "name" in process else "training_folder + config.name"
+    job.put("output_dir", os.path.join(folder, str(folder_name)) if folder_name else folder, named)
     job.put("tracker_project_name", str(name) if name else "ai-toolkit", "config.name")
     _model(job, _section(job, process, "model"))
     _network(job, _section(job, process, "network"))
@@ -607,18 +674,19 @@ def translate(
         fork_optimizer = None
     _train(job, train, fork_optimizer)
     trigger = process.get("trigger_word")
-    _sample(job, _section(job, process, "sample"), bool(train.get("disable_sampling")), trigger)
+    model = process.get("model")
+    low_vram = isinstance(model, dict) and bool(model.get("low_vram"))
+    _sample(job, _section(job, process, "sample"), bool(train.get("disable_sampling")), trigger, low_vram)
     datasets(job, process, train, trigger)
     own = {
         "type", "training_folder", "model", "network", "save", "train", "sample", "datasets", "dataset",
-        "optimizer", "trigger_word",
+        "optimizer", "trigger_word", "name",
     }  # fmt: skip
     for key, value in process.items():
         if key not in own:
             _generic(job, "process", key, value, key)
     job.out.pop("__trigger_only__", None)
     if job.problems:
-        raise DialectError(
-            [*job.problems, "(read as an ai-toolkit job; `simpletuner convert` shows the mapping)"], source
-        )
+        once = list(dict.fromkeys(job.problems))  # a key read once per dataset of a resolution list is said once
+        raise DialectError([*once, "(read as an ai-toolkit job; `simpletuner convert` shows the mapping)"], source)
     return job.out, job.report

@@ -402,8 +402,8 @@ ARCH_SWITCHES: dict[str, str] = {
 #: The families ai-toolkit trains with its ``flowmatch`` noise scheduler; the others with ``ddpm``.
 FLOW_FAMILIES = ("sd3", "flux", "wan", "qwen_image")
 
-#: ai-toolkit's optimizer names (toolkit/optimizer.py:12-107, lower-cased) -> ours. Its torch / bitsandbytes
-#: Adam variants get ``eps=1e-6`` there (optimizer.py:67-79), written as our ``adam_epsilon``.
+#: ai-toolkit's optimizer names (toolkit/optimizer.py:12-110, lower-cased) -> ours. Its torch / bitsandbytes
+#: Adam variants get ``eps=1e-6`` there (optimizer.py:66-71, 76-79), written as our ``adam_epsilon``.
 OPTIMIZERS: dict[str, str] = {
     "adamw": "adamw",
     "adam": "adam",
@@ -433,8 +433,8 @@ OPTIMIZER_DIFFERENCES: dict[str, str] = {
     "adafactor": (
         "torch's Adafactor here, ai-toolkit's own there (toolkit/optimizers/adafactor.py, with relative_step, "
         "scale_parameter and warmup_init off: optimizer.py:88-96): torch's steps by min(lr, 1/sqrt(step)) times the "
-        "parameter's RMS, ai-toolkit's by lr alone, and rounds bf16 weights stochastically; no gradient clipping, as "
-        "there (SDTrainer.py:2278)"
+        "parameter's RMS, ai-toolkit's by lr alone (adafactor.py:195-204), and rounds bf16 weights stochastically "
+        "(adafactor.py:359-361); no gradient clipping, as there (SDTrainer.py:2278)"
     ),
 }
 
@@ -450,8 +450,9 @@ DTYPES: dict[str, str] = {
     "float": "no",
 }
 
-#: ``model.qtype`` values -> our ``base_model_precision`` (the quanto types ai-toolkit also uses,
-#: toolkit/util/quantize.py); an accuracy-recovery adapter (``qtype: "uint4|adapter"``) is not read here.
+#: ``model.qtype`` values -> our ``base_model_precision``: quanto's types, as ai-toolkit's
+#: (toolkit/util/quantize.py:65-72), except ``float8``, torchao's float8 weight-only there (quantize.py:42-49),
+#: quanto's qfloat8 here; an accuracy-recovery adapter (``qtype: "uint4|adapter"``) is not read here.
 QTYPES: dict[str, str] = {
     "qfloat8": "qfloat8",
     "float8": "qfloat8",

@@ -482,6 +482,128 @@ def test_ai_toolkit_key_lines_are_where_it_reads_each_key():
             assert f"'{key}'" in source[line - 1] or f'"{key}"' in source[line - 1], f"{section}.{key}: line {line}"
 
 
+#: ai-toolkit's files, by the name the notes cite them with.
+AIT_FILES = {
+    "BaseSDTrainProcess.py": BASE,
+    "SDTrainer.py": SDT,
+    "__init__.py": EXT,
+    "adafactor.py": "toolkit/optimizers/adafactor.py",
+    "automagic.py": "toolkit/optimizers/automagic.py",
+    "buckets.py": "toolkit/buckets.py",
+    "config.py": "toolkit/config.py",
+    "config_modules.py": CM,
+    "custom_flowmatch_sampler.py": SAMPLER,
+    "dataloader_mixins.py": DM,
+    "ema.py": "toolkit/ema.py",
+    "lokr.py": "toolkit/models/lokr.py",
+    "optimizer.py": OPT,
+    "optimizer_utils.py": "toolkit/optimizers/optimizer_utils.py",
+    "prompt_utils.py": "toolkit/prompt_utils.py",
+    "quantize.py": "toolkit/util/quantize.py",
+    "wan22_14b_model.py": WAN22,
+}
+
+#: Every ai-toolkit line the table's notes, the optimizer warnings and the dialect's code cite (``file.py:N`` or
+#: ``file.py:A-B``, several ranges after one file split by ", " or " and ") -> code those lines must hold.
+NOTE_CITES = {
+    "BaseSDTrainProcess.py:144": "self.get_conf('datasets', None)",
+    "BaseSDTrainProcess.py:798-803": "decay=self.train_config.ema_config.ema_decay",
+    "BaseSDTrainProcess.py:1195-1225": "timestep_type=timestep_type",
+    "BaseSDTrainProcess.py:1301-1318": "content_or_style == 'balanced'",
+    "BaseSDTrainProcess.py:2604-2615": "optimizer_step_at = self.train_config.gradient_accumulation_steps",
+    "BaseSDTrainProcess.py:2806": "self.grad_accumulation_step += 1",
+    "SDTrainer.py:1673": "if batch.prompt_embeds is not None",
+    "SDTrainer.py:1673-1677": "# use the cached embeds",
+    "SDTrainer.py:1679": "self.cached_blank_embeds",
+    "SDTrainer.py:1679-1688": "embeds_to_use = self.cached_trigger_embeds",
+    "SDTrainer.py:2278": "self.train_config.optimizer != 'adafactor'",
+    "__init__.py:8-44": 'uid = "diffusion_trainer"',
+    "adafactor.py:195-204": "return param_scale * rel_step_sz",
+    "adafactor.py:359-361": "copy_stochastic(p, p_data_fp32)",
+    "automagic.py:12-26": "self.lr = 1e-6",
+    "automagic.py:24-26": "if self.lr > 1e-3:",
+    "automagic.py:218-239": "exp_avg_sq.rsqrt().mul_(grad)",
+    "automagic.py:246-266": "lr_mask - self.lr_bump",
+    "automagic.py:271": "state['lr_mask'] = Auto8bitTensor(new_lr)",
+    "automagic.py:300-302": "state['last_polarity'] = torch.zeros(",
+    "buckets.py:17-48": "target_pixels = min(total_pixels, max_pixels)",
+    "config.py:14-17": "def get_cwd_abs_path(path):",
+    "config.py:14-110": "return preprocess_config(config, name)",
+    "config.py:38-51": 'config_string.replace("[name]", name)',
+    "config.py:54-65": "tag:yaml.org,2002:float",
+    "config.py:105": "real_config_path.endswith('.yaml')",
+    "config_modules.py:172-179": "if rank is not None:",
+    "config_modules.py:172-182": "self.linear: int = 4",
+    "config_modules.py:184-185": "kwargs.get('linear_alpha', self.alpha)",
+    "config_modules.py:204-209": "self.linear = 9999999999",
+    "config_modules.py:210-211": "kwargs.get('lokr_factor', -1)",
+    "config_modules.py:387-388": "kwargs.get('optimizer', 'adamw')",
+    "config_modules.py:395": "kwargs.get('dtype', 'fp32')",
+    "config_modules.py:685-687": 'kwargs.get("qtype", "qfloat8")',
+    "config_modules.py:742-743": "self.qtype.split('|')",
+    "config_modules.py:764-768": "self.arch.split(':')[0]",
+    "config_modules.py:764-821": "self.arch = 'sd1'",
+    "config_modules.py:799-821": "elif kwargs.get('is_flux', False):",
+    "config_modules.py:828": "kwargs.get('ema_decay', 0.999)",
+    "config_modules.py:1059": "kwargs.get('shrink_video_to_frames', True)",
+    "config_modules.py:1095-1113": "def preprocess_dataset_raw_config",
+    "custom_flowmatch_sampler.py:116-133": "torch.sigmoid(torch.randn(",
+    "custom_flowmatch_sampler.py:143-161": "if self.config.use_dynamic_shifting:",
+    "dataloader_mixins.py:99": "def clean_caption(caption):",
+    "dataloader_mixins.py:358-363": "prompt = self.dataset_config.default_caption",
+    "dataloader_mixins.py:403": "not self.dataset_config.cache_text_embeddings",
+    "dataloader_mixins.py:563-566": "Distribute frames evenly across the entire video",
+    "ema.py:117-124": "one_minus_decay = 1.0 - decay",
+    "lokr.py:42-45": "m = factor",
+    "lokr.py:46-61": "if factor == -1:",
+    "optimizer.py:12-110": "lower_type = optimizer_type.lower()",
+    "optimizer.py:46-49": "use_lr = 1.0",
+    "optimizer.py:46-54": "Prodigy(params, lr=use_lr, eps=1e-6",
+    "optimizer.py:54": "Prodigy(params, lr=use_lr, eps=1e-6",
+    "optimizer.py:66-71": "AdamW8bit(params, lr=learning_rate, eps=1e-6",
+    "optimizer.py:70-71": "AdamW8bit(params, lr=learning_rate, eps=1e-6",
+    "optimizer.py:76-79": "torch.optim.AdamW(params, lr=float(learning_rate), eps=1e-6",
+    "optimizer.py:88-96": "optimizer_params['warmup_init'] = False",
+    "optimizer_utils.py:168-181": ".to(torch.int8)",
+    "prompt_utils.py:720-742": 'output_prompt = replace_with + " " + output_prompt',
+    "quantize.py:42-49": '"float8": Float8WeightOnlyConfig()',
+    "quantize.py:65-72": "return qtypes[qtype]",
+    "wan22_14b_model.py:196-197": 'model_kwargs.get("train_high_noise", True)',
+}
+
+#: ``file.py:`` and its ranges, as the notes write them.
+NOTE_REF = re.compile(r"([\w/]+\.py):(\d+(?:-\d+)?(?:(?:, | and )\d+(?:-\d+)?)*)")
+AITOOLKIT_CODE = Path(__file__).parent.parent / "simpletuner" / "configuration" / "aitoolkit"
+
+
+def _note_references() -> set[str]:
+    texts = [row.note for row in AIT_DIALECT] + list(OPTIMIZER_DIFFERENCES.values())
+    texts += [path.read_text() for path in sorted(AITOOLKIT_CODE.glob("*.py"))]
+    return {
+        f"{match[1].rsplit('/', 1)[-1]}:{lines}"
+        for text in texts
+        for match in NOTE_REF.finditer(text)
+        for lines in re.split(r", | and ", match[2])
+    }
+
+
+def test_every_ai_toolkit_line_the_notes_cite_has_a_check():
+    missing = sorted(_note_references() - set(NOTE_CITES))
+    assert not missing, f"cited without a snippet in NOTE_CITES (add the code those lines hold): {missing}"
+    assert not sorted(set(NOTE_CITES) - _note_references()), "NOTE_CITES holds references no note makes"
+
+
+@pytest.mark.skipif(not MIRROR.is_dir(), reason="no mirror of ostris/ai-toolkit on this machine")
+def test_the_notes_cite_the_ai_toolkit_lines_that_hold_the_code():
+    sources: dict[str, list[str]] = {}
+    for reference, shows in NOTE_CITES.items():
+        name, lines = reference.split(":")
+        first, _, last = lines.partition("-")
+        source = sources.setdefault(name, _ait_source(AIT_FILES[name]))
+        held = "\n".join(source[int(first) - 1 : int(last or first)])
+        assert shows in held, f"{reference} ({AIT_FILES[name]}) does not hold {shows!r}"
+
+
 # --- behaviours, against figures computed from ai-toolkit's formulas --------------------------------------------------
 
 
@@ -500,7 +622,7 @@ def test_timestep_draws_are_ai_toolkits():
     assert abs(float((u < 0.25).float().mean()) - float((grid < 0.25).float().mean())) < 0.005
 
 
-#: ai-toolkit's get_bucket_for_image_size (toolkit/buckets.py:17-47) at divisibility 64, computed from its formula:
+#: ai-toolkit's get_bucket_for_image_size (toolkit/buckets.py:17-48) at divisibility 64, computed from its formula:
 #: (width, height, resolution) -> its bucket. The row `resolution` is approximated: ours differs where shown.
 AIT_BUCKETS = {
     (1024, 1024, 512): (512, 512),

@@ -402,8 +402,8 @@ ARCH_SWITCHES: dict[str, str] = {
 #: The families ai-toolkit trains with its ``flowmatch`` noise scheduler; the others with ``ddpm``.
 FLOW_FAMILIES = ("sd3", "flux", "wan", "qwen_image")
 
-#: ai-toolkit's optimizer names (toolkit/optimizer.py:12-107, lower-cased) -> ours. Its torch / bitsandbytes
-#: Adam variants get ``eps=1e-6`` there (optimizer.py:67-79), written as our ``adam_epsilon``.
+#: ai-toolkit's optimizer names (toolkit/optimizer.py:12-110, lower-cased) -> ours. Its torch / bitsandbytes
+#: Adam variants get ``eps=1e-6`` there (optimizer.py:66-71, 76-79), written as our ``adam_epsilon``.
 OPTIMIZERS: dict[str, str] = {
     "adamw": "adamw",
     "adam": "adam",
@@ -424,17 +424,27 @@ OPTIMIZER_DIFFERENCES: dict[str, str] = {
         "group estimates its own step size (`split_groups`: Wan 2.2's two experts differ, one group is the same)"
     ),
     "automagic": (
-        "this trainer's Automagic, not ai-toolkit's (toolkit/optimizers/automagic.py): the same bounds and defaults "
-        "(min_lr 1e-7, max_lr 1e-3, lr_bump 1e-6, weight decay 0, a start above 1e-3 reset to 1e-6: "
-        "automagic.py:12-26) "
-        "but each element's learning rate sits on a 65,536-point grid here, and ai-toolkit's `beta2`, `eps`, "
-        "`clip_threshold` settings are not read (they stop)"
+        "this trainer's Automagic, not ai-toolkit's (toolkit/optimizers/automagic.py): the same defaults (min_lr "
+        "1e-7, max_lr 1e-3, lr_bump 1e-6, beta2 0.999, eps 1e-30, clip_threshold 1, weight decay 0; a start above "
+        "1e-3 reset to 1e-6: automagic.py:12-26), factored second moments, RMS clip, +/- lr_bump by sign agreement "
+        "and decoupled weight decay; it differs in: the first step (ai-toolkit compares the first update's sign "
+        "with an all-negative one, so every element's lr moves by a bump, automagic.py:246-266 and 300-302; here "
+        "it stays); a zero update (negative there, here it neither raises nor lowers the lr); bias correction "
+        "(none there, automagic.py:218-239, so its RMS clip fires on every early step and the update has RMS 1; "
+        "here Adam-style, clipped only above RMS 1); the stored lr (int8 scaled by the parameter's largest lr "
+        "there, re-rounded every step, automagic.py:271 and optimizer_utils.py:168-181, an lr below 1/254 of the "
+        "largest stored as 0; a 65,536-point grid here); a learning-rate schedule (ai-toolkit's Automagic never "
+        "reads the group lr, so `lr_scheduler` does not change it there; here it scales every element's lr); "
+        "3-D and larger parameters (factored over the last two dimensions there, as (shape[0], rest) here); a "
+        "start below min_lr (clamped at the first step there, refused here); fp16 weights (rounded "
+        "stochastically there, to nearest here; bf16 stochastically in both); ai-toolkit's `beta2`, `eps`, "
+        "`clip_threshold` and parameter-swapping settings are not read (they stop)"
     ),
     "adafactor": (
         "torch's Adafactor here, ai-toolkit's own there (toolkit/optimizers/adafactor.py, with relative_step, "
         "scale_parameter and warmup_init off: optimizer.py:88-96): torch's steps by min(lr, 1/sqrt(step)) times the "
-        "parameter's RMS, ai-toolkit's by lr alone, and rounds bf16 weights stochastically; no gradient clipping, as "
-        "there (SDTrainer.py:2278)"
+        "parameter's RMS, ai-toolkit's by lr alone (adafactor.py:195-204), and rounds bf16 weights stochastically "
+        "(adafactor.py:359-361); no gradient clipping, as there (SDTrainer.py:2278)"
     ),
 }
 
@@ -450,8 +460,9 @@ DTYPES: dict[str, str] = {
     "float": "no",
 }
 
-#: ``model.qtype`` values -> our ``base_model_precision`` (the quanto types ai-toolkit also uses,
-#: toolkit/util/quantize.py); an accuracy-recovery adapter (``qtype: "uint4|adapter"``) is not read here.
+#: ``model.qtype`` values -> our ``base_model_precision``: quanto's types, as ai-toolkit's
+#: (toolkit/util/quantize.py:65-72), except ``float8``, torchao's float8 weight-only there (quantize.py:42-49),
+#: quanto's qfloat8 here; an accuracy-recovery adapter (``qtype: "uint4|adapter"``) is not read here.
 QTYPES: dict[str, str] = {
     "qfloat8": "qfloat8",
     "float8": "qfloat8",

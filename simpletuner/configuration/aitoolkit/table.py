@@ -37,9 +37,9 @@ def _r(section: Section, key: str, kind: Kind, ours: Optional[str] = None, note:
 
 _BUCKETS = (
     "each resolution of the list is a dataset of its own, as ai-toolkit splits it (config_modules.py:1095-1113); "
-    "bucket sizes differ: ai-toolkit keeps a bucket's area at or below resolution² and never enlarges an image "
-    "(toolkit/buckets.py:17-47: 1200x800 at 512 -> 576x448 there, 640x448 here; a 300x200 image trains at 320x192 "
-    "there, is enlarged to 640x448 here)"
+    "bucket sizes differ: ai-toolkit's bucket holds at most resolution² pixels, and about the image's own area "
+    "when the image is smaller (toolkit/buckets.py:17-48: 1200x800 at 512 -> 576x448 there, 640x448 here; a 300x200 "
+    "image trains at 320x192 there, is enlarged to 640x448 here)"
 )
 
 _TARGETS = (
@@ -94,7 +94,7 @@ _ROWS: tuple[AitKey, ...] = (
         "approximated",
         "datasets[].instance_prompt",
         "put before every caption here (`prepend_instance_prompt`); ai-toolkit adds it only to captions that do not "
-        "hold it and replaces `[trigger]` in them",
+        "hold it and replaces `[trigger]` in them (prompt_utils.py:720-742)",
         special=True,
     ),
     _r("process", "logging", "ignored", None, "progress is logged every `logging_steps`"),
@@ -132,7 +132,7 @@ _ROWS: tuple[AitKey, ...] = (
         "linear",
         "same",
         "lora_rank",
-        "default 4 (config_modules.py:172-181), written when unset",
+        "default 4 (config_modules.py:172-182), written when unset",
         special=True,
     ),
     _r("network", "rank", "same", "lora_rank", "the older name of `linear`", special=True),
@@ -151,7 +151,10 @@ _ROWS: tuple[AitKey, ...] = (
         "lokr_factor",
         "approximated",
         "lycoris.factor",
-        "with `type: lokr`; -1: the largest factor",
+        "with `type: lokr`; -1 (the default, config_modules.py:210-211): the divisor pair nearest the square root, as "
+        "LyCORIS's -1 (lokr.py:46-61); a factor that divides a layer side and exceeds its square root sizes the "
+        "Kronecker factor `w1` by the factor there (lokr.py:42-45), by side / factor here (LyCORIS puts the smaller "
+        "first)",
         special=True,
     ),
     _r(
@@ -159,7 +162,8 @@ _ROWS: tuple[AitKey, ...] = (
         "lokr_full_rank",
         "approximated",
         None,
-        "with `type: lokr`: full-rank LoKr blocks there; here `lycoris.full_matrix`",
+        "with `type: lokr`: full-rank LoKr blocks there (the default: rank and alpha set to 9999999999, "
+        "config_modules.py:204-209); here `lycoris.full_matrix`",
         special=True,
     ),
     _r("network", "transformer_only", "ignored", None, "only the denoiser gets an adapter here"),
@@ -257,8 +261,9 @@ _ROWS: tuple[AitKey, ...] = (
         "num_frames",
         "approximated",
         "num_frames",
-        "1: images; more: a video dataset of that many frames "
-        "(ai-toolkit spreads them over the whole clip, here they are consecutive: set `frame_stride`)",
+        "1: images; more: a video dataset of that many frames (ai-toolkit spreads them evenly over the whole clip "
+        "with its default `shrink_video_to_frames`, config_modules.py:1059 and dataloader_mixins.py:563-566; here "
+        "they are consecutive: set `frame_stride`)",
         special=True,
     ),
     _r(
@@ -326,9 +331,10 @@ _ROWS: tuple[AitKey, ...] = (
         "approximated",
         "optimizer",
         "`adamw` / `adam` (torch, eps 1e-6) and `adamw8bit` (bitsandbytes' AdamW8bit, eps 1e-6) are the class and "
-        "arguments ai-toolkit builds (optimizer.py:70-79); `prodigy` (eps 1e-6, lr 1.0 below 0.1 as there) differs "
-        "in one step size per param group here; `automagic` is this trainer's own (same bounds, a 65,536-point "
-        "learning-rate grid); `adafactor` is torch's (ai-toolkit's own steps by lr alone, torch's by "
+        "arguments ai-toolkit builds (optimizer.py:70-71, 76-79); `prodigy` (eps 1e-6, lr 1.0 below 0.1 as there) "
+        "differs in one step size per param group here; `automagic` is this trainer's own (the same defaults and "
+        "sign rule; its first step, bias correction and stored lr differ: see its warning); `adafactor` is torch's "
+        "(ai-toolkit's own steps by lr alone, torch's by "
         "min(lr, 1/sqrt(step)) times the parameter's RMS); each warns; other names stop",
         special=True,
     ),
@@ -416,8 +422,9 @@ _ROWS: tuple[AitKey, ...] = (
         "ema_config",
         "approximated",
         "use_ema",
-        "`use_ema`, `ema_decay` (default 0.999 there, written); "
-        "ai-toolkit's EMA uses the decay from the first step (`ema_warmup_steps: 1` here)",
+        "`use_ema`, `ema_decay` (default 0.999 there, config_modules.py:828, written); ai-toolkit's EMA uses the "
+        "decay from the first step (its use_num_updates off: BaseSDTrainProcess.py:798-803, ema.py:117-124; "
+        "`ema_warmup_steps: 1` here)",
         special=True,
     ),
     _r("train", "train_unet", "same", None, "true: the denoiser trains (always, here); false stops", special=True),
@@ -521,8 +528,9 @@ _ROWS: tuple[AitKey, ...] = (
         "quantize",
         "approximated",
         "base_model_precision",
-        "with `qtype` (default qfloat8): the frozen "
-        'weights through optimum-quanto; an accuracy-recovery adapter (`qtype: "uint4|..."`) stops',
+        "with `qtype` (default qfloat8, config_modules.py:685-687): the frozen weights through optimum-quanto "
+        "(`float8` is torchao's float8 weight-only there, quantize.py:42-49, quanto's qfloat8 here); an "
+        'accuracy-recovery adapter (`qtype: "uint4|..."`, config_modules.py:742-743) stops',
         special=True,
     ),
     _r("model", "qtype", "approximated", "base_model_precision", "read with `quantize`", special=True),

@@ -66,7 +66,8 @@ class Job:
             self.report.defaults.append(f"`{what}: {value!r}` -> `{ours}` (ai-toolkit's default)")
 
     def path(self, value: Any) -> Any:
-        """A path as ai-toolkit reads it: from the working directory (toolkit/config.py:14-17), made absolute."""
+        """A path as ai-toolkit opens it, from the working directory (it rebases no path on the job file's folder:
+        toolkit/config.py:14-17 resolves only the job file's own path), made absolute."""
         if not isinstance(value, str) or not value:
             return value
         expanded = os.path.expanduser(value)
@@ -199,7 +200,7 @@ def _model(job: Job, model: dict[str, Any]) -> None:  # noqa: C901, PLR0915
         local = job.path(name)
         job.put("pretrained_model_name_or_path", local if os.path.exists(local) else name, "model.name_or_path")
     arch = model.get("arch")
-    if isinstance(arch, str) and ":" in arch:  # the UI's `arch:tag` (config_modules.py:753-755)
+    if isinstance(arch, str) and ":" in arch:  # the UI's `arch:tag` (config_modules.py:764-768)
         arch = arch.split(":")[0]
     if arch is None:
         arch = next((a for switch, a in ARCH_SWITCHES.items() if model.get(switch) is True), "sd1")
@@ -325,8 +326,9 @@ def _save(job: Job, save: dict[str, Any]) -> None:
 
 # --- train --------------------------------------------------------------------------------------------------------
 
-#: ai-toolkit's timestep types that draw sigma here as they do there, for flow families (custom_flowmatch_sampler.py
-#: 116-133, BaseSDTrainProcess.py:1196-1223 and 1301-1318): ours (timestep_sampling, logit_std).
+#: ai-toolkit's timestep types that draw sigma here as they do there, for flow families
+#: (custom_flowmatch_sampler.py:116-133, BaseSDTrainProcess.py:1195-1225 and 1301-1318): ours (timestep_sampling,
+#: logit_std).
 _SAME_TIMESTEPS = {"linear": ("uniform", None), "sigmoid": ("logit_normal", 1.0)}
 
 
@@ -355,7 +357,7 @@ def _timesteps(job: Job, train: dict[str, Any]) -> None:
         job.approx(
             f"train.timestep_type: {kind}",
             "sigma uniform, shifted by the model scheduler's `shift` here; ai-toolkit shifts by the image's size "
-            "where the scheduler has dynamic shifting (custom_flowmatch_sampler.py:134-160)",
+            "where the scheduler has dynamic shifting (custom_flowmatch_sampler.py:143-161)",
         )
     else:
         job.stop(

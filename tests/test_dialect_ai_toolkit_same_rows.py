@@ -487,6 +487,8 @@ AIT_FILES = {
     "BaseSDTrainProcess.py": BASE,
     "SDTrainer.py": SDT,
     "__init__.py": EXT,
+    "BaseProcess.py": "jobs/process/BaseProcess.py",
+    "BaseTrainProcess.py": BTP,
     "adafactor.py": "toolkit/optimizers/adafactor.py",
     "automagic.py": "toolkit/optimizers/automagic.py",
     "buckets.py": "toolkit/buckets.py",
@@ -500,12 +502,18 @@ AIT_FILES = {
     "optimizer_utils.py": "toolkit/optimizers/optimizer_utils.py",
     "prompt_utils.py": "toolkit/prompt_utils.py",
     "quantize.py": "toolkit/util/quantize.py",
+    "wan21.py": "toolkit/models/wan21/wan21.py",
     "wan22_14b_model.py": WAN22,
 }
 
 #: Every ai-toolkit line the table's notes, the optimizer warnings and the dialect's code cite (``file.py:N`` or
 #: ``file.py:A-B``, several ranges after one file split by ", " or " and ") -> code those lines must hold.
 NOTE_CITES = {
+    "BaseProcess.py:21": "self.name = self.get_conf('name', self.job.name)",
+    "BaseTrainProcess.py:45": "os.path.join(self.training_folder, self.name)",
+    "config_modules.py:60-65": "kwargs.get('ctrl_img_1', self.ctrl_img)",
+    "config_modules.py:1396-1455": "p_split = prompt.split('--')",
+    "wan21.py:497-498": "pipeline = AggressiveWanUnloadPipeline(",
     "BaseSDTrainProcess.py:144": "self.get_conf('datasets', None)",
     "BaseSDTrainProcess.py:798-803": "decay=self.train_config.ema_config.ema_decay",
     "BaseSDTrainProcess.py:1195-1225": "timestep_type=timestep_type",
@@ -524,6 +532,8 @@ NOTE_CITES = {
     "automagic.py:24-26": "if self.lr > 1e-3:",
     "automagic.py:218-239": "exp_avg_sq.rsqrt().mul_(grad)",
     "automagic.py:246-266": "lr_mask - self.lr_bump",
+    "automagic.py:252-258": "lr_mask + self.lr_bump,  # Increase lr",
+    "automagic.py:262-266": "min=self.min_lr",
     "automagic.py:271": "state['lr_mask'] = Auto8bitTensor(new_lr)",
     "automagic.py:300-302": "state['last_polarity'] = torch.zeros(",
     "buckets.py:17-48": "target_pixels = min(total_pixels, max_pixels)",
@@ -744,3 +754,52 @@ def test_the_gh200_forks_keys_and_legacy_accumulation_translate_as_their_rows_sa
         assert lookup(native, dotted) == want, dotted
     if key is not None:
         assert f"`{key}`" in warned
+
+
+@pytest.mark.parametrize(
+    "fragment,expect,key,says",
+    [
+        (  # SDTrainer.py:2278 compares the name as written: adafactor clips nothing, whatever max_grad_norm says
+            {"train.optimizer": "adafactor", "train.max_grad_norm": 0.5},
+            {"max_grad_norm": None},
+            None,
+            None,
+        ),
+        ({"train.optimizer": "Adafactor", "train.max_grad_norm": 0.5}, {"max_grad_norm": 0.5}, None, None),
+        (  # automagic.py:252-258: its own per-element rates; a schedule changes nothing there
+            {"train.optimizer": "automagic", "train.lr": 1e-6, "train.lr_scheduler": "cosine"},
+            {"lr_scheduler": "constant", "learning_rate": 1e-6},
+            "train.lr_scheduler",
+            "never reads the scheduled lr",
+        ),
+        (  # automagic.py:262-266: every rate is clamped into [min_lr, max_lr] at the first step
+            {"train.optimizer": "automagic", "train.lr": 1e-8},
+            {"learning_rate": 1e-7},
+            "train.lr",
+            "below Automagic's min_lr 1e-07",
+        ),
+        (  # quantize.py:42-49: float8 is torchao's there
+            {"model.quantize": True, "model.qtype": "float8"},
+            {"base_model_precision": "qfloat8"},
+            "model.quantize",
+            "torchao's float8",
+        ),
+        (  # lokr.py:42-45: a positive factor orders the Kronecker factors otherwise than LyCORIS
+            {"network": {"type": "lokr", "linear": 4, "lokr_factor": 4}},
+            {"lycoris.factor": 4},
+            "network.lokr_factor",
+            "lokr.py:42-45",
+        ),
+    ],
+    ids=["adafactor", "Adafactor-clips", "automagic-cosine", "automagic-below-min", "float8", "lokr-factor"],
+)
+def test_optimizer_and_network_settings_take_the_meaning_ai_toolkits_code_gives_them(
+    tmp_path, fragment, expect, key, says
+):
+    native, warned = _report(tmp_path, fragment)
+    for dotted, want in expect.items():
+        assert lookup(native, dotted) == want, dotted
+    if key is None:
+        return
+    line = next(line for line in warned.splitlines() if line.startswith(f"`{key}`"))
+    assert says in line

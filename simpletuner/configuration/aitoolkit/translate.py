@@ -260,7 +260,8 @@ def _quantize(job: Job, model: dict[str, Any]) -> None:
         job.stop("model.qtype", f"{qtype!r} is not a quantisation here (those are: {', '.join(QTYPES)})")
         return
     job.put("base_model_precision", ours, "model.quantize")
-    job.approx("model.quantize", f"{qtype} -> `base_model_precision: {ours}` through optimum-quanto")
+    torchao = " (torchao's float8 weight-only there, quantize.py:42-49)" if qtype == "float8" else ""
+    job.approx("model.quantize", f"{qtype}{torchao} -> `base_model_precision: {ours}` through optimum-quanto")
 
 
 # --- network ------------------------------------------------------------------------------------------------------
@@ -274,7 +275,10 @@ def _network(job: Job, network: dict[str, Any]) -> None:  # noqa: C901
         job.put("lora_type", "lycoris", "network.type")
         job.put("lycoris.algo", kind, "network.type")
         if kind == "lokr":
-            job.put("lycoris.factor", int(_number(job, network.get("lokr_factor", -1), "lokr_factor") or -1), "lokr")
+            factor = int(_number(job, network.get("lokr_factor", -1), "lokr_factor") or -1)
+            job.put("lycoris.factor", factor, "network.lokr_factor")
+            if factor > 0:
+                job.approx("network.lokr_factor", _note("network", "lokr_factor").split("; ", 1)[-1])
             full = network.get("lokr_full_rank", True)
             job.put("lycoris.full_matrix", bool(full), "network.lokr_full_rank")
     else:
@@ -376,11 +380,6 @@ def _optimizer(job: Job, name: Any, params: Mapping[str, Any], where: str) -> No
     job.put("optimizer", ours, where)
     if lowered in EPS_1E6:
         job.put("adam_epsilon", 1e-6, f"{where} (ai-toolkit passes eps=1e-6)")
-    rate = job.out.get("learning_rate")
-    if lowered == "prodigy" and isinstance(rate, float) and rate < 0.1:  # optimizer.py:46-49
-        job.put("learning_rate", 1.0, f"{where}: prodigy (ai-toolkit runs Prodigy at lr 1.0 below 0.1)")
-    if lowered == "automagic" and isinstance(rate, float) and rate > 1e-3:  # automagic.py:24-26
-        job.put("learning_rate", 1e-6, f"{where}: automagic (ai-toolkit's Automagic starts at 1e-6 above 1e-3)")
     if name == "adafactor":  # SDTrainer.py:2278 compares the name as written: no gradient clipping with it there
         job.put("max_grad_norm", None, f"{where}: adafactor (ai-toolkit clips no gradient with it)")
     if lowered in ("adam", "automagic", "prodigy"):  # torch Adam, Automagic, Prodigy: weight decay 0 by default
@@ -410,6 +409,28 @@ def _optimizer(job: Job, name: Any, params: Mapping[str, Any], where: str) -> No
             extra[key] = number
     if extra:
         job.put("optimizer_config", extra, f"{where} params")
+    _start_rate(job, lowered, where)
+
+
+def _start_rate(job: Job, lowered: str, where: str) -> None:
+    """The learning rate ai-toolkit's optimizer actually starts from, where it is not the job's ``lr``."""
+    rate = job.out.get("learning_rate")
+    if not isinstance(rate, float):
+        return
+    if lowered == "prodigy" and rate < 0.1:  # optimizer.py:46-49
+        job.put("learning_rate", 1.0, f"{where}: prodigy (ai-toolkit runs Prodigy at lr 1.0 below 0.1)")
+    if lowered != "automagic":
+        return
+    floor = job.out.get("min_lr", 1e-7)
+    if rate > 1e-3:  # automagic.py:24-26
+        job.put("learning_rate", 1e-6, f"{where}: automagic (ai-toolkit's Automagic starts at 1e-6 above 1e-3)")
+    elif isinstance(floor, float) and rate < floor:
+        job.put("learning_rate", floor, f"{where}: automagic")
+        job.approx(
+            "train.lr",
+            f"{rate:g} is below Automagic's min_lr {floor:g}: ai-toolkit clamps every rate into [min_lr, max_lr] "
+            "at the first step (automagic.py:262-266), so it starts at min_lr here",
+        )
 
 
 def _train(job: Job, train: dict[str, Any], fork_optimizer: Optional[dict[str, Any]]) -> None:  # noqa: C901, PLR0915
@@ -433,7 +454,14 @@ def _train(job: Job, train: dict[str, Any], fork_optimizer: Optional[dict[str, A
     else:
         _optimizer(job, name, params if isinstance(params, dict) else {}, "train.optimizer")
     schedule = str(train.get("lr_scheduler", "constant"))
-    if schedule in ("constant", "cosine"):
+    if schedule == "cosine" and job.out.get("optimizer") == "automagic":
+        job.put("lr_scheduler", "constant", "train.lr_scheduler")
+        job.approx(
+            "train.lr_scheduler",
+            "`cosine` does nothing to ai-toolkit's Automagic, which steps with its own per-element rates "
+            "(automagic.py:252-258) and never reads the scheduled lr: `constant` here (ours would follow it)",
+        )
+    elif schedule in ("constant", "cosine"):
         job.put("lr_scheduler", schedule, "train.lr_scheduler")
         if schedule == "cosine":
             job.approx("train.lr_scheduler", "cosine decay to 0 over the run (torch's CosineAnnealingLR there)")
@@ -588,10 +616,10 @@ def _sample_prompts(job: Job, sample: dict[str, Any]) -> tuple[list[str], list[O
 
 
 def _rendered_frames(frames: int, low_vram: bool) -> int:
-    """The frames a Wan sample of ``frames`` has in ai-toolkit: diffusers' WanPipeline floors the count to 4k+1
-    (its __call__, diffusers 0.42.1 pipeline_wan.py:494-498: 40 -> 41); with `low_vram` ai-toolkit samples through
-    its own AggressiveWanUnloadPipeline (wan21.py:497-498), which skips that rounding, and its latents hold
-    (frames - 1) // 4 + 1 frames (pipeline_wan.py:341: 40 -> 37)."""
+    """The frames a Wan sample of ``frames`` has in ai-toolkit: diffusers' WanPipeline.__call__ floors the count
+    to 4k+1 (40 -> 41; diffusers 0.42.1, pipeline_wan.py lines 494-498); with `low_vram` ai-toolkit samples through
+    its own AggressiveWanUnloadPipeline (wan21.py:497-498), which skips that rounding, and the latents hold
+    (frames - 1) // 4 + 1 frames (prepare_latents, line 341 there: 40 -> 37)."""
     if frames % 4 == 1:
         return frames
     return (frames - 1) // 4 * 4 + 1 if low_vram else frames // 4 * 4 + 1

@@ -19,6 +19,7 @@ import pytest
 
 from simpletuner.cli import main as cli_main
 from simpletuner.cli.train import main as train_main
+from simpletuner.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -327,3 +328,25 @@ def test_a_validation_image_that_fails_to_write_leaves_no_file(make_config, tmp_
     assert code == 5 and "not enough disk space for validation image step_000000_0.png" in err, err
     folder = Path(raw["output_dir"]) / "validation"
     assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+# --- position limits ----------------------------------------------------------------------------------
+def test_the_position_limit_checks_the_sizes_the_datasets_train_at(tiny_models, shapes_dir, tmp_path, capsys):
+    """The tiny sd3 has positions for 16 tokens a side (256 px). Where every dataset sets its own resolution and the
+    run-wide one is unset (an ai-toolkit resolution list), the run-wide one is the largest of theirs, not 512."""
+    config = _config(tmp_path, tiny_models("sd3"), shapes_dir, "sd3")
+    raw = json.loads(config.read_text())
+    del raw["resolution"]
+    raw["datasets"] = [
+        {"id": f"s{r}", "type": "local", "instance_data_dir": str(shapes_dir), "resolution": r} for r in (32, 64)
+    ]
+    config.write_text(json.dumps(raw))
+    assert load_config(config).config.resolution == 64
+    code, err = _estimate(capsys, config)
+    assert code == 0, err
+    large = json.dumps([*raw["datasets"][:1], {**raw["datasets"][1], "resolution": 512}])
+    code, err = _estimate(capsys, config, f"datasets={large}")
+    assert code == 2 and "datasets[1].resolution 512 needs 32 tokens along a side" in err and "at most 256" in err
+    one = json.dumps([{"id": "s", "type": "local", "instance_data_dir": str(shapes_dir)}])
+    code, err = _estimate(capsys, config, "resolution=512", f"datasets={one}")  # the run-wide size is the dataset's
+    assert code == 2 and "resolution 512 needs 32 tokens along a side" in err, err

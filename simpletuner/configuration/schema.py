@@ -192,7 +192,8 @@ class TrainingConfig(_Strict):
         le=MAX_RESOLUTION,
         description=(
             "Training resolution: images are resized so their area is about resolution², then bucketed by aspect. At "
-            "most 16384."
+            "most 16384. A dataset's own `resolution` overrides it; unset while every dataset sets its own: the "
+            "largest of those."
         ),
     )
     aspect_bucket_alignment: int = Field(
@@ -906,6 +907,21 @@ class TrainingConfig(_Strict):
     @classmethod
     def _optimizer_defaults(cls, data: Any) -> Any:
         return with_optimizer_defaults(data)  # a SimpleTuner-named optimizer's own defaults for what is left out
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolution_of_the_datasets(cls, data: Any) -> Any:
+        """Unset `resolution` where every dataset sets its own: the largest of theirs (what the run trains at most;
+        the estimate, the position check and the default validation size read it), not an unused 512."""
+        if not isinstance(data, dict) or "resolution" in data:
+            return data
+        datasets = data.get("datasets")
+        if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+            return data
+        sizes = [d.get("resolution") for d in datasets if d.get("disabled") is not True]
+        if sizes and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in sizes):
+            return {**data, "resolution": max(sizes)}
+        return data
 
     @field_validator("cuda_allocator")
     @classmethod

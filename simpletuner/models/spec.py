@@ -354,14 +354,12 @@ class ModelSpec(abc.ABC):
             return
         most, key = limit
         step = (self.vae_scale_from_folder() or FAMILY_GRID_DEFAULT) * self.latent_patch_from_folder()
-        sizes: dict[str, float] = {"resolution": self.config.resolution}
-        sizes.update(
-            {
-                f"datasets[{i}].resolution": d.resolution
-                for i, d in enumerate(self.config.datasets or [])
-                if d.resolution is not None
-            }
-        )
+        sizes: dict[str, float] = {
+            f"datasets[{i}].resolution": d.resolution
+            for i, d in enumerate(self.config.datasets or [])
+            if d.resolution is not None
+        }
+        sizes["resolution"] = self.config.resolution  # last: unset, it is the largest dataset's, named above
         for name, size in sizes.items():
             if size // step > most:
                 raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -71,6 +72,14 @@ def zoo_config(make_config, zoo):
         )
 
     return _make
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection made (the libraries and test modules, alive for the whole session), as
+    ``simpletuner train`` does after its imports (startup.quiet_gc_while_importing): every later full
+    collection, the trainer's own ``gc.collect()`` included, then skips those ~500k objects (~0.4 s each)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,6 +82,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """The same at each test file's start, once the previous file's fixtures are gone: what lives on (libraries
+    imported since, session fixtures) is frozen, whatever froze or unfroze the heap in between (an in-process
+    ``simpletuner train`` freezes everything alive, garbage included; test_startup unfreezes)."""
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked `gpu` where no CUDA device is usable (they run on a lent GPU machine)."""
     if torch.cuda.is_available():

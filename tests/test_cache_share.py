@@ -161,7 +161,8 @@ def _run(root: Path, scenarios: list[dict]) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def shared_fills(tmp_path_factory):
-    """Two processes fill folders together, once per scenario (one spawn for all of them)."""
+    """Two processes fill folders together, once per scenario (one spawn for all of them); rank 1 dies in the
+    last one (results are written as they come, so the earlier ones are kept)."""
     root = tmp_path_factory.mktemp("share")
     scenarios = [
         {"name": "disk", "kind": "disk", "persistent": True},
@@ -169,6 +170,7 @@ def shared_fills(tmp_path_factory):
         {"name": "memory_only", "kind": "memory", "persistent": False},
         {"name": "error", "kind": "disk", "persistent": True, "fail": "error", "fail_rank": 1},
         {"name": "no_space", "kind": "disk", "persistent": True, "fail": "no_space", "fail_rank": 1},
+        {"name": "killed", "kind": "disk", "persistent": True, "kill_after": 2, "fail_rank": 1},  # last: rank 1 dies
     ]
     return root, _run(root, scenarios)
 
@@ -214,14 +216,11 @@ def test_a_full_disk_on_one_rank_is_the_same_no_space_on_every_rank(shared_fills
     }
 
 
-def test_a_rank_killed_mid_fill_loses_only_its_unfinished_part(tmp_path):
-    results = _run(
-        tmp_path,
-        [{"name": "killed", "kind": "disk", "persistent": True, "kill_after": 2, "fail_rank": 1}],
-    )
+def test_a_rank_killed_mid_fill_loses_only_its_unfinished_part(shared_fills):
+    root, results = shared_fills
     assert "killed" not in results[1]  # it died inside the fill
     assert results[0]["killed"][1]["error"]  # rank 0 learns of it in the collective and stops too
-    rerun_computed, rerun = _fill_once(tmp_path / "killed", "disk", True, share=None)
+    rerun_computed, rerun = _fill_once(root / "killed", "disk", True, share=None)
     # Rank 1 got the second half (6 items); it wrote its first shard (2 items) and died encoding the next.
     assert sorted(rerun_computed) == list(range(8, NUM_ITEMS))
     assert rerun["hits"] == 8 and rerun["computed"] == 4

@@ -42,8 +42,9 @@ def _weights(result) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tiny_sd, shapes_dir, tmp_path_factory):
     """``reference(**overrides)`` -> the output_dir of an undisturbed in-process run of the tiny
-    config with those overrides, trained once for the module (one shared cache). Read only: a test
-    that trains on from one copies it first."""
+    config with those overrides, trained once for the module (one shared cache, ``reference.cache_dir``, which
+    the real processes below read too: filled once, not once per process). Read only: a test that trains on
+    from one copies it first."""
     root = tmp_path_factory.mktemp("reference")
     done: dict[tuple, Path] = {}
 
@@ -55,6 +56,7 @@ def reference(tiny_sd, shapes_dir, tmp_path_factory):
             done[key] = out
         return done[key]
 
+    run.cache_dir = root / "cache"
     return run
 
 
@@ -216,11 +218,18 @@ KILL_POINTS = [
 ]
 
 
-def _preempt_raw(tiny_sd, shapes_dir, root: Path) -> dict:
-    return tiny_config(tiny_sd, shapes_dir, root, max_train_steps=PREEMPT_STEPS, output_dir=str(root / "run"))
+def _preempt_raw(tiny_sd, shapes_dir, root: Path, cache_dir: Path) -> dict:
+    return tiny_config(
+        tiny_sd,
+        shapes_dir,
+        root,
+        max_train_steps=PREEMPT_STEPS,
+        output_dir=str(root / "run"),
+        cache_config={"cache_dir": str(cache_dir)},
+    )
 
 
-def _kill_raw(tiny_sd, shapes_dir, root: Path) -> dict:
+def _kill_raw(tiny_sd, shapes_dir, root: Path, cache_dir: Path) -> dict:
     return tiny_config(
         tiny_sd,
         shapes_dir,
@@ -229,6 +238,7 @@ def _kill_raw(tiny_sd, shapes_dir, root: Path) -> dict:
         output_dir=str(root / "run"),
         checkpointing_steps=2,
         checkpoints_total_limit=1,
+        cache_config={"cache_dir": str(cache_dir)},
     )
 
 
@@ -251,7 +261,7 @@ def preempted(tiny_sd, shapes_dir, tmp_path_factory, reference):
     for sig in (signal.SIGTERM, signal.SIGINT):
         root = base / sig.name
         root.mkdir()
-        proc = _spawn(_write(root, _preempt_raw(tiny_sd, shapes_dir, root)))
+        proc = _spawn(_write(root, _preempt_raw(tiny_sd, shapes_dir, root, reference.cache_dir)))
         seen, rest = [], []
         watcher = threading.Thread(target=_signal_at_step_3, args=(proc, sig, seen, rest))
         watcher.start()
@@ -273,7 +283,7 @@ def test_preemption_saves_at_a_step_boundary_and_resumes_exactly(
     assert returned == code, "".join(seen.splitlines(keepends=True)[-20:]) + rest[-3000:]
     assert f"stopped by {signal.Signals(sig).name}" in rest
     shutil.copytree(root, tmp_path / "copy")
-    raw = _preempt_raw(tiny_sd, shapes_dir, tmp_path / "copy")
+    raw = _preempt_raw(tiny_sd, shapes_dir, tmp_path / "copy", reference.cache_dir)
     out = Path(raw["output_dir"])
     latest = ckpt.find_latest(out)
     assert latest is not None and 3 <= int(latest.name.split("-")[1]) < PREEMPT_STEPS
@@ -293,7 +303,7 @@ def killed(tiny_sd, shapes_dir, tmp_path_factory, reference):
     for point in KILL_POINTS:
         root = base / point.replace(":", "_")
         root.mkdir()
-        config = _write(root, _kill_raw(tiny_sd, shapes_dir, root))
+        config = _write(root, _kill_raw(tiny_sd, shapes_dir, root, reference.cache_dir))
         procs[point] = (root, _spawn(config, SIMPLETUNER_FAULT=f"{point}@2"))  # die while saving checkpoint-4
     reference(max_train_steps=6)
     results = {}
@@ -309,7 +319,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(killed, reference, 
     root, returned, err = killed[point]
     assert returned == -signal.SIGKILL, err[-3000:]
     shutil.copytree(root, tmp_path / "copy")
-    raw = _kill_raw(tiny_sd, shapes_dir, tmp_path / "copy")
+    raw = _kill_raw(tiny_sd, shapes_dir, tmp_path / "copy", reference.cache_dir)
     out = Path(raw["output_dir"])
     latest = ckpt.find_latest(out)
     assert latest is not None and ckpt.is_complete(latest)

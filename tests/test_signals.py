@@ -56,11 +56,13 @@ def _raw(tiny_sd, shapes_dir, base: Path, name: str, variant: str, cache: str | 
 @pytest.fixture(scope="module")
 def runs(tiny_sd, shapes_dir, tmp_path_factory):
     """The real processes, started together, and meanwhile an undisturbed run in this process
-    (its complete cache serves the in-process cases)."""
+    (its complete cache serves the in-process cases, and the real ones but the cache fill's: they find
+    it filled while they import)."""
     base = tmp_path_factory.mktemp("signals")
     procs, raws = {}, {}
     for name, (variant, fault, _) in CASES.items():
-        raws[name] = raw = _raw(tiny_sd, shapes_dir, base, name, variant)
+        cache = None if name == "cache_fill" else "cache"  # the fill that is interrupted has a cache of its own
+        raws[name] = raw = _raw(tiny_sd, shapes_dir, base, name, variant, cache=cache)
         config = base / f"{name}.json"
         config.write_bytes(orjson.dumps(raw))
         procs[name] = subprocess.Popen(

@@ -343,8 +343,10 @@ def test_compile_knob_compiles_the_denoiser(make_config, monkeypatch):
         return real(model, backend="eager")
 
     monkeypatch.setattr(torch, "compile", recording)
-    trainer, result = _train(make_config(max_train_steps=2, enable_compile=True))
+    # One step: a second would come from another aspect bucket, and Dynamo would trace the UNet again (~10 s)
+    # for shapes that are torch's business, not the knob's.
+    trainer, result = _train(make_config(max_train_steps=1, enable_compile=True))
     assert calls == ["UNet2DConditionModel"]
-    assert result.global_step == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert result.global_step == 1 and all(torch.isfinite(torch.tensor(result.losses)))
     assert "tflops" not in trainer.last_logs  # the FLOP counter is skipped under compile
     assert result.output_path.is_file()

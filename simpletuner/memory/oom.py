@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 from simpletuner.exit_codes import first_line
 from simpletuner.hardware.machine import detect_hardware
-from simpletuner.memory.autoconfig import DoesNotFit, plan_batch
-from simpletuner.memory.estimator import estimate_memory
+from simpletuner.memory.autoconfig import DoesNotFit, EstimateCache, plan_batch
 
 if TYPE_CHECKING:
     from simpletuner.configuration import TrainingConfig
@@ -31,12 +30,14 @@ def explain_out_of_memory(
     try:
         if usable_bytes is None:
             usable_bytes = detect_hardware().usable_memory_bytes
-        breakdown = estimate_memory(config)
+        # one cache for the breakdown and the plan: the plan's search looks at the config's own micro-batch too
+        estimates = EstimateCache(config, num_processes)
+        breakdown = estimates(config.train_batch_size, config.gradient_checkpointing).breakdown
         lines.append("Estimated memory for this config:")
         lines.append(breakdown.table(usable_bytes))
         if usable_bytes:
             try:
-                plan = plan_batch(config, usable_bytes, num_processes=num_processes)
+                plan = plan_batch(config, usable_bytes, num_processes=num_processes, estimates=estimates)
             except DoesNotFit as no_fit:
                 lines.append(str(no_fit))
             else:

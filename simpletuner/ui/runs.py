@@ -160,8 +160,8 @@ def lock_holder(run: Path) -> Holder | None:
     return None if holder is None or holder.is_gone() else holder
 
 
-def _tail(path: Path, num_bytes: int = _TAIL_BYTES) -> list[str]:
-    """The last complete-or-not lines of a text file (up to ``num_bytes`` from its end)."""
+def tail_lines(path: Path, num_bytes: int = _TAIL_BYTES) -> list[str]:
+    """The lines in the last ``num_bytes`` of a text file (the first, cut, left out)."""
     try:
         with open(path, "rb") as file:
             size = file.seek(0, os.SEEK_END)
@@ -180,7 +180,7 @@ def run_state(run: Path) -> str:
         return "running"
     if (run / FINAL_RECORD).is_file():
         return "finished"
-    ended = [line for line in _tail(run / LOG_FILE) if _ENDED.search(line)]
+    ended = [line for line in tail_lines(run / LOG_FILE) if _ENDED.search(line)]
     if ended and _STOPPED.search(ended[-1]):
         return "stopped"
     return "failed"

@@ -292,11 +292,9 @@ def _summary(root: Path, run: Path) -> RunSummary:
 
 
 def _config_name(run: Path, config: dict) -> str | None:
-    """The run's name: its tracker_run_name / project name where the config sets one, else the folder's name."""
-    for key in ("tracker_run_name", "tracker_project_name"):
-        if isinstance(config.get(key), str) and config[key]:
-            return config[key]
-    return run.name or None
+    """The run's name: the tracker_project_name its config sets, else the run folder's name."""
+    name = config.get("tracker_project_name")
+    return name if isinstance(name, str) and name else run.name or None
 
 
 # --- one run in full ---------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ def test_runs_queue_in_order_wait_for_a_held_lock_stop_and_resume(queue, tiny_sd
     job_a = queue.submit(config_a)
     job_b = queue.submit(config_b)
     assert job_a.argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert job_a.argv[job_a.argv.index("--config") - 1] == str(ui_jobs.TRAIN_ENTRY)
     assert job_a.argv[job_a.argv.index("--num_processes") + 1] == "1" and "--mixed_precision" in job_a.argv
     _wait(lambda: job_a.waiting_for is not None, 10, "A to see the held lock")
     time.sleep(1.0)

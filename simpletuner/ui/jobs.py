@@ -42,6 +42,9 @@ _CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
 _CHILD_CODE = (re.compile(r"returned non-zero exit status (-?\d+)"), re.compile(r"exitcode\s*:\s*(-?\d+)"))
 _STOP_CODES = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 _POLL_S = 0.25
+#: The trainer's entry file, launched as `accelerate launch simpletuner/train.py` (the documented line): a
+#: process of the layer above, never imported here.
+TRAIN_ENTRY = Path(__file__).resolve().parents[1] / "train.py"
 
 
 @dataclass
@@ -103,12 +106,12 @@ def default_processes() -> int:
 
 
 def launch_argv(config_path: Path, mixed_precision: str, num_processes: int, resume: bool) -> list[str]:
-    """``accelerate launch`` of ``simpletuner.train`` on ``config_path`` (+ resume_from_checkpoint=latest)."""
+    """``accelerate launch simpletuner/train.py --config <config_path>`` (+ resume_from_checkpoint=latest)."""
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(num_processes)]
     if num_processes > 1:
         argv.append("--multi_gpu")
     argv += ["--num_machines", "1", "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    argv += ["-m", "simpletuner.train", "--config", str(config_path)]
+    argv += [str(TRAIN_ENTRY), "--config", str(config_path)]
     return argv + (["--set", "resume_from_checkpoint=latest"] if resume else [])
 
 
@@ -406,12 +409,12 @@ def _translate(raw: dict[str, Any], path: Path, notes: list[str]) -> tuple[str, 
 
 
 def _is_training(pid: int) -> bool:
-    """Whether ``pid`` runs simpletuner's trainer (not a compile worker or a resource tracker)."""
+    """Whether ``pid`` runs the trainer's entry file (not a compile worker or a resource tracker)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"simpletuner.train" in argv or any(a.endswith(b"simpletuner/train.py") for a in argv)
+    return os.fsencode(TRAIN_ENTRY) in argv
 
 
 def _child_code(log_path: Path, code: int) -> int:

@@ -155,7 +155,7 @@ class JobQueue:
         self._jobs: list[Job] = []
         self._procs: dict[str, subprocess.Popen] = {}
         self._stopping: set[str] = set()  # jobs a stop was sent to
-        self._demos: set[Path] = set()  # demo configs: a finished demo gets its before | after picture
+        self._demos: set[Path] = set()  # the demos' output_dirs: a finished demo gets its before | after picture
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
@@ -322,7 +322,7 @@ class JobQueue:
             job.returncode = _child_code(job.log_path, code)
             if code == 0:
                 job.state = "done"
-                if job.config_path in self._demos and job.output_dir is not None:
+                if job.output_dir is not None and job.output_dir in self._demos:  # whichever copy of its config ran
                     demo_data.write_before_after(job.output_dir, prompt=demo_data.VALIDATION_PROMPT)
             elif job.id in self._stopping or job.returncode in _STOP_CODES:
                 job.state = "stopped"
@@ -377,7 +377,7 @@ class JobQueue:
         path = root / f"config-{output.name}.json"
         path.write_bytes(orjson.dumps(config, option=orjson.OPT_INDENT_2))
         output.mkdir(parents=True, exist_ok=True)  # taken: the next demo gets the next name
-        self._demos.add(path.resolve())
+        self._demos.add(output)
         return path
 
 

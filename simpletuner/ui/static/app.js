@@ -225,13 +225,15 @@ function runsPage() {
 }
 
 // --- validation slider (run page and compare) ----------------------------------------------------------
-function setupSlider(steps, onChange, state) {
+// `state` keeps the picked index across calls: it follows the newest step until the user picks another.
+function setupSlider(steps, onChange, state, initial) {
   const slider = document.getElementById("val-slider");
   const label = document.getElementById("val-step");
-  const following = state.index === undefined || state.index >= Number(slider.max);
+  if (state.index === undefined) state.index = initial ?? steps.length - 1;
+  else if (state.index >= state.count - 1) state.index = steps.length - 1;
+  state.count = steps.length;
   slider.max = Math.max(0, steps.length - 1);
   slider.disabled = steps.length < 2;
-  if (following) state.index = steps.length - 1; // the newest until the user picks another
   slider.value = state.index;
   const show = () => {
     state.index = Number(slider.value);
@@ -447,6 +449,9 @@ async function comparePage() {
     for (const record of records) charts.add(i, record);
   }));
   const steps = [...new Set(details.flatMap((d) => (d ? d.validation.map((v) => v.step) : [])))].sort((a, b) => a - b);
+  // the last step every run has pictures of, else the newest
+  const common = steps.filter((step) => details.every((d) => d && d.validation.some((v) => v.step === step)));
+  const initial = common.length ? steps.indexOf(common[common.length - 1]) : undefined;
   setupSlider(steps, (step) => {
     const box = document.getElementById("side-by-side");
     box.replaceChildren(...ids.map((id, i) => {
@@ -457,7 +462,7 @@ async function comparePage() {
         pictures.length ? null : el("p", { class: "hint", text: details[i] ? `no images at step ${step}` : "no such run" }),
         el("figcaption", { text: id }));
     }));
-  }, {});
+  }, {}, initial);
 }
 
 const PAGES = { runs: runsPage, run: runPage, new: newPage, compare: comparePage };

@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 def write_inputs(root: Path, num_images: int, size: int) -> Path:
     """The tiny model, the images and a config (cache and output folders set per run); returns the config."""
-    from simpletuner.cli.demo import write_demo, write_shapes_dataset
+    from simpletuner.testing.demo_data import write_demo, write_shapes_dataset
 
     config_path = write_demo(root, max_train_steps=1, num_images=1)
     config = json.loads(config_path.read_text())

@@ -79,7 +79,7 @@ def write_mid_sd(out_dir: str | Path, seed: int = 0) -> Path:
 
 def write_bench_config(root: str | Path, size: str = "mid", batch_size: int = 4, mixed_precision: str = "bf16") -> Path:
     """Model (unless already there), shapes dataset and a LoRA config under ``root``; returns the config path."""
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
     from simpletuner.testing.zoo import write_tiny_model
 
     if size not in SIZES:

@@ -156,7 +156,7 @@ def main() -> int:
     args = parser.parse_args()
     baseline = args.baseline or default_baseline()
     sys.path.insert(0, str(ROOT))
-    from simpletuner.cli.demo import write_demo
+    from simpletuner.testing.demo_data import write_demo
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

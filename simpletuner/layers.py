@@ -42,6 +42,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memory", "training"),
     # Scaffolding for tests, benchmarks and the demo (tiny pipelines, config-only folders): never imported below.
     ("testing",),
+    # The web UI's model of run folders, its launch queue (subprocesses of `accelerate launch`) and its server:
+    # above what it reads (training's run-folder files, locks, configuration, memory) and the demo's writers in
+    # testing; below cli, whose `simpletuner ui` starts it.
+    ("ui",),
     # The `simpletuner` command and its sub-commands, one module each.
     ("cli",),
     # The entry file of `accelerate launch simpletuner/train.py`: it only calls cli.train.

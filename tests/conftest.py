@@ -28,7 +28,7 @@ def tiny_sd(tmp_path_factory):
 @pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory):
     """A small captioned dataset of coloured shapes (three aspect ratios)."""
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
 
     return write_shapes_dataset(tmp_path_factory.mktemp("shapes") / "data", num_images=12)
 

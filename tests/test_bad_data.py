@@ -445,7 +445,7 @@ def broken_pair(folder: Path) -> dict[str, str]:
 
 
 def test_thirty_images_with_two_broken_files_train_and_both_are_listed(make_config, tmp_path, caplog):
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
     from simpletuner.training.trainer import Trainer
 
     data = write_shapes_dataset(tmp_path / "data", num_images=28)
@@ -472,7 +472,7 @@ def test_thirty_images_with_two_broken_files_train_and_both_are_listed(make_conf
 
 
 def test_half_the_dataset_unreadable_stops_naming_the_dataset_the_count_and_what_to_check(tmp_path):
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
 
     data = write_shapes_dataset(tmp_path / "data", num_images=2)
     broken_pair(data)  # 2 of 4: half
@@ -519,7 +519,7 @@ def test_a_large_cut_off_jpeg_is_found_at_the_scan_from_its_end(tmp_path, monkey
 
 def test_a_corrupt_body_passes_the_scan_is_skipped_at_the_fill_and_the_same_on_a_rerun(make_config, tmp_path, caplog):
     from simpletuner.caching.fill import fill_caches
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
     from simpletuner.data_backend import BucketSampler
     from simpletuner.models import get_model_spec
 

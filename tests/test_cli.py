@@ -85,7 +85,7 @@ def test_zoo_writes_a_loadable_pipeline(tmp_path):
     probe = (
         "import json, sys\n"
         "from simpletuner.cli import main\n"
-        "from simpletuner.cli.demo import write_demo\n"
+        "from simpletuner.testing.demo_data import write_demo\n"
         f"write_demo({str(demo)!r})\n"
         "demo_torch = 'torch' in sys.modules\n"
         f"code = main(['zoo', '--family', 'sd', '--out', {str(tmp_path / 'm')!r}])\n"

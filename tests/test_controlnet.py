@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     """Four 64 px images, each with a conditioning image of the same name (the edit-pair demo's shapes)."""
-    from simpletuner.cli.demo import write_edit_pairs
+    from simpletuner.testing.demo_data import write_edit_pairs
 
     return write_edit_pairs(tmp_path_factory.mktemp("controlnet_pairs"), num_pairs=4, sizes=((64, 64),))
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from simpletuner.cli import main
-from simpletuner.cli.demo import write_edit_pairs, write_shapes_dataset
+from simpletuner.testing.demo_data import write_edit_pairs, write_shapes_dataset
 from simpletuner.configuration import load_config
 from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT
 from simpletuner.configuration.aitoolkit.reading import parse_job_text

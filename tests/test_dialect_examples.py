@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from simpletuner.cli.demo import write_shapes_dataset
+from simpletuner.testing.demo_data import write_shapes_dataset
 from simpletuner.configuration import load_config
 from simpletuner.configuration.errors import ConfigError
 

@@ -242,7 +242,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def edit_pairs(tmp_path_factory):
     """Edit pairs of the shapes dataset (``demo.write_edit_pairs``): images and their sources."""
-    from simpletuner.cli.demo import write_edit_pairs
+    from simpletuner.testing.demo_data import write_edit_pairs
 
     return write_edit_pairs(tmp_path_factory.mktemp("edit_pairs"), num_pairs=12)
 

@@ -50,7 +50,7 @@ def pipe(kontext):
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    from simpletuner.cli.demo import write_edit_pairs
+    from simpletuner.testing.demo_data import write_edit_pairs
 
     return write_edit_pairs(tmp_path_factory.mktemp("kontext_pairs"), num_pairs=4, sizes=((64, 64),))
 

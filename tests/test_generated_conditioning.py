@@ -25,7 +25,7 @@ CANNY = {"type": "canny"}
 @pytest.fixture
 def images(tmp_path):
     """Four 64 px shape images (three PNG, one JPEG) with captions, in a folder of this test's own."""
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
 
     folder = write_shapes_dataset(tmp_path / "images", num_images=4, sizes=((64, 64),))
     first = sorted(folder.glob("*.png"))[0]

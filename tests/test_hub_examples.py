@@ -109,7 +109,7 @@ def hub_repos(tmp_path_factory, zoo) -> tuple[Path, dict[str, str]]:
 
     The dataset's three images (a square, a landscape and a portrait one, 768 px and more) are big enough for both
     dreambooth dataloaders: 512 px square crops with a 128 px minimum, 1024 px pixel_area crops with 256."""
-    from simpletuner.cli.demo import write_shapes_dataset
+    from simpletuner.testing.demo_data import write_shapes_dataset
 
     root = tmp_path_factory.mktemp("hub-examples")
     cache = root / "hub"

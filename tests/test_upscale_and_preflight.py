@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from simpletuner.cli.demo import write_shapes_dataset
+from simpletuner.testing.demo_data import write_shapes_dataset
 from simpletuner.configuration import validate_config
 from simpletuner.data_backend import LocalDataBackend, build_metadata
 from simpletuner.hardware.machine import detect_hardware, hardware_for_gpu

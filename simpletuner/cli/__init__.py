@@ -1,4 +1,4 @@
-"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, push, convert, export.
+"""The ``simpletuner`` command: train, estimate, demo, cache, diagnose, config-path, zoo, push, convert, export, ui.
 
 Each sub-command is a module of this package with ``add_arguments(parser)`` and ``run(args) -> exit code``
 (the arguments several share: :mod:`.arguments`); this module lists them in :data:`COMMANDS`, builds the parser and
@@ -63,6 +63,10 @@ COMMANDS: dict[str, Command] = {
     "export": Command(
         "simpletuner.cli.export",
         "write a finished run's LoRA with kohya's or ComfyUI's key names (--format kohya|comfyui)",
+    ),
+    "ui": Command(
+        "simpletuner.cli.ui",
+        "a web UI on 127.0.0.1: runs, live charts and pictures, new run / demo, stop, resume, compare",
     ),
 }
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from simpletuner.testing.demo_data import write_demo  # noqa: E402
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.state import StateTracker  # noqa: E402
+from simpletuner.testing.demo_data import write_demo  # noqa: E402
 from simpletuner.training.ema import EMA  # noqa: E402
 from simpletuner.training.trainer import Trainer  # noqa: E402
 

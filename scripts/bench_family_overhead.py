@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_trainer_overhead import run_ours  # noqa: E402  (the same "ours" loop as the sd-only bench)
 
-from simpletuner.testing.demo_data import write_edit_pairs, write_shapes_dataset  # noqa: E402
 from simpletuner.configuration import validate_config  # noqa: E402
 from simpletuner.state import StateTracker  # noqa: E402
+from simpletuner.testing.demo_data import write_edit_pairs, write_shapes_dataset  # noqa: E402
 from simpletuner.testing.zoo import write_tiny_model  # noqa: E402
 from simpletuner.training.trainer import Trainer  # noqa: E402
 

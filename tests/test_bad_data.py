@@ -519,9 +519,9 @@ def test_a_large_cut_off_jpeg_is_found_at_the_scan_from_its_end(tmp_path, monkey
 
 def test_a_corrupt_body_passes_the_scan_is_skipped_at_the_fill_and_the_same_on_a_rerun(make_config, tmp_path, caplog):
     from simpletuner.caching.fill import fill_caches
-    from simpletuner.testing.demo_data import write_shapes_dataset
     from simpletuner.data_backend import BucketSampler
     from simpletuner.models import get_model_spec
+    from simpletuner.testing.demo_data import write_shapes_dataset
 
     data = write_shapes_dataset(tmp_path / "data", num_images=8)
     (data / "corrupt_body.jpg").write_bytes(jpeg_with_garbage_scan())  # ends with its EOI: passes the cheap checks

@@ -19,12 +19,12 @@ import pytest
 import yaml
 
 from simpletuner.cli import main
-from simpletuner.testing.demo_data import write_edit_pairs, write_shapes_dataset
 from simpletuner.configuration import load_config
 from simpletuner.configuration.aitoolkit.facts import AIT_COMMIT
 from simpletuner.configuration.aitoolkit.reading import parse_job_text
 from simpletuner.configuration.errors import ConfigError
 from simpletuner.configuration.loader import read_raw_config
+from simpletuner.testing.demo_data import write_edit_pairs, write_shapes_dataset
 
 PUBLISHED = Path(__file__).parent / "data" / "ai_toolkit_examples"
 #: A bare mirror of ostris/ai-toolkit, when present: the recorded examples are checked against its files.

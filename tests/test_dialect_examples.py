@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from simpletuner.testing.demo_data import write_shapes_dataset
 from simpletuner.configuration import load_config
 from simpletuner.configuration.errors import ConfigError
+from simpletuner.testing.demo_data import write_shapes_dataset
 
 #: Settings every published example repeats that do not change what is trained.
 _PUBLISHING = {"push_to_hub": False, "push_checkpoints_to_hub": False, "hub_model_id": "simpletuner-example"}

@@ -14,12 +14,12 @@ from fakes import data_only_config
 from PIL import Image
 
 from simpletuner.caching.keys import PairedCaption, cache_keys, text_id
-from simpletuner.testing.demo_data import write_edit_pairs
 from simpletuner.configuration import load_config, validate_config
 from simpletuner.data_backend import RegisteredDataset, build_local_backend, build_metadata
 from simpletuner.data_backend.factory import load_sample_pixels
 from simpletuner.data_backend.images import prepare_image
 from simpletuner.data_backend.pairs import check_model_inputs, pixels_to_image, source_pixels
+from simpletuner.testing.demo_data import write_edit_pairs
 
 
 def _scan(dataset: dict, **top):

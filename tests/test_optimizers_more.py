@@ -327,8 +327,8 @@ def test_simpletuners_qwen_image_example_trains_with_int2_quanto_and_optimi_lion
     `int2-quanto` and `optimi-lion` in place (for time: one step, no validation renders, through `--set`)."""
     pytest.importorskip("optimum.quanto", reason="the quanto extra is not installed")
     from simpletuner.cli import main
-    from simpletuner.testing.demo_data import write_shapes_dataset
     from simpletuner.configuration import load_config
+    from simpletuner.testing.demo_data import write_shapes_dataset
 
     root = tmp_path / "simpletuner"
     write_shapes_dataset(root / "datasets" / "dreambooth", num_images=1, sizes=((1024, 1024),))

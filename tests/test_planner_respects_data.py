@@ -13,11 +13,11 @@ import pytest
 from test_memory_autoconfig import FakeEstimates
 
 from simpletuner.cli import main
-from simpletuner.testing.demo_data import write_shapes_dataset
 from simpletuner.configuration import load_config, validate_config
 from simpletuner.data_backend import BucketSampler, LocalDataBackend, build_metadata
 from simpletuner.memory.autoconfig import DataTooSmall, EstimateCache, plan_batch, scan_data_cap
 from simpletuner.memory.estimator import GiB
+from simpletuner.testing.demo_data import write_shapes_dataset
 
 
 @pytest.fixture(scope="module")

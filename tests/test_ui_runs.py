@@ -144,6 +144,20 @@ def test_stopped_failed_and_running_states(root, tmp_path):
     assert runs.run_detail(other, "stopped")["sources"] == ["mixed precision bf16 in force, from the config"]
 
 
+def test_sources_are_the_latest_launchs(tmp_path):
+    """A resumed run's log says where its settings came from at each start: the page shows the last start's."""
+    run = _hand_made(tmp_path, "resumed")
+    said = [
+        "mixed precision no in force, from `accelerate launch --mixed_precision no`; the config does not set it",
+        "gradient_accumulation_steps 1, from /w/configs/demo.json",
+        "mixed precision no in force, from /r/config.json, and `accelerate launch --mixed_precision no` agrees",
+        "gradient_accumulation_steps 1, from /r/config.json",
+    ]
+    log = "".join(f"2026-11-28 12:05:0{i},253 INFO simpletuner.training.trainer: {m}\n" for i, m in enumerate(said))
+    (run / "training.log").write_text(log)
+    assert runs.sources(run) == said[2:]
+
+
 def test_find_runs_skips_non_runs_and_depth(tmp_path):
     _hand_made(tmp_path, "a/b/c/d")  # depth 4: found
     _hand_made(tmp_path, "a/b/c/d2/e")  # depth 5: too deep

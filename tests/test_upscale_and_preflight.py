@@ -13,7 +13,6 @@ import logging
 import pytest
 import torch
 
-from simpletuner.testing.demo_data import write_shapes_dataset
 from simpletuner.configuration import validate_config
 from simpletuner.data_backend import LocalDataBackend, build_metadata
 from simpletuner.hardware.machine import detect_hardware, hardware_for_gpu
@@ -21,6 +20,7 @@ from simpletuner.memory.advice import format_bytes
 from simpletuner.memory.preflight import NotEnoughMemory, check_run_memory
 from simpletuner.models import get_model_spec
 from simpletuner.state import StateTracker
+from simpletuner.testing.demo_data import write_shapes_dataset
 from simpletuner.training.trainer import Trainer
 
 MiB, GiB = 1 << 20, 1 << 30

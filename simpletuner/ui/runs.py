@@ -307,15 +307,19 @@ def _files_under(run: Path, folder: Path) -> list[dict]:
 
 
 def sources(run: Path) -> list[str]:
-    """training.log's lines saying where settings came from (their messages, each once, in order)."""
+    """training.log's lines saying where settings came from, in order, for the latest launch: a resumed run logs
+    them again at each start (with the setting's name before the first comma), and only the last start's hold."""
     lines, _ = read_new(Path(run) / LOG_FILE, 0)
-    seen: dict[str, None] = {}
+    launch: dict[str, str] = {}  # the setting's name -> its message, in the order said
     for line in lines:
         match = _LOG_LINE.match(line)
         message = match[5] if match else None
         if message and _SOURCE.search(message) and not message.startswith("start-up"):
-            seen.setdefault(message, None)
-    return list(seen)
+            name = message.split(",", 1)[0]
+            if name in launch:  # said before: a new launch starts here
+                launch = {}
+            launch[name] = message
+    return list(launch.values())
 
 
 def validation_images(run: Path) -> list[dict]:

@@ -19,7 +19,8 @@ set -uo pipefail
 
 # name==version, one per line (tests/test_gpu_truth.py parses this block). typing-extensions is on the
 # image, but pydantic 2.14 needs >= 4.16 (it imports TypeForm and Sentinel) and the image's version is
-# unknown: it travels, and gpu_truth.sh installs a wheel only where the image has no version as new.
+# unknown: it travels, and gpu_truth.sh installs a wheel only where the image has no version as new. starlette and
+# uvicorn: the web UI's (`simpletuner ui`), pure-Python wheels; the image has their h11 and click.
 WHEELS=(
     pydantic==2.14.4
     pydantic-core==2.50.5
@@ -31,6 +32,8 @@ WHEELS=(
     python-snappy==0.7.3
     cramjam==2.14.0
     typing-extensions==4.16.0
+    starlette==1.10.0
+    uvicorn==0.54.0
 )
 LIMIT_MIB=64
 

@@ -97,6 +97,15 @@ def test_a_wrong_config_shows_its_problems_inline(ui, browser):
     page.click("#launch")  # refused the same way, nothing queued
     page.wait_for_selector("p.bad")
     assert page.url.endswith("/new")
+    # an example fills the editor; a preset merges into it, the config's own values kept
+    page.wait_for_selector('#example option[value="sd15_lora.json"]', state="attached")
+    page.select_option("#example", "sd15_lora.json")
+    page.wait_for_function("document.querySelector('#filename').value === 'sd15_lora.json'")
+    own = orjson.loads(page.input_value("#config"))
+    page.select_option("#preset", "gh200")
+    page.wait_for_function("document.querySelector('#filename').value === 'sd15_lora-gh200.json'")
+    merged = orjson.loads(page.input_value("#config"))
+    assert merged["train_batch_size"] == own["train_batch_size"] and merged["mixed_precision"] == "bf16"
     page.close()
 
 

@@ -273,3 +273,24 @@ def test_the_command_prints_its_url_and_stops_on_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert (tmp_path / ".simpletuner-ui" / "jobs").is_dir()
+
+
+def test_new_run_offers_examples_and_merges_a_preset_where_the_config_wins(client):
+    headers = {"X-CSRF-Token": csrf_of(client)}
+    offer = client.get("/api/presets").json()
+    assert "gh200" in {p["name"] for p in offer["presets"]} and "flux_lora.json" in offer["examples"]
+    example = client.get("/api/example", params={"name": "flux_lora.json"}).json()
+    assert orjson.loads(example["text"])["model_family"] == "flux" and example["filename"] == "flux_lora.json"
+    assert client.get("/api/example", params={"name": "../presets/gh200.json"}).status_code == 404
+    text = orjson.dumps({"model_family": "sd", "train_batch_size": 2}).decode()
+    answer = client.post(
+        "/api/preset", json={"text": text, "filename": "mine.json", "preset": "gh200"}, headers=headers
+    )
+    assert answer.status_code == 200, answer.text
+    merged = orjson.loads(answer.json()["text"])
+    assert merged["train_batch_size"] == 2  # the config's own value wins
+    assert merged["mixed_precision"] == "bf16" and merged["cache_config"]["vae_cache_type"] == "unified_memory"
+    assert answer.json()["filename"] == "mine-gh200.json" and answer.json()["lines"][0].startswith("preset gh200")
+    flux = orjson.dumps({"model_family": "flux"}).decode()
+    refused = client.post("/api/preset", json={"text": flux, "preset": "gh200"}, headers=headers)
+    assert refused.status_code == 400 and "was made for" in refused.json()["error"]

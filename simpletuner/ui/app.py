@@ -33,6 +33,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from simpletuner.resources import examples_dir
 from simpletuner.ui import runs
 from simpletuner.ui.jobs import Checked, JobQueue
 
@@ -316,6 +317,36 @@ class _UI:
         path = await run_in_threadpool(self.queue.write_demo)
         return JSONResponse({"config_path": path, "filename": path.name, "text": path.read_text()})
 
+    async def api_presets(self, request: Request) -> Response:
+        """The hardware presets (config/presets/) and the example configs (config/examples/) the New run page offers."""
+        from simpletuner.memory.presets import load_presets
+
+        presets = [
+            {"name": p.name, "hardware": p.hardware, "workload": p.workload, "model_family": p.model_family}
+            for p in await run_in_threadpool(load_presets)
+        ]
+        return JSONResponse({"presets": presets, "examples": sorted(p.name for p in examples_dir().glob("*.json"))})
+
+    async def api_example(self, request: Request) -> Response:
+        """One example config's text, by its file name (only the names /api/presets lists)."""
+        name = request.query_params.get("name", "")
+        examples = {p.name: p for p in examples_dir().glob("*.json")}
+        if name not in examples:
+            raise HTTPException(404, f"no example config named {name!r}")
+        return JSONResponse({"filename": name, "text": examples[name].read_text(encoding="utf-8")})
+
+    async def api_preset(self, request: Request) -> Response:
+        """The posted config with a preset merged in (the config's own settings win), and what each became."""
+        body = _json_body(await request.body(), "text")
+        filename = Path(str(body.get("filename") or "config.json")).name
+        try:
+            text, name, lines = await run_in_threadpool(
+                self.queue.with_preset, body["text"], filename, str(body.get("preset", ""))
+            )
+        except ValueError as error:  # ConfigError is a ValueError
+            raise HTTPException(400, str(error)) from None
+        return JSONResponse({"text": text, "filename": name, "lines": lines})
+
     async def api_launch(self, request: Request) -> Response:
         """Check the posted config (no estimate) and queue it; 400 with the problems when it does not load or
         its output_dir is outside the runs root (the UI could not show the run)."""
@@ -377,6 +408,9 @@ def create_app(runs_root: Path, token: str, queue: JobQueue, poll_s: float = POL
         Route("/api/check", ui.api_check, methods=post),
         Route("/api/demo", ui.api_demo, methods=post),
         Route("/api/launch", ui.api_launch, methods=post),
+        Route("/api/presets", ui.api_presets),
+        Route("/api/example", ui.api_example),
+        Route("/api/preset", ui.api_preset, methods=post),
         Route("/api/stop", ui.api_stop, methods=post),
         Route("/api/resume", ui.api_resume, methods=post),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

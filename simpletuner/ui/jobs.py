@@ -203,6 +203,30 @@ class JobQueue:
             self._estimate(checked)
         return checked
 
+    def with_preset(self, text: str, filename: str, preset: str) -> tuple[str, str, list[str]]:
+        """``text`` with a hardware preset merged in as ``simpletuner estimate --preset NAME --apply`` merges it
+        (memory.presets.apply_preset: what the config sets wins), as native JSON: a SimpleTuner or ai-toolkit
+        config is translated first, as `simpletuner convert` writes it. Returns (text, file name, what each preset
+        setting became).
+
+        Raises:
+            ConfigError: the text does not read as a config. ValueError: an unknown preset, or one made for
+                another model family (naming the presets that fit).
+        """
+        from simpletuner.memory.presets import apply_preset
+
+        path = self._config_file(text, filename)
+        path.write_text(text, encoding="utf-8")
+        raw = read_config_file(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(["the config must be a JSON object ({...})"], str(path))
+        dialect, native = _translate(raw, path, [])
+        merged, lines = apply_preset(native, preset)
+        if dialect != "native":
+            lines.insert(0, f"the {dialect} config is translated to a native one first (as `simpletuner convert` does)")
+        name = f"{Path(filename or 'config').stem}-{preset}.json"
+        return json.dumps(merged, indent=2) + "\n", name, lines
+
     def _estimate(self, checked: Checked) -> None:
         """``simpletuner estimate --config <file> --json``'s answer, computed here by the memory module."""
         from simpletuner.memory.autoconfig import DEFAULT_SAFETY_MARGIN

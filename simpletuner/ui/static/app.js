@@ -412,6 +412,31 @@ function newPage() {
     $("filename").value = answer.body.filename;
     $("result").replaceChildren(el("p", { class: "ok", text: `Demo written: ${answer.body.config_path}. Launch it.` }));
   });
+  getJSON("/api/presets").then((offer) => {
+    for (const p of offer.presets) {
+      $("preset").append(el("option", { value: p.name, text: `${p.name}: ${p.workload}` }));
+    }
+    for (const name of offer.examples) $("example").append(el("option", { value: name, text: name }));
+  });
+  $("example").addEventListener("change", async () => {
+    const name = $("example").value;
+    if (!name) return;
+    const example = await getJSON(`/api/example?name=${enc(name)}`);
+    $("config").value = example.text;
+    $("filename").value = example.filename;
+    $("example").value = "";
+  });
+  $("preset").addEventListener("change", async () => {
+    const preset = $("preset").value;
+    if (!preset) return;
+    $("preset").value = "";
+    const answer = await post("/api/preset", payload({ preset }));
+    if (!answer.ok) { $("result").replaceChildren(el("p", { class: "bad", text: answer.body.error })); return; }
+    $("config").value = answer.body.text;
+    $("filename").value = answer.body.filename;
+    $("result").replaceChildren(el("p", { class: "ok", text: `Preset ${preset} merged: Check the config, then Launch.` }),
+      el("pre", { class: "estimate", text: answer.body.lines.join("\n") }));
+  });
   $("file").addEventListener("change", async () => {
     const file = $("file").files[0];
     if (!file) return;

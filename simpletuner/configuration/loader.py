@@ -489,25 +489,32 @@ NATIVE_KEYS: frozenset[str] = frozenset(TrainingConfig.model_fields)
 _REPORTED: set[Path] = set()
 
 
-def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
-    """``raw`` itself when it is a native config; a SimpleTuner config or an ai-toolkit job translated (and its
-    report logged: the summary and mapping at INFO, each approximation as a warning)."""
+def translate_dialect(raw: dict[str, Any], path: Path | None = None) -> tuple[str, dict[str, Any], Report | None]:
+    """``(dialect, native config, report)``: ``("native", raw, None)`` for a native config; a SimpleTuner config
+    (``"simpletuner"``) or an ai-toolkit job (``"ai-toolkit"``) translated, with the translation's report. Raises
+    ConfigError listing every key that cannot be translated."""
     from simpletuner.configuration.aitoolkit.reading import looks_like_ai_toolkit
 
     is_job = looks_like_ai_toolkit(raw)
     if not is_job and not dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
-        return raw
-    tool = "ai-toolkit" if is_job else "SimpleTuner"
-    report: Report
+        return "native", raw, None
     try:
         if is_job:  # its table is imported only for a job file (a native config's start never pays for it)
             from simpletuner.configuration.aitoolkit import translate as ait
 
-            native, report = ait.translate(raw, path)
-        else:
-            native, report = dialect.translate(raw, path)
+            return ("ai-toolkit", *ait.translate(raw, path))
+        return ("simpletuner", *dialect.translate(raw, path))
     except dialect.DialectError as exc:
         raise ConfigError(exc.problems, exc.source) from None
+
+
+def native_config(raw: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """``raw`` itself when it is a native config; a SimpleTuner config or an ai-toolkit job translated (and its
+    report logged once per file: the summary and mapping at INFO, each approximation as a warning)."""
+    name, native, report = translate_dialect(raw, path)
+    if report is None:
+        return raw
+    tool = "ai-toolkit" if name == "ai-toolkit" else "SimpleTuner"
     key = path.resolve() if path is not None else None
     if key is None or key not in _REPORTED:
         if key is not None:

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from simpletuner.configuration import ConfigError, load_config, validate_config
-from simpletuner.configuration.loader import NATIVE_KEYS, read_config_file
+from simpletuner.configuration.loader import read_config_file, translate_dialect
 from simpletuner.testing import demo_data
 from simpletuner.ui import runs
 
@@ -183,10 +183,7 @@ class JobQueue:
         dialect = "native"
         config = None
         try:
-            raw = read_config_file(path)
-            if not isinstance(raw, dict):
-                raise ConfigError(["the config must be a JSON object ({...})"], str(path))
-            dialect, native = _translate(raw, path, notes)
+            dialect, native = _translate(_read_object(path), path, notes)
             config = validate_config(native, base_dir=path.parent, source=str(path))
         except ConfigError as exc:
             problems += exc.problems
@@ -217,10 +214,7 @@ class JobQueue:
 
         path = self._config_file(text, filename)
         path.write_text(text, encoding="utf-8")
-        raw = read_config_file(path)
-        if not isinstance(raw, dict):
-            raise ConfigError(["the config must be a JSON object ({...})"], str(path))
-        dialect, native = _translate(raw, path, [])
+        dialect, native = _translate(_read_object(path), path, [])
         merged, lines = apply_preset(native, preset)
         if dialect != "native":
             lines.insert(0, f"the {dialect} config is translated to a native one first (as `simpletuner convert` does)")
@@ -405,30 +399,22 @@ class JobQueue:
         return path
 
 
+def _read_object(path: Path) -> dict[str, Any]:
+    """The config file's object, read as `simpletuner train` reads it (JSON, or an ai-toolkit YAML job)."""
+    raw = read_config_file(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(["the config must be a JSON object ({...})"], str(path))
+    return raw
+
+
 def _translate(raw: dict[str, Any], path: Path, notes: list[str]) -> tuple[str, dict[str, Any]]:
     """The dialect of ``raw`` and its native config, as the loader translates it; the translation's report
     (summary, defaults, ignored keys, approximations, forced settings) goes to ``notes``."""
-    from simpletuner.configuration.aitoolkit.reading import looks_like_ai_toolkit
-    from simpletuner.configuration.simpletuner import translate as st_dialect
-    from simpletuner.configuration.simpletuner.reading import Report
-
-    report: Report
-    try:
-        if looks_like_ai_toolkit(raw):
-            from simpletuner.configuration.aitoolkit import translate as ait
-
-            dialect = "ai-toolkit"
-            native, report = ait.translate(raw, path)
-        elif st_dialect.looks_like_simpletuner(raw, NATIVE_KEYS):
-            dialect = "simpletuner"
-            native, report = st_dialect.translate(raw, path)
-        else:
-            return "native", raw
-    except st_dialect.DialectError as exc:
-        raise ConfigError(exc.problems, exc.source) from None
-    notes += report.lines(mapped=False)
-    notes += [f"approximated: {line}" for line in report.approximated]
-    notes += [f"forced: {line}" for line in report.overridden]
+    dialect, native, report = translate_dialect(raw, path)
+    if report is not None:
+        notes += report.lines(mapped=False)
+        notes += [f"approximated: {line}" for line in report.approximated]
+        notes += [f"forced: {line}" for line in report.overridden]
     return dialect, native
 
 

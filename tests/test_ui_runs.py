@@ -223,3 +223,13 @@ def test_resolve_file_keeps_to_the_run_folder(root, tmp_path):
         for name in ("link_out", "dir_out", "link_in"):
             os.unlink(run / name)
         outside.unlink()
+
+
+def test_a_summary_reads_only_the_end_of_a_long_metrics_file(tmp_path):
+    """The runs page refreshes every summary every 2 s: a long run's metrics.jsonl is read from its end only."""
+    run = _hand_made(tmp_path, "long", records=2000)  # ~180 KB, many times the tail read
+    assert (run / "metrics.jsonl").stat().st_size > 20 * 8192
+    recent = runs.recent_metrics(run)
+    assert 5 < len(recent) < 200 and recent == runs.metrics(run)[-len(recent) :]
+    summary = runs.run_summary(tmp_path, "long")
+    assert summary.step == 2000 and summary.last_loss == 0.5 / 2000

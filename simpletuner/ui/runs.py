@@ -40,7 +40,7 @@ _SOURCE = re.compile(
     r"( in force\b|, from |\bfrom \S+ in the environment| taken from |preset|key approximated:|forced:)"
 )
 _VALIDATION = re.compile(r"^step_(\d+)(.*)\.png$")
-_TAIL_BYTES = 8192  # training.log's end read for the state
+_TAIL_BYTES = 8192  # the end of training.log (the state) and of metrics.jsonl (a summary) read
 
 
 class UnknownRun(KeyError):
@@ -189,6 +189,16 @@ def run_state(run: Path) -> str:
 def metrics(run: Path) -> list[dict]:
     """Every record of ``metrics.jsonl`` (a half-written last line is left out)."""
     lines, _ = read_new(Path(run) / METRICS_FILE, 0)
+    return _records(lines)
+
+
+def recent_metrics(run: Path) -> list[dict]:
+    """The last records of ``metrics.jsonl``, from its last bytes only: what a summary needs (the last step,
+    loss and speed, the ETA's few step times), without reading a long run's whole file at each refresh."""
+    return _records(tail_lines(Path(run) / METRICS_FILE))
+
+
+def _records(lines: list[str]) -> list[dict]:
     records = []
     for line in lines:
         try:
@@ -263,7 +273,7 @@ def _checkpoint_step(path: Path) -> int | None:
 
 def _summary(root: Path, run: Path) -> RunSummary:
     config = read_config(run)
-    records = metrics(run)
+    records = recent_metrics(run)
     last = records[-1] if records else {}
     steps = [s for s in (_checkpoint_step(p) for p in ckpt.list_checkpoints(run)) if s is not None]
     if isinstance(last.get("step"), int):

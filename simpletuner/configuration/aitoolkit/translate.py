@@ -658,7 +658,11 @@ def _sample(  # noqa: C901
         job.put("validation_negative_prompt", neg, "sample.neg")
     frames = int(plain(sample.get("num_frames", 1)))
     if frames > 1:
-        job.put("validation_num_video_frames", _rendered_frames(frames, low_vram), "sample.num_frames")
+        rendered = _rendered_frames(frames, low_vram)
+        said = (
+            "sample.num_frames" if rendered == frames else f"sample.num_frames {frames} (ai-toolkit renders {rendered})"
+        )
+        job.put("validation_num_video_frames", rendered, said)
     handled = {"prompts", "samples", "neg", "width", "height", "num_frames", *(k for k, _ in values.values())}
     for key, value in sample.items():
         if key not in handled:
